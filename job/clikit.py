@@ -1,0 +1,61 @@
+"""Pieces every command shares: store options, one-line handled errors, the stderr console."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from storage import StoreConfigError, StoreError, StoreOptions, open_store
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED = 0, 1, 2, 75
+
+StoreArg = Annotated[str, typer.Option("--store", envvar="TRAINPROOF_STORE", show_envvar=True,
+                                       help="Run location: s3://bucket/prefix/run, file:///path, a folder, or memory://name.")]
+EndpointArg = Annotated[Optional[str], typer.Option("--endpoint-url", envvar="TRAINPROOF_ENDPOINT_URL",
+                                                    help="S3 endpoint (MinIO, Ceph). Default: AWS_ENDPOINT_URL.")]
+RegionArg = Annotated[Optional[str], typer.Option("--region", envvar="TRAINPROOF_REGION",
+                                                  help="S3 region. Default: AWS_REGION / AWS_DEFAULT_REGION.")]
+PathStyleArg = Annotated[Optional[bool], typer.Option("--path-style/--virtual-host-style",
+                                                      help="S3 addressing. Default: path style when an endpoint is set.")]
+
+
+class UsageError(Exception):
+    """A usage, configuration or contract error: exit 2, retrying cannot help."""
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    """Print one line to stderr and return the Exit to raise."""
+    print(f"trainproof: error: {message}", file=sys.stderr)
+    return typer.Exit(code)
+
+
+def handled(fn: Callable) -> Callable:
+    """Turn expected failures into one stderr line and the documented exit code (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (StoreConfigError, UsageError) as exc:
+            raise fail(str(exc), EXIT_USAGE) from None
+        except (StoreError, OSError) as exc:
+            raise fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE) from None
+
+    return wrapper
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Warnings (skipped generations, retries) go to stderr, one line each."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def open_run(store: str, endpoint_url: str | None = None, region: str | None = None, path_style: bool | None = None):
+    """Open the store named on the command line (StoreConfigError → exit 2 through ``handled``)."""
+    return open_store(store, StoreOptions.from_env(endpoint_url=endpoint_url, region=region, path_style=path_style))

@@ -1,0 +1,34 @@
+"""The training side's few domain exceptions, each carrying the exit code the CLI maps it to.
+
+Exit codes are part of the contract (DESIGN.md): 2 means "retrying cannot help" (usage, configuration,
+contract), 1 means "any other failure" (a Kubernetes Job retries it and counts the retry).
+"""
+
+from __future__ import annotations
+
+
+class TrainError(Exception):
+    """A handled failure: the CLI prints its message as one line and exits with ``exit_code``."""
+
+    exit_code = 1
+
+
+class ConfigError(TrainError):
+    """Bad option, config file or task specification (exit 2)."""
+
+    exit_code = 2
+
+
+class ContractError(TrainError):
+    """The run's identity (plan.json / contract) does not match this invocation (exit 2)."""
+
+    exit_code = 2
+
+
+class StateError(TrainError):
+    """A training state that is malformed, unsafe (pickled objects) or inconsistent with this run (exit 2).
+
+    Raised by the loader instead of silently re-initialising whatever is missing.
+    """
+
+    exit_code = 2

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine with only Python >= 3.10 and pip:
+#   bash scripts/dev.sh train --store ./runs/demo ...   # creates .venv on first use, then runs `trainproof`
+#   bash scripts/dev.sh test [pytest args]               # creates .venv (with test extras), then runs pytest
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${TRAINPROOF_VENV:-$here/.venv}"
+py="${PYTHON:-python3}"
+stamp="$venv/.trainproof-installed"
+
+setup() {
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "[dev.sh] creating virtualenv $venv" >&2
+    "$py" -m venv "$venv"
+  fi
+  # Re-install when pyproject.toml changed since the last install.
+  if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ]; then
+    echo "[dev.sh] installing trainproof and its dependencies into $venv" >&2
+    "$venv/bin/python" -m pip install -q --upgrade pip >&2
+    # Pin the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+    "$venv/bin/python" -m pip install -q "torch==${TRAINPROOF_TORCH_VERSION:-2.13.0}" >&2
+    "$venv/bin/python" -m pip install -q -e "$here[test]" >&2
+    touch "$stamp"
+  fi
+}
+
+cmd="${1:-}"
+[ -n "$cmd" ] || { echo "usage: bash scripts/dev.sh test [pytest args] | <trainproof command> [args]" >&2; exit 2; }
+shift
+setup
+case "$cmd" in
+  test) cd "$here" && exec "$venv/bin/python" -m pytest -q "$@" ;;
+  *)    exec "$venv/bin/trainproof" "$cmd" "$@" ;;
+esac

@@ -1,0 +1,60 @@
+"""Move a damaged or abandoned generation aside, keeping the evidence, so its step can be committed again.
+
+Layout: ``<run>/quarantine/step-%08d-<UTC time>-<id>/`` holding the generation's objects plus a ``REASON`` file.
+On a folder this is one atomic rename.  On an object store it is copy-then-delete, in an order that keeps
+every intermediate state safe: copy everything, write ``REASON``, delete ``COMPLETE.json`` *first*, then the
+rest — a crash half-way leaves at worst an incomplete generation (skipped) and a partial copy (harmless).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from storage import manifest as mf
+from storage.generations import Ctx
+
+log = logging.getLogger("trainproof.storage")
+QUARANTINE = "quarantine"
+
+
+def quarantine(ctx: Ctx, name: str, reason: str) -> str:
+    """Move generation ``name`` to the quarantine folder with a REASON file; return the new folder name."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest_name = f"{name}-{stamp}-{uuid.uuid4().hex[:6]}"
+    src, dest = ctx.path(name), ctx.path(QUARANTINE, dest_name)
+    note = json.dumps({"generation": name, "reason": reason, "quarantined_at": stamp}, indent=2).encode() + b"\n"
+    rename = getattr(ctx.backend, "rename_dir", None)
+    if rename is not None:
+        ctx.io(f"move {name} to quarantine", lambda: rename(src, dest))
+    else:
+        _copy_then_delete(ctx, name, src, dest)
+    ctx.io(f"write {dest_name}/REASON", lambda: ctx.backend.write(f"{dest}/REASON", note))
+    log.warning("quarantined %s → %s/%s: %s", name, QUARANTINE, dest_name, reason)
+    return dest_name
+
+
+def _copy_then_delete(ctx: Ctx, name: str, src: str, dest: str) -> None:
+    entries = [e for e in ctx.io(f"list {name}", lambda: ctx.backend.listdir(src)) if not e.is_dir]
+    # The marker is copied last so the copy is never "complete" before its files are there.
+    ordered = sorted(entries, key=lambda e: e.name == mf.MARKER)
+    for e in ordered:
+        ctx.io(f"copy {name}/{e.name}", lambda e=e: ctx.backend.copy(f"{src}/{e.name}", f"{dest}/{e.name}"))
+    ctx.io(f"delete {name}/{mf.MARKER}", lambda: ctx.backend.delete(f"{src}/{mf.MARKER}"))
+    ctx.io(f"delete {name}", lambda: ctx.backend.delete_tree(src))
+
+
+def list_quarantined(ctx: Ctx) -> list[tuple[str, str]]:
+    """(folder name, reason) of every quarantined generation, oldest first."""
+    out = []
+    for e in sorted(ctx.io("list quarantine", lambda: ctx.backend.listdir(ctx.path(QUARANTINE))), key=lambda e: e.name):
+        if not e.is_dir:
+            continue
+        try:
+            reason = json.loads(ctx.backend.read(ctx.path(QUARANTINE, e.name, "REASON"))).get("reason", "")
+        except (FileNotFoundError, ValueError):
+            reason = "(no REASON file: the move was interrupted)"
+        out.append((e.name, reason))
+    return out

@@ -1,0 +1,189 @@
+"""S3 (AWS, MinIO, Ceph…) through s3fs, imported lazily so a local run imports nothing remote.
+
+What this module owns, from "S3 facts the store must respect" (DESIGN.md):
+- one retry layer: botocore gets ``total_max_attempts=1`` and s3fs ``retries=1``; tenacity in
+  ``storage.retry`` retries whole operations;
+- per-endpoint checksum settings (``when_required`` for non-AWS endpoints);
+- create-only writes with ``If-None-Match: *`` (412 → FileExistsError) and a probe that the endpoint honours it;
+- no listing cache (``use_listings_cache=False`` and ``refresh=True`` on every listing);
+- no partial object on failure (``pipe_file`` aborts its multipart upload; streamed files are discarded);
+- a sweep of unfinished multipart uploads under the run prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import uuid
+
+from storage.backend import CHUNK, Entry, FsspecBackend, Source, iter_chunks
+from storage.errors import StoreConfigError
+from storage.options import StoreOptions
+
+log = logging.getLogger("trainproof.storage")
+
+# pipe_file switches to a concurrent multipart upload above 2 × chunksize.
+_PART = 16 * 2**20
+_CONCURRENCY = 8
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    while exc is not None:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error", {})
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if err.get("Code") == "PreconditionFailed" or status == 412:
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class S3Backend(FsspecBackend):
+    """One s3fs client per store; paths are ``bucket/key`` without the scheme."""
+
+    def __init__(self, options: StoreOptions) -> None:
+        import s3fs  # lazy: only S3 runs pay for aiobotocore
+
+        checksum = options.checksum_mode()
+        config = {
+            "retries": {"total_max_attempts": 1, "mode": "standard"},
+            "connect_timeout": options.connect_timeout,
+            "read_timeout": options.read_timeout,
+            "request_checksum_calculation": checksum,
+            "response_checksum_validation": checksum,
+        }
+        if options.use_path_style():
+            config["s3"] = {"addressing_style": "path"}
+        client_kwargs = {"region_name": options.region or "us-east-1"}
+        fs = s3fs.S3FileSystem(
+            endpoint_url=options.endpoint_url,
+            profile=options.profile,
+            client_kwargs=client_kwargs,
+            config_kwargs=config,
+            skip_instance_cache=True,  # one client per store, never shared across threads' stores
+            use_listings_cache=False,  # another process writes the same prefix: never trust a cached listing
+            max_concurrency=_CONCURRENCY,
+        )
+        fs.retries = 1  # s3fs would otherwise retry 5× on top of botocore and tenacity
+        super().__init__(fs)
+        self.options = options
+
+    # -- primitives -------------------------------------------------------------------------------------
+    def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:
+        mode = "create" if create_only else "overwrite"
+        try:
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                size, sha = len(data), hashlib.sha256(data).hexdigest()
+                # pipe_file sends one PUT, or a concurrent multipart upload that it aborts on failure.
+                self.fs.pipe_file(path, bytes(data) if not isinstance(data, bytes) else data, mode=mode, chunksize=_PART)
+                return size, sha
+            return self._write_stream(path, data, create_only)
+        except OSError as exc:
+            if _is_precondition_failed(exc) and not isinstance(exc, FileExistsError):
+                raise FileExistsError(f"{path} already exists (412 Precondition Failed)") from exc
+            raise
+
+    def _write_stream(self, path: str, data, create_only: bool) -> tuple[int, str]:
+        # Not `with fs.open(...)`: s3fs commits a partial object when the block exits on an exception.
+        fh = self.fs.open(path, "xb" if create_only else "wb", block_size=_PART)
+        sha, size = hashlib.sha256(), 0
+        try:
+            for chunk in iter_chunks(data):
+                sha.update(chunk)
+                fh.write(chunk)
+                size += len(chunk)
+        except BaseException:
+            fh.discard()  # aborts the multipart upload; nothing is published
+            raise
+        fh.close()
+        return size, sha.hexdigest()
+
+    def read(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def listdir(self, path: str) -> list[Entry]:
+        try:
+            items = self.fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        out = []
+        for item in items:
+            full = item["name"].rstrip("/")
+            if full == path.rstrip("/"):
+                continue
+            mtime = item.get("LastModified")
+            out.append(Entry(full.rsplit("/", 1)[-1], int(item.get("size") or 0), item["type"] == "directory",
+                             mtime.timestamp() if mtime is not None else None))
+        return out
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.fs.info(path, refresh=True)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def delete_tree(self, path: str) -> None:
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
+
+    # -- endpoint checks ----------------------------------------------------------------------------------
+    def check_access(self, bucket: str) -> None:
+        """Fail fast, with one clear line, on a missing bucket, refused credentials or an unreachable endpoint."""
+        where = self.options.endpoint_url or "AWS S3"
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            raise StoreConfigError(f"bucket '{bucket}' does not exist at {where}: create it or fix the --store URL") from None
+        except PermissionError:
+            raise StoreConfigError(
+                f"access to bucket '{bucket}' at {where} was refused (403): check AWS_ACCESS_KEY_ID/"
+                "AWS_SECRET_ACCESS_KEY, the profile or the IAM role, and the bucket policy") from None
+        except Exception as exc:
+            name = type(exc).__name__
+            if name == "NoCredentialsError":
+                raise StoreConfigError(
+                    "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an IAM role") from None
+            if "Connect" in name or "Endpoint" in name or isinstance(exc, (ConnectionError, TimeoutError)):
+                raise StoreConfigError(f"cannot reach the S3 endpoint {where}: check AWS_ENDPOINT_URL / --endpoint-url ({name})") from None
+            raise
+
+    def probe_create_only(self, scratch: str) -> bool:
+        """Create the same scratch key twice with ``If-None-Match: *``; True when the second is refused.
+        Some servers accept and silently ignore the header, which would let two writers both commit."""
+        key = f"{scratch}/probe-{uuid.uuid4().hex}"
+        try:
+            self.write(key, b"1", create_only=True)
+            try:
+                self.write(key, b"2", create_only=True)
+            except FileExistsError:
+                return True
+            return False
+        finally:
+            self.delete(key)
+
+    def sweep_multipart(self, bucket: str, prefix: str, older_than: float) -> int:
+        """Abort unfinished multipart uploads under ``prefix`` started more than ``older_than`` s ago."""
+        now, aborted = time.time(), 0
+        kwargs = {"Bucket": bucket, "Prefix": prefix.rstrip("/") + "/"}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", **kwargs)
+            for up in page.get("Uploads", []):
+                started = up.get("Initiated")
+                if started is not None and now - started.timestamp() < older_than:
+                    continue  # may belong to a live writer
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                log.warning("aborted an unfinished multipart upload of s3://%s/%s (left by a killed writer)", bucket, up["Key"])
+                aborted += 1
+            if not page.get("IsTruncated"):
+                return aborted
+            kwargs["KeyMarker"] = page.get("NextKeyMarker")
+            kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker")
+
+
+__all__ = ["S3Backend", "CHUNK"]

@@ -1,0 +1,216 @@
+"""``GenerationStore``: the facade the job uses, and ``open_store(url)``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable
+from urllib.parse import urlparse
+
+from storage import manifest as mf
+from storage.backend import FsspecBackend, LocalBackend, join
+from storage.commit import LATEST, commit_generation
+from storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError, StoreError, StoreUnavailableError
+from storage.generations import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan
+from storage.options import StoreOptions
+from storage.quarantine import list_quarantined, quarantine
+from storage.retention import plan_retention
+from storage.retry import RetryStats, call_with_retry, is_transient
+
+log = logging.getLogger("trainproof.storage")
+DEFAULT_GRACE_SECONDS = 6 * 3600.0
+
+
+class GenerationStore:
+    """Generations of one run under ``url``.  Thread-safe: it holds a backend (one client) and no buffers,
+    so a commit can run on a background thread while training continues."""
+
+    def __init__(self, backend, root: str, url: str, options: StoreOptions, *, _prepare: Callable | None = None,
+                 _stats: RetryStats | None = None) -> None:
+        self.backend, self.root, self.url, self.options = backend, root, url, options
+        self.stats = _stats or RetryStats()
+        self._prepare = _prepare
+        self._prepared = _prepare is None
+        self._lock = threading.Lock()
+        self._ctx = Ctx(backend=backend, root=root, io=self._io)
+
+    def __repr__(self) -> str:
+        return f"GenerationStore({self.url!r})"
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+    def _io(self, what: str, fn: Callable):
+        try:
+            return call_with_retry(self.options.retry, what, fn, self.stats)
+        except Exception as exc:
+            if is_transient(exc):
+                raise StoreUnavailableError(f"{what} on {self.url} kept failing after retries: {exc}") from exc
+            raise
+
+    def _before_write(self) -> None:
+        # Probing and sweeping write to the store, so read-only users (ls, audit) never trigger them.
+        with self._lock:
+            if not self._prepared:
+                self._prepare(self)
+                self._prepared = True
+
+    def child(self, relpath: str) -> "GenerationStore":
+        """A store rooted at ``<run>/<relpath>`` sharing this one's client and checks."""
+        relpath = relpath.strip("/")
+        if not relpath or ".." in relpath.split("/"):
+            raise ValueError(f"invalid child path {relpath!r}")
+        child = GenerationStore(self.backend, join(self.root, relpath), f"{self.url.rstrip('/')}/{relpath}",
+                                self.options, _stats=self.stats)
+        child._prepared = True
+        if not self._prepared:  # share the one-time preparation
+            child._prepared, child._prepare = False, lambda _c: self._before_write()
+        return child
+
+    # -- generations ------------------------------------------------------------------------------------
+    def commit(self, step: int, files: dict[str, bytes], *, contract: str, world: int, code_version: str,
+               check: Check | None = None, extra: dict | None = None, digests: dict[str, str] | None = None,
+               keep: int | None = None) -> GenerationInfo:
+        """Write → verify (read back from the store) → mark usable generation ``step``; then, when ``keep`` is
+        given, apply retention.  See ``storage.commit`` for the guarantees."""
+        self._before_write()
+        manifest = commit_generation(self._ctx, step, files, contract=contract, world=world, code_version=code_version,
+                                     check=check, digests=digests, extra=extra)
+        info = GenerationInfo(step=step, name=mf.step_dir(step), status=COMPLETE, manifest=manifest,
+                              bytes=sum(m["bytes"] for m in manifest["files"].values()), mtime=time.time())
+        if keep is not None:
+            self.apply_retention(keep)
+        return info
+
+    def scan(self, *, contract: str | None = None, world: int | None = None) -> list[GenerationInfo]:
+        """Every generation, ascending, classified complete / incomplete / corrupt / foreign (no hashing)."""
+        return scan(self._ctx, contract=contract, world=world)
+
+    def load(self, step: int, check: Check | None = None, *, contract: str | None = None,
+             world: int | None = None) -> Loaded:
+        """Generation ``step``, every file read and verified; CorruptGenerationError if it is not usable."""
+        info = inspect(self._ctx, mf.step_dir(step), contract=contract, world=world)
+        return load(self._ctx, info, check)
+
+    def load_latest(self, *, contract: str | None = None, world: int | None = None, check: Check | None = None,
+                    quarantine: bool = True) -> Loaded | None:
+        """The newest usable generation, or None.  Newer ones that are partial, corrupt or foreign are skipped
+        with one warning line each; corrupt ones are moved to quarantine when ``quarantine`` (a read-only
+        caller such as an audit passes False)."""
+        for info in reversed(self.scan(contract=contract, world=world)):
+            if info.status == COMPLETE:
+                try:
+                    return load(self._ctx, info, check)
+                except CorruptGenerationError as exc:
+                    info = GenerationInfo(**{**info.__dict__, "status": CORRUPT, "reason": exc.reason})
+            self._skip(info, quarantine)
+        return None
+
+    def _skip(self, info: GenerationInfo, do_quarantine: bool) -> None:
+        log.warning("skipping %s (%s): %s", info.name, info.status, info.reason)
+        if info.status == CORRUPT and do_quarantine:
+            self._before_write()
+            try:
+                quarantine(self._ctx, info.name, info.reason)
+            except (OSError, StoreError) as exc:
+                log.warning("could not quarantine %s (%s); it stays in place and keeps being skipped", info.name, exc)
+
+    def quarantine(self, step: int, reason: str) -> str:
+        """Move generation ``step`` aside with a REASON file (evidence kept); its step can be committed again."""
+        self._before_write()
+        return quarantine(self._ctx, mf.step_dir(step), reason)
+
+    def quarantined(self) -> list[tuple[str, str]]:
+        """(folder, reason) of every quarantined generation."""
+        return list_quarantined(self._ctx)
+
+    def apply_retention(self, keep: int, *, grace_seconds: float = DEFAULT_GRACE_SECONDS,
+                        dry_run: bool = False) -> list[GenerationInfo]:
+        """Delete what ``plan_retention`` selects (never the newest complete generation, nor anything newer).
+        A complete generation loses its COMPLETE.json first, so an interrupted delete leaves it incomplete."""
+        doomed = plan_retention(self.scan(), keep=keep, now=time.time(), grace_seconds=grace_seconds)
+        if dry_run:
+            return doomed
+        self._before_write()
+        for info in doomed:
+            if info.status == COMPLETE:
+                self._io(f"delete {info.name}/{mf.MARKER}", lambda: self.backend.delete(join(self.root, info.name, mf.MARKER)))
+            self._io(f"delete {info.name}", lambda: self.backend.delete_tree(join(self.root, info.name)))
+            log.info("retention: deleted %s (%s)", info.name, info.status)
+        return doomed
+
+    def latest_hint(self) -> str | None:
+        """What ``LATEST`` says (a hint only), or None."""
+        try:
+            return self.read_file(LATEST).decode().strip() or None
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+
+    # -- run-level files (plan.json, summary.json, verification.json) -----------------------------------
+    def write_file(self, name: str, data: bytes, *, create_only: bool = False) -> None:
+        """Write a run-level file; FileExistsError when ``create_only`` and it exists."""
+        self._before_write()
+        path = join(self.root, name)
+        self._io(f"write {name}", lambda: self.backend.write(path, data, create_only=create_only))
+
+    def read_file(self, name: str) -> bytes:
+        """A run-level file's bytes; FileNotFoundError when missing."""
+        return self._io(f"read {name}", lambda: self.backend.read(join(self.root, name)))
+
+    def exists(self, name: str) -> bool:
+        return self._io(f"check {name}", lambda: self.backend.exists(join(self.root, name)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore:
+    """Open the run at ``url``: ``s3://bucket/prefix/run``, ``file:///abs/path``, a plain path, ``memory://name``.
+
+    For S3 this checks the bucket and credentials now (StoreConfigError, one clear line) and, before the
+    first write, probes that the endpoint honours create-only writes and sweeps stale multipart uploads.
+    """
+    if not url or not url.strip():
+        raise StoreConfigError("empty --store URL: pass s3://bucket/prefix/run, file:///path, a folder, or memory://name")
+    options = options or StoreOptions.from_env()
+    parsed = urlparse(url)
+    scheme = parsed.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
+        root = os.path.abspath(os.path.expanduser(parsed.path if scheme == "file" else url))
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise StoreConfigError(f"--store {url} is a file, not a folder")
+        return GenerationStore(LocalBackend(), root, url, options)
+    if scheme == "memory":
+        from fsspec.implementations.memory import MemoryFileSystem
+        return GenerationStore(FsspecBackend(MemoryFileSystem()), "/" + (parsed.netloc + parsed.path).strip("/"), url, options)
+    if scheme in ("s3", "s3a"):
+        return _open_s3(url, parsed, options)
+    raise StoreConfigError(f"unsupported store URL scheme {scheme!r} in {url}: use s3://, file://, a folder, or memory://")
+
+
+def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
+    from storage.s3 import S3Backend
+
+    bucket, prefix = parsed.netloc, parsed.path.strip("/")
+    if not bucket:
+        raise StoreConfigError(f"no bucket in {url}: use s3://bucket/prefix/run")
+    backend = S3Backend(options)
+    probe = call_with_retry(
+        options.retry.__class__(attempts=min(3, options.retry.attempts), total_seconds=30.0),
+        f"check bucket {bucket}", lambda: backend.check_access(bucket))
+    del probe
+    root = join(bucket, prefix) if prefix else bucket
+
+    def prepare(store: GenerationStore) -> None:
+        if not store._io("probe create-only writes", lambda: backend.probe_create_only(join(root, ".trainproof-probe"))):
+            where = options.endpoint_url or "AWS S3"
+            if options.create_only == "require":
+                raise StoreConfigError(
+                    f"the S3 endpoint {where} ignores If-None-Match: * (create-only writes), so two writers could "
+                    "both commit one step; upgrade the server, or accept the risk with TRAINPROOF_S3_CREATE_ONLY=weak")
+            log.warning("the S3 endpoint %s ignores create-only writes; continuing in weak mode (one writer only!)", where)
+        if options.sweep_multipart_older_than is not None and prefix:
+            store._io("sweep multipart uploads", lambda: backend.sweep_multipart(bucket, prefix, options.sweep_multipart_older_than))
+
+    return GenerationStore(backend, root, url, options, _prepare=prepare)
+
+
+__all__ = ["GenerationStore", "open_store", "CommitConflictError", "INCOMPLETE", "FOREIGN", "CORRUPT", "COMPLETE"]

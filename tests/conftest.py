@@ -1,0 +1,47 @@
+"""Shared fixtures: an S3 server on loopback (moto server mode) and the same store contract on every backend."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from tests.support.s3server import S3Server, dummy_aws_env
+
+BACKENDS = ["memory", "local", "s3"]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One moto S3 server for the session; tests isolate themselves with a unique bucket each."""
+    saved = {k: os.environ.get(k) for k in dummy_aws_env()}
+    os.environ.update(dummy_aws_env())  # hermetic: never read real credentials or instance metadata
+    with S3Server() as server:
+        yield server
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """Environment pointing the AWS variables at the loopback server; returns the bucket created for this test."""
+    for k, v in dummy_aws_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    return s3_server.create_bucket()
+
+
+@pytest.fixture(params=BACKENDS)
+def store_url(request, tmp_path):
+    """A fresh run URL on each backend: memory://, a local folder, and s3:// over HTTP on loopback."""
+    kind = request.param
+    if kind == "memory":
+        return f"memory://tp-{uuid.uuid4().hex[:12]}/run"
+    if kind == "local":
+        return str(tmp_path / "run")
+    bucket = request.getfixturevalue("s3_env")
+    return f"s3://{bucket}/prefix/run"
