@@ -1,8 +1,10 @@
 """Write → verify → mark usable.
 
-1. refuse a step that is already committed; move an abandoned partial of the same step aside;
-2. write every file create-only (so nobody can overwrite a file of a generation another writer committed),
-   computing size and sha256 while writing;
+1. refuse a step that is already committed;
+2. write every file create-only, computing size and sha256 while writing.  Nobody ever overwrites or deletes
+   an object of a generation being written: when a name is taken (left by a writer killed mid-save, or a
+   concurrent writer), this writer uses ``<stem>.<attempt>.<ext>`` instead and the manifest records it as the
+   file's ``object``.  So a concurrent or abandoned writer can never change the bytes a manifest vouches for;
 3. read every object back *from the store* and check size and sha256, then the caller's content check;
 4. write ``COMPLETE.json`` last, create-only; a 412 may be our own write whose response was lost, so read
    the marker back and compare the attempt id before concluding we lost;
@@ -18,7 +20,6 @@ import uuid
 from storage import manifest as mf
 from storage.errors import CommitConflictError, CorruptGenerationError
 from storage.generations import Check, Ctx
-from storage.quarantine import quarantine
 
 log = logging.getLogger("trainproof.storage")
 LATEST = "LATEST"
@@ -38,9 +39,9 @@ def commit_generation(
         raise ValueError(f"invalid file names for a generation: {bad}")
     name = mf.step_dir(step)
     attempt = uuid.uuid4().hex
-    _clear_the_way(ctx, name)
-    written = {fname: _write_file(ctx, name, fname, data) for fname, data in files.items()}
-    _verify(ctx, name, written, files.keys(), check)
+    _refuse_committed(ctx, name)
+    written = {fname: _write_file(ctx, name, fname, data, attempt) for fname, data in files.items()}
+    _verify(ctx, name, written, check)
     manifest = mf.build(step=step, files=written, contract=contract, world=world, code_version=code_version,
                         attempt=attempt, digests=digests, extra=extra)
     _mark_usable(ctx, name, manifest)
@@ -51,38 +52,36 @@ def commit_generation(
     return manifest
 
 
-def _clear_the_way(ctx: Ctx, name: str) -> None:
+def _refuse_committed(ctx: Ctx, name: str) -> None:
     if ctx.io(f"check {name}", lambda: ctx.backend.exists(ctx.path(name, mf.MARKER))):
         raise CommitConflictError(f"{name} is already committed (by another writer or an earlier attempt); "
                                   "refusing to write it again")
-    leftovers = ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.path(name)))
-    if leftovers:
-        # A writer killed mid-save left these.  Move them aside (not delete): if they were a live concurrent
-        # writer's after all, its verify or its manifest check will fail instead of silently mixing files.
-        quarantine(ctx, name, f"abandoned partial generation ({len(leftovers)} objects, no {mf.MARKER}) "
-                              "found when this step was written again")
 
 
-def _write_file(ctx: Ctx, name: str, fname: str, data: bytes) -> tuple[int, str]:
-    path = ctx.path(name, fname)
-    try:
-        return ctx.io(f"write {name}/{fname}", lambda: ctx.backend.write(path, data, create_only=True))
-    except FileExistsError:
-        # Either a retry after our own PUT landed with its response lost, or another writer.  Same bytes: ours.
-        stored = ctx.io(f"read {name}/{fname}", lambda: ctx.backend.read(path))
-        expected = hashlib.sha256(data).hexdigest()
-        if hashlib.sha256(stored).hexdigest() == expected:
-            return len(stored), expected
-        raise CommitConflictError(f"{name}/{fname} was created by another writer while this one was committing "
-                                  f"{name}; this writer stops") from None
+def _write_file(ctx: Ctx, name: str, fname: str, data: bytes, attempt: str) -> tuple[int, str, str]:
+    """Write one file create-only; return (bytes, sha256, object name)."""
+    for obj in (fname, mf.attempt_object(fname, attempt)):
+        try:
+            size, sha = ctx.io(f"write {name}/{obj}", lambda obj=obj: ctx.backend.write(ctx.path(name, obj), data,
+                                                                                       create_only=True))
+            return size, sha, obj
+        except FileExistsError:
+            if obj != fname:
+                raise CommitConflictError(f"{name}/{obj} already exists: attempt ids collided") from None
+            log.warning("%s/%s already exists without a %s (left by a killed or concurrent writer); "
+                        "writing this attempt's copy beside it", name, fname, mf.MARKER)
+    raise AssertionError("unreachable")
 
 
-def _verify(ctx: Ctx, name: str, written: dict, names, check: Check | None) -> None:
-    for fname in names:
-        size, sha = written[fname]
-        data = ctx.io(f"verify {name}/{fname}", lambda fname=fname: ctx.backend.read(ctx.path(name, fname)))
+def _verify(ctx: Ctx, name: str, written: dict, check: Check | None) -> None:
+    for fname, (size, sha, obj) in written.items():
+        try:
+            data = ctx.io(f"verify {name}/{obj}", lambda obj=obj: ctx.backend.read(ctx.path(name, obj)))
+        except FileNotFoundError:
+            raise CommitConflictError(f"{name}/{obj} vanished right after it was written (another process is "
+                                      "deleting this run's files?); not marking it usable") from None
         if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
-            raise CorruptGenerationError(name, f"{fname} read back from the store differs from what was written "
+            raise CorruptGenerationError(name, f"{obj} read back from the store differs from what was written "
                                                f"({len(data)} bytes vs {size}); not marking it usable")
         if check is not None:
             try:

@@ -81,11 +81,12 @@ def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None) -> 
         return GenerationInfo(status=FOREIGN, manifest=manifest, reason=(
             f"written by world size {manifest['world']}, this run has {world}"), **base)
     for fname, meta in manifest["files"].items():
-        if fname not in entries:
-            return GenerationInfo(status=CORRUPT, manifest=manifest, reason=f"{fname} is missing", **base)
-        if entries[fname].size != meta["bytes"]:
+        obj = mf.object_name(fname, meta)
+        if obj not in entries:
+            return GenerationInfo(status=CORRUPT, manifest=manifest, reason=f"{obj} is missing", **base)
+        if entries[obj].size != meta["bytes"]:
             return GenerationInfo(status=CORRUPT, manifest=manifest, reason=(
-                f"{fname} is {entries[fname].size} bytes, {mf.MARKER} says {meta['bytes']}"), **base)
+                f"{obj} is {entries[obj].size} bytes, {mf.MARKER} says {meta['bytes']}"), **base)
     return GenerationInfo(status=COMPLETE, manifest=manifest, **base)
 
 
@@ -99,6 +100,7 @@ def scan(ctx: Ctx, *, contract: str | None = None, world: int | None = None) -> 
 
 
 def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict) -> bytes:
+    fname = mf.object_name(fname, meta)
     path = ctx.path(name, fname)
     for attempt in (1, 2):  # one re-read: the first read may have hit a transient fault
         try:

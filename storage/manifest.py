@@ -29,18 +29,31 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def attempt_object(fname: str, attempt: str) -> str:
+    """The object name a writer uses when ``fname`` is taken: ``training_state.<attempt[:12]>.pt``."""
+    stem, dot, ext = fname.rpartition(".")
+    return f"{stem}.{attempt[:12]}.{ext}" if dot and stem else f"{fname}.{attempt[:12]}"
+
+
+def object_name(fname: str, meta: dict) -> str:
+    """Where a manifest entry's bytes are stored (the file's own name unless the writer had to use another)."""
+    return meta.get("object", fname)
+
+
 def build(
-    *, step: int, files: dict[str, tuple[int, str]], contract: str, world: int, code_version: str,
+    *, step: int, files: dict[str, tuple[int, str, str]], contract: str, world: int, code_version: str,
     attempt: str, digests: dict[str, str] | None = None, extra: dict | None = None,
 ) -> dict:
     """The manifest of a generation.  ``files``: name → (bytes, sha256).  ``digests`` adds
-    ``<key>_bytes``/``<key>_sha256`` for a named file (e.g. ``state`` → ``training_state.pt``)."""
+    ``<key>_bytes``/``<key>_sha256`` for a named file (e.g. ``state`` → ``training_state.pt``).
+    ``files``: name → (bytes, sha256, object name)."""
     manifest = {
         "schema": SCHEMA,
         "step": step,
         "contract": contract,
         "world": world,
-        "files": {name: {"bytes": size, "sha256": sha} for name, (size, sha) in sorted(files.items())},
+        "files": {name: {"bytes": size, "sha256": sha, **({"object": obj} if obj != name else {})}
+                  for name, (size, sha, obj) in sorted(files.items())},
         "code_version": code_version,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "attempt": attempt,
@@ -48,7 +61,7 @@ def build(
     for key, name in (digests or {}).items():
         if name not in files:
             raise ValueError(f"digest {key!r} names {name!r}, which is not among the generation's files")
-        manifest[f"{key}_bytes"], manifest[f"{key}_sha256"] = files[name]
+        manifest[f"{key}_bytes"], manifest[f"{key}_sha256"] = files[name][:2]
     if extra:
         manifest["extra"] = extra
     return manifest
@@ -85,4 +98,7 @@ def parse(raw: bytes, *, dir_name: str) -> dict:
             raise ManifestError(f"{MARKER} lists an invalid file name {name!r}")
         if not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int) or not _SHA.match(str(meta.get("sha256", ""))):
             raise ManifestError(f"{MARKER} entry for {name!r} lacks an integer 'bytes' or a sha256 hex 'sha256'")
+        obj = object_name(name, meta)
+        if not isinstance(obj, str) or "/" in obj or obj in ("", ".", "..", MARKER):
+            raise ManifestError(f"{MARKER} entry for {name!r} names an invalid object {obj!r}")
     return manifest
