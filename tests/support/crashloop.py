@@ -1,0 +1,128 @@
+"""Crash consistency: a writer process committing generations is killed with SIGKILL at random moments;
+after each kill the store must expose the last committed generation (never a partial one) and every
+committed generation's bytes must verify.  Used by tests/test_storage_crash.py (≥ 50 kills per backend)
+and bench/crash_consistency.py (≥ 1000).
+
+Run the writer alone:  python -m tests.support.crashloop writer URL
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+CONTRACT = "crashloop"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def payload(step: int, size_scale: int = 1) -> dict[str, bytes]:
+    """Deterministic, step-specific content, so a checker can tell whose bytes it reads."""
+    size = (50_000 + (step * 7919) % 400_000) * size_scale
+    seed = hashlib.sha256(f"step-{step}".encode()).digest()
+    state = (seed * (size // len(seed) + 1))[:size]
+    return {"training_state.pt": state, "meta.json": f'{{"step": {step}}}'.encode()}
+
+
+def writer(url: str, keep: int, size_scale: int) -> None:
+    """Resume from the latest usable generation, then commit steps forever (until killed)."""
+    import logging
+
+    from storage import open_store
+
+    logging.basicConfig(level=logging.ERROR)
+    store = open_store(url)
+    latest = store.load_latest(contract=CONTRACT, world=1)
+    step = latest.info.step + 1 if latest else 1
+    print("ready", flush=True)
+    while True:
+        store.commit(step, payload(step, size_scale), contract=CONTRACT, world=1, code_version="crashloop", keep=keep)
+        print(f"committed {step}", flush=True)
+        step += 1
+
+
+@dataclass
+class Report:
+    kills: int = 0
+    commits_seen: int = 0
+    max_step: int = 0
+    checks: int = 0
+    partials_seen: int = 0
+    """Kills that left an incomplete newest generation: proof that kills landed inside a commit."""
+    kill_phase: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+
+
+def check_store(url: str, last_reported: int, report: Report) -> None:
+    """The invariants after a kill."""
+    from storage import COMPLETE, open_store
+
+    store = open_store(url)
+    gens = store.scan(contract=CONTRACT, world=1)
+    complete = [g for g in gens if g.status == COMPLETE]
+    for g in complete:  # every committed generation's bytes verify, and are the bytes of that step
+        loaded = store.load(g.step, contract=CONTRACT, world=1)
+        report.checks += 1
+        expected = payload(g.step, _scale(loaded.files["training_state.pt"], g.step))
+        if loaded.files != expected:
+            report.failures.append(f"{g.name}: committed content is not step {g.step}'s")
+    latest = store.load_latest(contract=CONTRACT, world=1, quarantine=False)
+    newest = complete[-1].step if complete else None
+    if (latest.info.step if latest else None) != newest:
+        report.failures.append(f"discovery returned {latest and latest.info.name}, newest complete is {newest}")
+    if last_reported and (newest is None or newest < last_reported):
+        report.failures.append(f"step {last_reported} was reported committed but discovery finds {newest}")
+    if gens and gens[-1].status != COMPLETE:
+        report.partials_seen += 1
+    bad = [g for g in gens if g.status not in (COMPLETE, "incomplete")]
+    if bad:
+        report.failures.append(f"unexpected statuses after a kill: {[(g.name, g.status, g.reason) for g in bad]}")
+
+
+def _scale(data: bytes, step: int) -> int:
+    return max(1, len(data) // (50_000 + (step * 7919) % 400_000))
+
+
+def run(url: str, kills: int, *, seed: int = 0, keep: int = 2, size_scale: int = 1, max_delay: float = 0.25,
+        env: dict | None = None, progress=None) -> Report:
+    """Start the writer, SIGKILL it after a random delay, check the store, repeat ``kills`` times."""
+    rng = random.Random(seed)
+    report = Report()
+    last_reported = 0
+    for i in range(kills):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.crashloop", "writer", url, str(keep), str(size_scale)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        ready = proc.stdout.readline()
+        if ready.strip() != "ready":
+            proc.kill()
+            raise RuntimeError(f"writer failed to start: {ready!r} {proc.stderr.read()[-2000:]}")
+        time.sleep(rng.uniform(0, max_delay))
+        proc.send_signal(signal.SIGKILL)
+        out, _err = proc.communicate(timeout=60)
+        lines = [ln for ln in out.splitlines() if ln.startswith("committed ")]
+        report.kills += 1
+        report.commits_seen += len(lines)
+        report.kill_phase["after first commit" if lines else "during first commit"] += 1
+        if lines:
+            last_reported = int(lines[-1].split()[1])
+        check_store(url, last_reported, report)
+        report.max_step = max(report.max_step, last_reported)
+        if progress:
+            progress(i + 1, report)
+        if report.failures:
+            break
+    return report
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "writer":
+        writer(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2, int(sys.argv[4]) if len(sys.argv) > 4 else 1)
+    else:
+        sys.exit("usage: python -m tests.support.crashloop writer URL [KEEP] [SIZE_SCALE]")
