@@ -1,0 +1,98 @@
+"""`trainproof ls` / `trainproof gc` through the real entry point, and their one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from storage import open_store
+from tests.support.faultproxy import Fault, FaultProxy
+from tests.support.s3server import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tp(*args, env=None, timeout=120):
+    """Run `python -m job ARGS` as a user would."""
+    full_env = dict(os.environ if env is None else env)
+    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def commit(store, step, contract="c"):
+    store.commit(step, {"training_state.pt": b"s" * (100 + step)}, contract=contract, world=1, code_version="t")
+
+
+def test_ls_json_reports_every_status_and_quarantine(tmp_path):
+    url = str(tmp_path / "run")
+    store = open_store(url)
+    commit(store, 1)
+    commit(store, 2)
+    store.backend.write(f"{store.root}/step-00000003/training_state.pt", b"partial")
+    store.quarantine(1, "test reason")
+    result = tp("ls", "--store", url, "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert [(g["name"], g["status"]) for g in doc["generations"]] == [
+        ("step-00000002", "complete"), ("step-00000003", "incomplete")]
+    assert doc["newest_complete_step"] == 2 and doc["latest_hint"] == "step-00000002"
+    assert doc["quarantined"][0]["reason"] == "test reason"
+    table = tp("ls", "--store", url)
+    assert "step-00000003" in table.stdout and "incomplete" in table.stdout and "quarantined" in table.stdout
+
+
+def test_gc_keeps_the_newest_and_dry_run_deletes_nothing(tmp_path):
+    url = str(tmp_path / "run")
+    store = open_store(url)
+    for step in (1, 2, 3, 4):
+        commit(store, step)
+    dry = tp("gc", "--store", url, "--keep", "2", "--dry-run")
+    assert dry.returncode == 0 and "would delete step-00000001" in dry.stdout
+    assert len(store.scan()) == 4
+    real = tp("gc", "--store", url, "--keep", "1")
+    assert real.returncode == 0, real.stderr
+    assert [g.step for g in store.scan()] == [4]
+
+
+def test_gc_refuses_keep_zero(tmp_path):
+    result = tp("gc", "--store", str(tmp_path), "--keep", "0")
+    assert result.returncode == 2
+
+
+def _assert_one_line_exit_2(result, *needles):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("trainproof: error:")]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_bucket_is_one_line_exit_2(s3_env):
+    result = tp("ls", "--store", "s3://no-such-bucket-here/run")
+    _assert_one_line_exit_2(result, "no-such-bucket-here", "does not exist")
+
+
+def test_unreachable_endpoint_is_one_line_exit_2(s3_env):
+    env = dict(os.environ, AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}")
+    result = tp("ls", "--store", f"s3://{s3_env}/run", env=env)
+    _assert_one_line_exit_2(result, "cannot reach", "127.0.0.1")
+
+
+def test_refused_credentials_are_one_line_exit_2_and_never_printed(s3_server, s3_env):
+    with FaultProxy(s3_server.endpoint) as proxy:
+        proxy.set_faults([Fault(kind="forbidden", code="InvalidAccessKeyId",
+                                message="The AWS Access Key Id you provided does not exist in our records.")])
+        env = dict(os.environ, AWS_ENDPOINT_URL=proxy.endpoint, AWS_SECRET_ACCESS_KEY="sekrit-value-123")
+        result = tp("ls", "--store", f"s3://{s3_env}/run", env=env)
+    _assert_one_line_exit_2(result, "refused (403)")
+    assert "sekrit-value-123" not in result.stdout + result.stderr
+    assert proxy.stats.injected.get("forbidden", 0) == 1, "a 403 must fail fast, without retries"
+
+
+def test_bad_url_scheme_is_exit_2():
+    _assert_one_line_exit_2(tp("ls", "--store", "ftp://x/y"), "unsupported store URL scheme")
