@@ -52,7 +52,8 @@ Forwarding details
   aiobotocore use aws-chunked trailers only over https; with ``request_checksum_calculation=
   "when_required"`` over http they send plain ``Content-Length`` bodies.
   ``Expect: 100-continue`` is answered by the proxy itself (http.server does it).
-* Responses: status, reason and headers relayed (the proxy adds no Server/Date header);
+* Responses: status, reason and headers relayed (the proxy adds no Server/Date header; of a
+  duplicated singleton header such as moto's two ``Server`` headers on errors, only the first);
   bodies with a Content-Length are streamed, others are read whole and sent with a length.
   Client connections are HTTP/1.1 keep-alive; each has its own keep-alive upstream connection,
   re-opened once if a *reused* upstream connection turns out to be stale before any response.
@@ -107,6 +108,13 @@ _HOP_BY_HOP = frozenset(
         "transfer-encoding",
         "upgrade",
     }
+)
+
+# Relayed responses keep only the first of these: moto's error responses carry werkzeug's
+# "Server" *and* moto's "server: amazon.com", which aiohttp's strict parser (used e.g. under
+# `python -X dev`) rejects as "Duplicate 'Server' header found".
+_SINGLETON = frozenset(
+    {"content-length", "content-location", "content-range", "content-type", "etag", "server"}
 )
 
 _ERROR_DEFAULTS = {
@@ -317,7 +325,7 @@ class _Handler(BaseHTTPRequestHandler):
                 proxy._event(method, target, kind, None)
             else:  # pragma: no cover - Fault validates kinds
                 raise AssertionError(kind)
-        except (_ClientGone, OSError):
+        except (_ClientGone, OSError, http.client.HTTPException):
             self.close_connection = True
 
     def _read_exact(self, n: int) -> bytes:
@@ -441,7 +449,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_simple(502, "BadGateway", f"upstream error: {exc!r}", head=(method == "HEAD"))
             return 502
         try:
-            headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP]
+            headers, seen = [], set()
+            for k, v in resp.getheaders():
+                lk = k.lower()
+                if lk in _HOP_BY_HOP or (lk in _SINGLETON and lk in seen):
+                    continue
+                seen.add(lk)
+                headers.append((k, v))
             no_body = method == "HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
             streaming = not no_body and resp.length is not None and not resp.chunked
             data = b""

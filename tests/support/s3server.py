@@ -22,7 +22,8 @@ Notes
   ``POST /moto-api/reset`` (:meth:`S3Server.reset`) wipes all of it.  Prefer a unique bucket per
   test (:func:`unique_bucket_name`, the default of :meth:`S3Server.create_bucket`) over resets.
   The only other global we touch: with ``quiet=True`` the ``werkzeug`` logger's level is raised
-  to WARNING if it was unset (otherwise werkzeug logs every request to stderr).
+  to WARNING if it was unset (otherwise werkzeug logs every request to stderr), and one private
+  boto3 Session is cached here to create clients (models load once; never boto3's default one).
 * Credentials: clients made here always get explicit dummy credentials.  Code under test that
   builds its own clients should run with :func:`dummy_aws_env` applied (``monkeypatch.setenv``)
   so nothing reads real credentials, config files or the EC2 metadata service.
@@ -42,16 +43,40 @@ Findings (moto 5.2.5, botocore 1.43, s3fs 2026.9)
   single PUT and for the multipart path (``len(data) >= 2 * chunksize``).  A 412 *without* the
   Condition element (some S3-compatible servers) would instead surface as
   ``OSError(errno.EINVAL)`` -- code that needs to tell "lost the race" apart must check both.
+* aiohttp (under s3fs/aiobotocore) silently re-sends an idempotent request (PUT, GET, HEAD,
+  DELETE; not POST) ONCE after a connection reset/disconnect (``ClientSession._retry_connection``),
+  below botocore's ``total_max_attempts`` and s3fs's ``retries``.  So a create-only PUT that
+  committed but lost its response comes back as ``FileExistsError`` on the *first* call: a 412
+  from s3fs can be your own write -- read the object back and compare.  boto3 (urllib3, called
+  with ``retries=False``) does not do this: it raises ``ConnectionClosedError``.
+* s3fs/aiobotocore report a connection reset as ``botocore.exceptions.EndpointConnectionError``
+  ("Could not connect to the endpoint URL"; not an ``OSError``; ``__context__`` is aiohttp's
+  ``ClientOSError(104)``), passed through untranslated, even when the request was delivered.
+* CompleteMultipartUpload (POST, not re-sent) that commits but loses its response: s3fs then
+  aborts the upload, gets ``NoSuchUpload`` and raises ``FileNotFoundError`` (``__cause__``: the
+  AbortMultipartUpload ClientError, the EndpointConnectionError further down the ``__context__``
+  chain) -- while the object exists.
+* Other s3fs mappings with ``fs.retries = 1``: 503 SlowDown -> ``OSError(errno.EBUSY)``,
+  500 InternalError -> ``OSError(errno.EREMOTEIO)``, 403 AccessDenied -> ``PermissionError``;
+  the original ``ClientError`` is ``__cause__``.
+* moto's error responses carry two ``Server`` headers (werkzeug's and ``server: amazon.com``);
+  aiohttp's strict response parser (e.g. under ``python -X dev``) rejects them with "Duplicate
+  'Server' header found" -- direct s3fs-to-moto error paths fail in dev mode; through
+  :class:`~tests.support.faultproxy.FaultProxy` (which de-duplicates) they work.
+* moto's werkzeug server answers every request with ``Connection: close`` (no upstream keep-alive).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import socket
+import threading
 import urllib.request
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import boto3
 from botocore.config import Config
@@ -111,6 +136,22 @@ def unique_bucket_name(prefix: str = "tp") -> str:
     return f"{prefix[:30]}-{uuid.uuid4().hex[:20]}"
 
 
+_SESSION_LOCK = threading.Lock()
+_SESSION: boto3.session.Session | None = None
+
+
+def _shared_session() -> boto3.session.Session:
+    """A private boto3 session (not boto3's module default) reused to create clients.
+
+    Clients always get explicit credentials and region, so the session's own credential chain
+    is never consulted.  Callers hold ``_SESSION_LOCK`` (botocore sessions are not thread-safe).
+    """
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = boto3.session.Session()
+    return _SESSION
+
+
 def client_config(
     *,
     total_max_attempts: int | None = 1,
@@ -144,20 +185,22 @@ def make_boto3_client(
     read_timeout: float = 30,
     **config_overrides: Any,
 ):
-    """A boto3 S3 client for ``endpoint_url`` (own botocore session: no shared default session)."""
-    session = boto3.session.Session(
-        aws_access_key_id=key, aws_secret_access_key=secret, region_name=REGION
-    )
-    return session.client(
-        "s3",
-        endpoint_url=endpoint_url,
-        config=client_config(
-            total_max_attempts=total_max_attempts,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            **config_overrides,
-        ),
-    )
+    """A boto3 S3 client for ``endpoint_url`` with explicit credentials (never boto3's default
+    session; one private botocore session is shared so service models load only once)."""
+    with _SESSION_LOCK:
+        return _shared_session().client(
+            "s3",
+            endpoint_url=endpoint_url,
+            aws_access_key_id=key,
+            aws_secret_access_key=secret,
+            region_name=REGION,
+            config=client_config(
+                total_max_attempts=total_max_attempts,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                **config_overrides,
+            ),
+        )
 
 
 def make_s3fs(
@@ -272,7 +315,10 @@ class S3Server:
         return name
 
     def _moto_api(self, path: str, data: bytes = b"") -> bytes:
-        req = urllib.request.Request(self.endpoint + path, data=data, method="POST")
+        # text/plain: werkzeug would parse urllib's default form content type away from .data
+        req = urllib.request.Request(
+            self.endpoint + path, data=data, method="POST", headers={"Content-Type": "text/plain"}
+        )
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with opener.open(req, timeout=30) as resp:
             return resp.read()
@@ -281,3 +327,40 @@ class S3Server:
         """Wipe ALL moto state in this process (``POST /moto-api/reset``): every bucket of every
         S3Server and mock_aws in the process.  Per-test unique buckets are usually better."""
         self._moto_api("/moto-api/reset")
+
+    @contextlib.contextmanager
+    def iam_auth(self) -> Iterator[tuple[str, str]]:
+        """Turn on moto's IAM authentication -- which verifies SigV4 signatures -- and yield
+        ``(access_key_id, secret_access_key)`` of a new allow-all IAM user.
+
+        PROCESS-GLOBAL while active (``POST /moto-api/reset-auth``): every moto server and
+        mock in this process then rejects unknown keys and bad signatures.  The previous
+        setting is restored on exit.
+        """
+        with _SESSION_LOCK:
+            iam = _shared_session().client(
+                "iam",
+                endpoint_url=self.endpoint,
+                aws_access_key_id=DUMMY_KEY,
+                aws_secret_access_key=DUMMY_SECRET,
+                region_name=REGION,
+            )
+        user = unique_bucket_name("tp-user")
+        iam.create_user(UserName=user)
+        iam.put_user_policy(
+            UserName=user,
+            PolicyName="allow-all",
+            PolicyDocument=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+                }
+            ),
+        )
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        answer = json.loads(self._moto_api("/moto-api/reset-auth", b"0"))
+        previous = answer.get("PREVIOUS_INITIAL_NO_AUTH_ACTION_COUNT", "inf")
+        try:
+            yield key["AccessKeyId"], key["SecretAccessKey"]
+        finally:
+            self._moto_api("/moto-api/reset-auth", str(previous).encode())
