@@ -9,7 +9,6 @@ holds no buffers between calls.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import shutil
 import threading
@@ -230,7 +229,3 @@ def _timestamp(value) -> float | None:
         return value.timestamp()
     return None
 
-
-def read_stream(data: Source) -> io.BytesIO:
-    """A file object over bytes-like input (for backends that stream)."""
-    return io.BytesIO(bytes(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data

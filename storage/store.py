@@ -12,9 +12,9 @@ from urllib.parse import urlparse
 from storage import manifest as mf
 from storage.backend import FsspecBackend, LocalBackend, join
 from storage.commit import LATEST, commit_generation
-from storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError, StoreError, StoreUnavailableError
-from storage.generations import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan
-from storage.options import StoreOptions
+from storage.errors import CorruptGenerationError, StoreConfigError, StoreError, StoreUnavailableError
+from storage.generations import COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan
+from storage.options import RetryPolicy, StoreOptions
 from storage.quarantine import list_quarantined, quarantine
 from storage.retention import plan_retention
 from storage.retry import RetryStats, call_with_retry, is_transient
@@ -193,10 +193,10 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     if not bucket:
         raise StoreConfigError(f"no bucket in {url}: use s3://bucket/prefix/run")
     backend = S3Backend(options)
-    probe = call_with_retry(
-        options.retry.__class__(attempts=min(3, options.retry.attempts), total_seconds=30.0),
-        f"check bucket {bucket}", lambda: backend.check_access(bucket))
-    del probe
+    # A short budget: a wrong endpoint should fail in seconds, not after the full write budget.
+    quick = RetryPolicy(attempts=min(3, options.retry.attempts), total_seconds=30.0,
+                        initial_wait=options.retry.initial_wait, max_wait=options.retry.max_wait)
+    call_with_retry(quick, f"check bucket {bucket}", lambda: backend.check_access(bucket))
     root = join(bucket, prefix) if prefix else bucket
 
     def prepare(store: GenerationStore) -> None:
@@ -213,4 +213,4 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     return GenerationStore(backend, root, url, options, _prepare=prepare)
 
 
-__all__ = ["GenerationStore", "open_store", "CommitConflictError", "INCOMPLETE", "FOREIGN", "CORRUPT", "COMPLETE"]
+__all__ = ["GenerationStore", "open_store"]
