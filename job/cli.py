@@ -20,7 +20,7 @@ def _register() -> None:
     import importlib
     import importlib.util
 
-    for name in ("job.cmd_train",):  # train
+    for name in ("job.cmd_train", "job.cmd_verify", "job.cmd_plan"):  # train, verify/export/audit, plan
         if importlib.util.find_spec(name) is not None:  # pragma: no branch
             importlib.import_module(name)
 

@@ -26,7 +26,7 @@ def epoch_plan(samples: int, per_rank: int, world: int = 1) -> dict[str, Any]:
     may be smaller, but must still give every rank at least one real sample.
     """
     if samples < 1 or per_rank < 1 or world < 1:
-        raise ConfigError(f"epoch plan needs samples, per-rank batch and world >= 1 (got {samples}, {per_rank}, {world})")
+        raise ConfigError(f"an epoch plan needs samples, batch and world >= 1 (got {samples}, {per_rank}, {world})")
     global_batch = world * per_rank
     steps = math.ceil(samples / global_batch)
     tail = samples - (steps - 1) * global_batch

@@ -42,8 +42,11 @@ def writer(url: str, keep: int, size_scale: int) -> None:
     step = latest.info.step + 1 if latest else 1
     print("ready", flush=True)
     while True:
-        store.commit(step, payload(step, size_scale), contract=CONTRACT, world=1, code_version="crashloop", keep=keep)
+        store.commit(step, payload(step, size_scale), contract=CONTRACT, world=1, code_version="crashloop")
         print(f"committed {step}", flush=True)
+        # Grace 0: abandoned partials below the newest commit go at once, so kills also land inside deletions
+        # and partials don't pile up (each one costs discovery a listing).
+        store.apply_retention(keep, grace_seconds=0)
         step += 1
 
 

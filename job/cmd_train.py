@@ -1,0 +1,60 @@
+"""``trainproof train``: fills a TrainConfig from options / TRAINPROOF_* variables and runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from job.cli import app
+from job.clikit import EndpointArg, PathStyleArg, RegionArg, StoreArg, fail, handled, open_run, setup_logging
+from job.config import TrainConfig, load_task_config
+from job.errors import TrainError
+from job.preempt import StopRequest, parse_deadline
+
+
+def _opt(env: str, help: str) -> Any:
+    return typer.Option(envvar=f"TRAINPROOF_{env}", show_envvar=True, help=help)
+
+
+@app.command("train")
+@handled
+def train_command(
+    store: StoreArg,
+    task: Annotated[str, _opt("TASK", "Built-in task (regression, tinylm) or package.module:factory.")] = "regression",
+    max_steps: Annotated[int | None, _opt("MAX_STEPS", "Target total of optimizer steps (idempotent).")] = None,
+    steps: Annotated[int | None, _opt("STEPS", "Additional optimizer steps from where this run resumes.")] = None,
+    checkpoint_every: Annotated[int, _opt("CHECKPOINT_EVERY", "Commit every N steps (0: off).")] = 0,
+    checkpoint_every_seconds: Annotated[
+        float, _opt("CHECKPOINT_EVERY_SECONDS", "Commit every S seconds (0: off).")] = 600.0,
+    keep: Annotated[int, _opt("KEEP", "Complete generations to keep (0: all).")] = 3,
+    resume: Annotated[str, _opt("RESUME", "auto: resume from the newest usable generation; never.")] = "auto",
+    omit_rng_restore: Annotated[bool, _opt("OMIT_RNG_RESTORE", "Negative control: skip the RNG restore.")] = False,
+    seed: Annotated[int, _opt("SEED", "Seed of every generator (part of the run contract).")] = 1234,
+    config: Annotated[Path | None, _opt("CONFIG", "JSON or TOML file of task settings.")] = None,
+    deadline: Annotated[str | None, _opt("DEADLINE", "Stop in time to commit: ISO time or 90s/10m/2h/1d2h.")] = None,
+    device: Annotated[str, _opt("DEVICE", "auto, cpu or cuda.")] = "auto",
+    log_every: Annotated[int, _opt("LOG_EVERY", "Log every N steps.")] = 1,
+    log_format: Annotated[str, _opt("LOG_FORMAT", "auto (rich on a terminal), rich or json.")] = "auto",
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
+) -> None:
+    """Train; resume from the latest valid generation. Exit 0 done, 75 stopped early (run again), 2 config, 1 other."""
+    with StopRequest() as stop:  # before torch is imported: a SIGTERM from here on is honoured
+        setup_logging()  # the store's warnings (a generation skipped, a retry) go to stderr
+        try:
+            cfg = TrainConfig(
+                store=store, task=task, task_config=load_task_config(config) if config else {},
+                max_steps=max_steps, steps=steps, checkpoint_every=checkpoint_every,
+                checkpoint_every_seconds=checkpoint_every_seconds, keep=keep, resume=resume,
+                omit_rng_restore=omit_rng_restore, seed=seed,
+                deadline=parse_deadline(deadline) if deadline else None,
+                device=device, log_every=log_every, log_format=log_format,
+            )
+            run_store = open_run(store, endpoint_url, region, path_style)
+            from job.trainer import train  # torch is slow to import: keep `--help` and config errors fast
+
+            outcome = train(cfg, store=run_store, stop=stop)
+        except TrainError as exc:
+            raise fail(" ".join(str(exc).split()), exc.exit_code) from None
+    raise typer.Exit(outcome.exit_code)

@@ -1,0 +1,134 @@
+"""Run identity: ``plan.json`` and the contract hash that binds every checkpoint to its run.
+
+The contract (PROTOCOL.md) is sha256 over:
+
+- the sha256 of the plan's configuration (the task spec and the task's own settings),
+- the state schema version,
+- the data identity (sha256 of the exact data / data manifest),
+- the world size,
+- the objective name (``global_token_mean_v1`` for tinylm, ``mse_mean_v1`` for regression),
+- the seed.
+
+``plan.json`` is written once, create-only, on the first start. Every later start recomputes the fields
+from its own options and compares them with the stored plan: a different task config, data, seed or
+world size is a different experiment, so resuming would silently mix two runs. That is refused (exit 2)
+with the name of the field that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from job.errors import ContractError
+from job.state import STATE_SCHEMA
+
+PLAN_SCHEMA = "trainproof.plan/1"
+PLAN_FILE = "plan.json"
+# Compared in this order on restart; the first difference is reported (with the others listed).
+CONTRACT_FIELDS = ("task", "task_config", "data_identity", "seed", "world", "objective", "state_schema")
+
+
+def canonical_json(value: Any) -> bytes:
+    """Deterministic JSON bytes (sorted keys, no whitespace): the input of every hash here."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sha256_hex(data: bytes) -> str:
+    """sha256 hex digest."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def build_plan(
+    *, task: str, task_config: dict[str, Any], data_identity: str, seed: int, world: int, objective: str,
+    code_version: str,
+) -> dict[str, Any]:
+    """The run's plan: its identity fields, the derived contract hash, and when/what wrote it."""
+    plan: dict[str, Any] = {
+        "schema": PLAN_SCHEMA,
+        "task": task,
+        "task_config": task_config,
+        "data_identity": data_identity,
+        "seed": seed,
+        "world": world,
+        "objective": objective,
+        "state_schema": STATE_SCHEMA,
+    }
+    plan["config_sha256"] = sha256_hex(canonical_json({"task": task, "task_config": task_config}))
+    plan["contract"] = contract_of(plan)
+    plan["code_version"] = code_version
+    plan["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return plan
+
+
+def contract_of(plan: dict[str, Any]) -> str:
+    """The contract hash of a plan (recomputed, never trusted from the file)."""
+    fields = {
+        "config_sha256": plan["config_sha256"],
+        "state_schema": plan["state_schema"],
+        "data_identity": plan["data_identity"],
+        "world": plan["world"],
+        "objective": plan["objective"],
+        "seed": plan["seed"],
+    }
+    return sha256_hex(canonical_json(fields))
+
+
+def differences(stored: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two plans' contract fields, most specific first."""
+    out = []
+    for field in CONTRACT_FIELDS:
+        a, b = stored.get(field), new.get(field)
+        if a == b:
+            continue
+        if field == "task_config" and stored.get("task") != new.get("task"):
+            continue  # another task has other settings altogether: naming the task says it all
+        if field == "task_config" and isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    out.append(f"task_config.{key} (stored {a.get(key, '<absent>')!r}, now {b.get(key, '<absent>')!r})")
+        else:
+            out.append(f"{field} (stored {_short(a)}, now {_short(b)})")
+    return out
+
+
+def ensure_plan(store: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """Write ``plan.json`` create-only, or check this run against the one already there.
+
+    Returns the plan in force. Raises ContractError naming the differing field(s).
+    """
+    try:
+        store.write_file(PLAN_FILE, canonical_json(plan) + b"\n", create_only=True)
+        return plan
+    except FileExistsError:
+        pass  # a previous start (or a concurrent one that won the create) wrote it: compare
+    stored = read_plan(store)
+    diffs = differences(stored, plan)
+    if not diffs and stored.get("contract") != plan["contract"]:
+        diffs = [f"contract (stored {_short(stored.get('contract'))}, now {_short(plan['contract'])})"]
+    if diffs:
+        raise ContractError(
+            f"this run does not match {PLAN_FILE} in {store.url}: {diffs[0]}"
+            + (f" (and {len(diffs) - 1} more: {'; '.join(diffs[1:4])}{'; ...' if len(diffs) > 4 else ''})"
+               if len(diffs) > 1 else "")
+            + ". Use a new --store for a new experiment, or the original settings to resume this one"
+        )
+    return stored
+
+
+def read_plan(store: Any) -> dict[str, Any]:
+    """Read and parse ``plan.json``; a malformed plan is a contract error (a person must look at it)."""
+    try:
+        plan = json.loads(store.read_file(PLAN_FILE))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ContractError(f"{PLAN_FILE} in {store.url} is not valid JSON ({exc})") from None
+    if not isinstance(plan, dict) or plan.get("schema") != PLAN_SCHEMA:
+        raise ContractError(f"{PLAN_FILE} in {store.url} is not a {PLAN_SCHEMA} plan")
+    return plan
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else text[:20] + "...'"

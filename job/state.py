@@ -1,0 +1,250 @@
+"""The training state: one consistent moment after a complete optimizer step, as safe bytes.
+
+Layout (``training_state.pt``, a dict saved with ``torch.save``)::
+
+    schema     "trainproof.state/1"
+    meta       contract, world, task, task_config, seed, objective, data_identity, code_version,
+               versions (python/torch/numpy), device, trainer settings
+    progress   step, epoch, samples_seen, targets_seen, next_lr
+    model / optimizer / scheduler / scaler    their state_dicts (scheduler None when the task has none)
+    history    per-step columns: step, epoch, loss, lr, targets, sample ids (flat + offsets)
+    ranks      [rank part, ...]: per-rank pieces {rank, rng, data, next_draws}
+
+The per-rank parts are kept apart on purpose: with world > 1 each goes to its own ``rank-%05d.pt``
+file; with world == 1 the single part is stored inline.
+
+Loading is ``torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)`` and nothing else: the
+state holds only builtins and tensors, so a file carrying a pickled object (a class instance, a
+callable) fails to load and is refused. :func:`encode` checks the types *before* saving, so the trainer
+can never write a state that its own loader would refuse.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any, ClassVar
+
+import torch
+
+from job.errors import StateError
+
+STATE_SCHEMA = "trainproof.state/1"
+STATE_FILE = "training_state.pt"
+TOP_KEYS = ("schema", "meta", "progress", "model", "optimizer", "scheduler", "scaler", "history", "ranks")
+# Exact types, not isinstance: subclasses such as torch's TorchVersion (a str) or np.float64 (a float)
+# pickle as their own class, which weights-only loading refuses.
+_SCALARS = (str, int, float, bool, type(None))
+_MAPPINGS = (dict, OrderedDict)
+_SEQUENCES = (list, tuple)
+
+
+class History:
+    """Per-step record of what each update consumed and produced (for the verifier's comparison).
+
+    Kept as typed arrays (8 bytes a value), not Python objects: a long run's history (a million steps,
+    tens of sample ids each) stays small in memory and converts to tensors without a Python loop.
+    """
+
+    COLUMNS: ClassVar[dict[str, str]] = {"step": "q", "epoch": "q", "loss": "d", "lr": "d", "targets": "q"}
+
+    def __init__(self) -> None:
+        self._cols = {name: array(code) for name, code in self.COLUMNS.items()}
+        self._ids = array("q")
+        self._offsets = array("q", [0])
+
+    def append(self, *, step: int, epoch: int, loss: float, lr: float, targets: int, sample_ids: list[int]) -> None:
+        """Record one completed optimizer step."""
+        for name, value in (("step", step), ("epoch", epoch), ("loss", loss), ("lr", lr), ("targets", targets)):
+            self._cols[name].append(value)
+        self._ids.extend(sample_ids)
+        self._offsets.append(len(self._ids))
+
+    def __len__(self) -> int:
+        return len(self._cols["step"])
+
+    def column(self, name: str) -> list[Any]:
+        """One column as a list (``step``, ``epoch``, ``loss``, ``lr``, ``targets``)."""
+        return self._cols[name].tolist()
+
+    def row(self, i: int) -> dict[str, Any]:
+        """Step ``i`` (0-based; negative counts from the end) as a dict, sample ids included."""
+        i = range(len(self))[i]
+        out = {name: col[i] for name, col in self._cols.items()}
+        out["sample_ids"] = self._ids[self._offsets[i] : self._offsets[i + 1]].tolist()
+        return out
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """Every step as a dict (convenient for comparisons; builds Python objects, so not for hot paths)."""
+        return [self.row(i) for i in range(len(self))]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Columnar tensors: exact (float64 for loss and lr), compact, fast to (de)serialise."""
+        out = {name: _tensor(col) for name, col in self._cols.items()}
+        out["sample_ids"] = _tensor(self._ids)
+        out["sample_offsets"] = _tensor(self._offsets)
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: Any) -> History:
+        """Rebuild from :meth:`state_dict` output, refusing wrong types or ragged columns."""
+        if not isinstance(state, dict):
+            raise StateError("history is not a dict of columns")
+        arrays = {}
+        for name, code in [*cls.COLUMNS.items(), ("sample_ids", "q"), ("sample_offsets", "q")]:
+            t = state.get(name)
+            dtype = torch.float64 if code == "d" else torch.int64
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
+                raise StateError(f"history column {name!r} must be a 1-D {dtype} tensor")
+            arrays[name] = array(code, t.contiguous().numpy().tobytes())
+        hist = cls()
+        hist._cols = {name: arrays[name] for name in cls.COLUMNS}
+        hist._ids, hist._offsets = arrays["sample_ids"], arrays["sample_offsets"]
+        n, offsets = len(hist), hist._offsets
+        if any(len(col) != n for col in hist._cols.values()) or len(offsets) != n + 1:
+            raise StateError("history columns have inconsistent lengths")
+        if offsets[0] != 0 or offsets[-1] != len(hist._ids) or any(a > b for a, b in pairwise(offsets)):
+            raise StateError("history sample offsets are not a valid index")
+        return hist
+
+
+def _tensor(values: array) -> torch.Tensor:
+    dtype = torch.float64 if values.typecode == "d" else torch.int64
+    if not values:
+        return torch.zeros(0, dtype=dtype)
+    return torch.frombuffer(bytearray(values.tobytes()), dtype=dtype)
+
+
+def encode(state: dict[str, Any]) -> bytes:
+    """Serialise ``state`` with torch.save after checking it holds only weights-only-loadable types."""
+    check_types(state)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """Load a state safely (weights_only=True, CPU) and check its structure.
+
+    A pickled object (class instance, callable, NumPy array) is refused with StateError; so is a file
+    that is not a training state at all.
+    """
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message is a long how-to-bypass text; keep the line naming the forbidden global.
+        found = re.search(r"(Unsupported global: GLOBAL \S+|WeightsUnpickler error:[^\n]*)", str(exc))
+        detail = found.group(1) if found else type(exc).__name__
+        raise StateError(
+            f"refused: the state file holds a pickled object that weights-only loading forbids ({detail})"
+        ) from None
+    except Exception as exc:
+        raise StateError(f"the state file cannot be read as a torch checkpoint: {type(exc).__name__}: {exc}") from None
+    check_structure(state)
+    return state
+
+
+def check_types(value: Any, path: str = "state") -> None:
+    """Refuse anything but builtins and tensors, naming where it sits (e.g. a NumPy array from a task)."""
+    if isinstance(value, torch.Tensor) or type(value) in _SCALARS:
+        return
+    if type(value) in _MAPPINGS:
+        for k, v in value.items():
+            if type(k) not in (str, int):
+                raise StateError(f"{path}: key {k!r} of type {type(k).__name__} is not a str or int")
+            check_types(v, f"{path}.{k}")
+        return
+    if type(value) in _SEQUENCES:
+        for i, v in enumerate(value):
+            check_types(v, f"{path}[{i}]")
+        return
+    kind = f"{type(value).__module__}.{type(value).__name__}"
+    raise StateError(f"{path} is a {kind}: only builtins and tensors can be saved")
+
+
+def check_structure(state: Any) -> None:
+    """Cheap structural check (used as the store's read-back check): schema and sections present."""
+    if not isinstance(state, dict):
+        raise StateError(f"the state is a {type(state).__name__}, not a dict")
+    if state.get("schema") != STATE_SCHEMA:
+        raise StateError(f"state schema is {state.get('schema')!r}; this trainproof reads {STATE_SCHEMA!r}")
+    missing = [k for k in TOP_KEYS if k not in state]
+    if missing:
+        raise StateError(f"the state lacks section(s) {missing}")
+    if not isinstance(state["ranks"], list) or not state["ranks"]:
+        raise StateError("the state has no per-rank part")
+
+
+@dataclass(kw_only=True)
+class Expected:
+    """What a state must agree with to be resumed by this run."""
+
+    contract: str
+    """The run contract (plan.json)."""
+    world: int
+    """World size of this run."""
+    code_version: str
+    """trainproof version of this process."""
+    data_identity: str
+    """sha256 of this run's data."""
+    step: int | None = None
+    """The generation's step (from its directory / COMPLETE.json), when known."""
+
+
+def check_consistency(state: dict[str, Any], expected: Expected) -> list[str]:
+    """Refuse a state that belongs to another run or contradicts itself; return soft warnings.
+
+    Raises StateError naming the first inconsistency. Warnings (other torch/numpy versions: the
+    resume is still correct but may not be bitwise equal) are returned for the caller to log.
+    """
+    check_structure(state)
+    meta, progress = state["meta"], state["progress"]
+    _same("contract", meta.get("contract"), expected.contract, "the state belongs to another run")
+    _same("world", meta.get("world"), expected.world, "resume with the original world size")
+    _same("code_version", meta.get("code_version"), expected.code_version,
+          "resume with the version that wrote it, or start a new --store")
+    _same("data_identity", meta.get("data_identity"), expected.data_identity, "the data changed since the save")
+    step = progress.get("step")
+    if not isinstance(step, int) or step < 0:
+        raise StateError(f"state progress.step is {step!r}, not a step count")
+    if expected.step is not None:
+        _same("progress.step", step, expected.step, "the generation's name and its content disagree")
+    history = History.from_state_dict(state["history"])
+    if history.column("step") != list(range(1, step + 1)):
+        raise StateError(f"history does not record steps 1..{step} exactly once each (a step repeated or skipped)")
+    sched = state["scheduler"]
+    if sched is not None and sched.get("last_epoch") != step:
+        raise StateError(f"scheduler has taken {sched.get('last_epoch')} steps but progress says {step}")
+    if len(state["ranks"]) != expected.world:
+        raise StateError(f"state holds {len(state['ranks'])} rank part(s) for world {expected.world}")
+    return _version_warnings(meta.get("versions", {}))
+
+
+def _same(field: str, got: Any, want: Any, hint: str) -> None:
+    if got != want:
+        raise StateError(f"state {field} is {got!r}, this run expects {want!r}: {hint}")
+
+
+def _version_warnings(saved: dict[str, Any]) -> list[str]:
+    now = runtime_versions()
+    return [
+        f"state was written with {name} {saved.get(name)}, this process runs {now[name]}: "
+        "the resume is valid but may not be bitwise equal"
+        for name in now
+        if saved.get(name) != now[name]
+    ]
+
+
+def runtime_versions() -> dict[str, str]:
+    """Library versions that can change numerics (recorded in the state, compared on load)."""
+    import platform
+
+    import numpy
+
+    return {"python": platform.python_version(), "torch": str(torch.__version__), "numpy": str(numpy.__version__)}

@@ -1,0 +1,40 @@
+"""Tasks: the built-ins and the loader for ``--task package.module:factory``."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from job.errors import ConfigError
+from job.tasks.base import Task, TaskContext
+
+BUILTIN_TASKS = {
+    "regression": "job.tasks.regression:make_task",
+    "tinylm": "job.tasks.tinylm:make_task",
+}
+
+__all__ = ["BUILTIN_TASKS", "Task", "TaskContext", "load_task"]
+
+
+def load_task(spec: str, config: dict[str, Any] | None = None) -> Task:
+    """Build the task named by ``spec`` (a built-in name or ``package.module:factory``).
+
+    ``factory(config: dict) -> Task`` receives the overrides from ``--config``.
+    """
+    target = BUILTIN_TASKS.get(spec, spec)
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(
+            f"unknown task {spec!r}: use one of {sorted(BUILTIN_TASKS)} or 'package.module:factory'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"task {spec!r}: cannot import {module_name!r}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"task {spec!r}: {module_name} has no callable {attr!r}")
+    task = factory(dict(config or {}))
+    if not isinstance(task, Task):
+        raise ConfigError(f"task {spec!r}: factory returned {type(task).__name__}, not a job.tasks.Task")
+    return task

@@ -1,0 +1,146 @@
+"""The task interface: what the trainer needs from a model + data + objective, and nothing more.
+
+The built-in tasks (``regression``, ``tinylm``) implement it, and so can a user's own task, loaded with
+``--task package.module:factory`` where ``factory(config: dict) -> Task``.
+
+The split of responsibilities is deliberate:
+
+- the trainer owns the loop, the random generators, the data position, checkpointing and AMP;
+- the task owns *what* is trained: it builds model, optimizer and scheduler, turns sample ids into a
+  micro-batch (drawing augmentation randomness only from the generators it is handed or the global
+  Python/PyTorch ones), and returns the **sum** of per-target losses of a micro-batch.
+
+Returning a sum plus a separate target count (:meth:`Task.count_targets`, computed from sample ids
+before any forward pass) is what makes the global-mean objective exact under gradient accumulation:
+the trainer divides by the count of real targets of the whole step, and a distributed run can
+all-reduce that count before the first backward.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from job.errors import ConfigError
+
+C = TypeVar("C")
+
+
+@dataclass(kw_only=True)
+class TaskContext:
+    """What a task may use while building a micro-batch."""
+
+    np_rng: np.random.Generator
+    """The run's NumPy generator (checkpointed and restored by the trainer)."""
+    device: torch.device
+    """Where the batch tensors must live."""
+
+
+class Task(abc.ABC):
+    """One trainable experiment. Subclasses set the class attributes and implement the methods."""
+
+    objective: str = "mean_v1"
+    """Name of the loss definition; part of the run contract (changing it changes the experiment)."""
+    supports_cuda: bool = True
+    """False pins the task to the CPU (``--device auto`` then picks the CPU, ``cuda`` is refused)."""
+    cpu_threads: int | None = None
+    """PyTorch CPU threads; a fixed count keeps CPU reductions, hence results, bitwise reproducible."""
+    dtype: torch.dtype = torch.float32
+    """Parameter dtype."""
+    default_steps: int = 10
+    """Target when neither ``--max-steps`` nor ``--steps`` is given."""
+    grad_clip: float | None = None
+    """Max global gradient norm, or None for no clipping."""
+
+    @property
+    @abc.abstractmethod
+    def batch_size(self) -> int:
+        """Samples per optimizer step (per rank)."""
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per forward/backward; a step accumulates gradients over its micro-batches."""
+        return self.batch_size
+
+    @abc.abstractmethod
+    def config(self) -> dict[str, Any]:
+        """The task's settings as JSON-able values. They enter the run contract."""
+
+    @abc.abstractmethod
+    def num_samples(self) -> int:
+        """Number of samples in one epoch."""
+
+    @abc.abstractmethod
+    def data_identity(self) -> str:
+        """sha256 (hex) identifying the exact data; part of the run contract."""
+
+    @abc.abstractmethod
+    def build_model(self) -> nn.Module:
+        """A freshly initialised model (the trainer moves it to the device and dtype)."""
+
+    @abc.abstractmethod
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer over ``model``'s parameters."""
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """A learning-rate scheduler stepped once per optimizer step, or None."""
+        return None
+
+    def count_targets(self, sample_ids: list[int]) -> int:
+        """Number of real targets (rows, tokens) in these samples, known before any forward pass."""
+        return len(sample_ids)
+
+    @abc.abstractmethod
+    def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> Any:
+        """Build one micro-batch from sample ids (augmentation randomness drawn here)."""
+
+    @abc.abstractmethod
+    def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Sum (not mean) of the per-target losses of one micro-batch, as a scalar tensor."""
+
+    def use_amp(self, device: torch.device) -> bool:
+        """Whether to run forward passes under float16 autocast with a GradScaler."""
+        return device.type == "cuda"
+
+
+def config_from_dict(cls: type[C], overrides: dict[str, Any] | None) -> C:
+    """Build a task config dataclass from user overrides, refusing unknown keys by name."""
+    overrides = dict(overrides or {})
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} key(s) {unknown}; known keys: {sorted(known)}")
+    try:
+        return cls(**overrides)
+    except TypeError as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def require(condition: bool, message: str) -> None:
+    """Config validation helper for ``__post_init__``: raise ConfigError (exit 2) unless ``condition``."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def sha256_of(*parts: Any) -> str:
+    """sha256 hex over a sequence of bytes-like values and JSON-able values (canonical JSON)."""
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, (bytes, bytearray, memoryview)):
+            h.update(bytes(part))
+        elif isinstance(part, np.ndarray):
+            h.update(np.ascontiguousarray(part).tobytes())
+        elif isinstance(part, torch.Tensor):
+            h.update(part.detach().cpu().contiguous().numpy().tobytes())
+        else:
+            h.update(json.dumps(part, sort_keys=True, separators=(",", ":")).encode())
+        h.update(b"\x00")
+    return h.hexdigest()

@@ -1,0 +1,123 @@
+"""``regression``: the resume-equivalence protocol's fixture (PROTOCOL.md), exactly.
+
+24 rows of a synthetic two-input, one-target relationship; Linear(2->8), tanh, Dropout(0.25),
+Linear(8->1) (33 parameters); batches of 4; Adam lr 0.03 with StepLR(step_size=3, gamma=0.5); CPU,
+float64, one thread. All three generator families are really used on every step:
+
+- Python ``random``: a light gain applied to the inputs of each batch;
+- the run's NumPy ``Generator(PCG64)``: input noise here, and the per-epoch permutation in the sampler;
+- PyTorch: dropout masks.
+
+After 5 updates the cursor stands at 20 of 24 (a mid-epoch cut); 10 updates consume 40 rows, so the run
+crosses into a second epoch permutation. After 10 updates the next learning rate is 0.00375.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from job.tasks.base import Task, TaskContext, config_from_dict, require, sha256_of
+
+
+@dataclass(kw_only=True)
+class RegressionConfig:
+    """Settings of the fixture; the defaults ARE the protocol's fixture."""
+
+    rows: int = 24
+    """Rows in the dataset (one epoch)."""
+    batch_size: int = 4
+    """Rows per optimizer step."""
+    hidden: int = 8
+    """Hidden width: 2*8+8 + 8+1 = 33 parameters at the default."""
+    dropout: float = 0.25
+    """Dropout probability after the activation."""
+    lr: float = 0.03
+    """Adam learning rate."""
+    step_size: int = 3
+    """StepLR period, in optimizer steps."""
+    gamma: float = 0.5
+    """StepLR decay factor."""
+    gain: float = 0.1
+    """Python-random input gain is drawn uniformly from [1 - gain, 1 + gain] per batch."""
+    noise: float = 0.01
+    """Std of the NumPy Gaussian noise added to every input value."""
+    data_seed: int = 20240601
+    """Seed of the (fixed) dataset; independent of the run seed so the data identity never moves."""
+
+    def __post_init__(self) -> None:
+        require(self.rows >= 1 and self.batch_size >= 1, "regression: rows and batch_size must be >= 1")
+        require(self.hidden >= 1, "regression: hidden must be >= 1")
+        require(0.0 <= self.dropout < 1.0, "regression: dropout must be in [0, 1)")
+        require(self.lr > 0 and self.step_size >= 1 and self.gamma > 0, "regression: lr, step_size, gamma must be > 0")
+        require(self.gain >= 0 and self.noise >= 0, "regression: gain and noise must be >= 0")
+
+
+def make_dataset(rows: int, data_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed synthetic relationship y = f(x1, x2), float64.
+
+    Generated with its own PCG64 seeded by ``data_seed``, never from the run's generators.
+    """
+    gen = np.random.Generator(np.random.PCG64(data_seed))
+    x = gen.uniform(-1.0, 1.0, size=(rows, 2))
+    y = 0.8 * x[:, 0] - 0.5 * x[:, 1] + 0.3 * x[:, 0] * x[:, 1] + 0.2 * np.sin(3.0 * x[:, 0])
+    y = y + gen.normal(0.0, 0.05, size=rows)
+    return torch.from_numpy(x.astype(np.float64)), torch.from_numpy(y.astype(np.float64)).unsqueeze(1)
+
+
+class RegressionTask(Task):
+    """The protocol fixture (see module docstring)."""
+
+    objective = "mse_mean_v1"
+    supports_cuda = False  # the fixture is defined on the CPU, where the comparison can be exact
+    cpu_threads = 1
+    dtype = torch.float64
+    default_steps = 10
+
+    def __init__(self, cfg: RegressionConfig) -> None:
+        self.cfg = cfg
+        self.x, self.y = make_dataset(cfg.rows, cfg.data_seed)
+
+    @property
+    def batch_size(self) -> int:
+        return self.cfg.batch_size
+
+    def config(self) -> dict[str, Any]:
+        return asdict(self.cfg)
+
+    def num_samples(self) -> int:
+        return self.cfg.rows
+
+    def data_identity(self) -> str:
+        return sha256_of("regression-data-v1", self.x, self.y)
+
+    def build_model(self) -> nn.Module:
+        h = self.cfg.hidden
+        return nn.Sequential(nn.Linear(2, h), nn.Tanh(), nn.Dropout(self.cfg.dropout), nn.Linear(h, 1))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=self.cfg.lr)
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=self.cfg.step_size, gamma=self.cfg.gamma)
+
+    def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(sample_ids, dtype=torch.long)
+        x, y = self.x[idx], self.y[idx]
+        gain = 1.0 + self.cfg.gain * (2.0 * random.random() - 1.0)
+        noise = torch.from_numpy(ctx.np_rng.normal(0.0, self.cfg.noise, size=tuple(x.shape)))
+        return (x * gain + noise).to(ctx.device), y.to(ctx.device)
+
+    def loss_sum(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return ((model(x) - y) ** 2).sum()
+
+
+def make_task(config: dict[str, Any] | None = None) -> RegressionTask:
+    """Factory used by ``--task regression`` (and an example of a user factory's signature)."""
+    return RegressionTask(config_from_dict(RegressionConfig, config))

@@ -1,0 +1,625 @@
+"""Deployment files: the image lints, every manifest validates (overlays rendered), the policies are the ones the
+exit-code contract needs, no secret is written down, the rental values are the planner's, and the spot
+supervisor restarts, stops and forwards signals as documented.
+
+Nothing here talks to Docker or a cluster: kubectl/kustomize and a Docker engine are not assumed, so a minimal
+kustomize renderer below handles exactly what our kustomizations use (and refuses anything else).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+INFRA = ROOT / "infra"
+K8S = INFRA / "k8s"
+KUBE_VERSION = "1.31.0"
+KUSTOMIZATIONS = ["base", "minio", "multinode", "overlays/rental-3d", "overlays/rental-7d", "overlays/rental-30d"]
+RENTALS = ["3d", "7d", "30d"]
+
+
+def tool(name: str) -> str:
+    """A linter from the test extra (next to this interpreter, or on PATH)."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is missing: install the test extra (pip install -e '.[test]')")
+    return found
+
+
+# --- A minimal kustomize: resources (files and directories) and strategic-merge patches ---------------------------
+
+# Lists that strategic merge patches merge element by element, by this key (the Kubernetes patchMergeKey).
+_MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
+               "volumeMounts": "mountPath", "ports": "containerPort"}
+
+
+def _smp(base: dict, patch: dict) -> None:
+    for key, value in patch.items():
+        if key.startswith("$"):
+            raise NotImplementedError(f"patch directive {key} (extend the test renderer)")
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            _smp(base[key], value)
+        elif isinstance(value, list) and key in _MERGE_KEYS and isinstance(base.get(key), list):
+            merge_key = _MERGE_KEYS[key]
+            by_key = {item[merge_key]: item for item in base[key]}
+            for item in value:
+                if item[merge_key] in by_key:
+                    _smp(by_key[item[merge_key]], item)
+                else:
+                    base[key].append(copy.deepcopy(item))
+        else:
+            base[key] = copy.deepcopy(value)
+
+
+def render(kdir: Path) -> list[dict]:
+    """What `kustomize build kdir` gives for the features our kustomizations use."""
+    k = yaml.safe_load((kdir / "kustomization.yaml").read_text())
+    unsupported = set(k) - {"apiVersion", "kind", "resources", "patches"}
+    assert not unsupported, f"{kdir}: the test renderer does not implement {sorted(unsupported)}"
+    objects: list[dict] = []
+    for res in k.get("resources", []):
+        path = (kdir / res).resolve()
+        objects += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for entry in k.get("patches", []):
+        assert set(entry) == {"path"}, f"{kdir}: only file patches naming their target inside are rendered"
+        patch = yaml.safe_load((kdir / entry["path"]).read_text())
+        assert isinstance(patch, dict), "JSON6902 patches are not rendered by the test renderer"
+        targets = [o for o in objects if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]]
+        assert len(targets) == 1, f"{kdir}/{entry['path']}: patch matches {len(targets)} objects"
+        _smp(targets[0], patch)
+    return objects
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: render(K8S / name) for name in KUSTOMIZATIONS}
+
+
+def only(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def _normalised(objects: list[dict]) -> dict:
+    def norm(x):
+        if isinstance(x, dict):
+            return {k: norm(v) for k, v in x.items()}
+        if isinstance(x, list):
+            items = [norm(v) for v in x]
+            if items and all(isinstance(v, dict) and "name" in v for v in items):
+                items.sort(key=lambda v: v["name"])
+            return items
+        return x
+    return {(o["kind"], o["metadata"]["name"]): norm(o) for o in objects}
+
+
+@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl (with kustomize) not installed")
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_renderer_agrees_with_kubectl_kustomize(name, rendered):
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / name)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert _normalised(rendered[name]) == _normalised([d for d in yaml.safe_load_all(out.stdout) if d])
+
+
+# --- Manifests validate (kubernetes-validate ships its schemas: offline) ---------------------------------------
+
+
+def test_every_manifest_validates_strictly(rendered, tmp_path):
+    files = []
+    for name, objects in rendered.items():
+        path = tmp_path / (name.replace("/", "-") + ".yaml")
+        path.write_text(yaml.safe_dump_all(objects, sort_keys=False))
+        files.append(str(path))
+    files.append(str(K8S / "s3-credentials.example.yaml"))
+    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--kubernetes-version", KUBE_VERSION, "--quiet",
+                          *files], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_manifest_file_is_in_a_kustomization(rendered):
+    listed = set()
+    for name in KUSTOMIZATIONS:
+        k = yaml.safe_load((K8S / name / "kustomization.yaml").read_text())
+        listed |= {(K8S / name / r).resolve() for r in k.get("resources", [])}
+        listed |= {(K8S / name / p["path"]).resolve() for p in k.get("patches", [])}
+    files = {p.resolve() for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml"}
+    assert files - listed == {(K8S / "s3-credentials.example.yaml").resolve()}
+
+
+def test_strict_validation_catches_a_misspelled_field():
+    import kubernetes_validate
+
+    job = copy.deepcopy(only(render(K8S / "base"), "Job"))
+    kubernetes_validate.validate(job, KUBE_VERSION, strict=True)
+    job["spec"]["podReplacementPolicyy"] = "Failed"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, KUBE_VERSION, strict=True)
+
+
+# --- The training Job: the exit-code contract as Kubernetes policy ----------------------------------------------
+
+
+def _train_container(job: dict) -> dict:
+    found = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "train"]
+    assert len(found) == 1, "expected one container named train"
+    return found[0]
+
+
+@pytest.mark.parametrize("name, job_name", [("base", "trainproof-train"), ("multinode", "trainproof-multinode")]
+                         + [(f"overlays/rental-{r}", "trainproof-train") for r in RENTALS])
+def test_job_failure_policy_matches_the_exit_codes(rendered, name, job_name):
+    spec = only(rendered[name], "Job", job_name)["spec"]
+    assert spec["podFailurePolicy"]["rules"] == [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "Ignore", "onExitCodes": {"containerName": "train", "operator": "In", "values": [75]}},
+        {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "In", "values": [2]}},
+    ]
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert spec["backoffLimit"] >= 1
+
+
+def test_job_runs_train_with_its_settings_in_env(rendered):
+    job = only(rendered["base"], "Job", "trainproof-train")
+    c = _train_container(job)
+    args = c["args"]
+    assert args[0] == "train" and args[args.index("--store") + 1].startswith("s3://") and "--max-steps" in args
+    # Patched through env by the overlays: an option on the command line would silently win over them.
+    assert not {"--keep", "--checkpoint-every-seconds", "--deadline"} & set(args)
+    env = {e["name"] for e in c["env"]}
+    assert {"TRAINPROOF_CHECKPOINT_EVERY_SECONDS", "TRAINPROOF_KEEP"} <= env
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"configMapRef": {"name": "trainproof-s3"}} in c["envFrom"]
+
+
+def test_grace_period_covers_the_planned_emergency_save(rendered):
+    grace = only(rendered["base"], "Job")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= planned("7d")["grace_s"] > 30  # Kubernetes' default of 30 s would cut the save
+
+
+def test_verifier_cronjob(rendered):
+    cron = only(rendered["base"], "CronJob", "trainproof-verify")
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    container = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[:2] == ["verify", "--audit"] and args[args.index("--store") + 1] == \
+        _train_container(only(rendered["base"], "Job"))["args"][2]  # the same run as the training Job
+
+
+def test_multinode_rendezvous(rendered):
+    objects = rendered["multinode"]
+    svc, job = only(objects, "Service"), only(objects, "Job")
+    spec = job["spec"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    assert spec["completionMode"] == "Indexed" and spec["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
+    c = _train_container(job)
+    assert c["command"] == ["tini", "--", "torchrun"]
+    opts = dict(a.split("=", 1) for a in c["args"] if a.startswith("--") and "=" in a)
+    assert opts["--rdzv-backend"] == "c10d"
+    assert opts["--rdzv-endpoint"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}:29500"
+    assert int(opts["--nnodes"]) == spec["completions"] == spec["parallelism"]
+    gpus = c["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(opts["--nproc-per-node"]) == gpus == c["resources"]["requests"]["nvidia.com/gpu"]
+    assert c["args"][c["args"].index("-m") + 1:][:2] == ["job", "train"]
+
+
+def test_local_minio(rendered):
+    objects = rendered["minio"]
+    deploy = only(objects, "Deployment", "minio")
+    c = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"] == ["server", "/data", "--console-address", ":9001"]
+    assert deploy["spec"]["strategy"]["type"] == "Recreate"  # one RWO volume
+    claim = deploy["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    only(objects, "PersistentVolumeClaim", claim)
+    assert only(objects, "Service", "minio")["spec"]["ports"][0]["port"] == 9000
+    endpoint = only(rendered["base"], "ConfigMap", "trainproof-s3")["data"]["AWS_ENDPOINT_URL"]
+    assert endpoint == "http://minio:9000"
+
+
+# --- No secret is written down -----------------------------------------------------------------------------------
+
+_SECRETISH = re.compile(r"SECRET|PASSWORD|ACCESS_KEY|TOKEN|CREDENTIAL", re.I)
+
+
+def _envs(obj):
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == "env" and isinstance(value, list):
+                yield from value
+            else:
+                yield from _envs(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _envs(value)
+
+
+def test_manifests_reference_secrets_and_never_hold_them(rendered):
+    for name, objects in rendered.items():
+        assert not [o for o in objects if o["kind"] == "Secret"], f"{name} ships a Secret"
+        for obj in objects:
+            for e in _envs(obj):
+                if _SECRETISH.search(e["name"]):
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], f"{name}: {e['name']} is not a reference"
+            if obj["kind"] == "ConfigMap":
+                assert not any(_SECRETISH.search(k) for k in obj["data"]), f"{name}: credentials in a ConfigMap"
+
+
+def test_example_secret_has_only_placeholders():
+    secret = yaml.safe_load((K8S / "s3-credentials.example.yaml").read_text())
+    assert secret["kind"] == "Secret" and "data" not in secret
+    assert all(v.startswith("REPLACE-") for v in secret["stringData"].values())
+
+
+def test_compose_credentials_are_local_defaults_only():
+    text = (INFRA / "compose.yaml").read_text()
+    for match in re.finditer(r"(\w*(?:SECRET|PASSWORD|ACCESS_KEY)\w*): *(.+)", text):
+        assert re.fullmatch(r'\$\{MINIO_ROOT_(USER|PASSWORD):-minioadmin\}', match.group(2).strip()), match.group(0)
+    assert '127.0.0.1:9000:9000' in text  # the well-known defaults are not published beyond loopback
+
+
+# --- Rental values are the planner's ------------------------------------------------------------------------------
+
+_plans: dict[str, dict] = {}
+
+
+def _plan_line(path: Path) -> list[str]:
+    line = next(ln for ln in path.read_text().splitlines() if ln.startswith("# plan: trainproof plan "))
+    return line.removeprefix("# plan: trainproof ").split()
+
+
+def planned(rental: str) -> dict:
+    """The planner's JSON for the typical case recorded in the rental's profile."""
+    if rental not in _plans:
+        args = [a for a in _plan_line(INFRA / "profiles" / f"rental-{rental}.env") if a not in ("--env", "--json")]
+        out = subprocess.run([sys.executable, "-m", "job", *args, "--json"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        _plans[rental] = json.loads(out.stdout)
+    return _plans[rental]
+
+
+@pytest.mark.parametrize("rental", RENTALS)
+def test_profile_is_the_planners_recommendation(rental):
+    path = INFRA / "profiles" / f"rental-{rental}.env"
+    assert f"--rental {rental} " in " ".join(_plan_line(path)) + " "
+    values = dict(ln.split("=", 1) for ln in path.read_text().splitlines() if ln and not ln.startswith("#"))
+    assert values == planned(rental)["env"]
+
+
+@pytest.mark.parametrize("rental", RENTALS)
+def test_overlay_is_the_planners_recommendation(rental, rendered):
+    patch = K8S / "overlays" / f"rental-{rental}" / "rental.yaml"
+    assert [a for a in _plan_line(patch) if a != "--json"] == \
+        [a for a in _plan_line(INFRA / "profiles" / f"rental-{rental}.env") if a != "--env"]
+    plan = planned(rental)
+    job = only(rendered[f"overlays/rental-{rental}"], "Job", "trainproof-train")
+    env = {e["name"]: e.get("value") for e in _train_container(job)["env"]}
+    assert {k: env[k] for k in plan["env"]} == plan["env"]
+    assert job["spec"]["activeDeadlineSeconds"] == plan["deadline_after_start_s"]
+
+
+# --- The image ---------------------------------------------------------------------------------------------------
+
+
+def test_dockerfile_passes_hadolint():
+    assert not list(ROOT.glob(".hadolint.y*ml")), "no config file may switch rules off behind the test's back"
+    out = subprocess.run([tool("hadolint"), "--no-color", "--failure-threshold", "style", "Dockerfile"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "", out.stdout + out.stderr
+
+
+def test_dockerfile_shape():
+    text = (ROOT / "Dockerfile").read_text()
+    lines = text.splitlines()
+    assert lines[0] == "# syntax=docker/dockerfile:1"
+    assert re.search(r"^ARG BASE_IMAGE=nvidia/cuda:\d+\.\d+\.\d+-\w+-ubuntu\d", text, re.M)
+    assert 'ENTRYPOINT ["tini", "--", "trainproof"]' in lines
+    user = [ln for ln in lines if ln.startswith("USER ")]
+    assert user and user[-1].split()[1].isdigit() and user[-1].split()[1] != "0"
+    installs = [ln for ln in re.split(r"\n(?=[A-Z])", text) if ln.startswith("RUN") and "pip install" in ln]
+    assert installs and all("--mount=type=cache,target=/root/.cache/pip" in r for r in installs)
+    copies = re.findall(r"^COPY .*", text, re.M)
+    assert "[test]" not in text and not any("tests" in c for c in copies)  # no dev/test dependencies or files
+    # Every ignore pragma is explained by a comment line right above it.
+    for i, ln in enumerate(lines):
+        if ln.startswith("# hadolint ignore="):
+            assert lines[i - 1].startswith("#") and not lines[i - 1].startswith("# hadolint"), ln
+
+
+def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies():
+    patterns = [p for p in (ROOT / ".dockerignore").read_text().splitlines() if p and not p.startswith("#")]
+    assert patterns[0] == "*"
+    allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+    sources = set()
+    for ln in (ROOT / "Dockerfile").read_text().splitlines():
+        if ln.startswith("COPY ") and "--from=" not in ln:
+            sources |= {s.rstrip("/") for s in ln.split()[1:-1]}
+    assert sources <= allowed
+    assert not {".venv", ".git", "tests", "runs"} & allowed
+
+
+def test_a_regular_install_ships_every_package():
+    """The image installs the project non-editably: a subpackage missing from pyproject.toml's package list
+    works in the editable dev install and is absent from the image."""
+    import tomllib
+
+    setuptools_cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = setuptools_cfg.get("packages")
+    if not isinstance(listed, list):
+        pytest.skip("packages are discovered (packages.find), not listed")
+    on_disk = {str(p.parent.relative_to(ROOT)).replace(os.sep, ".")
+               for top in ("job", "storage") for p in (ROOT / top).rglob("__init__.py")}
+    assert on_disk <= set(listed), f"not in [tool.setuptools] packages: {sorted(on_disk - set(listed))}"
+
+
+def test_lock_file_pins_every_dependency_within_its_range():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for ln in (INFRA / "docker" / "requirements.lock.txt").read_text().splitlines():
+        if ln and not ln.startswith("#"):
+            name, version = ln.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in map(Requirement, deps):
+        key = re.sub(r"[-_.]+", "-", dep.name).lower()
+        assert key in pins, f"{dep.name} is not pinned in the image's lock file"
+        assert dep.specifier.contains(pins[key]), f"{dep.name}=={pins[key]} is outside {dep.specifier}"
+    assert pins["torch"] == "2.13.0" and any(k.startswith("nvidia-") for k in pins)  # the CUDA build
+
+
+# --- Compose ------------------------------------------------------------------------------------------------------
+
+
+def _seconds(text: str) -> int:
+    return sum(int(n) * {"s": 1, "m": 60, "h": 3600}[u] for n, u in re.findall(r"(\d+)([smh])", text))
+
+
+def test_compose_file():
+    doc = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    svc = doc["services"]
+    assert svc["minio"]["command"] == ["server", "/data", "--console-address", ":9001"]
+    assert svc["minio"]["healthcheck"]["test"][:2] == ["CMD", "mc"]
+    bucket = svc["bucket"]
+    assert "minio/mc" in bucket["image"] and bucket["depends_on"]["minio"]["condition"] == "service_healthy"
+    assert "mc mb --ignore-existing" in " ".join(bucket["command"])
+    store = doc["x-store"]
+    for name, first in (("train", "train"), ("verify", "verify")):
+        s = svc[name]
+        assert s["depends_on"]["bucket"]["condition"] == "service_completed_successfully"
+        assert s["environment"]["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        assert s["command"][0] == first and s["command"][s["command"].index("--store") + 1] == store
+        assert s["build"]["context"] == ".." and s["image"] == svc["train"]["image"]
+    assert svc["verify"]["command"][:2] == ["verify", "--audit"]
+    assert _seconds(svc["train"]["stop_grace_period"]) >= planned("7d")["grace_s"]
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        out = subprocess.run(["docker", "compose", "-f", str(INFRA / "compose.yaml"), "config", "-q"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+
+
+# --- systemd unit -------------------------------------------------------------------------------------------------
+
+
+def _unit(path: Path) -> dict[str, dict[str, list[str]]]:
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for ln in path.read_text().splitlines():
+        ln = ln.strip()
+        if not ln or ln[0] in "#;":
+            continue
+        if ln.startswith("["):
+            current = sections.setdefault(ln.strip("[]"), {})
+        else:
+            key, value = ln.split("=", 1)
+            current.setdefault(key, []).append(value)
+    return sections
+
+
+def test_systemd_unit_restart_policy():
+    unit = _unit(INFRA / "spot" / "trainproof.service")
+    s = {k: v[-1] for k, v in unit["Service"].items()}
+    assert s["Restart"] == "on-failure" and s["RestartForceExitStatus"] == "75"
+    assert s["RestartPreventExitStatus"] == "2" and s["SuccessExitStatus"] == "75"
+    assert s["KillSignal"] == "SIGTERM" and int(s["TimeoutStopSec"]) >= planned("7d")["grace_s"]
+    assert s["ExecStart"].endswith("supervise.sh --once")
+    assert unit["Service"]["EnvironmentFile"][0] == "/etc/trainproof/rental.env"
+    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_systemd_unit_verifies(tmp_path):
+    # ExecStart must exist for `verify`: point it at a copy of the script.
+    script = tmp_path / "supervise.sh"
+    shutil.copy(INFRA / "spot" / "supervise.sh", script)
+    text = (INFRA / "spot" / "trainproof.service").read_text()
+    unit = tmp_path / "trainproof.service"
+    unit.write_text(text.replace("/opt/trainproof/supervise.sh", str(script)))
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
+
+
+# --- supervise.sh ---------------------------------------------------------------------------------------------------
+
+SUPERVISE = INFRA / "spot" / "supervise.sh"
+FAKE = """#!/usr/bin/env bash
+# A stand-in for trainproof: exits with the next code of FAKE_CODES ("wait": until SIGTERM, then 75).
+n=$(( $(cat "$FAKE_DIR/count" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$FAKE_DIR/count"
+echo "run $n: $* deadline=${TRAINPROOF_DEADLINE:-}" >> "$FAKE_DIR/log"
+codes=($FAKE_CODES); code=${codes[$((n-1))]:-${codes[-1]}}
+if [ "$code" = wait ]; then
+  trap 'echo "got TERM" >> "$FAKE_DIR/log"; exit 75' TERM
+  touch "$FAKE_DIR/started"
+  while :; do sleep 0.05; done
+fi
+exit "$code"
+"""
+
+
+@pytest.fixture
+def fake(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "trainproof").write_text(FAKE)
+    (bindir / "trainproof").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINPROOF_", "SUPERVISE_"))}
+    env.update(PATH=f"{bindir}:{env['PATH']}", FAKE_DIR=str(tmp_path), SUPERVISE_BACKOFF_SECONDS="0",
+               SUPERVISE_STATE_DIR=str(tmp_path / "state"))
+
+    class Fake:
+        dir = tmp_path
+
+        def run(self, codes, *args, **extra):
+            return subprocess.run([str(SUPERVISE), *args], env={**env, "FAKE_CODES": codes, **extra},
+                                  capture_output=True, text=True, timeout=30)
+
+        def popen(self, codes, *args, **extra):
+            return subprocess.Popen([str(SUPERVISE), *args], env={**env, "FAKE_CODES": codes, **extra},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        def runs(self):
+            log = tmp_path / "log"
+            return [ln for ln in log.read_text().splitlines() if ln.startswith("run ")] if log.exists() else []
+
+        def log(self):
+            return (tmp_path / "log").read_text()
+
+    return Fake()
+
+
+def test_supervisor_restarts_after_75_and_stops_on_0(fake):
+    r = fake.run("75 75 0", "--store", "s3://b/run")
+    assert r.returncode == 0, r.stderr
+    assert fake.runs() == [f"run {i}: train --store s3://b/run deadline=" for i in (1, 2, 3)]
+
+
+def test_supervisor_stops_at_once_on_2(fake):
+    r = fake.run("2 0")
+    assert r.returncode == 2 and len(fake.runs()) == 1
+
+
+def test_supervisor_restarts_a_crash_but_gives_up_on_a_crash_loop(fake):
+    assert fake.run("1 137 0").returncode == 0 and len(fake.runs()) == 3
+    (fake.dir / "count").unlink()
+    (fake.dir / "log").unlink()
+    r = fake.run("1", SUPERVISE_MAX_FAST_FAILURES="4")
+    assert r.returncode == 1 and len(fake.runs()) == 4 and "giving up" in r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_reaches_the_child_as_sigterm_and_is_not_restarted(fake, sig):
+    proc = fake.popen("wait 0")
+    try:
+        deadline = time.monotonic() + 20
+        while not (fake.dir / "started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the fake trainproof never started"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) == 75
+    finally:
+        proc.kill()
+    assert "got TERM" in fake.log() and len(fake.runs()) == 1
+
+
+def test_a_stop_signal_during_the_back_off_ends_the_supervisor(fake):
+    proc = fake.popen("75 0", SUPERVISE_BACKOFF_SECONDS="30")
+    try:
+        deadline = time.monotonic() + 20
+        while "restarting in 30s" not in (line := proc.stderr.readline()):
+            assert line and time.monotonic() < deadline, "the supervisor never got to its back-off"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 75
+    finally:
+        proc.kill()
+    assert len(fake.runs()) == 1
+
+
+def test_once_passes_the_exit_code_through(fake):
+    r = fake.run("75 0", "--once", "--max-steps", "5")
+    assert r.returncode == 75 and fake.runs() == ["run 1: train --max-steps 5 deadline="]
+
+
+def test_relative_deadline_is_pinned_across_restarts(fake):
+    assert fake.run("75 0", TRAINPROOF_DEADLINE="2h").returncode == 0
+    first = fake.runs()
+    pinned = (fake.dir / "state" / "deadline").read_text().strip()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", pinned)
+    assert first == [f"run 1: train deadline={pinned}", f"run 2: train deadline={pinned}"]
+    assert fake.run("0", "--once", TRAINPROOF_DEADLINE="2h").returncode == 0  # a later start (a reboot)
+    assert fake.runs()[-1] == f"run 3: train deadline={pinned}"
+
+
+def test_no_training_once_the_pinned_deadline_is_reached(fake):
+    (fake.dir / "state").mkdir()
+    (fake.dir / "state" / "deadline").write_text("2020-01-01T00:00:00Z\n")
+    for args in ([], ["--once"]):
+        r = fake.run("0", *args, TRAINPROOF_DEADLINE="6d23h31m")
+        assert r.returncode == 0 and "deadline" in r.stderr
+    assert fake.runs() == []
+
+
+def test_missing_trainproof_is_a_configuration_error(fake):
+    r = fake.run("0", TRAINPROOF_BIN="no-such-trainproof")
+    assert r.returncode == 2 and "not on PATH" in r.stderr
+
+
+def test_supervise_passes_shellcheck():
+    out = subprocess.run([tool("shellcheck"), "--severity=style", str(SUPERVISE)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_supervisor_with_the_real_trainer_stops_on_sigterm_and_resumes(tmp_path):
+    """End to end: SIGTERM through the supervisor -> trainproof commits and exits 75 -> a new start resumes."""
+    store = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINPROOF_", "SUPERVISE_", "AWS_"))}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", SUPERVISE_STATE_DIR=str(tmp_path / "state"),
+               TRAINPROOF_DEADLINE="6h", TRAINPROOF_LOG_FORMAT="json")
+    train = ["--store", str(store), "--task", "regression", "--checkpoint-every", "500", "--log-every", "1000"]
+    log = tmp_path / "first.log"  # a file, not a pipe nobody reads while it runs (a full pipe would block it)
+    with log.open("w") as sink:
+        proc = subprocess.Popen([str(SUPERVISE), *train, "--max-steps", "100000000"], env=env, cwd=tmp_path,
+                                stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while not any(store.glob("step-*/COMPLETE.json")):
+                assert proc.poll() is None, log.read_text()[-2000:]
+                assert time.monotonic() < deadline, "no generation committed within 60 s"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+    out = log.read_text()
+    assert proc.returncode == 75, out[-2000:]
+    stopped = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{") and '"stopped"' in ln]
+    assert stopped and stopped[-1]["signals"] == ["SIGTERM"]
+    step = stopped[-1]["step"]
+    assert (store / f"step-{step:08d}" / "COMPLETE.json").exists()  # committed before exiting
+
+    again = subprocess.run([str(SUPERVISE), *train, "--max-steps", str(step + 3)], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    events = [json.loads(ln) for ln in (again.stdout + again.stderr).splitlines() if ln.startswith("{")]
+    assert any(e.get("event") == "resume" and e["step"] == step for e in events)
+    assert (store / f"step-{step + 3:08d}" / "COMPLETE.json").exists()

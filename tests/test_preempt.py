@@ -1,0 +1,142 @@
+"""Preemption: signals and deadlines only ask the loop to stop; it finishes the step, commits, exits 75,
+and a restart continues bit for bit, with no step repeated or skipped."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from job.errors import ConfigError
+from job.preempt import Deadline, StopRequest, parse_deadline
+from tests.test_train_helpers import differences, finish, history_rows, load_state, parse_events, run, start, trajectory
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+TARGET = 400
+# Test-only hooks: 10 ms steps so a signal can land mid-run; saves that block 0.8 s after writing the state
+# (before COMPLETE.json), so a signal sent up to 0.2 s after "checkpoint_begin" lands inside the save.
+HOOKS = {"TRAINPROOF_TEST_STEP_DELAY": "0.01", "TRAINPROOF_TEST_SAVE_DELAY": "0.8"}
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("10m", 600), ("2h", 7200), ("1h30m", 5400),
+                                               ("1d", 86400), ("250ms", 0.25), ("1.5h", 5400),
+                                               ("2d23h31m", 2 * 86400 + 23 * 3600 + 31 * 60)])
+def test_durations_count_from_now(text, seconds):
+    assert parse_deadline(text, NOW) == NOW + timedelta(seconds=seconds)
+
+
+def test_iso_times_are_absolute():
+    assert parse_deadline("2026-01-02T00:00:00Z", NOW) == datetime(2026, 1, 2, tzinfo=timezone.utc)
+    assert parse_deadline("2026-01-02T01:00:00+01:00", NOW) == datetime(2026, 1, 2, tzinfo=timezone.utc)
+    assert parse_deadline("2026-01-02T00:00:00", NOW).tzinfo is not None  # naive: the local zone
+
+
+@pytest.mark.parametrize("text", ["", "soon", "10", "5x", "10m garbage"])
+def test_bad_deadlines_are_config_errors(text):
+    with pytest.raises(ConfigError, match="--deadline"):
+        parse_deadline(text, NOW)
+
+
+def test_deadline_reserves_a_step_a_save_and_a_margin():
+    d = Deadline(datetime.now(timezone.utc) + timedelta(seconds=10), margin_s=1.0, initial_save_s=1.0)
+    assert not d.too_close()  # 10 s left > 0 + 1.5 + 1
+    d.observe_save(4.0)  # 1.5 x 4 + 1 = 7 s needed
+    assert not d.too_close()
+    d.observe_step(3.0)  # 3 + 6 + 1 = 10 s needed
+    assert d.too_close()
+    assert not Deadline(None).too_close()
+
+
+def test_signals_only_set_the_flag_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt either
+        time.sleep(0.01)
+        assert stop.signals == ["SIGTERM", "SIGINT"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _read_until(proc, event: str, lines: list[str]) -> dict:
+    """Read the process's JSON lines until ``event`` appears (fails if the process ends first)."""
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"process ended before {event!r}: {lines[-3:]}"
+        lines.append(line)
+        found = parse_events(line)
+        if found and found[0]["event"] == event:
+            return found[0]
+
+
+def _interrupt(proc, mode: str, rnd: random.Random) -> tuple[list[str], dict | None]:
+    """Deliver SIGTERM(s) according to ``mode``; return the lines read and the save it aimed at."""
+    lines: list[str] = []
+    _read_until(proc, "start", lines)  # handlers are installed before this line is printed
+    if mode == "random":
+        time.sleep(rnd.uniform(0.0, 0.5))
+        proc.send_signal(signal.SIGTERM)
+        return lines, None
+    save = _read_until(proc, "checkpoint_begin", lines)
+    time.sleep(rnd.uniform(0.0, 0.2))  # the save takes > 0.8 s (test hook): this lands inside it
+    proc.send_signal(signal.SIGTERM)
+    if mode == "double-in-save":
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+    return lines, save
+
+
+def _chain(store, modes: list[str], rnd: random.Random, seed: int) -> list[int]:
+    """Start, interrupt and restart one run once per mode; return the step each process stopped at."""
+    args = ("--max-steps", str(TARGET), "--checkpoint-every", "7", "--keep", "2")
+    stopped_at = [0]
+    for trial, mode in enumerate(modes):
+        proc = start(store, *args, env=HOOKS)
+        _, save = _interrupt(proc, mode, rnd)
+        result = finish(proc)
+        where = f"{store.name} trial {trial} ({mode}, TRAINPROOF_TEST_SEED={seed}): {result.stderr}"
+        assert result.code == 75, where
+        stopped = result.last("stopped")
+        assert stopped["reason"] == "signal" and stopped["exit_code"] == 75, where
+        if save is not None:  # signalled during a save: that save completes, no further step is taken
+            assert stopped["step"] == save["step"], where
+            assert len(stopped["signals"]) == (2 if mode == "double-in-save" else 1), where
+        assert load_state(store)["progress"]["step"] == stopped["step"] >= stopped_at[-1], where
+        stopped_at.append(stopped["step"])
+    return stopped_at
+
+
+def test_sigterm_at_random_moments_loses_nothing_and_resumes_exactly(tmp_path):
+    """10 interrupted processes (two chains of 5 run side by side), then each chain runs to the target."""
+    seed = int(os.environ.get("TRAINPROOF_TEST_SEED", time.time_ns() % 10**9))
+    reference = start(tmp_path / "reference", "--max-steps", str(TARGET))
+    modes = ["random", "in-save", "double-in-save", "random", "in-save"]
+    stores = [tmp_path / "chain-a", tmp_path / "chain-b"]
+    with ThreadPoolExecutor(2) as pool:
+        chains = list(pool.map(lambda i: _chain(stores[i], modes, random.Random(seed + i), seed), range(2)))
+    finals = [start(s, "--max-steps", str(TARGET)) for s in stores]
+    results = [finish(p) for p in [reference, *finals]]
+    assert [r.code for r in results] == [0, 0, 0], [r.stderr for r in results]
+    expected = trajectory(load_state(tmp_path / "reference"))
+    for store, stopped_at in zip(stores, chains):
+        assert stopped_at[-1] > stopped_at[1] > 0, stopped_at  # the chain made progress across restarts
+        got = load_state(store)
+        assert differences(expected, trajectory(got)) == []
+        assert [r["step"] for r in history_rows(got)] == list(range(1, TARGET + 1))  # none repeated or skipped
+
+
+def test_deadline_stops_in_time_after_committing(tmp_path):
+    # The periodic checkpoints give the deadline logic a measured save time early on.
+    result = run(tmp_path / "run", "--max-steps", "100000", "--deadline", "10s", "--checkpoint-every", "25",
+                 "--log-every", "1000", env={"TRAINPROOF_TEST_STEP_DELAY": "0.01"})
+    assert result.code == 75, result.stderr
+    stopped = result.last("stopped")
+    assert stopped["reason"] == "deadline" and stopped["step"] > 0
+    assert load_state(tmp_path / "run")["progress"]["step"] == stopped["step"]
+    deadline = datetime.fromisoformat(result.last("start")["deadline"])
+    assert datetime.fromisoformat(stopped["time"]) < deadline

@@ -1,0 +1,288 @@
+"""Training state: safe serialisation, the loader's refusals, RNG capture/restore, data position, and
+in-process exact resume (including a cut exactly at an epoch boundary)."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from job import rng
+from job.data import EpochSampler, epoch_plan
+from job.errors import ConfigError, StateError
+from job.run import build_run, capture_state, restore_state, train_step
+from job.state import STATE_SCHEMA, Expected, History, check_consistency, decode, encode, runtime_versions
+from job.tasks import load_task
+from job.tasks.tinylm import TinyLMConfig, TinyLMTask
+from job.trainer import configure_determinism
+from tests.test_train_helpers import differences
+
+CPU = torch.device("cpu")
+
+
+def _trained(task_name: str, steps: int, seed: int = 7, config: dict | None = None):
+    task = load_task(task_name, config)
+    configure_determinism(task, CPU)
+    run = build_run(task, CPU, seed)
+    for _ in range(steps):
+        train_step(run)
+    return run
+
+
+def _meta(contract: str = "c" * 64) -> dict:
+    return {"contract": contract, "world": 1, "code_version": "trainproof test", "data_identity": "d" * 64,
+            "versions": runtime_versions()}
+
+
+def _expected(**kw) -> Expected:
+    base = dict(contract="c" * 64, world=1, code_version="trainproof test", data_identity="d" * 64, step=5)
+    return Expected(**{**base, **kw})
+
+
+# -- weights-only safety -------------------------------------------------------------------------------
+
+class _Exploit:
+    """Unpickling this would create a marker file: proof that a refused load executed nothing."""
+
+    marker: Path
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _raw(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)  # torch.save itself pickles anything: that is what an attacker would do
+    return buf.getvalue()
+
+
+def test_state_round_trips_through_weights_only_bytes():
+    state = capture_state(_trained("regression", 3), _meta())
+    data = encode(state)
+    assert torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)["schema"] == STATE_SCHEMA
+    assert differences(state, decode(data)) == []
+
+
+def test_a_pickled_class_instance_is_refused_without_running_it(tmp_path):
+    exploit = _Exploit()
+    exploit.marker = tmp_path / "executed"
+    state = capture_state(_trained("regression", 1), _meta())
+    state["meta"]["payload"] = exploit
+    with pytest.raises(StateError, match="pickled object"):
+        decode(_raw(state))
+    assert not exploit.marker.exists()
+
+
+@pytest.mark.parametrize("payload", [os.system, print, np.zeros(3), np.float64(1.5)],
+                         ids=["function", "builtin", "ndarray", "np-scalar"])
+def test_callables_and_numpy_objects_are_refused(payload):
+    state = capture_state(_trained("regression", 1), _meta())
+    state["progress"]["extra"] = payload
+    with pytest.raises(StateError, match="pickled object"):
+        decode(_raw(state))
+    with pytest.raises(StateError, match=r"state\.progress\.extra"):
+        encode(state)  # and the trainer could never have written it
+
+
+def test_subclassed_builtins_are_refused_before_saving():
+    state = capture_state(_trained("regression", 1), _meta())
+    state["meta"]["torch"] = torch.__version__  # TorchVersion: a str subclass that pickles as its class
+    with pytest.raises(StateError, match="TorchVersion"):
+        encode(state)
+
+
+@pytest.mark.parametrize("blob", [b"", b"not a checkpoint", b"PK\x03\x04garbage"], ids=["empty", "text", "zip"])
+def test_unreadable_bytes_are_refused(blob):
+    with pytest.raises(StateError):
+        decode(blob)
+
+
+def test_a_state_without_schema_or_sections_is_refused():
+    with pytest.raises(StateError, match="schema"):
+        decode(_raw({"model": {}}))
+    with pytest.raises(StateError, match="lacks section"):
+        decode(_raw({"schema": STATE_SCHEMA, "model": {}}))
+
+
+# -- consistency -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def state5():
+    return decode(encode(capture_state(_trained("regression", 5), _meta())))
+
+
+def test_a_consistent_state_passes(state5):
+    assert check_consistency(state5, _expected()) == []
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("contract", "e" * 64, "contract"), ("code_version", "trainproof 9", "code_version"),
+    ("data_identity", "f" * 64, "data_identity"), ("world", 2, "world"), ("step", 6, "progress.step"),
+])
+def test_a_state_of_another_run_or_step_is_refused(state5, field, value, message):
+    with pytest.raises(StateError, match=message):
+        check_consistency(state5, _expected(**{field: value}))
+
+
+def test_a_history_with_a_skipped_step_is_refused(state5):
+    rows = History.from_state_dict(state5["history"]).rows
+    hist = History()
+    for row in rows[:2] + rows[3:]:
+        hist.append(**row)
+    state5["history"] = hist.state_dict()
+    state5["progress"]["step"] = 4
+    with pytest.raises(StateError, match="repeated or skipped"):
+        check_consistency(state5, _expected(step=4))
+
+
+@pytest.mark.parametrize("damage", ["float-steps", "ragged", "bad-offsets"])
+def test_a_malformed_history_is_refused(state5, damage):
+    h = state5["history"]
+    if damage == "float-steps":
+        h["step"] = h["step"].double()
+    elif damage == "ragged":
+        h["loss"] = h["loss"][:-1]
+    else:
+        h["sample_offsets"] = h["sample_offsets"].flip(0)
+    with pytest.raises(StateError, match="history"):
+        check_consistency(state5, _expected())
+
+
+def test_a_scheduler_out_of_step_is_refused(state5):
+    state5["scheduler"]["last_epoch"] = 3
+    with pytest.raises(StateError, match="scheduler"):
+        check_consistency(state5, _expected())
+
+
+def test_other_library_versions_only_warn(state5):
+    state5["meta"]["versions"] = {"torch": "1.0", "numpy": "1.0", "python": "3.0"}
+    warnings = check_consistency(state5, _expected())
+    assert len(warnings) == 3 and all("bitwise" in w for w in warnings)
+
+
+# -- generators and data position ------------------------------------------------------------------------
+
+def _draws(np_gen):
+    return (random.random(), float(np_gen.random()), float(np.random.random()), float(torch.rand(())))
+
+
+def test_rng_capture_restore_reproduces_every_generator():
+    np_gen = rng.seed_all(3)
+    saved = decode_rng(rng.capture(np_gen))
+    first = _draws(np_gen)
+    rng.seed_all(99)  # scramble every generator
+    rng.restore(saved, np_gen)
+    assert _draws(np_gen) == first
+
+
+def decode_rng(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+def test_observing_next_draws_does_not_disturb_the_generators():
+    np_gen = rng.seed_all(5)
+    observed = rng.observe_next_draws(np_gen)
+    actual = _draws(np_gen)
+    assert (observed["python"], observed["numpy"], observed["numpy_global"]) == actual[:3]
+    np_gen2 = rng.seed_all(5)
+    assert _draws(np_gen2) == actual  # the observation left no trace
+
+
+def test_an_rng_state_missing_a_generator_is_refused():
+    state = rng.capture(rng.seed_all(1))
+    del state["numpy"]
+    with pytest.raises(StateError, match="numpy"):
+        rng.restore(state, np.random.Generator(np.random.PCG64(0)))
+
+
+def test_sampler_draws_each_epoch_lazily_and_resumes_at_the_boundary():
+    a = EpochSampler(6, np.random.Generator(np.random.PCG64(1)))
+    first_epoch = a.next_ids(4) + a.next_ids(4)
+    assert sorted(first_epoch) == list(range(6)) and a.cursor == 6 and a.epoch == 0
+    saved = a.state_dict()
+    b_gen = np.random.Generator(np.random.PCG64(1))
+    b_gen.bit_generator.state = a._gen.bit_generator.state
+    b = EpochSampler(6, b_gen)
+    b.load_state_dict(saved)
+    assert a.next_ids(4) == b.next_ids(4) and b.epoch == 1
+
+
+def test_a_data_position_that_is_not_a_permutation_is_refused():
+    s = EpochSampler(4, np.random.Generator(np.random.PCG64(1)))
+    s.next_ids(2)
+    state = s.state_dict()
+    state["permutation"] = torch.tensor([0, 0, 1, 2])
+    with pytest.raises(StateError, match="not a permutation"):
+        s.load_state_dict(state)
+
+
+def test_epoch_plan_keeps_the_tail_and_refuses_a_tail_smaller_than_world():
+    assert epoch_plan(37, 8) == {"samples": 37, "global_batch": 8, "steps": 5, "tail": 5, "quarter_steps": [2, 3, 4, 5]}
+    with pytest.raises(ConfigError):
+        epoch_plan(9, 4, world=2)  # 8 per step: the last step would hold 1 sample for 2 ranks
+
+
+# -- in-process exact resume -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("task", "total", "cut"), [("regression", 10, 6), ("regression", 13, 12), ("tinylm", 7, 5)],
+                         ids=["regression-boundary", "regression-second-boundary", "tinylm-boundary"])
+def test_resume_at_an_epoch_boundary_is_bitwise_equal(task, total, cut):
+    reference = capture_state(_trained(task, total), _meta())
+    saved = encode(capture_state(_trained(task, cut), _meta()))
+    assert decode(saved)["ranks"][0]["data"]["cursor"] == decode(saved)["ranks"][0]["data"]["num_samples"]
+    resumed = build_run(load_task(task), CPU, 7)
+    restore_state(resumed, decode(saved))
+    for _ in range(total - cut):
+        train_step(resumed)
+    assert differences(reference, capture_state(resumed, _meta())) == []
+
+
+def test_tampered_rng_state_is_caught_by_the_next_draw_check():
+    state = decode(encode(capture_state(_trained("regression", 2), _meta())))
+    state["ranks"][0]["rng"]["torch"] = torch.manual_seed(123).get_state()
+    with pytest.raises(StateError, match="torch"):
+        restore_state(build_run(load_task("regression"), CPU, 7), state)
+
+
+def test_a_model_state_of_another_shape_is_refused():
+    state = decode(encode(capture_state(_trained("regression", 1), _meta())))
+    with pytest.raises(StateError, match="model"):
+        restore_state(build_run(load_task("regression", {"hidden": 9}), CPU, 7), state)
+
+
+class _AmpTinyLM(TinyLMTask):
+    """tinylm with the CUDA-only AMP path (float16 autocast + GradScaler) forced on, so the CPU exercises it."""
+
+    def use_amp(self, device):
+        return True
+
+
+def test_the_amp_gradscaler_path_checkpoints_and_resumes_exactly():
+    def amp_run():
+        task = _AmpTinyLM(TinyLMConfig())
+        configure_determinism(task, CPU)
+        return build_run(task, CPU, 3)
+
+    reference = amp_run()
+    for _ in range(6):
+        train_step(reference)
+    cut = amp_run()
+    for _ in range(2):
+        train_step(cut)
+    saved = decode(encode(capture_state(cut, _meta())))
+    assert saved["scaler"]["_growth_tracker"] == 2 and saved["scaler"]["scale"] > 1
+    resumed = amp_run()
+    restore_state(resumed, saved)
+    for _ in range(4):
+        train_step(resumed)
+    assert differences(capture_state(reference, _meta()), capture_state(resumed, _meta())) == []
+    saved["scaler"] = {}
+    with pytest.raises(StateError, match="GradScaler"):
+        restore_state(amp_run(), saved)

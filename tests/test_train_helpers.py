@@ -1,0 +1,128 @@
+"""Shared helpers for the training process tests (no tests here).
+
+Real processes (``python -m job train``) against the local-folder store in ``tmp_path``; states are
+read back through the store (verified) and decoded weights-only, exactly like a resume does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOK_ENVS = ("TRAINPROOF_TEST_SAVE_DELAY", "TRAINPROOF_TEST_STEP_DELAY")
+
+
+def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A clean environment for a training process: no inherited TRAINPROOF_* options or hooks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRAINPROOF_LOG_FORMAT"] = "json"
+    env.update(extra or {})
+    return env
+
+
+def train_cmd(store: Path | str | None, *args: str) -> list[str]:
+    """Command line of one training process (``store`` None: no --store option, e.g. from the environment)."""
+    return [sys.executable, "-m", "job", "train", *(["--store", str(store)] if store is not None else []), *args]
+
+
+@dataclass
+class Result:
+    """A finished training process."""
+
+    code: int
+    events: list[dict[str, Any]]
+    stderr: str
+
+    def last(self, name: str) -> dict[str, Any]:
+        """The last JSON event called ``name``."""
+        found = [e for e in self.events if e.get("event") == name]
+        assert found, f"no {name!r} event; stderr: {self.stderr}"
+        return found[-1]
+
+
+def parse_events(stdout: str) -> list[dict[str, Any]]:
+    """The JSON lines a training process printed."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def start(store: Path | str | None, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a training process (stdout/stderr piped, text mode)."""
+    return subprocess.Popen(train_cmd(store, *args), cwd=ROOT, env=train_env(env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> Result:
+    """Wait for a process started with :func:`start` and parse its output."""
+    out, err = proc.communicate(timeout=timeout)
+    return Result(proc.returncode, parse_events(out), err)
+
+
+def run_all(*jobs: tuple) -> list[Result]:
+    """Run several independent training processes concurrently: each job is (store, *args)."""
+    procs = [start(*job) for job in jobs]
+    return [finish(p) for p in procs]
+
+
+def run(store: Path | str, *args: str, env: dict[str, str] | None = None) -> Result:
+    """Run one training process to completion."""
+    return finish(start(store, *args, env=env))
+
+
+def load_state(store: Path | str, step: int | None = None) -> dict[str, Any]:
+    """The decoded training state of generation ``step`` (default: the newest usable one)."""
+    from job.state import STATE_FILE, decode
+    from storage import open_store
+
+    s = open_store(str(store))
+    loaded = s.load(step) if step is not None else s.load_latest(quarantine=False)
+    assert loaded is not None, f"no usable generation in {store}"
+    return decode(loaded.files[STATE_FILE])
+
+
+def differences(a: Any, b: Any, path: str = "state") -> list[str]:
+    """Every place where two states differ: exact tensors (dtype, shape, bits), exact floats, same keys.
+
+    Non-finite floats are reported as differences even when both sides agree (the protocol refuses them).
+    """
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return [f"{path}: tensor vs {type(b if isinstance(a, torch.Tensor) else a).__name__}"]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
+        if a.is_floating_point() and not bool(torch.isfinite(a).all()):
+            return [f"{path}: non-finite values"]
+        return [] if torch.equal(a, b) else [f"{path}: values differ"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))} differ"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float) and not (math.isfinite(a) and math.isfinite(b)):
+        return [f"{path}: non-finite {a} / {b}"]
+    return [] if type(a) is type(b) and a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
+def trajectory(state: dict[str, Any]) -> dict[str, Any]:
+    """Everything a resumed run must reproduce: all sections but the per-invocation trainer settings."""
+    meta = {k: v for k, v in state["meta"].items() if k != "trainer"}
+    return {**{k: v for k, v in state.items() if k != "meta"}, "meta": meta}
+
+
+def history_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-step history as rows (step, epoch, loss, lr, targets, sample_ids)."""
+    from job.state import History
+
+    return History.from_state_dict(state["history"]).rows
