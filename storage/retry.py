@@ -13,6 +13,7 @@ from typing import Callable, TypeVar
 
 import tenacity
 
+from storage.errors import StoreError
 from storage.options import RetryPolicy
 
 log = logging.getLogger("trainproof.storage")
@@ -69,7 +70,7 @@ def is_transient(exc: BaseException) -> bool:
     """True when retrying ``exc`` can help: HTTP 5xx/429/409, S3 throttling codes, connection resets and
     timeouts.  False for 403/404, missing buckets, bad credentials, 412 (a lost create-only race) and
     anything unknown."""
-    if isinstance(exc, _PERMANENT):
+    if isinstance(exc, _PERMANENT) or isinstance(exc, StoreError):  # StoreError: an inner layer already retried
         return False
     for link in _chain(exc):
         verdict = _client_error_transient(link)

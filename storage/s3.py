@@ -16,14 +16,16 @@ import hashlib
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from storage.backend import CHUNK, Entry, FsspecBackend, Source, iter_chunks
-from storage.errors import StoreConfigError
+from storage.errors import StoreConfigError, StoreUnavailableError
 from storage.options import StoreOptions
+from storage.retry import RetryStats, call_with_retry, is_transient
 
 log = logging.getLogger("trainproof.storage")
 
-# pipe_file switches to a concurrent multipart upload above 2 × chunksize.
+# Files of 2 × _PART or more go up as a concurrent multipart upload.
 _PART = 16 * 2**20
 _CONCURRENCY = 8
 
@@ -43,7 +45,7 @@ def _is_precondition_failed(exc: BaseException) -> bool:
 class S3Backend(FsspecBackend):
     """One s3fs client per store; paths are ``bucket/key`` without the scheme."""
 
-    def __init__(self, options: StoreOptions) -> None:
+    def __init__(self, options: StoreOptions, stats: RetryStats | None = None) -> None:
         import s3fs  # lazy: only S3 runs pay for aiobotocore
 
         checksum = options.checksum_mode()
@@ -69,30 +71,89 @@ class S3Backend(FsspecBackend):
         fs.retries = 1  # s3fs would otherwise retry 5× on top of botocore and tenacity
         super().__init__(fs)
         self.options = options
+        self.stats = stats
+
+    def _part_retry(self, what: str, fn):
+        # Part retries are part of the one retry layer: once a part has used its budget the whole write fails
+        # with a StoreError, which the store's outer retry does not repeat (attempts never multiply).
+        try:
+            return call_with_retry(self.options.retry, what, fn, self.stats)
+        except Exception as exc:
+            if is_transient(exc):
+                raise StoreUnavailableError(f"{what} kept failing after retries: {exc}") from exc
+            raise
 
     # -- primitives -------------------------------------------------------------------------------------
     def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:
-        mode = "create" if create_only else "overwrite"
-        size, sha = 0, ""
         try:
-            if isinstance(data, (bytes, bytearray, memoryview)):
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                return self._write_stream(path, data, create_only)
+            data = bytes(data) if not isinstance(data, bytes) else data
+            if len(data) < 2 * _PART:
                 size, sha = len(data), hashlib.sha256(data).hexdigest()
-                # pipe_file sends one PUT, or a concurrent multipart upload that it aborts on failure.
-                self.fs.pipe_file(path, bytes(data) if not isinstance(data, bytes) else data, mode=mode, chunksize=_PART)
+                self.fs.pipe_file(path, data, mode="create" if create_only else "overwrite")
                 return size, sha
-            return self._write_stream(path, data, create_only)
+            return self._write_multipart(path, data, create_only)
         except FileNotFoundError:
-            # s3fs reports a CompleteMultipartUpload whose response was lost as NoSuchUpload (its abort of the
-            # already-completed upload fails): the object may well be there.  The caller's read-back verify
-            # checks its bytes, so claiming it here is safe.
+            # s3fs reports a CompleteMultipartUpload whose response was lost as NoSuchUpload (its re-send finds the
+            # upload already completed): the object may well be there.  The caller's read-back verify checks its
+            # bytes, so claiming it here is safe.
             if self.exists(path):
-                log.warning("multipart upload of %s reported a lost completion but the object exists", path)
-                return size, sha
+                log.warning("the write of %s reported a lost completion but the object exists; verify will check it", path)
+                return len(data), hashlib.sha256(data).hexdigest()
             raise
         except OSError as exc:
             if _is_precondition_failed(exc) and not isinstance(exc, FileExistsError):
                 raise FileExistsError(f"{path} already exists (412 Precondition Failed)") from exc
             raise
+
+    def _write_multipart(self, path: str, data: bytes, create_only: bool) -> tuple[int, str]:
+        """Concurrent multipart upload with each part retried on its own (UploadPart is idempotent), the sha256
+        computed in parallel with the upload, and the upload aborted on failure so no object appears."""
+        bucket, key, _ = self.fs.split_path(path)
+        upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        view = memoryview(data)
+        spans = [(n + 1, off, min(off + _PART, len(data))) for n, off in enumerate(range(0, len(data), _PART))]
+
+        def put(span):
+            number, start, end = span
+            body = bytes(view[start:end])
+            out = self._part_retry(f"upload part {number}/{len(spans)} of {key}", lambda: self.fs.call_s3(
+                "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
+            return {"PartNumber": number, "ETag": out["ETag"]}
+
+        try:
+            with ThreadPoolExecutor(max_workers=_CONCURRENCY + 1) as pool:
+                sha = pool.submit(lambda: hashlib.sha256(data).hexdigest())  # hashlib releases the GIL
+                parts = list(pool.map(put, spans))
+            self._complete(path, bucket, key, upload_id, parts, len(data), create_only)
+        except BaseException:
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception:  # the start-up sweep collects what an abort could not
+                pass
+            raise
+        self.fs.invalidate_cache(path)
+        return len(data), sha.result()
+
+    def _complete(self, path, bucket, key, upload_id, parts, size, create_only) -> None:
+        match = {"IfNoneMatch": "*"} if create_only else {}
+        try:
+            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                            MultipartUpload={"Parts": parts}, **match)
+        except Exception as exc:
+            # A completion whose response was lost (connection reset, timeout) may have landed: an object of our
+            # size is claimed instead of re-uploading everything; the caller's read-back verify checks its bytes.
+            if is_transient(exc) and self._size(path) == size:
+                log.warning("the write of %s reported a lost completion but the object exists; verify will check it", path)
+                return
+            raise
+
+    def _size(self, path: str) -> int | None:
+        try:
+            return int(self.fs.info(path, refresh=True)["size"])
+        except FileNotFoundError:
+            return None
 
     def _write_stream(self, path: str, data, create_only: bool) -> tuple[int, str]:
         # Not `with fs.open(...)`: s3fs commits a partial object when the block exits on an exception.
@@ -167,7 +228,10 @@ class S3Backend(FsspecBackend):
         Some servers accept and silently ignore the header, which would let two writers both commit."""
         key = f"{scratch}/probe-{uuid.uuid4().hex}"
         try:
-            self.write(key, b"1", create_only=True)
+            try:
+                self.write(key, b"1", create_only=True)
+            except FileExistsError:  # our own first PUT, re-sent after a lost response, was refused: it works
+                return True
             try:
                 self.write(key, b"2", create_only=True)
             except FileExistsError:

@@ -192,7 +192,8 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     bucket, prefix = parsed.netloc, parsed.path.strip("/")
     if not bucket:
         raise StoreConfigError(f"no bucket in {url}: use s3://bucket/prefix/run")
-    backend = S3Backend(options)
+    stats = RetryStats()
+    backend = S3Backend(options, stats)
     # A short budget: a wrong endpoint should fail in seconds, not after the full write budget.
     quick = RetryPolicy(attempts=min(3, options.retry.attempts), total_seconds=30.0,
                         initial_wait=options.retry.initial_wait, max_wait=options.retry.max_wait)
@@ -210,7 +211,7 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
         if options.sweep_multipart_older_than is not None and prefix:
             store._io("sweep multipart uploads", lambda: backend.sweep_multipart(bucket, prefix, options.sweep_multipart_older_than))
 
-    return GenerationStore(backend, root, url, options, _prepare=prepare)
+    return GenerationStore(backend, root, url, options, _prepare=prepare, _stats=stats)
 
 
 __all__ = ["GenerationStore", "open_store"]

@@ -141,14 +141,6 @@ SERIES = [
 ]
 
 
-def known_bug(method: str, target: str) -> bool:
-    """Requests whose lost response fails the commit today, each shown by its own strict xfail test below:
-    the PUT of an attempt-named copy (test_lost_response_on_an_attempt_named_copy_is_not_a_conflict) and the
-    AbortMultipartUpload after a failed part (test_lost_response_on_a_multipart_abort_is_retried)."""
-    return (method == "PUT" and ATTEMPT_COPY.search(target) is not None) or (
-        method == "DELETE" and "uploadId=" in target)
-
-
 @pytest.mark.parametrize("kind, extra", SERIES)
 def test_commits_land_and_verify_under_transient_faults(s3_server, proxy, bucket, big_payload, logs, kind, extra):
     store = prepared(store_via(proxy, bucket, attempts=12, total=60.0, read_timeout=1.0))
@@ -161,7 +153,7 @@ def test_commits_land_and_verify_under_transient_faults(s3_server, proxy, bucket
         # a 25% rate on every part would fail most attempts (see test_one_bad_part_does_not_fail_every_attempt).
         Fault(kind, methods={"PUT"}, path_contains="partNumber=", max_count=2, **stall),
         # A seeded 25% of every other request: HEAD, GET, LIST, PUT, POST (create/complete multipart), DELETE.
-        Fault(kind, rate=0.25, when=lambda m, t, h: "partNumber=" not in t and not known_bug(m, t), **extra),
+        Fault(kind, rate=0.25, when=lambda m, t, h: "partNumber=" not in t, **extra),
     ], seed=7)
     expected = {1: files_for(1), 2: files_for(2, big_payload), 3: files_for(3)}
     t0 = time.monotonic()
@@ -292,21 +284,18 @@ def test_lost_response_on_multipart_completion_is_claimed_after_checking(s3_serv
 
 def test_lost_response_on_a_data_file_put_still_commits(s3_server, proxy, bucket, logs):
     """The create-only PUT of a data file lands but its response is lost; aiohttp's re-send gets 412.  The commit
-    still succeeds (today by writing an attempt-named second copy beside it, with a warning that blames a
-    killed or concurrent writer) and the generation verifies."""
+    still succeeds: the existing object has our size and sha256, so it is claimed (no second copy is written)."""
     store = prepared(store_via(proxy, bucket))
     payload = files_for(1)
     proxy.set_faults([Fault("reset_after_forward", methods={"PUT"}, path_contains="step-00000001/training_state.pt",
                             max_count=1)])
     commit(store, 1, payload)
     assert proxy.stats.injected == {"reset_after_forward": 1}
-    assert fresh(s3_server, bucket).load(1).files == payload
+    loaded = fresh(s3_server, bucket).load(1)
+    assert loaded.files == payload
+    assert "object" not in loaded.info.manifest["files"]["training_state.pt"]
 
 
-@pytest.mark.xfail(strict=True, raises=CommitConflictError, reason=(
-    "storage/commit.py _write_file: a 412 on the attempt-named copy (training_state.<attempt>.pt) is taken for "
-    "an attempt-id collision and raised as CommitConflictError, but it is our own PUT whose response was lost "
-    "and which aiohttp's re-send (or the store's retry) then found"))
 def test_lost_response_on_an_attempt_named_copy_is_not_a_conflict(s3_server, proxy, bucket):
     """Resuming after a writer was killed mid-save: its partial training_state.pt is there, so this commit writes
     ``training_state.<attempt>.pt``; that PUT lands but its response is lost.  One lost response must not turn
@@ -319,11 +308,6 @@ def test_lost_response_on_an_attempt_named_copy_is_not_a_conflict(s3_server, pro
     assert fresh(s3_server, bucket).load(1).files == payload
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(
-    "storage/s3.py S3Backend.write: a part fails transiently, s3fs aborts the upload, the abort lands but its "
-    "response is lost and aiohttp's re-send gets NoSuchUpload; s3fs raises that FileNotFoundError instead of the "
-    "part's error, the object does not exist, so write() re-raises a *permanent* FileNotFoundError and the commit "
-    "fails without a retry"))
 def test_lost_response_on_a_multipart_abort_is_retried(s3_server, proxy, bucket, big_payload):
     store = prepared(store_via(proxy, bucket))
     proxy.set_faults([
@@ -398,10 +382,6 @@ def test_weak_create_only_mode_proceeds_with_a_warning(s3_server, proxy, bucket,
     assert fresh(s3_server, bucket).load_latest(contract=C, world=1).info.step == 1
 
 
-@pytest.mark.xfail(strict=True, raises=FileExistsError, reason=(
-    "storage/s3.py probe_create_only: when the first probe PUT lands but its response is lost, aiohttp's re-send "
-    "(or the store's retry) gets 412 and the FileExistsError escapes the probe, so the first write of the run "
-    "fails with FileExistsError; a 412 on a fresh uuid key proves the endpoint honours If-None-Match"))
 def test_probe_survives_a_lost_response_on_its_first_put(s3_server, proxy, bucket):
     proxy.set_faults([Fault("reset_after_forward", methods={"PUT"}, path_contains=".trainproof-probe/",
                             max_count=1)])
@@ -497,10 +477,6 @@ def test_discovery_sees_another_clients_commit_at_once(s3_server, proxy, bucket)
 
 
 # -- whole-operation retries and big multipart writes ----------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=StoreUnavailableError, reason=(
-    "storage/s3.py S3Backend.write retries a multipart upload only as a whole (new upload, every part re-sent): "
-    "one transient fault on any part fails the attempt, so at a per-request fault rate r a P-part file succeeds "
-    "per attempt with (1-r)^(P+2); UploadPart is idempotent and should be retried on its own"))
 def test_one_bad_part_does_not_fail_every_attempt(s3_server, proxy, bucket, big_payload):
     """Every upload meets one throttled part (the first try of part 2), as a P-part upload does whenever P x r >= 1.
     Retrying that part alone would succeed on the first attempt; retrying the whole upload never does."""
