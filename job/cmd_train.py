@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -37,9 +39,19 @@ def train_command(
     device: Annotated[str, _opt("DEVICE", "auto, cpu or cuda.")] = "auto",
     log_every: Annotated[int, _opt("LOG_EVERY", "Log every N steps.")] = 1,
     log_format: Annotated[str, _opt("LOG_FORMAT", "auto (rich on a terminal), rich or json.")] = "auto",
+    nproc_per_node: Annotated[int, _opt("NPROC_PER_NODE", "Ranks on this node (> 1: launch them, DDP).")] = 1,
+    nnodes: Annotated[int, _opt("NNODES", "Nodes of a multi-node launch (each runs this command).")] = 1,
+    node_rank: Annotated[int, _opt("NODE_RANK", "This node's index in a multi-node launch.")] = 0,
+    master_addr: Annotated[str, _opt("MASTER_ADDR", "Host of node 0 (rendezvous).")] = "127.0.0.1",
+    master_port: Annotated[int, _opt("MASTER_PORT", "Rendezvous port on node 0 (0: any free one).")] = 0,
+    dist_timeout: Annotated[float, _opt("DIST_TIMEOUT", "Seconds any collective may wait for a rank.")] = 600.0,
+    allow_world_change: Annotated[
+        bool, _opt("ALLOW_WORLD_CHANGE", "Resume on another world size (no longer bitwise comparable).")] = False,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Train; resume from the latest valid generation. Exit 0 done, 75 stopped early (run again), 2 config, 1 other."""
+    if nproc_per_node * nnodes > 1 and "WORLD_SIZE" not in os.environ:  # not yet a rank: launch the ranks
+        raise typer.Exit(_launch(nproc_per_node, nnodes, node_rank, master_addr, master_port, dist_timeout, log_format))
     with StopRequest() as stop:  # before torch is imported: a SIGTERM from here on is honoured
         setup_logging()  # the store's warnings (a generation skipped, a retry) go to stderr
         try:
@@ -50,11 +62,29 @@ def train_command(
                 omit_rng_restore=omit_rng_restore, seed=seed,
                 deadline=parse_deadline(deadline) if deadline else None,
                 device=device, log_every=log_every, log_format=log_format,
+                allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
             )
             run_store = open_run(store, endpoint_url, region, path_style)
             from job.trainer import train  # torch is slow to import: keep `--help` and config errors fast
 
             outcome = train(cfg, store=run_store, stop=stop)
         except TrainError as exc:
-            raise fail(" ".join(str(exc).split()), exc.exit_code) from None
+            rank = os.environ.get("RANK") if "WORLD_SIZE" in os.environ else None
+            raise fail((f"rank {rank}: " if rank else "") + " ".join(str(exc).split()), exc.exit_code) from None
     raise typer.Exit(outcome.exit_code)
+
+
+def _launch(nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str, master_port: int,
+            dist_timeout: float, log_format: str) -> int:
+    """Run this same command line once per local rank (job.launch); the world's exit code."""
+    from job.launch import LaunchConfig, launch
+
+    try:
+        cfg = LaunchConfig(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                           master_addr=master_addr, master_port=master_port, failure_grace_s=dist_timeout,
+                           json_events=log_format == "json" or (log_format == "auto" and not sys.stdout.isatty()))
+    except TrainError as exc:
+        raise fail(str(exc), exc.exit_code) from None
+    # Note: the ranks re-run this process's own command line (sys.argv), so launch from a real command line
+    # (`trainproof train ...` or `python -m job train ...`), not from an in-process CliRunner.
+    return launch(sys.argv[1:], cfg)

@@ -53,6 +53,12 @@ class TrainConfig:
     """``rich`` progress bar, ``json`` lines, or ``auto`` (rich on a terminal)."""
     deadline_margin_s: float = 1.0
     """Safety margin added to the step and save estimates when honouring ``deadline``."""
+    allow_world_change: bool = False
+    """Resume a run on another world size (data order carries over, per-rank streams are re-derived; the
+    run is then no longer bitwise comparable). Without it such a resume is refused (exit 2)."""
+    dist_timeout_s: float = 600.0
+    """Timeout of every collective of a distributed run; it must cover rank 0's upload of a generation,
+    during which the other ranks wait for the outcome."""
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -72,6 +78,8 @@ class TrainConfig:
         _one_of("--log-format", self.log_format, LOG_FORMATS)
         if self.log_every < 1:
             raise ConfigError("--log-every must be >= 1")
+        if self.dist_timeout_s <= 0:
+            raise ConfigError(f"--dist-timeout must be > 0 seconds (got {self.dist_timeout_s})")
         if self.deadline is not None and self.deadline <= datetime.now(timezone.utc):
             raise ConfigError(f"--deadline {self.deadline.isoformat()} is already past")
 
@@ -88,6 +96,7 @@ class TrainConfig:
             "checkpoint_every": self.checkpoint_every, "checkpoint_every_seconds": self.checkpoint_every_seconds,
             "keep": self.keep, "seed": self.seed, "device": self.device,
             "deadline": None if self.deadline is None else self.deadline.isoformat(),
+            "allow_world_change": self.allow_world_change, "dist_timeout_s": self.dist_timeout_s,
         }
 
 

@@ -11,8 +11,14 @@ The contract (PROTOCOL.md) is sha256 over:
 
 ``plan.json`` is written once, create-only, on the first start. Every later start recomputes the fields
 from its own options and compares them with the stored plan: a different task config, data, seed or
-world size is a different experiment, so resuming would silently mix two runs. That is refused (exit 2)
+objective is a different experiment, so resuming would silently mix two runs. That is refused (exit 2)
 with the name of the field that differs.
+
+The world size is the exception to "compare with plan.json": plan.json holds the world the run *started*
+with (it is in the contract hash, which keeps naming the run), but a run may continue on another world with
+``--allow-world-change``. So the trainer compares the world with the newest generation's instead (see
+job.trainer), and records every change in the state (``meta.world_changes``) and in summary.json.
+plan.json also records the epoch plan of the first start (informational, outside the hash).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ def sha256_hex(data: bytes) -> str:
 
 def build_plan(
     *, task: str, task_config: dict[str, Any], data_identity: str, seed: int, world: int, objective: str,
-    code_version: str,
+    code_version: str, epoch_plan: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run's plan: its identity fields, the derived contract hash, and when/what wrote it."""
     plan: dict[str, Any] = {
@@ -59,6 +65,8 @@ def build_plan(
     plan["config_sha256"] = sha256_hex(canonical_json({"task": task, "task_config": task_config}))
     plan["contract"] = contract_of(plan)
     plan["code_version"] = code_version
+    if epoch_plan is not None:
+        plan["epoch_plan"] = epoch_plan
     plan["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return plan
 
@@ -76,10 +84,10 @@ def contract_of(plan: dict[str, Any]) -> str:
     return sha256_hex(canonical_json(fields))
 
 
-def differences(stored: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def differences(stored: dict[str, Any], new: dict[str, Any], *, ignore: tuple[str, ...] = ()) -> list[str]:
     """Human-readable differences between two plans' contract fields, most specific first."""
     out = []
-    for field in CONTRACT_FIELDS:
+    for field in (f for f in CONTRACT_FIELDS if f not in ignore):
         a, b = stored.get(field), new.get(field)
         if a == b:
             continue
@@ -97,7 +105,8 @@ def differences(stored: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def ensure_plan(store: Any, plan: dict[str, Any]) -> dict[str, Any]:
     """Write ``plan.json`` create-only, or check this run against the one already there.
 
-    Returns the plan in force. Raises ContractError naming the differing field(s).
+    Returns the plan in force (the stored one: its contract names the run even when the world size has
+    changed since). Raises ContractError naming the differing field(s); the world is not compared here.
     """
     try:
         store.write_file(PLAN_FILE, canonical_json(plan) + b"\n", create_only=True)
@@ -105,17 +114,22 @@ def ensure_plan(store: Any, plan: dict[str, Any]) -> dict[str, Any]:
     except FileExistsError:
         pass  # a previous start (or a concurrent one that won the create) wrote it: compare
     stored = read_plan(store)
-    diffs = differences(stored, plan)
-    if not diffs and stored.get("contract") != plan["contract"]:
+    check_plan(stored, plan, where=store.url)
+    return stored
+
+
+def check_plan(stored: dict[str, Any], plan: dict[str, Any], *, where: str) -> None:
+    """Refuse ``plan`` unless it is the same experiment as ``stored`` (every contract field but the world)."""
+    diffs = differences(stored, plan, ignore=("world",))
+    if not diffs and contract_of({**plan, "world": stored.get("world")}) != stored.get("contract"):
         diffs = [f"contract (stored {_short(stored.get('contract'))}, now {_short(plan['contract'])})"]
     if diffs:
         raise ContractError(
-            f"this run does not match {PLAN_FILE} in {store.url}: {diffs[0]}"
+            f"this run does not match {PLAN_FILE} in {where}: {diffs[0]}"
             + (f" (and {len(diffs) - 1} more: {'; '.join(diffs[1:4])}{'; ...' if len(diffs) > 4 else ''})"
                if len(diffs) > 1 else "")
             + ". Use a new --store for a new experiment, or the original settings to resume this one"
         )
-    return stored
 
 
 def read_plan(store: Any) -> dict[str, Any]:

@@ -3,10 +3,15 @@
 Which generators, and why these:
 
 - Python's global ``random`` (tasks use it for augmentation; user code often does too);
-- the run's own NumPy ``Generator(PCG64)`` (data permutation and task noise), passed to the task;
+- the rank's own NumPy ``Generator(PCG64)`` (task noise), passed to the task;
+- the data generator, another ``PCG64`` that draws the epoch permutations: seeded from the run seed only,
+  identical on every rank and for every world size (the sampler owns it and saves it with the data position);
 - NumPy's legacy global ``np.random`` (user code that calls ``np.random.rand``);
 - PyTorch's global CPU generator (``nn.Dropout`` cannot be given a generator, so it must be the global one)
   and, on CUDA runs, the generator of every visible device.
+
+With several ranks each rank seeds its generators from ``job.dist.rank_seed(seed, rank)``, so ranks draw
+different dropout masks and noise; rank 0 uses the run seed itself, as a one-process run does.
 
 Captured states are plain primitives and byte tensors so that ``torch.load(weights_only=True)`` accepts
 them: Python's Mersenne Twister as a list of ints, PCG64 as its state dict of ints and strings, MT19937
@@ -24,6 +29,7 @@ import torch
 from job.errors import StateError
 
 RNG_SCHEMA = "trainproof.rng/1"
+DATA_STREAM = 0x64617461  # "data": keeps the permutation stream apart from the run seed's own stream
 
 
 def seed_all(seed: int) -> np.random.Generator:
@@ -36,6 +42,23 @@ def seed_all(seed: int) -> np.random.Generator:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device, lazily
     return np.random.Generator(np.random.PCG64(seed))
+
+
+def data_generator(seed: int) -> np.random.Generator:
+    """The generator of the epoch permutations: seeded from the run seed alone, the same on every rank and
+    for every world size, so the data order is one global sequence however many ranks share it."""
+    return np.random.Generator(np.random.PCG64([seed, DATA_STREAM]))
+
+
+def generator_state(gen: np.random.Generator) -> dict[str, Any]:
+    """A NumPy generator's bit-generator state as weights-only-loadable builtins."""
+    return _plain(gen.bit_generator.state)
+
+
+def reseed(np_gen: np.random.Generator, seed: int) -> None:
+    """Seed the process-global generators and ``np_gen`` in place (used when a world-size change
+    re-derives every rank's streams; objects holding ``np_gen`` keep working)."""
+    np_gen.bit_generator.state = seed_all(seed).bit_generator.state
 
 
 def capture(np_gen: np.random.Generator, *, cuda: bool = False) -> dict[str, Any]:

@@ -3,15 +3,19 @@
 Layout (``training_state.pt``, a dict saved with ``torch.save``)::
 
     schema     "trainproof.state/1"
-    meta       contract, world, task, task_config, seed, objective, data_identity, code_version,
-               versions (python/torch/numpy), device, trainer settings
+    meta       contract, world, world_changes ([{step, from, to}], empty unless --allow-world-change was
+               used), task, task_config, seed, objective, data_identity, code_version, versions
+               (python/torch/numpy), device, epoch_plan, trainer settings
     progress   step, epoch, samples_seen, targets_seen, next_lr
     model / optimizer / scheduler / scaler    their state_dicts (scheduler None when the task has none)
     history    per-step columns: step, epoch, loss, lr, targets, sample ids (flat + offsets)
-    ranks      [rank part, ...]: per-rank pieces {rank, rng, data, next_draws}
+    ranks      [rank 0's part]: {rank, rng, data, next_draws}; ``data`` is the global data position
+               (permutation, cursor, epoch, data generator), the same on every rank
 
-The per-rank parts are kept apart on purpose: with world > 1 each goes to its own ``rank-%05d.pt``
-file; with world == 1 the single part is stored inline.
+With world > 1, rank r >= 1 keeps its own part in ``rank-%05d.pt`` beside the state (schema, step, world,
+rank, rng, next_draws, and a ``data`` copy of epoch and cursor that proves it belongs to the same moment);
+rank 0's part stays inline, so ``training_state.pt`` alone is a complete one-process view.
+:func:`decode_generation` reads a generation's files into one state whose ``ranks`` holds every part.
 
 Loading is ``torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)`` and nothing else: the
 state holds only builtins and tensors, so a file carrying a pickled object (a class instance, a
@@ -36,6 +40,8 @@ from job.errors import StateError
 
 STATE_SCHEMA = "trainproof.state/1"
 STATE_FILE = "training_state.pt"
+RANK_SCHEMA = "trainproof.rank/1"
+RANK_KEYS = ("rank", "step", "world", "rng", "data", "next_draws")
 TOP_KEYS = ("schema", "meta", "progress", "model", "optimizer", "scheduler", "scaler", "history", "ranks")
 # Exact types, not isinstance: subclasses such as torch's TorchVersion (a str) or np.float64 (a float)
 # pickle as their own class, which weights-only loading refuses.
@@ -135,8 +141,67 @@ def decode(data: bytes) -> dict[str, Any]:
     A pickled object (class instance, callable, NumPy array) is refused with StateError; so is a file
     that is not a training state at all.
     """
+    state = _load_weights_only(data)
+    check_structure(state)
+    return state
+
+
+def rank_file(rank: int) -> str:
+    """``rank-%05d.pt``: where rank ``rank`` (>= 1) keeps its part of a generation."""
+    return f"rank-{rank:05d}.pt"
+
+
+def encode_rank_part(part: dict[str, Any], *, step: int, world: int) -> bytes:
+    """Serialise one rank's part (rng, next_draws, data position copy) with the step and world it belongs to."""
+    return encode({"schema": RANK_SCHEMA, "step": step, "world": world, **part})
+
+
+def decode_rank_part(data: bytes) -> dict[str, Any]:
+    """Load a ``rank-%05d.pt`` safely and check its structure."""
+    part = _load_weights_only(data)
+    if not isinstance(part, dict) or part.get("schema") != RANK_SCHEMA:
+        raise StateError(f"a rank file has schema {part.get('schema') if isinstance(part, dict) else None!r}, "
+                         f"expected {RANK_SCHEMA!r}")
+    missing = [k for k in RANK_KEYS if k not in part]
+    if missing:
+        raise StateError(f"a rank file lacks {missing}")
+    return part
+
+
+def decode_generation(files: dict[str, bytes], state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The state of a generation: ``training_state.pt`` plus every ``rank-%05d.pt`` it needs, joined so that
+    ``state["ranks"][r]`` is rank r's part. Refuses a missing rank file or one from another moment.
+
+    ``state``: ``training_state.pt`` already decoded (saves decoding a large state twice).
+    """
+    state = decode(files[STATE_FILE]) if state is None else state
+    world = state["meta"].get("world", 1)
+    if not isinstance(world, int) or world < 1:
+        raise StateError(f"state meta.world is {world!r}")
+    parts = [state["ranks"][0]]
+    for r in range(1, world):
+        if rank_file(r) not in files:
+            raise StateError(f"the generation of world {world} has no {rank_file(r)}")
+        parts.append(_checked_part(decode_rank_part(files[rank_file(r)]), r, state))
+    return {**state, "ranks": parts}
+
+
+def _checked_part(part: dict[str, Any], rank: int, state: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a rank part that is not rank ``rank``'s part of this very step, world and data position."""
+    want = {"rank": rank, "step": state["progress"]["step"], "world": state["meta"]["world"]}
+    got = {k: part.get(k) for k in want}
+    if got != want:
+        raise StateError(f"{rank_file(rank)} is {got}, the state expects {want}: rank files of another moment")
+    data, data0 = part["data"], state["ranks"][0]["data"]
+    if (data.get("epoch"), data.get("cursor")) != (data0.get("epoch"), data0.get("cursor")):
+        raise StateError(f"{rank_file(rank)} data position (epoch {data.get('epoch')}, cursor {data.get('cursor')}) "
+                         f"differs from rank 0's (epoch {data0.get('epoch')}, cursor {data0.get('cursor')})")
+    return part
+
+
+def _load_weights_only(data: bytes) -> Any:
     try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         # torch's message is a long how-to-bypass text; keep the line naming the forbidden global.
         found = re.search(r"(Unsupported global: GLOBAL \S+|WeightsUnpickler error:[^\n]*)", str(exc))
@@ -146,8 +211,6 @@ def decode(data: bytes) -> dict[str, Any]:
         ) from None
     except Exception as exc:
         raise StateError(f"the state file cannot be read as a torch checkpoint: {type(exc).__name__}: {exc}") from None
-    check_structure(state)
-    return state
 
 
 def check_types(value: Any, path: str = "state") -> None:

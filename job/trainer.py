@@ -3,6 +3,12 @@
 Read :meth:`Trainer.run` top to bottom: build, resume (generators restored last), loop until the target
 or a stop request, commit, summarise. Exit codes: 0 target reached, 75 stopped early after committing
 (run again to resume), 2 configuration/contract error, 1 anything else.
+
+Distributed (world > 1, one process per rank under trainproof's launcher or torchrun): every rank runs this
+same code. Decisions that must be the same everywhere are agreed with one small all-reduce at each step
+boundary: stop (a signal on *any* rank, or a deadline any rank sees too close), and save (a time-based
+checkpoint due on any rank's clock). So all ranks stop after the same step, commit it once, and exit 75
+together. Only rank 0 logs progress and writes plan.json, generations and summary.json.
 """
 
 from __future__ import annotations
@@ -18,20 +24,22 @@ from typing import Any
 import torch
 
 import job
+from job import dist
+from job import sabotage  # test-only hook, inert unless TRAINPROOF_TEST_SABOTAGE is set
 from job.checkpoint import Checkpointer, SaveClock, sleep_for_test_hook
 from job.config import TrainConfig
-from job.contract import build_plan, ensure_plan
+from job.contract import build_plan
 from job.data import epoch_plan
 from job.errors import ConfigError, ContractError
 from job.preempt import Deadline, StopRequest
 from job.progress import Reporter, make_reporter
-from job.run import Run, build_run, capture_state, restore_state, train_step
-from job.state import STATE_FILE, Expected, check_consistency, decode, runtime_versions
+from job.resume import agree_plan, check_transition, load_agreed, world_decision
+from job.run import Run, build_run, capture_rank_part, capture_state, restore_state, train_step
+from job.state import Expected, check_consistency, runtime_versions
 from job.tasks import Task, load_task
 from storage import COMPLETE, INCOMPLETE, GenerationStore, StoreOptions, open_store
 from storage.errors import StoreConfigError, StoreError
 
-WORLD = 1  # Note: single process for now; the distributed issue adds world > 1 (per-rank files).
 EXIT_OK, EXIT_STOPPED = 0, 75
 SUMMARY_FILE = "summary.json"
 STEP_DELAY_ENV = "TRAINPROOF_TEST_STEP_DELAY"  # test-only: slows each step so signals land mid-run
@@ -65,39 +73,64 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopR
     is honoured too); without one, handlers are installed here.
     """
     with contextlib.nullcontext(stop) if stop is not None else StopRequest() as stop:
+        env = dist.DistEnv.from_env()
         task = load_task(cfg.task, cfg.task_config)
-        device = resolve_device(cfg.device, task)
+        device = resolve_device(cfg.device, task, env)
         configure_determinism(task, device)
+        # Before any collective: a refused epoch plan ends every rank with exit 2 at once, no rendezvous.
+        plan_of_epoch = epoch_plan(task.num_samples(), task.batch_size, env.world)
         store = store or _open_store(cfg.store)
-        plan = ensure_plan(store, build_plan(
-            task=cfg.task, task_config=task.config(), data_identity=task.data_identity(), seed=cfg.seed,
-            world=WORLD, objective=task.objective, code_version=code_version(),
-        ))
-        with reporter or make_reporter(cfg.log_format, log_every=cfg.log_every) as rep:
-            return Trainer(cfg, task=task, device=device, store=store, plan=plan, reporter=rep, stop=stop).run()
+        with dist.session(env, device, cfg.dist_timeout_s) as sync:
+            plan = agree_plan(store, build_plan(
+                task=cfg.task, task_config=task.config(), data_identity=task.data_identity(), seed=cfg.seed,
+                world=env.world, objective=task.objective, code_version=code_version(), epoch_plan=plan_of_epoch,
+            ), sync)
+            rep = reporter or (make_reporter(cfg.log_format, log_every=cfg.log_every) if env.rank == 0
+                               else RankReporter(env.rank))
+            with rep:
+                return Trainer(cfg, task=task, device=device, store=store, plan=plan, reporter=rep, stop=stop,
+                               sync=sync, plan_of_epoch=plan_of_epoch).run()
+
+
+class RankReporter(Reporter):
+    """What ranks other than 0 show: nothing but their warnings, prefixed with the rank."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def warn(self, message: str) -> None:
+        super().warn(f"rank {self.rank}: {message}")
 
 
 class Trainer:
-    """One process's training session over a run in the store."""
+    """One process's training session over a run in the store (one rank of it when world > 1)."""
 
     def __init__(self, cfg: TrainConfig, *, task: Task, device: torch.device, store: GenerationStore,
-                 plan: dict[str, Any], reporter: Reporter, stop: StopRequest) -> None:
+                 plan: dict[str, Any], reporter: Reporter, stop: StopRequest, sync: dist.Collectives | None = None,
+                 plan_of_epoch: dict[str, Any] | None = None) -> None:
         self.cfg, self.task, self.device, self.store, self.plan = cfg, task, device, store, plan
         self.reporter, self.stop = reporter, stop
-        self.epoch_plan = epoch_plan(task.num_samples(), task.batch_size, WORLD)
+        self.sync = sync or dist.Collectives(dist.DistEnv())
+        self.rank, self.world = self.sync.rank, self.sync.world
+        self.epoch_plan = plan_of_epoch or epoch_plan(task.num_samples(), task.batch_size, self.world)
         self.deadline = Deadline(cfg.deadline, margin_s=cfg.deadline_margin_s)
         self.clock = SaveClock(cfg.checkpoint_every, cfg.checkpoint_every_seconds)
-        self.checkpointer = Checkpointer(store, contract=plan["contract"], world=WORLD, code_version=code_version(),
-                                         keep=cfg.keep, reporter=reporter)
+        self.checkpointer = Checkpointer(store, contract=plan["contract"], world=self.world, keep=cfg.keep,
+                                         code_version=code_version(), reporter=reporter, sync=self.sync)
+        self.world_changes: list[dict[str, int]] = []
+        self.ranks_signalled = 0
+        """How many ranks had received a stop signal at the last agreement (the signal may be another rank's)."""
         self.started_at = datetime.now(timezone.utc)
 
     def run(self) -> Outcome:
         """Build, resume, train to the target or a stop request, commit, summarise."""
-        run = build_run(self.task, self.device, self.cfg.seed)
+        run = build_run(self.task, self.device, self.cfg.seed, env=self.sync.env, sync=self.sync)
         resumed_from = self._resume(run)  # generators are restored here, last, right before the loop
         target = self.cfg.target_step(run.step, self.task.default_steps)
         self.reporter.event("start", task=self.cfg.task, step=run.step, target=target, device=str(self.device),
-                            contract=self.plan["contract"], store=self.store.url, epoch_plan=self.epoch_plan,
+                            world=self.world, contract=self.plan["contract"], store=self.store.url,
+                            epoch_plan=self.epoch_plan, world_changes=self.world_changes,
                             deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat())
         self.reporter.begin(step=run.step, target=target)
         reason = self._loop(run, target)
@@ -105,74 +138,100 @@ class Trainer:
             self._save(run)
         exit_code = EXIT_OK if run.step >= target else EXIT_STOPPED
         outcome = Outcome(exit_code=exit_code, reason=reason, step=run.step, target=target)
-        self._write_summary(run, outcome, resumed_from)
+        if self.rank == 0:
+            self._write_summary(run, outcome, resumed_from)
         self.reporter.event("done" if exit_code == EXIT_OK else "stopped", step=run.step, target=target,
-                            reason=reason, exit_code=exit_code, signals=self.stop.signals)
+                            reason=reason, exit_code=exit_code, signals=self.stop.signals,
+                            ranks_signalled=self.ranks_signalled)
         return outcome
 
     def _loop(self, run: Run, target: int) -> str:
-        """Optimizer steps until the target, checking for stop requests only at step boundaries."""
+        """Optimizer steps until the target; stop requests and saves are decided only at step boundaries."""
         while run.step < target:
-            if self.stop.requested:
-                return "signal"
-            if self.deadline.too_close():
-                return "deadline"
+            reason, save = self._agree(run, save=run.step > self.checkpointer.last_step and self.clock.due(run.step))
+            if save:
+                self._save(run)
+                reason, _ = self._agree(run, save=False)  # a signal may have arrived during the save
+            if reason:
+                return reason
             t0 = time.perf_counter()
             record = train_step(run)
             sleep_for_test_hook(STEP_DELAY_ENV)
             self.deadline.observe_step(time.perf_counter() - t0)
             self.reporter.step(record, target=target)
-            if self.clock.due(run.step):
-                self._save(run)
         return "target"
 
+    def _agree(self, run: Run, *, save: bool) -> tuple[str | None, bool]:
+        """(stop reason or None, whether to save now), the same on every rank.
+
+        Each rank contributes its own view (a signal it received, its deadline estimate, its save clock);
+        one all-reduce makes the union every rank's decision, so a SIGTERM delivered to a single rank
+        stops all of them after the same step. Local when world is 1.
+        """
+        flags = [int(self.stop.requested), int(self.deadline.too_close()), int(save)]
+        signal, deadline, save_any = self.sync.sum_ints(flags, f"agree whether to stop or save at step {run.step}")
+        self.ranks_signalled = signal
+        return ("signal" if signal else "deadline" if deadline else None), bool(save_any)
+
     def _resume(self, run: Run) -> int | None:
-        """Load the newest usable generation of this run into ``run``; None when starting fresh."""
+        """Load the newest usable generation of this run into ``run`` on every rank; None when starting fresh."""
         if self.cfg.resume == "never":
-            self._refuse_existing_generations()
+            self.sync.on_rank0("check that the store holds no generation", self._refuse_existing_generations)
+            self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
             return None
-        decoded: dict[int, Any] = {}
-
-        def check(name: str, data: bytes) -> None:
-            if name == STATE_FILE:
-                decoded.clear()  # hold at most one decoded candidate in memory
-                decoded[id(data)] = (data, decode(data))  # keeps `data` alive, so its id stays unique
-
-        loaded = self.store.load_latest(contract=self.plan["contract"], world=WORLD, check=check)
-        if loaded is None:
-            self._warn_if_unusable_generations()
+        found = load_agreed(self.store, self.plan["contract"], self.sync)
+        if found is None:
+            self.sync.on_rank0("look for unusable generations", self._warn_if_unusable_generations)
+            self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
             return None
-        data = loaded.files[STATE_FILE]
-        state = decoded[id(data)][1] if id(data) in decoded else decode(data)
-        for warning in check_consistency(state, self._expected(loaded.info.step)) + self._device_warnings(state):
+        name, state = found
+        step, saved_world = state["progress"]["step"], state["meta"]["world"]
+        changed = self._decide_world(saved_world, step=step, history=state["meta"].get("world_changes", []),
+                                     source=f"{name} was written by {saved_world} rank(s)")
+        if changed:
+            check_transition(state["ranks"][0]["data"], self.world, run.global_batch)
+        for warning in check_consistency(state, self._expected(step, saved_world)) + self._device_warnings(state):
             self.reporter.warn(warning)
-        restore_state(run, state, restore_rng=not self.cfg.omit_rng_restore)
+        restore_state(run, state, restore_rng=not self.cfg.omit_rng_restore, seed=self.cfg.seed,
+                      rederive_at=step if changed else None)
+        sabotage.after_restore(run, state)  # test-only hook, inert unless TRAINPROOF_TEST_SABOTAGE is set
         self.checkpointer.last_step = run.step
-        self.reporter.event("resume", step=run.step, generation=loaded.info.name,
-                            rng_restored=not self.cfg.omit_rng_restore)
+        self.reporter.event("resume", step=run.step, generation=name, rng_restored=not self.cfg.omit_rng_restore,
+                            **({"world_change": self.world_changes[-1]} if changed else {}))
         return run.step
 
+    def _decide_world(self, saved_world: int, *, step: int, history: list[dict[str, int]], source: str) -> bool:
+        """Record the run's world changes; refuse (exit 2) a change not allowed. True when this start changes it."""
+        self.world_changes = world_decision(saved_world=saved_world, world=self.world, step=step, source=source,
+                                            allow=self.cfg.allow_world_change, history=history)
+        if saved_world != self.world and self.rank == 0:
+            self.reporter.warn(f"world size changes from {saved_world} to {self.world} at step {step} "
+                               "(--allow-world-change): this run is no longer bitwise comparable with one that "
+                               "kept its world size")
+        return saved_world != self.world
+
     def _save(self, run: Run) -> None:
+        """Commit this step on every rank together (see job.checkpoint for the cross-rank protocol)."""
         self.reporter.event("checkpoint_begin", step=run.step)
         t0 = time.perf_counter()
-        state = capture_state(run, self._meta(run))
+        state = capture_state(run, self._meta(run)) if self.rank == 0 else None
         extra = {"task": self.cfg.task, "epoch": run.sampler.epoch, "loss": run.history.row(-1)["loss"],
-                 "next_lr": run.lr()}
-        self.checkpointer.commit(run.step, state, extra=extra)
+                 "next_lr": run.lr(), "world": self.world}
+        self.checkpointer.commit(run.step, state, extra=extra, part=capture_rank_part(run) if self.rank else None)
         self.deadline.observe_save(time.perf_counter() - t0)
         self.clock.mark()
 
     def _meta(self, run: Run) -> dict[str, Any]:
         return {
-            "contract": self.plan["contract"], "world": WORLD, "task": self.cfg.task,
-            "task_config": self.task.config(), "seed": self.cfg.seed, "objective": self.task.objective,
-            "data_identity": self.plan["data_identity"], "code_version": code_version(),
-            "versions": runtime_versions(), "device": str(self.device), "amp": run.use_amp,
-            "epoch_plan": self.epoch_plan, "trainer": self.cfg.recorded(),
+            "contract": self.plan["contract"], "world": self.world, "world_changes": self.world_changes,
+            "task": self.cfg.task, "task_config": self.task.config(), "seed": self.cfg.seed,
+            "objective": self.task.objective, "data_identity": self.plan["data_identity"],
+            "code_version": code_version(), "versions": runtime_versions(), "device": str(self.device),
+            "amp": run.use_amp, "epoch_plan": self.epoch_plan, "trainer": self.cfg.recorded(),
         }
 
-    def _expected(self, step: int) -> Expected:
-        return Expected(contract=self.plan["contract"], world=WORLD, code_version=code_version(),
+    def _expected(self, step: int, world: int) -> Expected:
+        return Expected(contract=self.plan["contract"], world=world, code_version=code_version(),
                         data_identity=self.plan["data_identity"], step=step)
 
     def _device_warnings(self, state: dict[str, Any]) -> list[str]:
@@ -191,7 +250,7 @@ class Trainer:
             )
 
     def _warn_if_unusable_generations(self) -> None:
-        scan = self.store.scan(contract=self.plan["contract"], world=WORLD)
+        scan = self.store.scan(contract=self.plan["contract"])
         present = [g for g in scan if g.status != INCOMPLETE]
         if present:
             self.reporter.warn(f"{len(present)} generation(s) in {self.store.url} but none is usable by this "
@@ -209,6 +268,8 @@ class Trainer:
             "next_lr": run.lr(), "checkpoints": self.checkpointer.records,
             "save_seconds_max": max(saves) if saves else None, "throughput": self.reporter.throughput(),
             "signals": self.stop.signals, "device": str(self.device), "code_version": code_version(),
+            "ranks_signalled": self.ranks_signalled, "world": self.world, "world_changes": self.world_changes,
+            "bitwise_comparable": not self.world_changes,
             "started_at": self.started_at.isoformat(timespec="seconds"),
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
@@ -218,14 +279,22 @@ class Trainer:
             self.reporter.warn(f"could not write {SUMMARY_FILE}: {exc}")
 
 
-def resolve_device(choice: str, task: Task) -> torch.device:
-    """``cpu``, ``cuda`` (refused when absent or unsupported by the task), or ``auto``."""
+def resolve_device(choice: str, task: Task, env: dist.DistEnv | None = None) -> torch.device:
+    """``cpu``, ``cuda`` (refused when absent or unsupported by the task), or ``auto``.
+
+    A distributed rank takes the GPU of its ``LOCAL_RANK``.
+    """
     if choice == "cuda":
         if not task.supports_cuda:
             raise ConfigError("this task runs on the CPU only (its results are defined on the CPU)")
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda, but no CUDA device is visible")
     if choice == "cuda" or (choice == "auto" and task.supports_cuda and torch.cuda.is_available()):
+        if env is not None and env.world > 1:
+            if env.local_rank >= torch.cuda.device_count():
+                raise ConfigError(f"LOCAL_RANK {env.local_rank} but only {torch.cuda.device_count()} GPU(s) "
+                                  "are visible: start at most one rank per GPU on each node")
+            torch.cuda.set_device(env.local_rank)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

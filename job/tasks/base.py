@@ -19,11 +19,12 @@ all-reduce that count before the first backward.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -109,6 +110,29 @@ class Task(abc.ABC):
     def use_amp(self, device: torch.device) -> bool:
         """Whether to run forward passes under float16 autocast with a GradScaler."""
         return device.type == "cuda"
+
+    eval_metric: str = "metric"
+    """Name of what :meth:`evaluate` returns (recorded in export bundles), e.g. ``mse``."""
+
+    def evaluate(self, model: nn.Module) -> float:
+        """A deterministic evaluation of ``model`` (lower is better): no dropout, no random draws.
+
+        The export bundle records it and its fresh-process reload must reproduce it. Optional for a
+        user's task: ``trainproof export`` refuses a task without it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement evaluate(model)")
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Evaluation mode and no autograd for the block, then the model's previous mode back (an evaluation
+    in the middle of training must not leave dropout switched off)."""
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            yield model.eval()
+    finally:
+        model.train(was_training)
 
 
 def config_from_dict(cls: type[C], overrides: dict[str, Any] | None) -> C:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from job.tasks.base import Task, TaskContext, config_from_dict, require, sha256_of
+from job.tasks.base import Task, TaskContext, config_from_dict, eval_mode, require, sha256_of
 
 
 @dataclass(kw_only=True)
@@ -116,6 +116,15 @@ class RegressionTask(Task):
     def loss_sum(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return ((model(x) - y) ** 2).sum()
+
+    eval_metric = "mse"
+
+    def evaluate(self, model: nn.Module) -> float:
+        """MSE over the 24 clean rows (no gain, no noise), dropout off."""
+        weight = next(model.parameters())
+        x, y = (t.to(device=weight.device, dtype=weight.dtype) for t in (self.x, self.y))
+        with eval_mode(model):
+            return float(((model(x) - y) ** 2).mean())
 
 
 def make_task(config: dict[str, Any] | None = None) -> RegressionTask:

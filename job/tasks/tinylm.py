@@ -18,7 +18,7 @@ visibly falls. Size it up with ``--config`` (d_model, n_layers, n_sequences, ...
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from job.tasks.base import Task, TaskContext, config_from_dict, require, sha256_of
+from job.tasks.base import Task, TaskContext, config_from_dict, eval_mode, require, sha256_of
 
 PAD, BOS, EOS = 0, 1, 2
 IGNORE = -100  # cross_entropy's ignore_index: padded target positions contribute nothing
@@ -210,24 +210,49 @@ class TinyLMTask(Task):
         return sum(len(self.corpus[i]) - 1 for i in sample_ids)
 
     def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> dict[str, torch.Tensor]:
-        seqs = [self.corpus[i] for i in sample_ids]
-        width = max(len(s) for s in seqs) - 1
-        inputs = torch.full((len(seqs), width), PAD, dtype=torch.long)
-        targets = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
-        for row, s in enumerate(seqs):
-            n = len(s) - 1
-            inputs[row, :n] = torch.from_numpy(s[:-1])
-            targets[row, :n] = torch.from_numpy(s[1:])
-        batch = {"inputs": inputs, "targets": targets, "key_real": targets != IGNORE}
-        return {k: v.to(ctx.device, non_blocking=True) for k, v in batch.items()}
+        return _pad([self.corpus[i] for i in sample_ids], ctx.device)
+
+    eval_metric = "heldout_token_loss"
+
+    def evaluate(self, model: nn.Module) -> float:
+        """Global token-mean cross-entropy on a held-out slice, dropout off.
+
+        The slice is ``max(8, n_sequences // 4)`` sequences from the same generator with another seed
+        (``corpus_seed + 1``): never trained on, and no new config key (which would change the contract).
+        """
+        heldout = make_corpus(replace(self.cfg, corpus_seed=self.cfg.corpus_seed + 1,
+                                      n_sequences=max(8, self.cfg.n_sequences // 4)))
+        device = next(model.parameters()).device
+        total, count = 0.0, 0
+        with eval_mode(model):
+            for i in range(0, len(heldout), self.cfg.micro_batch_size):
+                chunk = heldout[i : i + self.cfg.micro_batch_size]
+                total += float(self.loss_sum(model, _pad(chunk, device)).double())
+                count += sum(len(s) - 1 for s in chunk)
+        return total / count
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(batch["inputs"], batch["key_real"])
-        # float32 loss even under autocast: summing thousands of token losses in float16 loses digits.
+        # At least float32 even under autocast (summing thousands of token losses in float16 loses digits);
+        # a float64 model keeps float64.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1),
+            logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1),
             ignore_index=IGNORE, reduction="sum",
         )
+
+
+def _pad(seqs: list[np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded inputs/targets of a micro-batch; padded targets are IGNORE, ``key_real`` masks them."""
+    width = max(len(s) for s in seqs) - 1
+    inputs = torch.full((len(seqs), width), PAD, dtype=torch.long)
+    targets = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        n = len(s) - 1
+        inputs[row, :n] = torch.from_numpy(s[:-1])
+        targets[row, :n] = torch.from_numpy(s[1:])
+    batch = {"inputs": inputs, "targets": targets, "key_real": targets != IGNORE}
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def make_task(config: dict[str, Any] | None = None) -> TinyLMTask:

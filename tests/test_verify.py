@@ -1,0 +1,183 @@
+"""``trainproof verify``: the four-path protocol passes on a folder and on S3, for regression and tinylm;
+it catches the resume bugs it claims to (each sabotage exits 1 naming the failing check); it exits 2 when
+it cannot complete (a path crashes, the store is unreachable).
+
+The passing runs go through the real entry point (``python -m job verify``); the sabotage runs reuse the
+passing run's continuous and cut paths (``--reuse-reference``: read back from the store and re-checked)
+and run only the two resumed paths, through the Typer app in this process (torch is already imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from storage import open_store
+from tests.test_verify_helpers import checks, cli, read_report, trainproof  # noqa: F401  (cli: a fixture)
+
+TINYLM_CONFIG = {"n_sequences": 37}  # 5 steps an epoch, the last a tail of 5: cut at 3, 8 steps cross an epoch
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The default protocol (regression, 10 steps, cut at 5) on a local folder, through the entry point."""
+    store = str(tmp_path_factory.mktemp("verify") / "run")
+    result = trainproof("verify", "--store", store, "--id", "ref")
+    return {"store": store, "result": result, "report": read_report(store, "ref")}
+
+
+def _assert_passed(report: dict[str, Any]) -> None:
+    assert report["completed"] and report["failing_checks"] == [], report["failing_checks"]
+    verdicts = report["all_checks_passed"], report["positive"], report["negative_divergence_detected"]
+    assert verdicts == (True, True, True)
+    assert report["export"]["reload_check"]["passed"] is True
+
+
+def test_protocol_passes_on_a_folder_bitwise(reference):
+    result, report = reference["result"], reference["report"]
+    assert result.returncode == 0, result.stderr
+    _assert_passed(report)
+    resume = checks(report, "resume")
+    assert set(resume) >= {"sample_ids", "learning_rates", "losses", "parameters", "buffers", "optimizer",
+                           "scheduler", "progress", "next_lr", "rng_next_draws", "data_position", "configuration"}
+    assert all(c["max_abs_diff"] == 0.0 and (c["atol"], c["rtol"]) == (1e-12, 0.0) for c in resume.values())
+    assert report["tolerance"]["bitwise_equal_observed"] is True
+    assert report["step_recovered"] == 5 and report["settings"] | {"config": None} == {
+        "task": "regression", "config": None, "steps": 10, "cut": 5, "seed": 1234, "atol": 1e-12, "rtol": 0.0,
+        "device": "auto", "checkpoint_every": 1, "reused_reference": None}
+    assert "all_checks_passed: true" in result.stdout and "negative_divergence_detected: true" in result.stdout
+
+
+def test_each_path_was_a_fresh_process_with_the_protocol_options(reference):
+    report = reference["report"]
+    paths = report["paths"]
+    assert [p["exit_code"] for p in paths.values()] == [0, 0, 0, 0]
+    assert (paths["resume"]["resumed_from"], paths["resume"]["rng_restored"]) == (5, True)
+    assert (paths["resume_without_rng"]["resumed_from"], paths["resume_without_rng"]["rng_restored"]) == (5, False)
+    assert "--omit-rng-restore" in paths["resume_without_rng"]["command"]
+    assert "--steps 5" in paths["resume"]["command"]  # additional updates: a path that started over ends at 5
+    assert len(report["commands"]) == 5 and "reload-check" in report["commands"][-1]
+    env = report["environment"]
+    assert env["device"] == "cpu" and env["threads"] == 1 and env["precision"] == "float64"
+    assert env["torch"] and env["numpy"] and env["python"] and env["code_revision"]
+
+
+def test_the_cut_checkpoint_holds_the_continuous_state_and_history_prefix(reference):
+    cut = checks(reference["report"], "cut")
+    assert all(c["within_tolerance"] and c["max_abs_diff"] == 0.0 for c in cut.values())
+    # history prefix and progress from the continuous path's history, plus the full state at step 5
+    assert {"sample_ids", "losses", "learning_rates", "next_lr", "data_position", "parameters", "optimizer",
+            "rng_next_draws"} <= set(cut)
+
+
+def test_the_negative_path_diverges_where_the_generators_matter(reference):
+    report = reference["report"]
+    negative = checks(report, "resume_without_rng")
+    diverged = {n for n, c in negative.items() if not c["within_tolerance"]}
+    assert {"losses", "parameters", "rng_next_draws"} <= diverged
+    assert {"learning_rates", "next_lr", "scheduler"}.isdisjoint(diverged)  # the schedule alone cannot catch it
+    assert negative["parameters"]["first_step"] == 6
+    assert 1e-3 < negative["parameters"]["max_abs_diff"] < 0.1  # PROTOCOL.md: about 0.0117 in the reference
+    assert report["parameter_distance"]["resume"] == {str(s): 0.0 for s in range(6, 11)}
+    assert report["losses"]["continuous"] == report["losses"]["resume"] != report["losses"]["resume_without_rng"]
+
+
+def test_the_export_bundle_is_recorded_with_checksums(reference):
+    export = reference["report"]["export"]
+    assert export["location"].endswith("verification/ref/resume/exports/step-00000010")
+    assert export["files"]["model_bf16.pt"] == export["export_sha256"]
+    assert {"README.md", "SHA256SUMS", "config.json", "metrics.json", "data.json"} <= set(export["files"])
+    record = export["reload_check"]
+    assert record["pid"] != os.getpid() and record["metric"] == "mse"
+    assert Path(export["reload_check_location"]).is_file()
+
+
+@pytest.mark.s3
+def test_protocol_passes_on_s3(s3_env):
+    store = f"s3://{s3_env}/prefix/run"
+    # Only final states (fewer round trips): the cut is then checked against the continuous history prefix.
+    result = trainproof("verify", "--store", store, "--id", "s3", "--checkpoint-every", "0")
+    assert result.returncode == 0, result.stderr
+    report = read_report(store, "s3")
+    _assert_passed(report)
+    assert "parameters" not in checks(report, "cut") and {"sample_ids", "losses", "next_lr"} <= set(checks(report, "cut"))
+    assert report["parameter_distance"]["resume"] == {"10": 0.0}
+    assert report["export"]["location"] == f"{store}/verification/s3/resume/exports/step-00000010"
+    bundle = open_store(f"{store}/verification/s3/resume/exports")
+    assert [g.status for g in bundle.scan()] == ["complete"]
+    assert json.loads(bundle.read_file("step-00000010.reload-check.json"))["passed"] is True
+
+
+def test_tinylm_protocol_passes(cli, tmp_path):
+    config = tmp_path / "tinylm.json"
+    config.write_text(json.dumps(TINYLM_CONFIG))
+    store = str(tmp_path / "run")
+    result = cli("verify", "--store", store, "--task", "tinylm", "--config", str(config), "--id", "lm")
+    assert result.exit_code == 0, result.output + result.stderr
+    report = read_report(store, "lm")
+    _assert_passed(report)
+    assert (report["settings"]["steps"], report["settings"]["cut"], report["step_recovered"]) == (8, 3, 3)
+    assert len(report["losses"]["continuous"]) == 8 and report["environment"]["precision"] == "float32"
+    assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["resume"])
+    assert report["export"]["reload_check"]["metric"] == "heldout_token_loss"
+
+
+# -- it catches what it claims --------------------------------------------------------------------------
+SABOTAGES = {  # sabotage -> checks that must fail, and the one that fails at the first resumed step (6)
+    "skip_optimizer": ({"optimizer", "parameters", "losses"}, "optimizer"),
+    "rebuild_scheduler": ({"scheduler", "learning_rates", "next_lr"}, "scheduler"),
+    "reseed_rng": ({"rng_next_draws", "rng_states", "losses"}, "rng_next_draws"),
+    "lose_cursor": ({"sample_ids", "data_position"}, "sample_ids"),
+    "repeat_batch": ({"sample_ids", "data_position"}, "sample_ids"),
+}
+
+
+@pytest.mark.parametrize("sabotage", SABOTAGES)
+def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sabotage):
+    monkeypatch.setenv("TRAINPROOF_TEST_SABOTAGE", sabotage)  # inherited by the resumed paths only
+    vid = f"sabotage-{sabotage}"
+    result = cli("verify", "--store", reference["store"], "--reuse-reference", "ref", "--id", vid, "--no-export")
+    assert result.exit_code == 1, result.output + result.stderr
+    report = read_report(reference["store"], vid)
+    assert report["completed"] and not report["all_checks_passed"] and not report["positive"]
+    failing = {name.split(".", 1)[1] for name in report["failing_checks"] if name.startswith("resume.")}
+    must_fail, at_once = SABOTAGES[sabotage]
+    assert must_fail <= failing, failing
+    assert checks(report, "resume")[at_once]["first_step"] == 6
+    assert "failing checks: resume." in " ".join(result.output.split())
+    assert report["paths"]["continuous"]["reused_from"] == "ref"
+
+
+def test_a_crashing_path_is_exit_2_not_1(reference, cli, monkeypatch):
+    monkeypatch.setenv("TRAINPROOF_TEST_SABOTAGE", "crash")
+    result = cli("verify", "--store", reference["store"], "--reuse-reference", "ref", "--id", "crash")
+    assert result.exit_code == 2, result.output
+    assert "path 'resume' exited 1" in result.stderr and "SabotageCrash" in result.stderr
+    report = read_report(reference["store"], "crash")  # a partial report is still uploaded
+    assert report["completed"] is False and report["all_checks_passed"] is False and "resume" in report["error"]
+
+
+@pytest.mark.s3
+def test_an_unreachable_store_is_exit_2(cli, s3_env):
+    result = cli("verify", "--store", "s3://no-such-bucket-here/run")
+    assert result.exit_code == 2 and "no-such-bucket-here" in result.stderr
+
+
+def test_bad_options_are_exit_2(cli, tmp_path):
+    assert cli("verify", "--store", str(tmp_path), "--steps", "4", "--cut", "4").exit_code == 2
+    assert cli("verify", "--store", "memory://x/run").exit_code == 2
+    assert cli("verify", "--store", str(tmp_path), "--task", "nope").exit_code == 2
+    result = cli("verify", "--store", str(tmp_path), "--reuse-reference", "absent", "--id", "x")
+    assert result.exit_code == 2, result.output
+
+
+def test_plot_of_losses_and_parameter_distance(reference, cli):
+    pytest.importorskip("matplotlib")
+    result = cli("verify", "--store", reference["store"], "--reuse-reference", "ref", "--id", "plot", "--no-export")
+    assert result.exit_code == 0, result.output + result.stderr
+    png = open_store(f"{reference['store']}/verification/plot").read_file("verification.png")
+    assert png.startswith(b"\x89PNG")

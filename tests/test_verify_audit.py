@@ -1,0 +1,72 @@
+"""``trainproof verify --audit``: replaying a real run's generations a -> b in a fresh process matches an
+untouched run, and fails (exit 1) when generation b was produced by another trajectory; the audit never
+writes, quarantines or deletes anything among the run's generations."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.test_train_helpers import finish, run, start
+from tests.test_verify_helpers import checks, cli, read_report, trainproof  # noqa: F401  (cli: a fixture)
+
+
+def _fingerprint(store: Path) -> dict[str, str]:
+    """Every file of the run except the verification folder, by sha256."""
+    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(store.rglob("*")) if p.is_file() and "verification" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A run trained to 5 then (a second process) to 10, and a copy whose 5 -> 10 ran with a broken resume."""
+    d = tmp_path_factory.mktemp("audit")
+    first = run(d / "run", "--max-steps", "5")
+    assert first.code == 0, first.stderr
+    shutil.copytree(d / "run", d / "sabotaged")
+    procs = [start(d / "run", "--max-steps", "10"),
+             start(d / "sabotaged", "--max-steps", "10", env={"TRAINPROOF_TEST_SABOTAGE": "reseed_rng"})]
+    assert [finish(p).code for p in procs] == [0, 0]
+    return d
+
+
+def test_audit_passes_on_an_untouched_run_and_leaves_it_untouched(runs):
+    before = _fingerprint(runs / "run")
+    result = trainproof("verify", "--store", str(runs / "run"), "--audit", "--id", "audit")
+    assert result.returncode == 0, result.stderr
+    report = read_report(str(runs / "run"), "audit")
+    assert report["kind"] == "audit" and report["all_checks_passed"] is True and report["positive"] is True
+    assert report["negative_divergence_detected"] is None  # an audit has no negative path
+    assert (report["settings"]["from"], report["settings"]["to"], report["step_recovered"]) == (5, 10, 5)
+    assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["replay"])
+    assert report["paths"]["replay"]["resumed_from"] == 5 and "--steps 5" in report["paths"]["replay"]["command"]
+    assert report["audited_generations"]["to"]["generation"] == "step-00000010"
+    assert _fingerprint(runs / "run") == before
+    assert not (runs / "run" / "quarantine").exists()
+
+
+def test_audit_fails_when_the_newer_generation_followed_another_trajectory(runs, cli):  # noqa: F811
+    result = cli("verify", "--store", str(runs / "sabotaged"), "--audit", "--id", "audit")
+    assert result.exit_code == 1, result.output + result.stderr
+    report = read_report(str(runs / "sabotaged"), "audit")
+    assert report["completed"] and report["all_checks_passed"] is False
+    assert {"replay.rng_next_draws", "replay.parameters", "replay.losses"} <= set(report["failing_checks"])
+    assert checks(report, "replay")["learning_rates"]["within_tolerance"]  # only the generators were broken
+
+
+@pytest.mark.parametrize("args", [
+    ["--from", "10", "--to", "5"],   # a must be older than b
+    ["--from", "3"],                 # not a generation of the run
+    ["--task", "tinylm"],            # the audit replays the run's own plan.json
+])
+def test_audit_usage_errors_are_exit_2(runs, cli, args):  # noqa: F811
+    result = cli("verify", "--store", str(runs / "run"), "--audit", *args)
+    assert result.exit_code == 2, result.output + result.stderr
+
+
+def test_audit_of_a_store_without_a_run_is_exit_2(cli, tmp_path):  # noqa: F811
+    result = cli("verify", "--store", str(tmp_path / "nothing"), "--audit")
+    assert result.exit_code == 2 and "plan.json" in result.stderr

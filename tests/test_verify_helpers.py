@@ -1,0 +1,55 @@
+"""Shared helpers for the verifier and export tests (no tests here)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from storage import open_store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Our environment without TRAINPROOF_* options, with this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return {**env, **(extra or {})}
+
+
+def trainproof(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m job ARGS`` as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, env=clean_env(env), text=True,
+                          capture_output=True, timeout=600)
+
+
+def read_report(store: str, vid: str) -> dict[str, Any]:
+    """verification.json, read back from the store."""
+    return json.loads(open_store(f"{store.rstrip('/')}/verification/{vid}").read_file("verification.json"))
+
+
+def checks(report: dict[str, Any], path: str) -> dict[str, dict[str, Any]]:
+    """One path's checks by name."""
+    return {c["name"]: c for c in report["checks"][path]}
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """The Typer app in this process; TRAINPROOF_* options cleared, logging handed back afterwards."""
+    from job.cli import _register, app
+
+    _register()
+    for k in [k for k in os.environ if k.startswith("TRAINPROOF_")]:
+        monkeypatch.delenv(k)
+    saved = logging.root.handlers[:], logging.root.level
+    yield lambda *args: CliRunner().invoke(app, list(args))
+    logging.root.handlers[:] = saved[0]
+    logging.root.setLevel(saved[1])
