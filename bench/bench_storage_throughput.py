@@ -256,9 +256,9 @@ def alternatives_rep(server: Server, store, client, bucket: str, rep: int, data:
 # -- report ------------------------------------------------------------------------------------------------------------
 ROWS = [
     # key, label, kind (write/read/other)
-    ("store_write", "store: write (pipe_file 16 MiB x 8 + sha256)", "w"),
+    ("store_write", "store: write (own MPU 16 MiB x 8, sha256 in parallel)", "w"),
     ("boto3_upload", "boto3 upload_fileobj (8 MiB x 10 threads)", "w"),
-    ("store_read", "store: verify read (cat_file 50 MiB ranges x 8)", "r"),
+    ("store_read", "store: verify read (s3fs cat_file)", "r"),
     ("store_verify", "store: verify total (read + sha256)", "r"),
     ("boto3_download", "boto3 download_fileobj (8 MiB x 10 threads)", "r"),
     ("store_commit", "store: whole commit", "o"),

@@ -34,7 +34,10 @@ def ls_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
-    """List a run's generations with their status (complete / incomplete / corrupt / foreign), and quarantine."""
+    """List a run's generations with their status (complete / incomplete / corrupt / foreign).
+
+    Also shows the LATEST hint (a hint only) and quarantined generations with their reason. Read-only.
+    """
     setup_logging()
     run = open_run(store, endpoint_url, region, path_style)
     gens = run.scan()
@@ -73,8 +76,11 @@ def gc_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")] = False,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
-    """Apply retention: keep the K newest complete generations; never delete the newest complete one nor
-    anything newer; collect old partial generations; never touch exports, quarantine or other runs' files."""
+    """Apply retention: keep the K newest complete generations (never the newest complete one, nor newer).
+
+    Partial generations older than the grace period are collected; exports, quarantine and other runs'
+    generations are never touched. Exit 0 done, 2 bad usage or nothing complete to keep, 1 a store failure.
+    """
     setup_logging()
     run = open_run(store, endpoint_url, region, path_style)
     if not any(g.status == COMPLETE for g in run.scan()):
