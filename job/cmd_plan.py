@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
-from typing import Annotated, Optional
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import typer
 
 from job.cli import app
-from job.clikit import UsageError, handled
-from job.planner import Plan, PlanInputs, format_duration, make_plan, parse_duration, plan_document
+from job.clikit import EXIT_FAILURE, EndpointArg, PathStyleArg, RegionArg, UsageError, fail, handled
+from job.planner import (Plan, PlanInputs, format_duration, make_plan, parse_duration, plan_document,
+                         plan_from_measurements)
 
 _D = "Duration: 90s, 10m, 6h, 7d, 1h30m or plain seconds."
 
@@ -37,10 +39,21 @@ def plan_command(
                                                  "gives the absolute deadline.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
     as_env: Annotated[bool, typer.Option("--env", help="Print the TRAINPROOF_* lines of an env file.")] = False,
+    measure: Annotated[bool, typer.Option("--measure", help="Time real steps, commits and an export against "
+                                          "--store (in a scratch run <store>/plan-measure/<id>) and plan with "
+                                          "them instead of --step/--checkpoint/--export-seconds.")] = False,
+    store: Annotated[Optional[str], typer.Option("--store", envvar="TRAINPROOF_STORE",
+                                                 help="--measure: the run's store.")] = None,
+    task: Annotated[str, typer.Option("--task", help="--measure: the task to time.")] = "regression",
+    config: Annotated[Optional[Path], typer.Option("--config", help="--measure: task settings file.")] = None,
+    steps: Annotated[int, typer.Option("--steps", help="--measure: steps to time, each committed.")] = 5,
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Recommend a checkpoint interval (Young/Daly), retention, the final reserve and --deadline for a rental."""
     if as_json and as_env:
         raise UsageError("use either --json or --env, not both")
+    if measure and (not store or steps < 1):
+        raise UsageError("--measure needs --store URL (and --steps >= 1)")
     try:
         inputs = PlanInputs(
             rental_s=parse_duration(rental), mtbi_s=parse_duration(mtbi),
@@ -49,17 +62,35 @@ def plan_command(
             export_s=parse_duration(export_seconds), verify_s=parse_duration(verify_seconds),
             safety=safety, rollback_s=parse_duration(rollback), start=_parse_start(start),
         )
-        # Note: a `--measure --store URL --task T` mode will time real commits, an export and steps, and
-        # call job.planner.plan_from_measurements(inputs, checkpoint_s=..., export_s=..., step_s=...).
-        plan = make_plan(inputs)
+        measured = _measure(store, task, config, steps, endpoint_url, region, path_style) if measure else None
+        plan = plan_from_measurements(inputs, **_timings(measured)) if measured else make_plan(inputs)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if as_json:
-        print(json.dumps(plan_document(plan), indent=2))
+        print(json.dumps({**plan_document(plan), **({"measured": measured} if measured else {})}, indent=2))
     elif as_env:
         print("\n".join(f"{k}={v}" for k, v in plan.env().items()))
     else:
-        print(render(plan))
+        print(render(plan) if not measured else f"measured in {measured['scratch']}: step {measured['step_s']:.4g}s, "
+              f"checkpoint {measured['checkpoint_s']:.4g}s (slowest of {measured['checkpoints']}), export + reload "
+              f"check {measured['export_s']:.4g}s\n" + render(plan))
+
+
+def _measure(store: str | None, task: str, config: Path | None, steps: int, endpoint_url: str | None,
+             region: str | None, path_style: bool | None) -> dict[str, Any]:
+    """Run the measurement (job.plan_measure); a failed one is exit 1, the store may be the cause."""
+    from job.cmd_verify import _store_args
+    from job.plan_measure import measure
+
+    try:
+        return measure(store or "", task, steps=steps, config=config,
+                       store_args=_store_args(endpoint_url, region, path_style))
+    except RuntimeError as exc:
+        raise fail(str(exc), EXIT_FAILURE) from None
+
+
+def _timings(measured: dict[str, Any]) -> dict[str, float]:
+    return {k: measured[k] for k in ("checkpoint_s", "export_s", "step_s")}
 
 
 def render(plan: Plan) -> str:

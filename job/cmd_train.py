@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import datetime, timezone
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,8 +13,9 @@ import typer
 from job.cli import app
 from job.clikit import EndpointArg, PathStyleArg, RegionArg, StoreArg, fail, handled, open_run, setup_logging
 from job.config import TrainConfig, load_task_config
-from job.errors import TrainError
+from job.errors import ConfigError, TrainError
 from job.preempt import StopRequest, parse_deadline
+from job.spot import PROVIDERS, SpotConfig, SpotWatcher
 
 
 def _opt(env: str, help: str) -> Any:
@@ -35,7 +37,16 @@ def train_command(
     omit_rng_restore: Annotated[bool, _opt("OMIT_RNG_RESTORE", "Negative control: skip the RNG restore.")] = False,
     seed: Annotated[int, _opt("SEED", "Seed of every generator (part of the run contract).")] = 1234,
     config: Annotated[Path | None, _opt("CONFIG", "JSON or TOML file of task settings.")] = None,
-    deadline: Annotated[str | None, _opt("DEADLINE", "Stop in time to commit: ISO time or 90s/10m/2h/1d2h.")] = None,
+    deadline: Annotated[str | None, _opt("DEADLINE", "Stop in time to commit, export and reload-check the export "
+                                         "before this: ISO time, or 90s/10m/2h/1d2h from the run's FIRST start "
+                                         "(recorded in deadline.json). Then exit 0; 75 if the export did not "
+                                         "make it.")] = None,
+    rental_ends: Annotated[str | None, _opt("RENTAL_ENDS", "Like --deadline, absolute ISO time only.")] = None,
+    spot_notice: Annotated[str, _opt("SPOT_NOTICE", f"Watch spot interruption notices: {'|'.join(PROVIDERS)}; a "
+                                     "notice stops like SIGTERM (commit, exit 75).")] = "none",
+    spot_endpoint: Annotated[str | None, _opt("SPOT_ENDPOINT", "Metadata service base URL (default: the "
+                                              "provider's link-local address).")] = None,
+    spot_interval: Annotated[float, _opt("SPOT_INTERVAL", "Seconds between metadata polls.")] = 5.0,
     device: Annotated[str, _opt("DEVICE", "auto, cpu or cuda.")] = "auto",
     log_every: Annotated[int, _opt("LOG_EVERY", "Log every N steps.")] = 1,
     log_format: Annotated[str, _opt("LOG_FORMAT", "auto (rich on a terminal), rich or json.")] = "auto",
@@ -49,29 +60,56 @@ def train_command(
         bool, _opt("ALLOW_WORLD_CHANGE", "Resume on another world size (no longer bitwise comparable).")] = False,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
-    """Train; resume from the latest valid generation. Exit 0 done, 75 stopped early (run again), 2 config, 1 other."""
+    """Train; resume from the latest valid generation. Exit 0 done (target reached, or deadline reached with a
+    committed checkpoint and a reload-verified export), 75 stopped early after committing (signal, spot notice,
+    or a deadline whose export did not make it: run again), 2 config, 1 other."""
     if nproc_per_node * nnodes > 1 and "WORLD_SIZE" not in os.environ:  # not yet a rank: launch the ranks
         raise typer.Exit(_launch(nproc_per_node, nnodes, node_rank, master_addr, master_port, dist_timeout, log_format))
     with StopRequest() as stop:  # before torch is imported: a SIGTERM from here on is honoured
         setup_logging()  # the store's warnings (a generation skipped, a retry) go to stderr
         try:
+            if deadline and rental_ends:
+                raise ConfigError("use either --deadline or --rental-ends, not both")
+            spot = _spot_config(spot_notice, spot_endpoint, spot_interval)
             cfg = TrainConfig(
                 store=store, task=task, task_config=load_task_config(config) if config else {},
                 max_steps=max_steps, steps=steps, checkpoint_every=checkpoint_every,
                 checkpoint_every_seconds=checkpoint_every_seconds, keep=keep, resume=resume,
                 omit_rng_restore=omit_rng_restore, seed=seed,
-                deadline=parse_deadline(deadline) if deadline else None,
+                deadline=parse_deadline(deadline or rental_ends) if deadline or rental_ends else None,
                 device=device, log_every=log_every, log_format=log_format,
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
             )
             run_store = open_run(store, endpoint_url, region, path_style)
+            cfg.deadline = _run_deadline(run_store, deadline, rental_ends)
             from job.trainer import train  # torch is slow to import: keep `--help` and config errors fast
 
-            outcome = train(cfg, store=run_store, stop=stop)
+            with SpotWatcher(spot, stop.notice):  # a notice only sets the stop flag, like SIGTERM
+                outcome = train(cfg, store=run_store, stop=stop)
         except TrainError as exc:
             rank = os.environ.get("RANK") if "WORLD_SIZE" in os.environ else None
             raise fail((f"rank {rank}: " if rank else "") + " ".join(str(exc).split()), exc.exit_code) from None
     raise typer.Exit(outcome.exit_code)
+
+
+def _spot_config(provider: str, endpoint: str | None, interval: float) -> SpotConfig:
+    try:
+        return SpotConfig(provider=provider, endpoint=endpoint, interval_s=interval)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _run_deadline(run_store: Any, deadline: str | None, rental_ends: str | None) -> Any:
+    """The absolute deadline: a relative one counts from the run's first start (job.finish, deadline.json)."""
+    spec = deadline or rental_ends
+    if not spec:
+        return None
+    from job.finish import resolve_run_deadline
+
+    at = resolve_run_deadline(run_store, spec, absolute_only=rental_ends is not None)
+    if at <= datetime.now(timezone.utc):
+        raise ConfigError(f"the run's deadline {at.isoformat()} (deadline.json) is already past")
+    return at
 
 
 def _launch(nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str, master_port: int,

@@ -61,6 +61,9 @@ def verify_command(
     export_bundle: Annotated[bool, typer.Option("--export/--no-export", help="Export the resumed result.")] = True,
     timeout: Annotated[float, typer.Option(help="Seconds each process may run.")] = 7200.0,
     sequential: Annotated[bool, typer.Option("--sequential", help="One process at a time.")] = False,
+    world: Annotated[int, typer.Option(
+        help="Ranks of every path (train --nproc-per-node W, gloo on the CPU); > 1 adds the world-size "
+             "equivalence check (W ranks vs 1 rank, same global batch) and its negative control.")] = 1,
     reuse: Annotated[Optional[str], typer.Option(
         "--reuse-reference", hidden=True, help="Reuse an earlier verification's continuous and cut paths.")] = None,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
@@ -77,12 +80,14 @@ def verify_command(
 
         tolerance = Tolerance(atol=atol, rtol=rtol)
         if audit:
+            if world != 1:
+                raise UsageError("--world is for the protocol; --audit replays with the run's own plan.json")
             runner = _audit(common, opener, tolerance, protocol_only, from_step=from_step, to_step=to_step)
         else:
             if from_step is not None or to_step is not None:
                 raise UsageError("--from/--to select generations for --audit")
             runner = _protocol(common, opener, tolerance, protocol_only, checkpoint_every=checkpoint_every,
-                               export=export_bundle, parallel=not sequential)
+                               export=export_bundle, parallel=not sequential, world=world)
     except (UsageError, TrainError, StoreError, OSError, ValueError) as exc:
         raise fail(" ".join(str(exc).split()), EXIT_USAGE) from None
     raise typer.Exit(_run_and_report(runner))

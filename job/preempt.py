@@ -30,12 +30,19 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signals: list[str] = []
+        self.notices: list[str] = []
+        """Spot interruption notices (job.spot): they stop the loop exactly like a signal."""
         self._previous: dict[int, Any] = {}
 
     @property
     def requested(self) -> bool:
-        """True once any stop signal arrived."""
-        return bool(self.signals)
+        """True once any stop signal or spot notice arrived."""
+        return bool(self.signals or self.notices)
+
+    def notice(self, reason: str) -> None:
+        """Ask the loop to stop because the machine is about to be reclaimed (called from the spot watcher's
+        thread: a list append is atomic, and the loop only reads the flag at the step boundary)."""
+        self.notices.append(reason)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only append: no I/O, no locks, no exceptions. Everything else happens in the loop.
@@ -50,6 +57,13 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def is_duration(text: str) -> bool:
+    """True for a relative ``--deadline`` (``90m``), False for an absolute time."""
+    spec = text.strip().lower()
+    parts = _DURATION.findall(spec)
+    return bool(parts) and "".join(n + u for n, u in parts) == spec
 
 
 def parse_deadline(text: str, now: datetime | None = None) -> datetime:
@@ -76,8 +90,9 @@ def parse_deadline(text: str, now: datetime | None = None) -> datetime:
 class Deadline:
     """Decides when to stop so that the final checkpoint still commits before ``at``.
 
-    It stops *before* an optimizer step when the time left would not cover that step plus a save:
-    ``step estimate + 1.5 x save estimate + margin``. The save estimate is the longest save measured in
+    It stops *before* an optimizer step when the time left would not cover that step plus a save and the
+    finishing work (export and its reload check, ``finish_s``, 0 unless the trainer sets it):
+    ``step estimate + 1.5 x (save estimate + finish_s) + margin``. The save estimate is the longest save measured in
     this process. Note: until the first save is measured it is ``initial_save_s``, a guess; a periodic
     ``--checkpoint-every`` gives a real figure early.
     """
@@ -87,6 +102,10 @@ class Deadline:
         self.margin_s = margin_s
         self.save_estimate_s = initial_save_s
         self.step_estimate_s = 0.0
+        self.finish_s = 0.0
+        self.finish_given_up = False
+        """True when the finishing work did not fit even at the first check: then only the save is reserved."""
+        self._checked = False
         self._measured_save = False
 
     def observe_step(self, seconds: float) -> None:
@@ -109,4 +128,10 @@ class Deadline:
         left = self.seconds_left()
         if left is None:
             return False
-        return left < self.step_estimate_s + 1.5 * self.save_estimate_s + self.margin_s
+        need_save = self.step_estimate_s + 1.5 * self.save_estimate_s + self.margin_s
+        if not self._checked and left < need_save + 1.5 * self.finish_s:
+            # Too late for the export from the start (a restart close to the deadline): train on and commit;
+            # stopping at once would waste the time left, and the export can be made later.
+            self.finish_given_up = True
+        self._checked = True
+        return left < need_save + (0.0 if self.finish_given_up else 1.5 * self.finish_s)

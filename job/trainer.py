@@ -1,8 +1,9 @@
 """``trainproof train``: resume from the newest usable generation, train, checkpoint, stop cleanly.
 
 Read :meth:`Trainer.run` top to bottom: build, resume (generators restored last), loop until the target
-or a stop request, commit, summarise. Exit codes: 0 target reached, 75 stopped early after committing
-(run again to resume), 2 configuration/contract error, 1 anything else.
+or a stop request (signal, spot notice, deadline), commit, after a deadline export, summarise. Exit codes:
+0 target reached, or deadline reached with a committed checkpoint and a reload-verified export; 75 stopped
+early after committing (run again to resume); 2 configuration/contract error; 1 anything else.
 
 Distributed (world > 1, one process per rank under trainproof's launcher or torchrun): every rank runs this
 same code. Decisions that must be the same everywhere are agreed with one small all-reduce at each step
@@ -31,6 +32,7 @@ from job.config import TrainConfig
 from job.contract import build_plan
 from job.data import epoch_plan
 from job.errors import ConfigError, ContractError
+from job.finish import Finisher
 from job.preempt import Deadline, StopRequest
 from job.progress import Reporter, make_reporter
 from job.resume import agree_plan, check_transition, load_agreed, world_decision
@@ -57,11 +59,13 @@ class Outcome:
     exit_code: int
     """0, or 75 when stopped early after committing."""
     reason: str
-    """``target``, ``signal`` or ``deadline``."""
+    """``target``, ``signal``, ``spot-notice`` or ``deadline``."""
     step: int
     """Step reached (and committed)."""
     target: int
     """Step aimed at."""
+    export: dict[str, Any] | None = None
+    """After a deadline stop: the export and its reload check (``ok``, ``bundle``, or ``why`` not)."""
 
 
 def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopRequest | None = None,
@@ -115,6 +119,9 @@ class Trainer:
         self.rank, self.world = self.sync.rank, self.sync.world
         self.epoch_plan = plan_of_epoch or epoch_plan(task.num_samples(), task.batch_size, self.world)
         self.deadline = Deadline(cfg.deadline, margin_s=cfg.deadline_margin_s)
+        # A deadline also reserves the export and its reload check (a fresh process: measured by our own start).
+        self.finisher = Finisher(store, min(time.monotonic() - job.IMPORTED_AT, 120.0)) if cfg.deadline else None
+        self._update_finish_estimate()
         self.clock = SaveClock(cfg.checkpoint_every, cfg.checkpoint_every_seconds)
         self.checkpointer = Checkpointer(store, contract=plan["contract"], world=self.world, keep=cfg.keep,
                                          code_version=code_version(), reporter=reporter, sync=self.sync)
@@ -131,18 +138,21 @@ class Trainer:
         self.reporter.event("start", task=self.cfg.task, step=run.step, target=target, device=str(self.device),
                             world=self.world, contract=self.plan["contract"], store=self.store.url,
                             epoch_plan=self.epoch_plan, world_changes=self.world_changes,
-                            deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat())
+                            deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat(),
+                            **({"deadline_reserve_s": round(self.deadline.finish_s, 3)} if self.finisher else {}))
         self.reporter.begin(step=run.step, target=target)
         reason = self._loop(run, target)
         if run.step > self.checkpointer.last_step:  # the end, or the boundary after a stop request
             self._save(run)
-        exit_code = EXIT_OK if run.step >= target else EXIT_STOPPED
-        outcome = Outcome(exit_code=exit_code, reason=reason, step=run.step, target=target)
+        finished = self._finish(run) if reason == "deadline" else None
+        exit_code = EXIT_OK if run.step >= target or (finished or {}).get("ok") else EXIT_STOPPED
+        outcome = Outcome(exit_code=exit_code, reason=reason, step=run.step, target=target, export=finished)
         if self.rank == 0:
             self._write_summary(run, outcome, resumed_from)
         self.reporter.event("done" if exit_code == EXIT_OK else "stopped", step=run.step, target=target,
                             reason=reason, exit_code=exit_code, signals=self.stop.signals,
-                            ranks_signalled=self.ranks_signalled)
+                            notices=self.stop.notices, ranks_signalled=self.ranks_signalled,
+                            **({"export": finished} if finished else {}))
         return outcome
 
     def _loop(self, run: Run, target: int) -> str:
@@ -168,10 +178,30 @@ class Trainer:
         one all-reduce makes the union every rank's decision, so a SIGTERM delivered to a single rank
         stops all of them after the same step. Local when world is 1.
         """
-        flags = [int(self.stop.requested), int(self.deadline.too_close()), int(save)]
-        signal, deadline, save_any = self.sync.sum_ints(flags, f"agree whether to stop or save at step {run.step}")
-        self.ranks_signalled = signal
-        return ("signal" if signal else "deadline" if deadline else None), bool(save_any)
+        flags = [int(bool(self.stop.signals)), int(bool(self.stop.notices)), int(self.deadline.too_close()), int(save)]
+        signal, notice, deadline, save_any = self.sync.sum_ints(flags, f"agree whether to stop or save at step {run.step}")
+        self.ranks_signalled = signal + notice
+        reason = "signal" if signal else "spot-notice" if notice else "deadline" if deadline else None
+        return reason, bool(save_any)
+
+    def _finish(self, run: Run) -> dict[str, Any]:
+        """After a deadline's final commit: rank 0 exports and reload-checks; every rank learns whether it passed."""
+        result: dict[str, Any] = {"ok": False, "why": "not rank 0"}
+        if self.rank == 0 and self.finisher is not None:
+            self.reporter.event("export_begin", step=run.step, seconds_left=self.deadline.seconds_left())
+            result = ({"ok": False, "why": "the export did not fit before the deadline from this process's start"}
+                      if self.deadline.finish_given_up else
+                      self.finisher.export_and_check(self.deadline.seconds_left(), self.deadline.save_estimate_s))
+            if not result["ok"]:
+                saved = f"checkpoint of step {run.step} committed" if run.step else "no step was taken"
+                self.reporter.warn(f"deadline: {saved}, but no verified export ({result['why']}): exit 75; "
+                                   "run again, or `trainproof export` later")
+        ok, = self.sync.sum_ints([int(result["ok"])], "agree whether the deadline export passed")
+        return {**result, "ok": bool(ok)} if self.rank == 0 else {"ok": bool(ok)}
+
+    def _update_finish_estimate(self) -> None:
+        if self.finisher is not None:
+            self.deadline.finish_s = self.finisher.estimate_s(self.deadline.save_estimate_s)
 
     def _resume(self, run: Run) -> int | None:
         """Load the newest usable generation of this run into ``run`` on every rank; None when starting fresh."""
@@ -219,6 +249,7 @@ class Trainer:
                  "next_lr": run.lr(), "world": self.world}
         self.checkpointer.commit(run.step, state, extra=extra, part=capture_rank_part(run) if self.rank else None)
         self.deadline.observe_save(time.perf_counter() - t0)
+        self._update_finish_estimate()
         self.clock.mark()
 
     def _meta(self, run: Run) -> dict[str, Any]:
@@ -267,7 +298,7 @@ class Trainer:
             "resumed_from": resumed_from, "epoch": run.sampler.epoch, "last_loss": last.get("loss"),
             "next_lr": run.lr(), "checkpoints": self.checkpointer.records,
             "save_seconds_max": max(saves) if saves else None, "throughput": self.reporter.throughput(),
-            "signals": self.stop.signals, "device": str(self.device), "code_version": code_version(),
+            "signals": self.stop.signals, "notices": self.stop.notices, "export": outcome.export, "device": str(self.device), "code_version": code_version(),
             "ranks_signalled": self.ranks_signalled, "world": self.world, "world_changes": self.world_changes,
             "bitwise_comparable": not self.world_changes,
             "started_at": self.started_at.isoformat(timespec="seconds"),

@@ -6,6 +6,7 @@ Layout under ``<store>/verification/<id>/`` (or ``--workdir``)::
     cut/                 k updates, then save and stop
     resume/              cut's step-k generation, copied through the store, then N-k more updates
     resume_without_rng/  the same copy, resumed with ``--omit-rng-restore`` (the negative control)
+    world_equivalence/   with --world W > 1: one_rank, w_ranks, per_rank_mean (see job.verify_world)
     verification.json    verdicts, every check's max |diff| and tolerance, commands, versions, export
     verification.png     loss curves and parameter distance to the continuous path (with matplotlib)
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,7 @@ from job.verify_export import check_in_fresh_process, write_record
 from job.verify_proc import (Opener, PathResult, RunReader, VerificationIncomplete, absolute_url, job_argv,
                              load_generation, new_id, read_run_plan, require_success, run_processes, seed_run)
 from job.verify_report import REPORT_FILE, build_report, environment, plot_png
+from job.verify_world import WorldEquivalence
 from storage import GenerationStore
 
 log = logging.getLogger("trainproof.verify")
@@ -83,12 +86,16 @@ class ProtocolSettings:
     store_args: list[str] = field(default_factory=list)
     """``--endpoint-url`` / ``--region`` / ``--path-style`` as given to verify, passed on to every process."""
     export: bool = True
+    world: int = 1
+    """Ranks of every path (> 1: ``train --nproc-per-node W``, gloo on the CPU), plus the world-size equivalence."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.cut < self.steps:
             raise ConfigError(f"need 1 <= --cut < --steps (got cut {self.cut}, steps {self.steps})")
         if self.checkpoint_every < 0 or self.timeout <= 0:
             raise ConfigError("--checkpoint-every must be >= 0 and --timeout > 0")
+        if self.world < 1:
+            raise ConfigError(f"--world must be >= 1 (got {self.world})")
         if urlparse(self.store).scheme == "memory" or (self.workdir or "").startswith("memory:"):
             raise ConfigError("verify runs every path as a separate process: memory:// stores are private to "
                               "one process; use a folder or s3://")
@@ -97,7 +104,8 @@ class ProtocolSettings:
         """The settings block of verification.json."""
         return {"task": self.task, "config": None if self.config is None else str(self.config), "steps": self.steps,
                 "cut": self.cut, "seed": self.seed, "atol": self.tolerance.atol, "rtol": self.tolerance.rtol,
-                "device": self.device, "checkpoint_every": self.checkpoint_every, "reused_reference": self.reuse}
+                "device": self.device, "checkpoint_every": self.checkpoint_every, "reused_reference": self.reuse,
+                "world": self.world}
 
 
 def default_schedule(task: str) -> tuple[int, int]:
@@ -140,6 +148,7 @@ class Protocol:
         self.distances: dict[str, dict[int, float]] = {p: {} for p in COMPARED}
         self.meta: dict[str, Any] = {}
         self.export: dict[str, Any] | None = None
+        self.world_check: WorldEquivalence | None = None
 
     def run(self) -> None:
         """Run and compare every path; export when the comparisons passed. Raises VerificationIncomplete."""
@@ -149,6 +158,10 @@ class Protocol:
             t0 = time.monotonic()
             phase()
             log.info("%s: %.1f s", what, time.monotonic() - t0)
+        if self.s.world > 1:
+            t0 = time.monotonic()
+            self._world_equivalence()
+            log.info("world-size equivalence (%d ranks vs 1): %.1f s", self.s.world, time.monotonic() - t0)
         if self.s.export and self.comparisons_passed():
             t0 = time.monotonic()
             self._export()
@@ -164,6 +177,8 @@ class Protocol:
                 "--steps", str(steps), "--checkpoint-every", str(every), "--checkpoint-every-seconds", "0",
                 "--keep", "0", "--resume", "never" if path in ("continuous", "cut") else "auto",
                 "--device", s.device, "--log-format", "json", *s.store_args]
+        if s.world > 1:
+            args = ["--nproc-per-node", str(s.world), *args]
         negative = ["--omit-rng-restore"] if path == NEGATIVE else []
         return job_argv("train", "--store", self.urls[path], *args, *negative)
 
@@ -212,6 +227,14 @@ class Protocol:
                 raise VerificationIncomplete(f"path {r.name!r} did not resume from step {self.s.cut} as intended "
                                              f"(its resume event: {event or 'none'})")
 
+    def _world_equivalence(self) -> None:
+        with tempfile.TemporaryDirectory(prefix="trainproof-verify-") as tmp:
+            self.world_check = WorldEquivalence(
+                world=self.s.world, root_url=f"{absolute_url(self.root)}/world_equivalence", workdir=Path(tmp),
+                seed=self.s.seed, device=self.s.device, timeout=self.s.timeout, parallel=self.s.parallel,
+                store_args=self.s.store_args, opener=self.opener)
+            self.world_check.run()
+
     # -- comparison ---------------------------------------------------------------------------------------
     def _compare(self) -> None:
         readers = {p: RunReader(p, self.urls[p], self.opener) for p in PATHS}
@@ -247,7 +270,8 @@ class Protocol:
     def comparisons_passed(self) -> bool:
         """Resume and cut within tolerance, and the negative path diverged."""
         v = self.verdicts()
-        return v["positive"] and v["cut_checkpoint_ok"] and v["negative_divergence_detected"]
+        world = self.s.world == 1 or (v["world_equivalence_passed"] and v["world_negative_detected"])
+        return v["positive"] and v["cut_checkpoint_ok"] and v["negative_divergence_detected"] and world
 
     def verdicts(self) -> dict[str, Any]:
         """The verdicts of verification.json (false for anything not compared yet)."""
@@ -258,9 +282,14 @@ class Protocol:
                     and any(not d.within for d in negative.values()))
         export_ok = None if self.export is None else bool(self.export["reload_check"]["passed"])
         exported = export_ok is True or not self.s.export
-        return {"all_checks_passed": positive and cut_ok and diverged and exported,
+        w = self.world_check
+        world = {} if self.s.world == 1 else {
+            "world_equivalence_passed": w is not None and w.passed,
+            "world_negative_detected": w is not None and w.negative_detected}
+        world_ok = all(world.values())
+        return {"all_checks_passed": positive and cut_ok and diverged and exported and world_ok,
                 "positive": positive, "negative_divergence_detected": diverged,
-                "cut_checkpoint_ok": cut_ok, "export_reload_ok": export_ok}
+                "cut_checkpoint_ok": cut_ok, "export_reload_ok": export_ok, **world}
 
     def failing_checks(self) -> list[str]:
         """``path.check`` of every failed check (for the negative path: no divergence, or a structural problem)."""
@@ -272,6 +301,8 @@ class Protocol:
         failing += broken
         if self.export is not None and not self.export["reload_check"]["passed"]:
             failing.append("export.reload_check")
+        if self.world_check is not None:
+            failing += self.world_check.failing()
         return failing
 
     # -- export -----------------------------------------------------------------------------------------
@@ -294,6 +325,8 @@ class Protocol:
                               "max_parameter_diff": None if params is None else params.max_abs},
                  "parameter_distance": {p: {str(k): v for k, v in d.items()} for p, d in self.distances.items()},
                  "losses": self.losses}
+        if self.s.world > 1:
+            extra["world_equivalence"] = None if self.world_check is None else self.world_check.to_json()
         return build_report(
             kind="protocol", vid=self.s.vid, location=absolute_url(self.root), store=self.s.store, verdicts=verdicts,
             failing=self.failing_checks(), settings=self.s.to_json(), paths=self.paths, diffs=self.diffs,

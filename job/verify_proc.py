@@ -81,17 +81,21 @@ def job_argv(command: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "job", command, *args]
 
 
-def run_processes(jobs: list[tuple[str, str, list[str]]], *, timeout: float, parallel: bool = True) -> list[PathResult]:
-    """Run ``(name, url, argv)`` jobs (concurrently unless ``parallel`` is False) and collect their results."""
+def run_processes(jobs: list[tuple[str, str, list[str]]], *, timeout: float, parallel: bool = True,
+                  envs: dict[str, dict[str, str]] | None = None) -> list[PathResult]:
+    """Run ``(name, url, argv)`` jobs (concurrently unless ``parallel`` is False) and collect their results.
+
+    ``envs``: extra environment variables by job name (e.g. a test-only hook for a negative control)."""
+    envs = envs or {}
     if not parallel:
-        return [_finish(name, url, argv, _start(argv), timeout) for name, url, argv in jobs]
-    started = [(name, url, argv, _start(argv)) for name, url, argv in jobs]
+        return [_finish(name, url, argv, _start(argv, envs.get(name)), timeout) for name, url, argv in jobs]
+    started = [(name, url, argv, _start(argv, envs.get(name))) for name, url, argv in jobs]
     return [_finish(name, url, argv, proc, timeout) for name, url, argv, proc in started]
 
 
-def _start(argv: list[str]) -> tuple[subprocess.Popen, float]:
+def _start(argv: list[str], extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:
     # Its own session, so a timeout can kill the whole process group (a task may start workers).
-    proc = subprocess.Popen(argv, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(argv, env=child_env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     return proc, time.monotonic()
 

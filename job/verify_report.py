@@ -142,7 +142,12 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
                  for path, entries in checks.items()]
         table.add_row(name, *cells)
     console.print(table)
-    for key in ("all_checks_passed", "positive", "negative_divergence_detected"):
+    keys = ["all_checks_passed", "positive", "negative_divergence_detected"]
+    world = report.get("world_equivalence")
+    if world:
+        console.print(_world_table(world))
+        keys += ["world_equivalence_passed", "world_negative_detected"]
+    for key in keys:
         value = report.get(key)
         console.print(f"{key}: [{'green' if value else 'red'}]{str(value).lower()}[/]")
     if report.get("failing_checks"):
@@ -150,6 +155,23 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     if report.get("export"):
         console.print(f"export: {report['export']['location']}")
     console.print(f"report: {report['location']}/{REPORT_FILE}")
+
+
+def _world_table(world: dict[str, Any]) -> Table:
+    """World-size equivalence: max |diff| of W ranks and of the per-rank-mean control against one rank."""
+    tol = world["tolerance"]["atol"]
+    table = Table(title=f"world-size equivalence: {world['world']} ranks vs 1 rank, same global batch "
+                        f"(float64, atol {tol:g}; {world['configuration']['task']}, deterministic config)")
+    table.add_column("check")
+    table.add_column(f"{world['world']} ranks", justify="right")
+    table.add_column("per-rank mean (negative)", justify="right")
+    ok, neg = world.get("max_abs_diff") or {}, world["negative_control"].get("max_abs_diff") or {}
+    for name in dict.fromkeys([*ok, *neg]):
+        a, b = ok.get(name), neg.get(name)
+        cell_a = "-" if a is None else f"{a:.3g} " + ("[green]ok[/]" if a <= tol else "[red]FAIL[/]")
+        cell_b = "-" if b is None else f"{b:.3g} " + ("[yellow]diverged[/]" if b > tol else "same")
+        table.add_row(name, cell_a, cell_b)
+    return table
 
 
 def _cell(check: dict[str, Any] | None, *, negative: bool) -> str:

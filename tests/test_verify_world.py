@@ -1,0 +1,110 @@
+"""``trainproof verify --world 2``: the four-path protocol with every path launched as 2 ranks (trainproof's
+launcher, gloo on the CPU), the resume still bitwise, plus the world-size equivalence check (2 ranks vs 1 rank
+with the same global batch, float64, within job.verify_world.TOLERANCE) and its negative control (the loss
+normalised per rank on steps with uneven target counts), which must be detected.
+
+Runtime: each path is a launcher plus two ranks (several seconds each), so the protocol runs with fewer steps
+than the default (``--steps 6 --cut 4``: 24 rows in global batches of 8, the cut mid-epoch, the run crossing
+into the second epoch).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from job.verify_world import TOLERANCE, WorldEquivalence, equivalence_config
+from storage import open_store
+from tests.test_verify_helpers import checks, cli, read_report, trainproof  # noqa: F401  (cli: a fixture)
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("verify-world") / "run")
+    result = trainproof("verify", "--store", store, "--id", "w2", "--world", "2", "--steps", "6", "--cut", "4")
+    return {"store": store, "result": result, "report": read_report(store, "w2")}
+
+
+def test_world2_protocol_and_equivalence_pass(world2):
+    result, report = world2["result"], world2["report"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["completed"] and report["failing_checks"] == [], report["failing_checks"]
+    assert (report["all_checks_passed"], report["positive"], report["negative_divergence_detected"],
+            report["cut_checkpoint_ok"], report["export_reload_ok"]) == (True,) * 5
+    assert report["world_equivalence_passed"] is True and report["world_negative_detected"] is True
+    assert report["settings"]["world"] == 2
+    # the resume stays bitwise with 2 ranks on the CPU
+    assert all(c["max_abs_diff"] == 0.0 and c["within_tolerance"] for c in checks(report, "resume").values())
+    assert "world_equivalence_passed: true" in result.stdout and "world_negative_detected: true" in result.stdout
+    assert "world-size equivalence" in result.stdout
+
+
+def test_every_path_ran_with_two_ranks_and_was_read_back_with_its_rank_files(world2):
+    report = world2["report"]
+    for name in ("continuous", "cut", "resume", "resume_without_rng"):
+        assert "--nproc-per-node 2" in report["paths"][name]["command"], name
+    assert (report["paths"]["resume"]["resumed_from"], report["paths"]["resume"]["rng_restored"]) == (4, True)
+    assert report["paths"]["resume_without_rng"]["rng_restored"] is False
+    gen = open_store(f"{world2['store']}/verification/w2/resume").load(6)
+    assert gen.info.manifest["world"] == 2 and "rank-00001.pt" in gen.files
+
+
+def test_world_equivalence_block(world2):
+    w = world2["report"]["world_equivalence"]
+    assert w["world"] == 2 and w["passed"] is True and w["tolerance"] == {"atol": TOLERANCE, "rtol": 0.0,
+                                                                          "dtype": "float64"}
+    assert set(w["max_abs_diff"]) == {"parameters", "optimizer", "losses"}
+    assert all(v <= TOLERANCE for v in w["max_abs_diff"].values()), w["max_abs_diff"]
+    assert "not bitwise" in w["reason"] and w["same_experience"] is True
+    cfg = w["configuration"]
+    assert (cfg["dropout"], cfg["gain"], cfg["noise"], cfg["global_batch_size"]) == (0.0, 0.0, 0.0, 8)
+    neg = w["negative_control"]
+    assert neg["detected"] is True
+    assert neg["max_abs_diff"]["parameters"] > 1e3 * max(w["max_abs_diff"]["parameters"], 1e-15)
+    assert "--nproc-per-node 2" in w["paths"]["w_ranks"]["command"]
+    assert "--nproc-per-node" not in w["paths"]["one_rank"]["command"]
+
+
+def test_equivalence_config_splits_the_tail_unevenly():
+    for world in (2, 3, 4):
+        rows, global_batch = equivalence_config(world)["rows"], 4 * world
+        tail = rows % global_batch
+        assert world <= tail < global_batch and tail % world != 0
+
+
+def _verdicts(diffs, same=True):
+    w = WorldEquivalence(world=2, root_url="unused", workdir=None, seed=1, device="cpu", timeout=1, parallel=True,
+                         store_args=[], opener=None)
+    w.diffs, w.same_experience = diffs, {"w_ranks": same, "per_rank_mean": same}
+    return w.passed, w.negative_detected, w.failing()
+
+
+def test_verdicts_fail_on_a_difference_or_an_undetected_negative():
+    small, big = dict.fromkeys(("parameters", "optimizer", "losses"), 1e-15), dict.fromkeys(
+        ("parameters", "optimizer", "losses"), 1e-2)
+    assert _verdicts({"w_ranks": small, "per_rank_mean": big}) == (True, True, [])
+    passed, detected, failing = _verdicts({"w_ranks": big, "per_rank_mean": big})
+    assert (passed, detected) == (False, True) and "world_equivalence.parameters" in failing
+    passed, detected, failing = _verdicts({"w_ranks": small, "per_rank_mean": small})
+    assert (passed, detected) == (True, False) and failing == ["world_negative: per-rank mean not detected"]
+    assert _verdicts({"w_ranks": small, "per_rank_mean": big}, same=False)[:2] == (False, False)
+
+
+def test_world_option_is_validated(cli, tmp_path):
+    result = cli("verify", "--store", str(tmp_path / "run"), "--world", "0")
+    assert result.exit_code == 2
+    result = cli("verify", "--store", str(tmp_path / "run"), "--audit", "--world", "2")
+    assert result.exit_code == 2
+
+
+def test_a_per_rank_normalisation_fails_the_equivalence_with_exit_1(tmp_path):
+    """The sabotage the check exists for: every W-rank run normalises per rank (the hook inherited by every
+    process). The protocol still passes (every path is equally wrong), the equivalence does not: exit 1."""
+    store = str(tmp_path / "run")
+    result = trainproof("verify", "--store", store, "--id", "bad", "--world", "2", "--steps", "4", "--cut", "2",
+                        "--no-export", env={"TRAINPROOF_TEST_PER_RANK_MEAN": "1"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    report = read_report(store, "bad")
+    assert report["positive"] is True and report["all_checks_passed"] is False
+    assert report["world_equivalence_passed"] is False
+    assert "world_equivalence.parameters" in report["failing_checks"]
+    assert report["world_equivalence"]["max_abs_diff"]["parameters"] > TOLERANCE
