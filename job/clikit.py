@@ -56,6 +56,12 @@ def setup_logging(verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def store_cli_args(endpoint_url: str | None, region: str | None, path_style: bool | None) -> list[str]:
+    """The S3 options as given on the command line, to pass on to the processes a command starts."""
+    args = [*(["--endpoint-url", endpoint_url] if endpoint_url else []), *(["--region", region] if region else [])]
+    return args + ([] if path_style is None else ["--path-style" if path_style else "--virtual-host-style"])
+
+
 def open_run(store: str, endpoint_url: str | None = None, region: str | None = None, path_style: bool | None = None):
     """Open the store named on the command line (StoreConfigError → exit 2 through ``handled``)."""
     return open_store(store, StoreOptions.from_env(endpoint_url=endpoint_url, region=region, path_style=path_style))

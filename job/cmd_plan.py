@@ -13,7 +13,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from job.cli import app
-from job.clikit import EXIT_FAILURE, EndpointArg, PathStyleArg, RegionArg, UsageError, fail, handled
+from job.clikit import (EXIT_FAILURE, EndpointArg, PathStyleArg, RegionArg, UsageError, fail, handled,
+                        store_cli_args)
 from job.planner import (Plan, PlanInputs, format_duration, make_plan, parse_duration, plan_document,
                          plan_from_measurements)
 
@@ -79,12 +80,11 @@ def plan_command(
 def _measure(store: str | None, task: str, config: Path | None, steps: int, endpoint_url: str | None,
              region: str | None, path_style: bool | None) -> dict[str, Any]:
     """Run the measurement (job.plan_measure); a failed one is exit 1, the store may be the cause."""
-    from job.cmd_verify import _store_args
     from job.plan_measure import measure
 
     try:
         return measure(store or "", task, steps=steps, config=config,
-                       store_args=_store_args(endpoint_url, region, path_style))
+                       store_args=store_cli_args(endpoint_url, region, path_style))
     except RuntimeError as exc:
         raise fail(str(exc), EXIT_FAILURE) from None
 

@@ -17,19 +17,13 @@ from typing import Annotated, Any, Optional
 import typer
 
 from job.cli import app
-from job.clikit import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, EndpointArg, PathStyleArg, RegionArg, StoreArg, UsageError,
+from job.clikit import (store_cli_args, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, EndpointArg, PathStyleArg, RegionArg, StoreArg, UsageError,
                         fail, handled, setup_logging)
 from job.errors import TrainError
 from storage import StoreError, StoreOptions, open_store
 
 log = logging.getLogger("trainproof.verify")
 _STEP_HELP = "Generation to export: a step number, or 'latest' (the newest usable one)."
-
-
-def _store_args(endpoint_url: str | None, region: str | None, path_style: bool | None) -> list[str]:
-    """The S3 options as given, for the processes the command starts."""
-    args = [*(["--endpoint-url", endpoint_url] if endpoint_url else []), *(["--region", region] if region else [])]
-    return args + ([] if path_style is None else ["--path-style" if path_style else "--virtual-host-style"])
 
 
 def _opener(endpoint_url: str | None, region: str | None, path_style: bool | None):
@@ -71,7 +65,7 @@ def verify_command(
     """Prove resume == continuous in fresh processes (or --audit a real run); upload verification.json.
     Exit 0 passed, 1 a comparison failed, 2 the verification could not be completed."""
     setup_logging()
-    opener, store_args = _opener(endpoint_url, region, path_style), _store_args(endpoint_url, region, path_style)
+    opener, store_args = _opener(endpoint_url, region, path_style), store_cli_args(endpoint_url, region, path_style)
     common = dict(store=store, device=device, workdir=workdir, timeout=timeout, store_args=store_args,
                   **({"vid": vid} if vid else {}))
     protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse)
@@ -166,7 +160,7 @@ def export_command(
                         dest=opener(dest) if dest else None)
         print(f"{'reused' if bundle.reused else 'committed'} {bundle.url}")
         record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, timeout=timeout,
-                                        store_args=_store_args(endpoint_url, region, path_style))
+                                        store_args=store_cli_args(endpoint_url, region, path_style))
         location = write_record(bundle.dest, bundle.step, record)
     except TrainError as exc:
         raise fail(" ".join(str(exc).split()), exc.exit_code) from None
