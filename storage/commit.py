@@ -1,5 +1,8 @@
 """Write → verify → mark usable.
 
+Two phases, so that several writers (one per rank) can each write and verify their own files
+(``write_part``) and one of them commits the whole generation (``mark_usable``); ``commit_generation`` is both.
+
 1. refuse a step that is already committed;
 2. write every file create-only, computing size and sha256 while writing.  Nobody ever overwrites or deletes
    an object of a generation being written: when a name is taken (left by a writer killed mid-save, or a
@@ -32,18 +35,43 @@ def commit_generation(
     """Commit ``files`` as generation ``step``; return its manifest.  Raises CommitConflictError when another
     writer committed this step, CorruptGenerationError when the read-back disagrees, and StoreError or a
     builtin OSError when the store fails; in every failure case nothing is marked usable."""
+    attempt = uuid.uuid4().hex
+    written = write_part(ctx, step, files, check=check, attempt=attempt)
+    return mark_usable(ctx, step, written, contract=contract, world=world, code_version=code_version,
+                       attempt=attempt, digests=digests, extra=extra)
+
+
+def write_part(ctx: Ctx, step: int, files: dict[str, bytes], *, check: Check | None = None,
+               attempt: str | None = None) -> dict[str, tuple[int, str, str]]:
+    """Phase 1 (any number of writers, e.g. one per rank): write ``files`` into generation ``step`` create-only
+    and verify them read back from the store.  Returns name → (bytes, sha256, object) for ``mark_usable``."""
     if not files:
         raise ValueError("a generation needs at least one file")
     bad = [n for n in files if "/" in n or n in ("", ".", "..", mf.MARKER, "REASON")]
     if bad:
         raise ValueError(f"invalid file names for a generation: {bad}")
     name = mf.step_dir(step)
-    attempt = uuid.uuid4().hex
+    attempt = attempt or uuid.uuid4().hex
     _refuse_committed(ctx, name)
     written = {fname: _write_file(ctx, name, fname, data, attempt) for fname, data in files.items()}
     _verify(ctx, name, written, check)
+    return written
+
+
+def mark_usable(
+    ctx: Ctx, step: int, written: dict[str, tuple[int, str, str]], *, contract: str, world: int,
+    code_version: str, attempt: str | None = None, digests: dict[str, str] | None = None, extra: dict | None = None,
+) -> dict:
+    """Phase 2 (one writer): check every listed object is in the store with its listed size, then write
+    ``COMPLETE.json`` create-only and move the ``LATEST`` hint.  Returns the manifest."""
+    name = mf.step_dir(step)
+    sizes = {e.name: e.size for e in ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.path(name)))}
+    for fname, (size, _sha, obj) in written.items():
+        if sizes.get(obj) != size:
+            raise CorruptGenerationError(name, f"{obj} is not in the store with {size} bytes "
+                                               f"(found {sizes.get(obj)}); not marking it usable")
     manifest = mf.build(step=step, files=written, contract=contract, world=world, code_version=code_version,
-                        attempt=attempt, digests=digests, extra=extra)
+                        attempt=attempt or uuid.uuid4().hex, digests=digests, extra=extra)
     _mark_usable(ctx, name, manifest)
     try:
         ctx.io("update LATEST", lambda: ctx.backend.write(ctx.path(LATEST), f"{name}\n".encode()))

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 from storage import manifest as mf
 from storage.backend import FsspecBackend, LocalBackend, join
-from storage.commit import LATEST, commit_generation
+from storage.commit import LATEST, commit_generation, mark_usable, write_part
 from storage.errors import CorruptGenerationError, StoreConfigError, StoreError, StoreUnavailableError
 from storage.generations import COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan
 from storage.options import RetryPolicy, StoreOptions
@@ -76,11 +76,32 @@ class GenerationStore:
         self._before_write()
         manifest = commit_generation(self._ctx, step, files, contract=contract, world=world, code_version=code_version,
                                      check=check, digests=digests, extra=extra)
+        return self._committed(step, manifest, keep)
+
+    def _committed(self, step: int, manifest: dict, keep: int | None) -> GenerationInfo:
         info = GenerationInfo(step=step, name=mf.step_dir(step), status=COMPLETE, manifest=manifest,
                               bytes=sum(m["bytes"] for m in manifest["files"].values()), mtime=time.time())
         if keep is not None:
             self.apply_retention(keep)
         return info
+
+    def write_part(self, step: int, files: dict[str, bytes], *, check: Check | None = None) -> dict[str, list]:
+        """Write and verify part of generation ``step`` (e.g. one rank's files) without marking it usable.
+        Returns the entries (name → [bytes, sha256, object]) to hand to ``commit_parts``, JSON-serialisable so
+        they can travel to the committing process."""
+        self._before_write()
+        return {k: list(v) for k, v in write_part(self._ctx, step, files, check=check).items()}
+
+    def commit_parts(self, step: int, entries: dict[str, list], *, contract: str, world: int, code_version: str,
+                     extra: dict | None = None, digests: dict[str, str] | None = None,
+                     keep: int | None = None) -> GenerationInfo:
+        """Mark generation ``step`` usable from the entries that ``write_part`` returned (possibly in several
+        processes): every listed object must be in the store with its size; then COMPLETE.json, create-only."""
+        self._before_write()
+        written = {k: (int(v[0]), str(v[1]), str(v[2])) for k, v in entries.items()}
+        manifest = mark_usable(self._ctx, step, written, contract=contract, world=world, code_version=code_version,
+                               digests=digests, extra=extra)
+        return self._committed(step, manifest, keep)
 
     def scan(self, *, contract: str | None = None, world: int | None = None) -> list[GenerationInfo]:
         """Every generation, ascending, classified complete / incomplete / corrupt / foreign (no hashing)."""

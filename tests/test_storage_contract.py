@@ -205,3 +205,26 @@ def test_run_files_create_only(store_url):
 def test_empty_store_has_no_latest(store_url):
     store = open_store(store_url)
     assert store.scan() == [] and store.load_latest(contract=C, world=1) is None and store.latest_hint() is None
+
+
+def test_parts_written_by_several_writers_commit_as_one_generation(store_url):
+    """One writer per rank writes and verifies its own file; one of them commits every file's entry."""
+    rank0, rank1 = open_store(store_url), open_store(store_url)
+    e1 = rank1.write_part(3, {"rank-00001.pt": b"rank one"})
+    e0 = rank0.write_part(3, {"training_state.pt": b"rank zero"})
+    assert [g.status for g in rank0.scan()] == [INCOMPLETE]  # nothing usable before the commit
+    rank0.commit_parts(3, {**e0, **e1}, contract=C, world=2, code_version="t", digests={"state": "training_state.pt"})
+    loaded = open_store(store_url).load_latest(contract=C, world=2)
+    assert loaded.files == {"training_state.pt": b"rank zero", "rank-00001.pt": b"rank one"}
+    assert loaded.info.manifest["state_bytes"] == len(b"rank zero")
+    with pytest.raises(CommitConflictError):
+        rank1.write_part(3, {"rank-00001.pt": b"late"})
+
+
+def test_commit_parts_refuses_an_entry_whose_object_is_not_there(store_url):
+    store = open_store(store_url)
+    entries = store.write_part(4, {"training_state.pt": b"zero"})
+    entries["rank-00001.pt"] = [5, hashlib.sha256(b"never").hexdigest(), "rank-00001.pt"]  # a rank that died
+    with pytest.raises(CorruptGenerationError, match="rank-00001.pt"):
+        store.commit_parts(4, entries, contract=C, world=2, code_version="t")
+    assert [g.status for g in store.scan()] == [INCOMPLETE]
