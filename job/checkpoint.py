@@ -8,23 +8,22 @@ LATEST hint. Retention runs after that commit, never before, and never deletes t
 With world > 1 a generation is ``training_state.pt`` (rank 0's view, its own part inline) plus one
 ``rank-%05d.pt`` per other rank, committed together in one ``COMPLETE.json``:
 
-1. every rank >= 1 serialises its own part and verifies it (a real weights-only load), then sends it,
-   with its sha256, to rank 0 (a gather over the gloo control group; a rank that failed sends its error);
-2. rank 0 checks every part arrived intact, and commits all files at once through the store (write,
-   read back, verify, then ``COMPLETE.json`` listing every file);
-3. rank 0 shares the outcome; every rank raises if the commit failed, so all exit non-zero together.
+1. every rank writes its own file into the generation and verifies it read back from the store
+   (``store.write_part``: create-only write, size + sha256 of the stored bytes, a real weights-only load);
+2. every rank >= 1 sends rank 0 only its entry (name, bytes, sha256, object) or its error, over the gloo
+   control group; rank 0 writes ``training_state.pt`` the same way;
+3. rank 0 commits the generation (``store.commit_parts``: every listed object must be in the store with its
+   size, then ``COMPLETE.json`` create-only listing every rank's file) and shares the outcome; every rank
+   raises if the commit failed, so all exit non-zero together.
 
 A rank that dies or hangs makes the gather or the outcome broadcast fail (at once, or at the group's
-timeout): no ``COMPLETE.json`` is written for that step unless every part had already reached rank 0.
-
-Note: the parts travel to rank 0 because the store commits the files of one writer. That is fine for
-per-rank RNG and data position (a few KB); sharded model or optimizer state (FSDP) would need each rank to
-write and verify its own files and rank 0 to commit their digests, which the store cannot express yet.
+timeout): no ``COMPLETE.json`` is written for that step unless every rank had already reported its file
+written and verified.  Only digests travel between ranks, so the same protocol carries sharded state.
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -107,12 +106,12 @@ class Checkpointer:
 
     def _commit_world(self, step: int, state: dict[str, Any] | None, part: dict[str, Any] | None,
                       extra: dict[str, Any], rank: int) -> dict[str, Any] | None:
-        frame = self._own_part(step, part) if rank else b""
+        frame = self._write_own_part(step, part, rank) if rank else b""
         frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
         record, failure, raised = None, b"", None
         if rank == 0:
             try:
-                record = self._commit_files(step, {STATE_FILE: encode(state), **self._parts(step, frames)}, extra)
+                record = self._commit_generation(step, {STATE_FILE: encode(state)}, extra, self._rank_entries(step, frames))
             except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
                 failure, raised = (str(exc) or type(exc).__name__).encode(), exc
         failure = self.sync.broadcast_bytes(failure, f"share the outcome of step {step}'s commit")
@@ -122,38 +121,42 @@ class Checkpointer:
             raise TrainError(f"step {step} was not committed by rank 0: {failure.decode(errors='replace')}")
         return record
 
-    def _own_part(self, step: int, part: dict[str, Any] | None) -> bytes:
-        """This rank's part, serialised and verified here: ``OK`` + sha256 + bytes, or ``ER`` + the error."""
+    def _write_own_part(self, step: int, part: dict[str, Any] | None, rank: int) -> bytes:
+        """Write and verify this rank's file in the store: ``OK`` + its JSON entry, or ``ER`` + the error."""
         try:
             data = encode_rank_part(part or {}, step=step, world=self.world)
-            decode_rank_part(data)  # the bytes rank 0 will store load back, weights-only
+            entry = self.store.write_part(step, {rank_file(rank): data}, check=self._check)
             sleep_for_test_hook(SAVE_DELAY_ENV)
-            return b"OK" + hashlib.sha256(data).hexdigest().encode() + data
+            return b"OK" + json.dumps(entry).encode()
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the whole generation
             return b"ER" + f"{type(exc).__name__}: {exc}".encode()
 
     @staticmethod
-    def _parts(step: int, frames: list[bytes]) -> dict[str, bytes]:
-        """Every other rank's file, refusing the generation when a part is missing or arrived damaged."""
-        files = {}
+    def _rank_entries(step: int, frames: list[bytes]) -> dict[str, list]:
+        """Every other rank's written-and-verified file entry, refusing the generation when one is missing."""
+        entries: dict[str, list] = {}
         for r, frame in enumerate(frames[1:], start=1):
-            body = frame[2:]
+            body = frame[2:].decode(errors="replace")
             if frame[:2] != b"OK":
-                raise TrainError(f"rank {r} could not serialise its part of step {step}: "
-                                 f"{body.decode(errors='replace')}")
-            sha, data = body[:64].decode(), body[64:]
-            if hashlib.sha256(data).hexdigest() != sha:
-                raise TrainError(f"rank {r}'s part of step {step} arrived damaged ({len(data)} bytes)")
-            files[rank_file(r)] = data
-        return files
+                raise TrainError(f"rank {r} could not write its part of step {step}: {body}")
+            entries.update(json.loads(body))
+        return entries
 
     def _commit_files(self, step: int, files: dict[str, bytes], extra: dict[str, Any]) -> dict[str, Any]:
+        return self._commit_generation(step, files, extra, None)
+
+    def _commit_generation(self, step: int, files: dict[str, bytes], extra: dict[str, Any],
+                           rank_entries: dict[str, list] | None) -> dict[str, Any]:
+        """Commit ``files`` (rank 0's) plus, in a distributed run, the other ranks' already-written entries."""
         t0 = time.perf_counter()
+        common = dict(contract=self.contract, world=self.world, code_version=self.code_version, extra=extra,
+                      digests={"state": STATE_FILE})
         try:
-            info = self.store.commit(
-                step, files, contract=self.contract, world=self.world,
-                code_version=self.code_version, check=self._check, extra=extra, digests={"state": STATE_FILE},
-            )
+            if rank_entries is None:
+                info = self.store.commit(step, files, check=self._check, **common)
+            else:
+                own = self.store.write_part(step, files, check=self._check)
+                info = self.store.commit_parts(step, {**own, **rank_entries}, **common)
         except CommitConflictError as exc:
             raise TrainError(
                 f"step {step} was already committed by another writer ({exc}): two processes are "
@@ -161,8 +164,7 @@ class Checkpointer:
             ) from None
         except StoreError as exc:
             raise TrainError(f"checkpoint of step {step} was not committed: {exc}") from None
-        record = {"step": step, "generation": info.name, "bytes": sum(len(d) for d in files.values()),
-                  "seconds": time.perf_counter() - t0}
+        record = {"step": step, "generation": info.name, "bytes": info.bytes, "seconds": time.perf_counter() - t0}
         self.records.append(record)
         self.reporter.event("checkpoint", **record)
         return record
