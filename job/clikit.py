@@ -29,7 +29,10 @@ class UsageError(Exception):
 
 def fail(message: str, code: int) -> typer.Exit:
     """Print one line to stderr and return the Exit to raise."""
-    print(f"trainproof: error: {message}", file=sys.stderr)
+    # One write for the whole line: ranks share stderr, and print() writes the text and the newline separately,
+    # which lets another process's line land in between.
+    sys.stderr.write(f"trainproof: error: {message}\n")
+    sys.stderr.flush()
     return typer.Exit(code)
 
 
