@@ -13,7 +13,7 @@ from typing import Callable, TypeVar
 
 import tenacity
 
-from storage.errors import StoreError
+from storage.errors import StoreError, StoreUnavailableError
 from storage.options import RetryPolicy
 
 log = logging.getLogger("trainproof.storage")
@@ -118,6 +118,18 @@ def call_with_retry(policy: RetryPolicy, what: str, fn: Callable[[], T], stats: 
         before_sleep=before_sleep,
     )
     return retrying(fn)
+
+
+def retry_or_unavailable(policy: RetryPolicy, what: str, fn: Callable[[], T], stats: RetryStats | None = None,
+                         *, where: str = "") -> T:
+    """``call_with_retry``, turning a transient fault that outlasted the budget into StoreUnavailableError
+    (a StoreError, which no outer layer retries again: attempts never multiply)."""
+    try:
+        return call_with_retry(policy, what, fn, stats)
+    except Exception as exc:
+        if is_transient(exc):
+            raise StoreUnavailableError(f"{what}{where} kept failing after retries: {exc}") from exc
+        raise
 
 
 def _one_line(exc: BaseException | None) -> str:

@@ -19,9 +19,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from storage.backend import CHUNK, Entry, FsspecBackend, Source, iter_chunks
-from storage.errors import StoreConfigError, StoreUnavailableError
+from storage.errors import StoreConfigError
 from storage.options import StoreOptions
-from storage.retry import RetryStats, call_with_retry, is_transient
+from storage.retry import RetryStats, is_transient, retry_or_unavailable
 
 log = logging.getLogger("trainproof.storage")
 
@@ -76,12 +76,7 @@ class S3Backend(FsspecBackend):
     def _part_retry(self, what: str, fn):
         # Part retries are part of the one retry layer: once a part has used its budget the whole write fails
         # with a StoreError, which the store's outer retry does not repeat (attempts never multiply).
-        try:
-            return call_with_retry(self.options.retry, what, fn, self.stats)
-        except Exception as exc:
-            if is_transient(exc):
-                raise StoreUnavailableError(f"{what} kept failing after retries: {exc}") from exc
-            raise
+        return retry_or_unavailable(self.options.retry, what, fn, self.stats)
 
     # -- primitives -------------------------------------------------------------------------------------
     def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:

@@ -12,12 +12,12 @@ from urllib.parse import urlparse
 from storage import manifest as mf
 from storage.backend import FsspecBackend, LocalBackend, join
 from storage.commit import LATEST, commit_generation, mark_usable, write_part
-from storage.errors import CorruptGenerationError, StoreConfigError, StoreError, StoreUnavailableError
+from storage.errors import CorruptGenerationError, StoreConfigError, StoreError
 from storage.generations import COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan
 from storage.options import RetryPolicy, StoreOptions
 from storage.quarantine import list_quarantined, quarantine
 from storage.retention import plan_retention
-from storage.retry import RetryStats, call_with_retry, is_transient
+from storage.retry import RetryStats, call_with_retry, retry_or_unavailable
 
 log = logging.getLogger("trainproof.storage")
 DEFAULT_GRACE_SECONDS = 6 * 3600.0
@@ -41,12 +41,7 @@ class GenerationStore:
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def _io(self, what: str, fn: Callable):
-        try:
-            return call_with_retry(self.options.retry, what, fn, self.stats)
-        except Exception as exc:
-            if is_transient(exc):
-                raise StoreUnavailableError(f"{what} on {self.url} kept failing after retries: {exc}") from exc
-            raise
+        return retry_or_unavailable(self.options.retry, what, fn, self.stats, where=f" on {self.url}")
 
     def _before_write(self) -> None:
         # Probing and sweeping write to the store, so read-only users (ls, audit) never trigger them.
