@@ -1,6 +1,6 @@
 """The training side's few domain exceptions, each carrying the exit code the CLI maps it to.
 
-Exit codes are part of the contract (DESIGN.md): 2 means "retrying cannot help" (usage, configuration,
+Exit codes are part of the contract (README, "Exit codes"): 2 means "retrying cannot help" (usage, configuration,
 contract), 1 means "any other failure" (a Kubernetes Job retries it and counts the retry).
 """
 

@@ -8,7 +8,7 @@ associative, so the parameters may differ in the last bits. In float64 those dif
 1e-12 after 12 AdamW steps; a real change of the objective moves them by 1e-2 and more.
 
 The runs use no randomness but the data order: each rank draws dropout masks and noise from its own
-stream (job.dist.rank_seed), so with dropout a W=2 run is another, equally valid, random realisation
+stream (job.train.dist.rank_seed), so with dropout a W=2 run is another, equally valid, random realisation
 and cannot be compared with the one-rank run. The data order is global and world-independent.
 """
 
@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
     }
     results = {name: finish(p, timeout=300) for name, p in procs.items()}
     negative = start_world(d / "lm2-per-rank-mean", *lm, "--config", str(d / "lm2.json"),
-                           env={"TRAINPROOF_TEST_PER_RANK_MEAN": "1"})
+                           env={"TPHOOK_PER_RANK_MEAN": "1"})
     regression2 = start_world(d / "rg2", *rg, "--config", _config(d, "rg2", {**REGRESSION, "batch_size": 4}))
     results.update({"neg": finish(negative, timeout=300), "rg2": finish(regression2, timeout=300)})
     assert {n: r.code for n, r in results.items()} == dict.fromkeys(results, 0), {n: r.stderr for n, r in results.items()}

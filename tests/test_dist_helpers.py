@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from job.launch import world_command
 from job.tasks.tinylm import TinyLMConfig, TinyLMTask
-from tests.test_train_helpers import ROOT, parse_events, train_env
+from tests.test_train_helpers import ROOT, entry_module, parse_events, train_env
 
 # Short collective timeout: a test that breaks a rank must see the others give up quickly.
 DIST_ARGS = ("--dist-timeout", "20")
@@ -24,7 +23,8 @@ DIST_ARGS = ("--dist-timeout", "20")
 
 def start_world(store: Path | str, *args: str, world: int = 2, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a ``world``-rank training run through trainproof's launcher (stdout/stderr piped)."""
-    cmd = world_command(["--store", str(store), *DIST_ARGS, *args], world)
+    cmd = [sys.executable, "-m", entry_module(env), "train", "--nproc-per-node", str(world),
+           "--store", str(store), *DIST_ARGS, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=train_env(env), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 
@@ -56,7 +56,7 @@ def rank_pids(proc: subprocess.Popen, lines: list[str]) -> list[int]:
 
 def load_world_state(store: Path | str, step: int | None = None) -> dict[str, Any]:
     """The joined state (every rank's part) of generation ``step`` (default: the newest usable one)."""
-    from job.state import decode_generation
+    from job.train.state import decode_generation
     from storage import open_store
 
     s = open_store(str(store))

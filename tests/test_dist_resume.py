@@ -15,18 +15,18 @@ import time
 
 import pytest
 
-from job.data import epoch_plan
-from job.dist import rank_seed, rank_slice
+from job.train.data import epoch_plan
+from job.train.dist import rank_seed, rank_slice
 from job.errors import ConfigError, StateError
-from job.launch import world_exit_code
-from job.state import decode_generation, rank_file
+from job.train.launch import world_exit_code
+from job.train.state import decode_generation, rank_file
 from storage import open_store
 from tests.test_dist_helpers import load_world_state, rank_pids, read_until, start_torchrun, start_world
 from tests.test_train_helpers import differences, finish, history_rows, run_all, trajectory
 
 TARGET, CUT = 40, 13  # 21 rows in global batches of 8: 3 steps an epoch (8, 8, 5 split 3 + 2); 13 is mid-epoch
 CONFIG = {"rows": 21}  # the regression fixture otherwise: dropout, noise and gain draw from every generator
-STEP_DELAY = {"TRAINPROOF_TEST_STEP_DELAY": "0.02"}  # test-only: lets a signal land mid-run
+STEP_DELAY = {"TPHOOK_STEP_DELAY": "0.02"}  # test-only: lets a signal land mid-run
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_sigterm_stops_every_rank_at_one_committed_step_and_resumes_exactly(worl
 
 def test_a_rank_killed_during_the_commit_fails_the_generation_without_a_hang(world2, tmp_path):
     store = tmp_path / "killed"
-    hooks = {"TRAINPROOF_TEST_SAVE_DELAY": "1.0"}  # each rank's save pauses 1 s before handing over its part
+    hooks = {"TPHOOK_SAVE_DELAY": "1.0"}  # each rank's save pauses 1 s before handing over its part
     proc = start_world(store, *world2["common"], "--max-steps", str(TARGET), "--checkpoint-every", "5", env=hooks)
     lines: list[str] = []
     pids = rank_pids(proc, lines)

@@ -90,8 +90,8 @@ def test_exporting_again_reuses_the_committed_bundle(exported, cli):  # noqa: F8
 
 
 def test_a_bundle_whose_metric_is_wrong_fails_its_reload_check(exported, tmp_path):
-    from job.export import check_file
-    from job.verify_export import reload_check
+    from job.train.export import check_file
+    from job.proof.reload import reload_check
 
     source = open_store(str(exported["dir"] / "dest")).load(4)
     files = dict(source.files)

@@ -13,14 +13,14 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from job.errors import ConfigError
-from job.preempt import Deadline, StopRequest, parse_deadline
+from job.lifecycle.signals import Deadline, StopRequest, parse_deadline
 from tests.test_train_helpers import differences, finish, history_rows, load_state, parse_events, run, start, trajectory
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 TARGET = 400
 # Test-only hooks: 10 ms steps so a signal can land mid-run; saves that block 0.8 s after writing the state
 # (before COMPLETE.json), so a signal sent up to 0.2 s after "checkpoint_begin" lands inside the save.
-HOOKS = {"TRAINPROOF_TEST_STEP_DELAY": "0.01", "TRAINPROOF_TEST_SAVE_DELAY": "0.8"}
+HOOKS = {"TPHOOK_STEP_DELAY": "0.01", "TPHOOK_SAVE_DELAY": "0.8"}
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("10m", 600), ("2h", 7200), ("1h30m", 5400),
@@ -134,7 +134,7 @@ def test_deadline_stops_in_time_after_committing(tmp_path):
     # The periodic checkpoints give the deadline logic a measured save time early on. 10 s is too short for the
     # export and its reload check as well (a fresh process), so the export is given up: commit, exit 75.
     result = run(tmp_path / "run", "--max-steps", "100000", "--deadline", "10s", "--checkpoint-every", "25",
-                 "--log-every", "1000", env={"TRAINPROOF_TEST_STEP_DELAY": "0.01"})
+                 "--log-every", "1000", env={"TPHOOK_STEP_DELAY": "0.01"})
     assert result.code == 75, result.stderr
     stopped = result.last("stopped")
     assert stopped["reason"] == "deadline" and stopped["step"] > 0 and not stopped["export"]["ok"]

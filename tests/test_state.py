@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from job import rng
-from job.data import EpochSampler, epoch_plan
+from job.train import rng
+from job.train.data import EpochSampler, epoch_plan
 from job.errors import ConfigError, StateError
-from job.run import build_run, capture_state, restore_state, train_step
-from job.state import STATE_SCHEMA, Expected, History, check_consistency, decode, encode, runtime_versions
+from job.train.run import build_run, capture_state, restore_state, train_step
+from job.train.state import STATE_SCHEMA, Expected, History, check_consistency, decode, encode, runtime_versions
 from job.tasks import load_task
 from job.tasks.tinylm import TinyLMConfig, TinyLMTask
-from job.trainer import configure_determinism
+from job.train.loop import configure_determinism
 from tests.test_train_helpers import differences
 
 CPU = torch.device("cpu")

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from job.errors import ConfigError
-from job.run import build_run, train_step
+from job.train.run import build_run, train_step
 from job.tasks import Task, TaskContext, load_task
 from job.tasks.tinylm import IGNORE
-from job.trainer import configure_determinism
+from job.train.loop import configure_determinism
 
 CPU = torch.device("cpu")
 

@@ -183,7 +183,7 @@ def test_a_store_that_is_a_file_is_a_configuration_error(cli, tmp_path):
 
 
 def test_checkpoint_cadence_by_steps_and_by_seconds():
-    from job.checkpoint import SaveClock
+    from job.train.checkpoint import SaveClock
 
     now = [1000.0]
     by_steps = SaveClock(every_steps=3)

@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-HOOK_ENVS = ("TRAINPROOF_TEST_SAVE_DELAY", "TRAINPROOF_TEST_STEP_DELAY")
+HOOK_PREFIX = "TPHOOK_"
+"""Variables read by the test wrapper tests/support/hooked.py (never by the product)."""
+
+
+def entry_module(env: dict[str, str] | None = None) -> str:
+    """``job``, or the test wrapper that injects faults when ``env`` asks for any (tests/support/hooked.py)."""
+    return "tests.support.hooked" if any(k.startswith(HOOK_PREFIX) for k in env or {}) else "job"
 
 
 def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -30,9 +36,9 @@ def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def train_cmd(store: Path | str | None, *args: str) -> list[str]:
+def train_cmd(store: Path | str | None, *args: str, module: str = "job") -> list[str]:
     """Command line of one training process (``store`` None: no --store option, e.g. from the environment)."""
-    return [sys.executable, "-m", "job", "train", *(["--store", str(store)] if store is not None else []), *args]
+    return [sys.executable, "-m", module, "train", *(["--store", str(store)] if store is not None else []), *args]
 
 
 @dataclass
@@ -57,7 +63,7 @@ def parse_events(stdout: str) -> list[dict[str, Any]]:
 
 def start(store: Path | str | None, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a training process (stdout/stderr piped, text mode)."""
-    return subprocess.Popen(train_cmd(store, *args), cwd=ROOT, env=train_env(env), text=True,
+    return subprocess.Popen(train_cmd(store, *args, module=entry_module(env)), cwd=ROOT, env=train_env(env), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -80,7 +86,7 @@ def run(store: Path | str, *args: str, env: dict[str, str] | None = None) -> Res
 
 def load_state(store: Path | str, step: int | None = None) -> dict[str, Any]:
     """The decoded training state of generation ``step`` (default: the newest usable one)."""
-    from job.state import STATE_FILE, decode
+    from job.train.state import STATE_FILE, decode
     from storage import open_store
 
     s = open_store(str(store))
@@ -123,6 +129,6 @@ def trajectory(state: dict[str, Any]) -> dict[str, Any]:
 
 def history_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
     """Per-step history as rows (step, epoch, loss, lr, targets, sample_ids)."""
-    from job.state import History
+    from job.train.state import History
 
     return History.from_state_dict(state["history"]).rows

@@ -8,7 +8,7 @@ from pathlib import Path
 from tests.test_spot import FakeMetadata
 from tests.test_train_helpers import finish, start
 
-HOOKS = {"TRAINPROOF_TEST_STEP_DELAY": "0.02"}
+HOOKS = {"TPHOOK_STEP_DELAY": "0.02"}
 
 
 def _wait_for_generation(store: Path, proc, timeout: float = 60) -> None:

@@ -81,7 +81,7 @@ def test_the_negative_path_diverges_where_the_generators_matter(reference):
     assert {"losses", "parameters", "rng_next_draws"} <= diverged
     assert {"learning_rates", "next_lr", "scheduler"}.isdisjoint(diverged)  # the schedule alone cannot catch it
     assert negative["parameters"]["first_step"] == 6
-    assert 1e-3 < negative["parameters"]["max_abs_diff"] < 0.1  # PROTOCOL.md: about 0.0117 in the reference
+    assert 1e-3 < negative["parameters"]["max_abs_diff"] < 0.1  # docs/protocol.md: about 0.0117 in the reference
     assert report["parameter_distance"]["resume"] == {str(s): 0.0 for s in range(6, 11)}
     assert report["losses"]["continuous"] == report["losses"]["resume"] != report["losses"]["resume_without_rng"]
 
@@ -127,6 +127,7 @@ def test_tinylm_protocol_passes(cli, tmp_path):
 
 
 # -- it catches what it claims --------------------------------------------------------------------------
+HOOKED = "tests.support.hooked"  # the fault-injecting wrapper of `python -m job` (tests only)
 SABOTAGES = {  # sabotage -> checks that must fail, and the one that fails at the first resumed step (6)
     "skip_optimizer": ({"optimizer", "parameters", "losses"}, "optimizer"),
     "rebuild_scheduler": ({"scheduler", "learning_rates", "next_lr"}, "scheduler"),
@@ -138,7 +139,8 @@ SABOTAGES = {  # sabotage -> checks that must fail, and the one that fails at th
 
 @pytest.mark.parametrize("sabotage", SABOTAGES)
 def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sabotage):
-    monkeypatch.setenv("TRAINPROOF_TEST_SABOTAGE", sabotage)  # inherited by the resumed paths only
+    monkeypatch.setenv("TPHOOK_SABOTAGE", sabotage)  # inherited by every path, acts on the resumed ones only
+    monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)  # the verifier's paths run the test wrapper
     vid = f"sabotage-{sabotage}"
     result = cli("verify", "--store", reference["store"], "--reuse-reference", "ref", "--id", vid, "--no-export")
     assert result.exit_code == 1, result.output + result.stderr
@@ -153,7 +155,8 @@ def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sab
 
 
 def test_a_crashing_path_is_exit_2_not_1(reference, cli, monkeypatch):
-    monkeypatch.setenv("TRAINPROOF_TEST_SABOTAGE", "crash")
+    monkeypatch.setenv("TPHOOK_SABOTAGE", "crash")
+    monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
     result = cli("verify", "--store", reference["store"], "--reuse-reference", "ref", "--id", "crash")
     assert result.exit_code == 2, result.output
     assert "path 'resume' exited 1" in result.stderr and "SabotageCrash" in result.stderr

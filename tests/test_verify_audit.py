@@ -28,7 +28,7 @@ def runs(tmp_path_factory):
     assert first.code == 0, first.stderr
     shutil.copytree(d / "run", d / "sabotaged")
     procs = [start(d / "run", "--max-steps", "10"),
-             start(d / "sabotaged", "--max-steps", "10", env={"TRAINPROOF_TEST_SABOTAGE": "reseed_rng"})]
+             start(d / "sabotaged", "--max-steps", "10", env={"TPHOOK_SABOTAGE": "reseed_rng"})]
     assert [finish(p).code for p in procs] == [0, 0]
     return d
 

@@ -1,4 +1,4 @@
-"""The verifier's arithmetic (job.compare), without processes: tolerance semantics, exact integers,
+"""The verifier's arithmetic (job.proof.compare), without processes: tolerance semantics, exact integers,
 structural differences and non-finite values as failures, and the state a cut must hold."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from job.compare import Diff, Tolerance, compare_cut, diff_tree, expected_at_cut
-from job.state import History
+from job.proof.compare import Diff, Tolerance, compare_cut, diff_tree, expected_at_cut
+from job.train.state import History
 
 TOL = Tolerance(atol=1e-12, rtol=0.0)
 

@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from storage import open_store
+from tests.test_train_helpers import entry_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,8 +27,8 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def trainproof(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m job ARGS`` as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, env=clean_env(env), text=True,
+    """``python -m job ARGS`` as a user runs it (the fault-injecting test wrapper when ``env`` has TPHOOK_*)."""
+    return subprocess.run([sys.executable, "-m", entry_module(env), *args], cwd=ROOT, env=clean_env(env), text=True,
                           capture_output=True, timeout=600)
 
 

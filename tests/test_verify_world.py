@@ -1,6 +1,6 @@
 """``trainproof verify --world 2``: the four-path protocol with every path launched as 2 ranks (trainproof's
 launcher, gloo on the CPU), the resume still bitwise, plus the world-size equivalence check (2 ranks vs 1 rank
-with the same global batch, float64, within job.verify_world.TOLERANCE) and its negative control (the loss
+with the same global batch, float64, within job.proof.world.TOLERANCE) and its negative control (the loss
 normalised per rank on steps with uneven target counts), which must be detected.
 
 Runtime: each path is a launcher plus two ranks (several seconds each), so the protocol runs with fewer steps
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from job.verify_world import TOLERANCE, WorldEquivalence, equivalence_config
+from job.proof.world import TOLERANCE, WorldEquivalence, equivalence_config
 from storage import open_store
 from tests.test_verify_helpers import checks, cli, read_report, trainproof  # noqa: F401  (cli: a fixture)
 
@@ -101,7 +101,7 @@ def test_a_per_rank_normalisation_fails_the_equivalence_with_exit_1(tmp_path):
     process). The protocol still passes (every path is equally wrong), the equivalence does not: exit 1."""
     store = str(tmp_path / "run")
     result = trainproof("verify", "--store", store, "--id", "bad", "--world", "2", "--steps", "4", "--cut", "2",
-                        "--no-export", env={"TRAINPROOF_TEST_PER_RANK_MEAN": "1"})
+                        "--no-export", env={"TPHOOK_PER_RANK_MEAN": "1"})
     assert result.returncode == 1, result.stderr[-3000:]
     report = read_report(store, "bad")
     assert report["positive"] is True and report["all_checks_passed"] is False

@@ -1,4 +1,9 @@
-"""Tasks: the built-ins and the loader for ``--task package.module:factory``."""
+"""Tasks: what is trained. The built-ins and the loader for ``--task package.module:factory``.
+
+Owns: the :class:`~job.tasks.base.Task` interface (model, optimizer, scheduler, sample ids -> micro-batch,
+summed loss, target count), the built-in ``regression`` and ``tinylm`` tasks, and loading a user's task.
+May import only ``job.errors``: a task knows nothing of the loop, checkpoints or storage.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``regression``: the resume-equivalence protocol's fixture (PROTOCOL.md), exactly.
+"""``regression``: the resume-equivalence protocol's fixture (docs/protocol.md), exactly.
 
 24 rows of a synthetic two-input, one-target relationship; Linear(2->8), tanh, Dropout(0.25),
 Linear(8->1) (33 parameters); batches of 4; Adam lr 0.03 with StepLR(step_size=3, gamma=0.5); CPU,

@@ -1,0 +1,92 @@
+"""``trainproof ls`` and ``trainproof gc``: look at and prune a run's generations."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from job.cli.app import app
+from job.cli.common import EndpointArg, PathStyleArg, RegionArg, StoreArg, UsageError, handled, open_run, setup_logging
+from storage import COMPLETE
+
+_STYLE = {"complete": "green", "incomplete": "yellow", "corrupt": "red", "foreign": "magenta"}
+
+
+def _age(mtime: float | None) -> str:
+    if mtime is None:
+        return "?"
+    s = max(0, time.time() - mtime)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+@app.command("ls")
+@handled
+def ls_command(
+    store: StoreArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
+) -> None:
+    """List a run's generations with their status (complete / incomplete / corrupt / foreign).
+
+    Also shows the LATEST hint (a hint only) and quarantined generations with their reason. Read-only.
+    """
+    setup_logging()
+    run = open_run(store, endpoint_url, region, path_style)
+    gens = run.scan()
+    quarantined = run.quarantined()
+    hint = run.latest_hint()
+    newest = max((g.step for g in gens if g.status == COMPLETE), default=None)
+    if as_json:
+        doc = {
+            "store": run.url, "latest_hint": hint, "newest_complete_step": newest,
+            "generations": [{"name": g.name, "step": g.step, "status": g.status, "reason": g.reason,
+                             "bytes": g.bytes, "mtime": g.mtime,
+                             "world": (g.manifest or {}).get("world"), "created_at": (g.manifest or {}).get("created_at")}
+                            for g in gens],
+            "quarantined": [{"name": n, "reason": r} for n, r in quarantined],
+        }
+        print(json.dumps(doc, indent=2))
+        return
+    table = Table(title=f"{run.url}  (LATEST hint: {hint or 'none'})")
+    for col in ("generation", "status", "bytes", "age", "note"):
+        table.add_column(col)
+    for g in gens:
+        note = g.reason or ("newest complete" if g.step == newest else "")
+        table.add_row(g.name, f"[{_STYLE[g.status]}]{g.status}[/]", f"{g.bytes:,}", _age(g.mtime), note)
+    for name, reason in quarantined:
+        table.add_row(f"quarantine/{name}", "[red]quarantined[/]", "", "", reason)
+    Console().print(table if gens or quarantined else f"{run.url}: no generations yet")
+
+
+@app.command("gc")
+@handled
+def gc_command(
+    store: StoreArg,
+    keep: Annotated[int, typer.Option("--keep", min=1, help="Complete generations to keep (the newest is always kept).")],
+    grace_hours: Annotated[float, typer.Option("--grace-hours", min=0.0,
+                                               help="Collect partial generations only once this old.")] = 6.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")] = False,
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
+) -> None:
+    """Apply retention: keep the K newest complete generations (never the newest complete one, nor newer).
+
+    Partial generations older than the grace period are collected; exports, quarantine and other runs'
+    generations are never touched. Exit 0 done, 2 bad usage or nothing complete to keep, 1 a store failure.
+    """
+    setup_logging()
+    run = open_run(store, endpoint_url, region, path_style)
+    if not any(g.status == COMPLETE for g in run.scan()):
+        raise UsageError(f"{run.url} has no complete generation: nothing can be collected safely")
+    doomed = run.apply_retention(keep, grace_seconds=grace_hours * 3600, dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    for g in doomed:
+        print(f"{verb} {g.name} ({g.status})")
+    print(f"{verb} {len(doomed)} generation(s); kept the {keep} newest complete")

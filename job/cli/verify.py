@@ -1,0 +1,190 @@
+"""``trainproof verify`` (the protocol, or ``--audit`` of a real run) and ``trainproof export``.
+
+Exit codes of ``verify``: 0 the checks passed, 1 a comparison failed, 2 the verification could not be
+completed (bad options, store unreachable, a path crashed, a result missing). ``export``: 0 committed and
+reloaded with a matching metric, 1 the reload check failed or the store failed, 2 configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from job.cli.app import app
+from job.cli.common import (store_cli_args, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, EndpointArg, PathStyleArg, RegionArg, StoreArg, UsageError,
+                        fail, handled, setup_logging)
+from job.errors import TrainError
+from storage import StoreError, StoreOptions, open_store
+
+log = logging.getLogger("trainproof.verify")
+_STEP_HELP = "Generation to export: a step number, or 'latest' (the newest usable one)."
+
+
+def _opener(endpoint_url: str | None, region: str | None, path_style: bool | None):
+    # No multipart sweep from the verifier: the store it reads may belong to a training Job that is
+    # uploading right now (every training process sweeps its own prefix when it starts).
+    options = replace(StoreOptions.from_env(endpoint_url=endpoint_url, region=region, path_style=path_style),
+                      sweep_multipart_older_than=None)
+    return lambda url: open_store(url, options)
+
+
+@app.command("verify")
+def verify_command(
+    store: StoreArg,
+    task: Annotated[Optional[str], typer.Option(help="Task of the protocol (default regression).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Updates of the continuous path (default 10; tinylm 8).")] = None,
+    cut: Annotated[Optional[int], typer.Option(help="Step of the cut (default 5; tinylm 3).")] = None,
+    atol: Annotated[float, typer.Option(help="Absolute tolerance of floating-point comparisons.")] = 1e-12,
+    rtol: Annotated[float, typer.Option(help="Relative tolerance of floating-point comparisons.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the protocol's runs (default 1234).")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="Task settings file (JSON or TOML) for every path.")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda, for every process.")] = "auto",
+    checkpoint_every: Annotated[int, typer.Option(
+        help="Commit cadence of the continuous and resumed paths: full-state comparison at every such step.")] = 1,
+    audit: Annotated[bool, typer.Option("--audit", help="Replay a run's generations --from -> --to, compare.")] = False,
+    from_step: Annotated[Optional[int], typer.Option("--from", help="Audit: generation a (2nd newest).")] = None,
+    to_step: Annotated[Optional[int], typer.Option("--to", help="Audit: generation b (default: newest).")] = None,
+    workdir: Annotated[Optional[str], typer.Option(help="Where <id>/ goes (default <store>/verification).")] = None,
+    vid: Annotated[Optional[str], typer.Option("--id", help="Verification id (default: UTC time + random).")] = None,
+    export_bundle: Annotated[bool, typer.Option("--export/--no-export", help="Export the resumed result.")] = True,
+    timeout: Annotated[float, typer.Option(help="Seconds each process may run.")] = 7200.0,
+    sequential: Annotated[bool, typer.Option("--sequential", help="One process at a time.")] = False,
+    world: Annotated[int, typer.Option(
+        help="Ranks of every path (train --nproc-per-node W, gloo on the CPU); > 1 adds the world-size "
+             "equivalence check (W ranks vs 1 rank, same global batch) and its negative control.")] = 1,
+    reuse: Annotated[Optional[str], typer.Option(
+        "--reuse-reference", hidden=True, help="Reuse an earlier verification's continuous and cut paths.")] = None,
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
+) -> None:
+    """Prove resume == continuous in fresh processes (or --audit a real run); upload verification.json.
+    Exit 0 passed, 1 a comparison failed, 2 the verification could not be completed."""
+    setup_logging()
+    opener, store_args = _opener(endpoint_url, region, path_style), store_cli_args(endpoint_url, region, path_style)
+    common = dict(store=store, device=device, workdir=workdir, timeout=timeout, store_args=store_args,
+                  **({"vid": vid} if vid else {}))
+    protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse)
+    try:
+        from job.proof.compare import Tolerance  # torch is slow to import: keep `--help` fast
+
+        tolerance = Tolerance(atol=atol, rtol=rtol)
+        if audit:
+            if world != 1:
+                raise UsageError("--world is for the protocol; --audit replays with the run's own plan.json")
+            runner = _audit(common, opener, tolerance, protocol_only, from_step=from_step, to_step=to_step)
+        else:
+            if from_step is not None or to_step is not None:
+                raise UsageError("--from/--to select generations for --audit")
+            runner = _protocol(common, opener, tolerance, protocol_only, checkpoint_every=checkpoint_every,
+                               export=export_bundle, parallel=not sequential, world=world)
+    except (UsageError, TrainError, StoreError, OSError, ValueError) as exc:
+        raise fail(" ".join(str(exc).split()), EXIT_USAGE) from None
+    raise typer.Exit(_run_and_report(runner))
+
+
+def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **steps: Any):
+    given = [f"--{k.replace('reuse', 'reuse-reference')}" for k, v in protocol_only.items() if v is not None]
+    if given:
+        raise UsageError(f"--audit replays with the run's own plan.json; drop {', '.join(given)}")
+    from job.proof.audit import Audit, AuditSettings
+
+    return Audit(AuditSettings(tolerance=tolerance, **steps, **common), opener)
+
+
+def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **more: Any):
+    from job.proof.protocol import Protocol, ProtocolSettings, default_schedule
+
+    o = protocol_only
+    task = o["task"] or "regression"
+    default_steps, default_cut = default_schedule(task)
+    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
+    settings = ProtocolSettings(task=task, config=o["config"], steps=pick(o["steps"], default_steps),
+                                cut=pick(o["cut"], default_cut), seed=pick(o["seed"], 1234),
+                                tolerance=tolerance, reuse=o["reuse"], **more, **common)
+    return Protocol(settings, opener)
+
+
+def _run_and_report(runner: Any) -> int:
+    """Run, then always try to upload a report (a partial one, with the error, when it could not complete)."""
+    from job.proof.paths import VerificationIncomplete
+    from job.proof.report import print_summary, upload
+
+    error = None
+    try:
+        runner.run()
+    except (VerificationIncomplete, TrainError, StoreError, OSError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # a bug must still end as "could not complete", with its traceback logged
+        log.exception("verification failed unexpectedly")
+        error = f"{type(exc).__name__}: {exc}"
+    report = runner.report(error)
+    try:
+        upload(runner.root, report, runner.plot() if error is None and hasattr(runner, "plot") else None)
+    except (StoreError, OSError) as exc:
+        error = error or f"could not upload the report: {exc}"
+        print(f"trainproof: error: could not upload {runner.root.url}/verification.json: {exc}", file=sys.stderr)
+    print_summary(report)
+    if error is not None:
+        print(f"trainproof: error: verification incomplete: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK if report["all_checks_passed"] else EXIT_FAILURE
+
+
+@app.command("export")
+@handled
+def export_command(
+    store: StoreArg,
+    step: Annotated[str, typer.Option(help=_STEP_HELP)] = "latest",
+    dest: Annotated[Optional[str], typer.Option(help="Export root (default <store>/exports); the bundle is "
+                                                     "<dest>/step-%08d/.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds the reload-check process may run.")] = 3600.0,
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
+) -> None:
+    """Write the export bundle (write -> verify -> mark usable), then reload it from its destination in a
+    fresh process and re-run the evaluation. Exit 0 ok, 1 the reload check failed, 2 configuration."""
+    setup_logging()
+    if step != "latest" and not step.isdigit():
+        raise UsageError(f"--step must be a step number or 'latest' (got {step!r})")
+    opener = _opener(endpoint_url, region, path_style)
+    try:
+        from job.train.export import export
+        from job.proof.reload import check_in_fresh_process, write_record
+        from job.proof.paths import VerificationIncomplete, absolute_url
+
+        bundle = export(opener(store), step=None if step == "latest" else int(step),
+                        dest=opener(dest) if dest else None)
+        print(f"{'reused' if bundle.reused else 'committed'} {bundle.url}")
+        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, timeout=timeout,
+                                        store_args=store_cli_args(endpoint_url, region, path_style))
+        location = write_record(bundle.dest, bundle.step, record)
+    except TrainError as exc:
+        raise fail(" ".join(str(exc).split()), exc.exit_code) from None
+    except VerificationIncomplete as exc:
+        raise fail(str(exc), EXIT_FAILURE) from None
+    print(f"reload check ({record['metric']}): recorded {record['recorded']:.10g}, reloaded bf16 "
+          f"{record['reloaded_bf16']:.10g}: {'passed' if record['passed'] else 'FAILED'} -> {location}")
+    raise typer.Exit(EXIT_OK if record["passed"] else EXIT_FAILURE)
+
+
+@app.command("reload-check", hidden=True)
+@handled
+def reload_check_command(
+    bundle: Annotated[str, typer.Option("--bundle", help="Export root holding the bundle.")],
+    step: Annotated[int, typer.Option(help="Step of the bundle.")],
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
+) -> None:
+    """Internal: reload an export bundle from its destination and print the check as one JSON line."""
+    setup_logging()
+    from job.proof.reload import reload_check
+
+    try:
+        record = reload_check(_opener(endpoint_url, region, path_style)(bundle), step)
+    except TrainError as exc:
+        raise fail(" ".join(str(exc).split()), exc.exit_code) from None
+    print(json.dumps(record))
+    raise typer.Exit(EXIT_OK if record["passed"] else EXIT_FAILURE)

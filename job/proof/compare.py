@@ -1,0 +1,267 @@
+"""Compare two decoded training states, section by section, within a tolerance.
+
+The verifier's arithmetic, kept free of processes and stores so it can be tested on its own. A *check*
+is one named section of the state (``parameters``, ``optimizer``, ``rng_next_draws`` ...); comparing a
+check walks both sides and records:
+
+- structural problems: missing or extra keys, other lengths, shapes, dtypes or types, and non-finite
+  floating values on either side (even when both agree: the protocol refuses NaN/inf, never accepts them);
+- the largest absolute difference of the floating values, and whether any value lies outside
+  ``|other - ref| <= atol + rtol * |ref|`` (``ref`` is the continuous path, as in ``numpy.isclose``);
+- integers, strings, booleans and None must be *equal*: a sample id or a step count is never "close".
+
+A check is within tolerance when it has no problem and no value outside the tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from job.train.state import History
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tolerance:
+    """Absolute and relative tolerance for floating-point values."""
+
+    atol: float = 1e-12
+    """Absolute tolerance (the protocol's choice for the CPU float64 fixture)."""
+    rtol: float = 0.0
+    """Relative tolerance, applied to the reference's magnitude."""
+
+    def __post_init__(self) -> None:
+        if not (self.atol >= 0 and self.rtol >= 0 and math.isfinite(self.atol) and math.isfinite(self.rtol)):
+            raise ValueError(f"tolerances must be finite and >= 0 (got atol={self.atol}, rtol={self.rtol})")
+
+
+@dataclass
+class Diff:
+    """What a walk over one check found (accumulated over steps by :meth:`merge`)."""
+
+    max_abs: float = 0.0
+    exceeded: bool = False
+    problems: list[str] = field(default_factory=list)
+    detail: str = ""
+    """The first place a value lies outside the tolerance, or differs."""
+    first_step: int | None = None
+    """The first step at which the check failed (when compared over several steps)."""
+
+    @property
+    def within(self) -> bool:
+        """No structural problem and every value within the tolerance."""
+        return not self.problems and not self.exceeded
+
+    def merge(self, other: Diff, step: int | None = None) -> None:
+        """Fold ``other`` (one more step's comparison) into this one."""
+        if not other.within and self.within:
+            self.first_step, self.detail = step, other.detail
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.exceeded |= other.exceeded
+        self.problems.extend(p for p in other.problems if p not in self.problems)
+
+    def to_json(self, name: str, tol: Tolerance) -> dict[str, Any]:
+        """One check's entry in verification.json."""
+        return {"name": name, "within_tolerance": self.within, "max_abs_diff": self.max_abs,
+                "atol": tol.atol, "rtol": tol.rtol, "first_step": self.first_step,
+                "detail": self.detail, "problems": self.problems[:10]}
+
+
+def diff_tree(ref: Any, other: Any, tol: Tolerance, path: str = "", out: Diff | None = None) -> Diff:
+    """Walk two nested values (dicts, lists, tensors, numbers, strings) and report how they differ."""
+    out = out if out is not None else Diff()
+    if isinstance(ref, torch.Tensor) or isinstance(other, torch.Tensor):
+        _diff_tensors(ref, other, tol, path, out)
+    elif isinstance(ref, dict) and isinstance(other, dict):
+        missing = sorted(map(str, set(ref) ^ set(other)))
+        if missing:
+            out.problems.append(f"{path}: keys {missing[:6]} present on one side only")
+        for key in ref:
+            if key in other:
+                diff_tree(ref[key], other[key], tol, f"{path}.{key}" if path else str(key), out)
+    elif isinstance(ref, (list, tuple)) and isinstance(other, (list, tuple)):
+        if len(ref) != len(other):
+            out.problems.append(f"{path}: length {len(ref)} vs {len(other)}")
+        for i, (a, b) in enumerate(zip(ref, other)):
+            diff_tree(a, b, tol, f"{path}[{i}]", out)
+    elif type(ref) is float or type(other) is float:
+        _diff_floats(ref, other, tol, path, out)
+    elif type(ref) is not type(other):
+        out.problems.append(f"{path}: {type(ref).__name__} vs {type(other).__name__}")
+    elif ref != other:
+        if type(ref) is int:
+            out.max_abs = max(out.max_abs, float(abs(ref - other)))
+        _exceed(out, f"{path}: {_short(ref)} vs {_short(other)}")
+    return out
+
+
+def _diff_tensors(ref: Any, other: Any, tol: Tolerance, path: str, out: Diff) -> None:
+    if not (isinstance(ref, torch.Tensor) and isinstance(other, torch.Tensor)):
+        out.problems.append(f"{path}: tensor on one side only")
+        return
+    if ref.dtype != other.dtype or ref.shape != other.shape:
+        out.problems.append(f"{path}: {ref.dtype}{tuple(ref.shape)} vs {other.dtype}{tuple(other.shape)}")
+        return
+    if ref.numel() == 0:
+        return
+    a, b = ref.detach().cpu(), other.detach().cpu()
+    if a.is_floating_point() or a.is_complex():
+        bad = [side for side, t in (("reference", a), ("compared", b)) if not bool(torch.isfinite(t).all())]
+        if bad:
+            out.problems.append(f"{path}: non-finite values ({' and '.join(bad)})")
+            return
+        a, b = a.to(torch.float64), b.to(torch.float64)
+        delta = (b - a).abs()
+        out.max_abs = max(out.max_abs, float(delta.max()))
+        if bool((delta > tol.atol + tol.rtol * a.abs()).any()):
+            _exceed(out, f"{path}: max |diff| {float(delta.max()):.3g}")
+    elif not torch.equal(a, b):  # integers, booleans, bytes (RNG states): exact
+        if a.dtype != torch.bool:
+            out.max_abs = max(out.max_abs, float((b.to(torch.float64) - a.to(torch.float64)).abs().max()))
+        _exceed(out, f"{path}: {int((a != b).sum())} of {a.numel()} values differ")
+
+
+def _diff_floats(ref: Any, other: Any, tol: Tolerance, path: str, out: Diff) -> None:
+    if not all(type(v) in (float, int) for v in (ref, other)):
+        out.problems.append(f"{path}: {type(ref).__name__} vs {type(other).__name__}")
+        return
+    if not (math.isfinite(ref) and math.isfinite(other)):
+        out.problems.append(f"{path}: non-finite value ({ref} / {other})")
+        return
+    delta = abs(other - ref)
+    out.max_abs = max(out.max_abs, delta)
+    if delta > tol.atol + tol.rtol * abs(ref):
+        _exceed(out, f"{path}: {ref!r} vs {other!r}")
+
+
+def _exceed(out: Diff, detail: str) -> None:
+    if not out.exceeded:
+        out.detail = detail
+    out.exceeded = True
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:36] + "...'"
+
+
+# -- what each check looks at ---------------------------------------------------------------------------
+# Trainer settings (max_steps, ...) differ between invocations by design; library versions and the device
+# are reported in verification.json rather than compared.
+_META_NOT_COMPARED = ("trainer", "versions", "device")
+
+
+def _history(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return state["history"]
+
+
+def _model_part(params: bool) -> Callable[[dict[str, Any], frozenset[str]], Any]:
+    return lambda s, names: {k: v for k, v in s["model"].items() if (k in names) == params}
+
+
+EXTRACTORS: dict[str, Callable[[dict[str, Any], frozenset[str]], Any]] = {
+    "sample_ids": lambda s, _: {k: _history(s)[k] for k in ("sample_ids", "sample_offsets")},
+    "learning_rates": lambda s, _: _history(s)["lr"],
+    "losses": lambda s, _: _history(s)["loss"],
+    "progress": lambda s, _: {"progress": {k: v for k, v in s["progress"].items() if k != "next_lr"},
+                              **{k: _history(s)[k] for k in ("step", "epoch", "targets")}},
+    "data_position": lambda s, _: [r.get("data") for r in s["ranks"]],
+    "parameters": _model_part(True),
+    "buffers": _model_part(False),
+    "optimizer": lambda s, _: s["optimizer"],
+    "scheduler": lambda s, _: s["scheduler"],
+    "grad_scaler": lambda s, _: s["scaler"],
+    "next_lr": lambda s, _: s["progress"].get("next_lr"),
+    "rng_next_draws": lambda s, _: [r.get("next_draws") for r in s["ranks"]],
+    "rng_states": lambda s, _: [r.get("rng") for r in s["ranks"]],
+    "configuration": lambda s, _: {k: v for k, v in s["meta"].items() if k not in _META_NOT_COMPARED},
+}
+"""Check name -> the part of a state it compares (``names``: the model's parameter names)."""
+
+HISTORY_CHECKS = ("sample_ids", "learning_rates", "losses", "progress")
+
+
+def compare_states(ref: dict[str, Any], other: dict[str, Any], tol: Tolerance,
+                   param_names: frozenset[str]) -> dict[str, Diff]:
+    """Every check of :data:`EXTRACTORS` between two full states."""
+    return {name: _safe_diff(name, extract, ref, other, tol, param_names) for name, extract in EXTRACTORS.items()}
+
+
+def _safe_diff(name: str, extract: Callable, ref: dict, other: dict, tol: Tolerance, names: frozenset[str]) -> Diff:
+    try:
+        a, b = extract(ref, names), extract(other, names)
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:  # a section missing: structural
+        return Diff(problems=[f"{name}: section missing or malformed ({type(exc).__name__}: {exc})"])
+    return diff_tree(a, b, tol, name)
+
+
+def history_prefix(state: dict[str, Any], steps: int) -> dict[str, torch.Tensor]:
+    """The first ``steps`` rows of a state's history, in the state's columnar layout."""
+    hist = History.from_state_dict(state["history"])
+    if len(hist) < steps:
+        raise ValueError(f"the history holds {len(hist)} steps, fewer than {steps}")
+    columns = {k: v[:steps].clone() for k, v in state["history"].items() if k not in ("sample_ids", "sample_offsets")}
+    offsets = state["history"]["sample_offsets"][: steps + 1].clone()
+    ids = state["history"]["sample_ids"][: int(offsets[-1])].clone()
+    return {**columns, "sample_offsets": offsets, "sample_ids": ids}
+
+
+def expected_at_cut(reference: dict[str, Any], cut: int) -> dict[str, Any]:
+    """What a checkpoint taken after ``cut`` steps must hold, derived from the reference's full history.
+
+    Returns a partial state with the sections the history determines: history, progress (step, epoch,
+    samples and targets seen, next learning rate) and the data position's consumed prefix.
+    """
+    hist = history_prefix(reference, cut)
+    lrs = reference["history"]["lr"]
+    epoch = int(hist["epoch"][-1]) if cut else 0
+    in_epoch = [i for i in range(cut) if int(hist["epoch"][i]) == epoch]
+    offsets = hist["sample_offsets"]
+    consumed = (torch.cat([hist["sample_ids"][int(offsets[i]) : int(offsets[i + 1])] for i in in_epoch])
+                if in_epoch else torch.zeros(0, dtype=torch.int64))
+    return {
+        "history": hist,
+        "progress": {"step": cut, "epoch": epoch, "samples_seen": int(offsets[-1]),
+                     "targets_seen": int(hist["targets"].sum()),
+                     **({"next_lr": float(lrs[cut])} if len(lrs) > cut else {})},
+        "consumed_in_epoch": consumed,
+    }
+
+
+def compare_cut(cut_state: dict[str, Any], reference: dict[str, Any], cut: int, tol: Tolerance) -> dict[str, Diff]:
+    """The cut checkpoint against the reference's history prefix (sample ids, rates, losses, progress,
+    the next learning rate, and the part of the epoch permutation already consumed)."""
+    try:
+        expected = expected_at_cut(reference, cut)
+    except (ValueError, KeyError) as exc:
+        return {"history_prefix": Diff(problems=[f"cannot derive the state at step {cut}: {exc}"])}
+    got_progress = {k: cut_state["progress"].get(k) for k in expected["progress"]}
+    none: frozenset[str] = frozenset()
+    diffs = {name: diff_tree(EXTRACTORS[name](expected, none), EXTRACTORS[name](cut_state, none), tol, name)
+             for name in ("sample_ids", "learning_rates", "losses")}
+    diffs["progress"] = diff_tree({k: v for k, v in expected["progress"].items() if k != "next_lr"},
+                                  {k: v for k, v in got_progress.items() if k != "next_lr"}, tol, "progress")
+    if "next_lr" in expected["progress"]:
+        diffs["next_lr"] = diff_tree(expected["progress"]["next_lr"], got_progress["next_lr"], tol, "next_lr")
+    diffs["data_position"] = _consumed_prefix(cut_state, expected["consumed_in_epoch"], tol)
+    return diffs
+
+
+def _consumed_prefix(cut_state: dict[str, Any], consumed: torch.Tensor, tol: Tolerance) -> Diff:
+    data = cut_state["ranks"][0].get("data") or {}
+    perm, cursor = data.get("permutation"), data.get("cursor")
+    if not isinstance(perm, torch.Tensor) or not isinstance(cursor, int):
+        return Diff(problems=["data_position: the cut state has no permutation or cursor"])
+    return diff_tree(consumed, perm[:cursor], tol, "data_position.consumed")
+
+
+def parameter_distance(ref: dict[str, Any], other: dict[str, Any], names: frozenset[str]) -> float | None:
+    """L2 distance between the two states' parameters (float64), or None when they do not line up."""
+    a, b = _model_part(True)(ref, names), _model_part(True)(other, names)
+    if set(a) != set(b) or any(a[k].shape != b[k].shape for k in a):
+        return None
+    total = sum(float(((b[k].double() - a[k].double()) ** 2).sum()) for k in a)
+    return math.sqrt(total) if math.isfinite(total) else None

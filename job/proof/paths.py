@@ -1,0 +1,183 @@
+"""The verifier's plumbing: training paths as fresh processes, generation copies, read-backs from the store.
+
+Every path is a real ``python -m job train`` process: a resume checked inside the process that wrote the
+checkpoint would share its memory (a generator, a cached tensor) and prove nothing. Every result is read
+back through a fresh ``open_store`` on the path's URL, never from memory or a local copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+from job.train.contract import absolute_url, read_run_plan  # noqa: F401 - re-exported for the proof modules
+from job.errors import ConfigError
+from job.train.launch import entry_argv
+from job.train.state import STATE_FILE, decode, decode_generation
+from storage import COMPLETE, GenerationStore
+
+Opener = Callable[[str], GenerationStore]
+# Kept for the children: how to reach the store. Every other TRAINPROOF_* variable is a `train` option: an
+# inherited TRAINPROOF_MAX_STEPS would fight the path's own options, so the verifier passes everything
+# explicitly instead.
+_KEPT_PREFIXES = ("TRAINPROOF_S3_", "TRAINPROOF_ENDPOINT_URL", "TRAINPROOF_REGION")
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class VerificationIncomplete(Exception):
+    """The verification could not be completed (exit 2): a path crashed, the store failed, a result is missing."""
+
+
+@dataclass(kw_only=True)
+class PathResult:
+    """One finished training process."""
+
+    name: str
+    url: str
+    argv: list[str]
+    code: int | None
+    """Exit status; None when it was killed for running past the timeout."""
+    seconds: float
+    stderr_tail: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def event(self, name: str) -> dict[str, Any] | None:
+        """The last JSON event called ``name`` that the process printed, if any."""
+        found = [e for e in self.events if e.get("event") == name]
+        return found[-1] if found else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The path's entry in verification.json (the command as one shell line)."""
+        resume = self.event("resume")
+        return {"store": self.url, "command": shlex.join(self.argv), "exit_code": self.code,
+                "seconds": round(self.seconds, 3), "resumed_from": None if resume is None else resume.get("step"),
+                "rng_restored": None if resume is None else resume.get("rng_restored")}
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a path: ours minus ``train`` option variables, with this package importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_") or k.startswith(_KEPT_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    # cuBLAS needs this before its first call for deterministic results (harmless on the CPU).
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env.update(extra or {})
+    return env
+
+
+def job_argv(command: str, *args: str) -> list[str]:
+    """``python -m job <command> ...`` with this interpreter."""
+    return entry_argv(command, *args)
+
+
+def run_processes(jobs: list[tuple[str, str, list[str]]], *, timeout: float, parallel: bool = True,
+                  envs: dict[str, dict[str, str]] | None = None) -> list[PathResult]:
+    """Run ``(name, url, argv)`` jobs (concurrently unless ``parallel`` is False) and collect their results.
+
+    ``envs``: extra environment variables by job name (e.g. a test-only hook for a negative control)."""
+    envs = envs or {}
+    if not parallel:
+        return [_finish(name, url, argv, _start(argv, envs.get(name)), timeout) for name, url, argv in jobs]
+    started = [(name, url, argv, _start(argv, envs.get(name))) for name, url, argv in jobs]
+    return [_finish(name, url, argv, proc, timeout) for name, url, argv, proc in started]
+
+
+def _start(argv: list[str], extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:
+    # Its own session, so a timeout can kill the whole process group (a task may start workers).
+    proc = subprocess.Popen(argv, env=child_env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    return proc, time.monotonic()
+
+
+def _finish(name: str, url: str, argv: list[str], started: tuple[subprocess.Popen, float],
+            timeout: float) -> PathResult:
+    proc, t0 = started
+    out, err, code = _communicate(proc, timeout - (time.monotonic() - t0))
+    events = [_json_line(line) for line in out.splitlines() if line.startswith("{")]
+    return PathResult(name=name, url=url, argv=argv, code=code, seconds=time.monotonic() - t0,
+                      stderr_tail="\n".join(err.strip().splitlines()[-8:]), events=[e for e in events if e])
+
+
+def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str, int | None]:
+    try:
+        out, err = proc.communicate(timeout=max(timeout, 1.0))
+        return out, err, proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # our own child's group, started with start_new_session
+        out, err = proc.communicate()
+        return out, err + f"\n(killed after {timeout:.0f} s)", None
+
+
+def _json_line(line: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def require_success(results: list[PathResult]) -> None:
+    """Raise VerificationIncomplete naming the first path that did not exit 0, with its last stderr lines."""
+    for r in results:
+        if r.code != 0:
+            how = "timed out" if r.code is None else f"exited {r.code}"
+            raise VerificationIncomplete(f"path {r.name!r} {how}: {shlex.join(r.argv)}\n{r.stderr_tail}")
+
+
+class RunReader:
+    """A path's run opened afresh from its URL: which steps are committed, and their decoded states."""
+
+    def __init__(self, name: str, url: str, opener: Opener) -> None:
+        self.name, self.url = name, url
+        self.store = opener(url)
+        self.steps = [g.step for g in self.store.scan() if g.status == COMPLETE]
+
+    def state(self, step: int) -> dict[str, Any]:
+        """Generation ``step``, read back and verified (size, sha256), then decoded weights-only."""
+        if step not in self.steps:
+            raise VerificationIncomplete(f"path {self.name!r} has no complete generation at step {step} "
+                                         f"(it has {self.steps or 'none'}) in {self.url}")
+        return decode_generation(self.store.load(step).files)  # rank files joined when world > 1
+
+
+def seed_run(dst: GenerationStore, plan: bytes, loaded: Any) -> None:
+    """Start run ``dst`` from a generation of another run: its plan.json, then the generation (``storage.Loaded``)
+    committed under its own step.
+
+    The copy goes through write -> verify -> mark usable like any commit, so the run it seeds resumes from
+    bytes proven equal to the source's, and ``train`` needs no option to start from a given step.
+    """
+    dst.write_file(PLAN_FILE, plan, create_only=True)
+    commit_copy(dst, loaded)
+
+
+def load_generation(src: GenerationStore, step: int) -> Any:
+    """Generation ``step`` of ``src``, verified (size, sha256) and its state decoded once (a real load)."""
+    return src.load(step, check=_state_check)
+
+
+def commit_copy(dst: GenerationStore, loaded: Any) -> dict[str, Any]:
+    """Commit an already loaded generation (``storage.Loaded``) into ``dst`` under its own step."""
+    manifest = loaded.info.manifest
+    dst.commit(loaded.info.step, loaded.files, contract=manifest["contract"], world=manifest["world"],
+               code_version=manifest.get("code_version", ""), check=_state_check, extra=manifest.get("extra"),
+               digests={"state": STATE_FILE} if STATE_FILE in loaded.files else None)
+    return manifest
+
+
+def _state_check(name: str, data: bytes) -> None:
+    if name == STATE_FILE:
+        decode(data)
+
+
+def new_id() -> str:
+    """A verification id: UTC time (sortable) and a random suffix (two verifiers started the same second)."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
+

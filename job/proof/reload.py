@@ -1,0 +1,111 @@
+"""The export bundle's reload check: a fresh process reads the committed bundle from its destination,
+rebuilds the model from ``config.json`` alone and re-runs the evaluation.
+
+Identical checksums prove the copy; only a reload proves the content is enough to rebuild the work
+(docs/protocol.md). Three comparisons, each with its tolerance recorded:
+
+- full-precision weights reproduce the recorded metric (same bytes, same CPU kernels and thread count: exact
+  up to ``EXACT_RTOL``);
+- bf16 weights reproduce the bf16 metric recorded at export (likewise exact);
+- bf16 weights stay within ``BF16_RTOL`` of the full-precision metric (why: ``job.train.export.BF16_WHY``).
+
+The result is written next to the bundle (``step-%08d.reload-check.json``), never into it: a committed
+generation is immutable, and the check must read what a consumer reads, i.e. the committed bundle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shlex
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from job.train.export import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evaluate_weights
+from job.tasks import load_task
+from job.proof.paths import VerificationIncomplete, job_argv, run_processes
+from storage import GenerationStore
+from storage.manifest import step_dir
+
+RELOAD_SCHEMA = "trainproof.reload_check/1"
+
+
+def record_name(step: int) -> str:
+    """Run-level file, next to the bundle, holding its reload check."""
+    return f"{step_dir(step)}.reload-check.json"
+
+
+def reload_check(dest: GenerationStore, step: int) -> dict[str, Any]:
+    """Run the check in *this* process (the hidden ``reload-check`` command); return the record."""
+    loaded = dest.load(step)  # size and sha256 of every file against COMPLETE.json, read from the store
+    files = loaded.files
+    config, metrics = json.loads(files["config.json"]), json.loads(files["metrics.json"])
+    task = load_task(config["task"], config["task_config"])
+    full = _weights(files, config["weights"]["full_precision"])
+    bf16 = _weights(files, BF16_FILE)
+    not_bf16 = sorted(k for k, v in bf16.items() if v.is_floating_point() and v.dtype != torch.bfloat16)
+    fp_metric, threads = evaluate_weights(task, full)
+    bf16_metric, _ = evaluate_weights(task, bf16)
+    recorded = metrics["eval"]
+    checks = {
+        "full_precision_reproduced": _close(recorded["value"], fp_metric, EXACT_RTOL),
+        "bf16_reproduced": _close(recorded["value_bf16"], bf16_metric, EXACT_RTOL),
+        "bf16_within_tolerance": _close(recorded["value"], bf16_metric, BF16_RTOL),
+        "sha256sums": {"passed": _sums_ok(files)},
+        "bf16_dtype": {"passed": not not_bf16, **({"not_bf16": not_bf16[:5]} if not_bf16 else {})},
+    }
+    return {
+        "schema": RELOAD_SCHEMA, "bundle": f"{dest.url.rstrip('/')}/{step_dir(step)}", "step": step,
+        "pid": os.getpid(), "files_verified_against": "COMPLETE.json (size and sha256 of every file)",
+        "metric": recorded["metric"], "recorded": recorded["value"], "recorded_bf16": recorded["value_bf16"],
+        "reloaded_full_precision": fp_metric, "reloaded_bf16": bf16_metric, "threads": threads,
+        "checks": checks, "passed": all(c["passed"] for c in checks.values()),
+        "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _weights(files: dict[str, bytes], name: str) -> dict[str, torch.Tensor]:
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load
+
+        return load(files[name])
+    return torch.load(io.BytesIO(files[name]), map_location="cpu", weights_only=True)
+
+
+def _close(recorded: float, reloaded: float, rtol: float) -> dict[str, Any]:
+    diff = abs(reloaded - recorded)
+    return {"abs_diff": diff, "rtol": rtol, "passed": diff <= rtol * max(abs(recorded), 1e-30)}
+
+
+def _sums_ok(files: dict[str, bytes]) -> bool:
+    listed = {}
+    for line in files[SUMS_FILE].decode().splitlines():
+        digest, _, name = line.partition("  ")
+        listed[name] = digest
+    others = {n for n in files if n != SUMS_FILE}
+    return set(listed) == others and all(hashlib.sha256(files[n]).hexdigest() == listed[n] for n in others)
+
+
+def check_in_fresh_process(dest_url: str, step: int, *, store_args: list[str], timeout: float) -> dict[str, Any]:
+    """Run :func:`reload_check` in a new ``python -m job reload-check`` process; return its record.
+
+    Raises VerificationIncomplete when the process printed no record (it crashed or could not read the store).
+    """
+    argv = job_argv("reload-check", "--bundle", dest_url, "--step", str(step), *store_args)
+    result = run_processes([("reload-check", dest_url, argv)], timeout=timeout)[0]
+    records = [e for e in result.events if e.get("schema") == RELOAD_SCHEMA]
+    if not records:
+        raise VerificationIncomplete(f"the reload check of {dest_url}/{step_dir(step)} printed no result "
+                                     f"(exit {result.code}): {shlex.join(argv)}\n{result.stderr_tail}")
+    return {**records[-1], "command": shlex.join(argv), "exit_code": result.code}
+
+
+def write_record(dest: GenerationStore, step: int, record: dict[str, Any]) -> str:
+    """Upload the record next to the bundle; return its URL (a later check of the same bundle replaces it)."""
+    name = record_name(step)
+    dest.write_file(name, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
+    return f"{dest.url.rstrip('/')}/{name}"

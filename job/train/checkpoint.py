@@ -1,0 +1,174 @@
+"""Checkpoints: *when* to save (:class:`SaveClock`) and *how* a save becomes usable (:class:`Checkpointer`).
+
+A save is: serialise the state, hand the bytes to the generation store, which writes them under a new
+``step-%08d`` name, reads every object back, checks size and sha256, runs our ``check`` on the stored
+bytes (a real weights-only load), and only then writes ``COMPLETE.json`` create-only and moves the
+LATEST hint. Retention runs after that commit, never before, and never deletes the newest generation.
+
+With world > 1 a generation is ``training_state.pt`` (rank 0's view, its own part inline) plus one
+``rank-%05d.pt`` per other rank, committed together in one ``COMPLETE.json``:
+
+1. every rank writes its own file into the generation and verifies it read back from the store
+   (``store.write_part``: create-only write, size + sha256 of the stored bytes, a real weights-only load);
+2. every rank >= 1 sends rank 0 only its entry (name, bytes, sha256, object) or its error, over the gloo
+   control group; rank 0 writes ``training_state.pt`` the same way;
+3. rank 0 commits the generation (``store.commit_parts``: every listed object must be in the store with its
+   size, then ``COMPLETE.json`` create-only listing every rank's file) and shares the outcome; every rank
+   raises if the commit failed, so all exit non-zero together.
+
+A rank that dies or hangs makes the gather or the outcome broadcast fail (at once, or at the group's
+timeout): no ``COMPLETE.json`` is written for that step unless every rank had already reported its file
+written and verified.  Only digests travel between ranks, so the same protocol carries sharded state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from job.train.dist import Collectives
+from job.errors import TrainError
+from job.train.progress import Reporter
+from job.train.state import STATE_FILE, decode, decode_rank_part, encode, encode_rank_part, rank_file
+from storage import GenerationStore
+from storage.errors import CommitConflictError, StoreError
+
+class SaveClock:
+    """Step and/or wall-clock cadence of periodic checkpoints."""
+
+    def __init__(self, every_steps: int = 0, every_seconds: float = 0.0, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self._clock = clock
+        self._last_time = clock()
+
+    def due(self, step: int) -> bool:
+        """True when a periodic checkpoint is due right after optimizer step ``step``."""
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        return bool(self.every_seconds) and self._clock() - self._last_time >= self.every_seconds
+
+    def mark(self) -> None:
+        """A checkpoint was just committed: restart the wall-clock interval."""
+        self._last_time = self._clock()
+
+
+class Checkpointer:
+    """Commits training states as generations of one run in the store (rank 0 writes; see the module doc)."""
+
+    def __init__(
+        self, store: GenerationStore, *, contract: str, world: int, code_version: str, keep: int,
+        reporter: Reporter, last_step: int = 0, sync: Collectives | None = None,
+    ) -> None:
+        self.store = store
+        self.contract, self.world, self.code_version = contract, world, code_version
+        self.keep = keep
+        self.reporter = reporter
+        self.sync = sync
+        self.last_step = last_step
+        """Step of the newest generation known committed (the resume point, then our own commits)."""
+        self.records: list[dict[str, Any]] = []
+
+    def commit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any],
+               part: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Serialise and commit generation ``step``; then apply retention (rank 0).
+
+        ``state``: the full training state (rank 0; ignored elsewhere). ``part``: this rank's own part
+        (ranks >= 1 of a distributed run). Raises TrainError (exit 1) on every rank when the commit failed:
+        nothing was marked usable, and the previous generation is still the resume point.
+        """
+        rank = self.sync.rank if self.sync else 0
+        if self.world == 1:
+            record = self._commit_files(step, {STATE_FILE: encode(state)}, extra)
+        else:
+            record = self._commit_world(step, state, part, extra, rank)
+        self.last_step = step
+        if rank == 0:
+            self._apply_retention()
+        return record
+
+    def _commit_world(self, step: int, state: dict[str, Any] | None, part: dict[str, Any] | None,
+                      extra: dict[str, Any], rank: int) -> dict[str, Any] | None:
+        frame = self._write_own_part(step, part, rank) if rank else b""
+        frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
+        record, failure, raised = None, b"", None
+        if rank == 0:
+            try:
+                record = self._commit_generation(step, {STATE_FILE: encode(state)}, extra, self._rank_entries(step, frames))
+            except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
+                failure, raised = (str(exc) or type(exc).__name__).encode(), exc
+        failure = self.sync.broadcast_bytes(failure, f"share the outcome of step {step}'s commit")
+        if raised is not None:
+            raise raised
+        if failure:
+            raise TrainError(f"step {step} was not committed by rank 0: {failure.decode(errors='replace')}")
+        return record
+
+    def _write_own_part(self, step: int, part: dict[str, Any] | None, rank: int) -> bytes:
+        """Write and verify this rank's file in the store: ``OK`` + its JSON entry, or ``ER`` + the error."""
+        try:
+            data = encode_rank_part(part or {}, step=step, world=self.world)
+            entry = self.store.write_part(step, {rank_file(rank): data}, check=self._check)
+            return b"OK" + json.dumps(entry).encode()
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the whole generation
+            return b"ER" + f"{type(exc).__name__}: {exc}".encode()
+
+    @staticmethod
+    def _rank_entries(step: int, frames: list[bytes]) -> dict[str, list]:
+        """Every other rank's written-and-verified file entry, refusing the generation when one is missing."""
+        entries: dict[str, list] = {}
+        for r, frame in enumerate(frames[1:], start=1):
+            body = frame[2:].decode(errors="replace")
+            if frame[:2] != b"OK":
+                raise TrainError(f"rank {r} could not write its part of step {step}: {body}")
+            entries.update(json.loads(body))
+        return entries
+
+    def _commit_files(self, step: int, files: dict[str, bytes], extra: dict[str, Any]) -> dict[str, Any]:
+        return self._commit_generation(step, files, extra, None)
+
+    def _commit_generation(self, step: int, files: dict[str, bytes], extra: dict[str, Any],
+                           rank_entries: dict[str, list] | None) -> dict[str, Any]:
+        """Commit ``files`` (rank 0's) plus, in a distributed run, the other ranks' already-written entries."""
+        t0 = time.perf_counter()
+        common = dict(contract=self.contract, world=self.world, code_version=self.code_version, extra=extra,
+                      digests={"state": STATE_FILE})
+        try:
+            if rank_entries is None:
+                info = self.store.commit(step, files, check=self._check, **common)
+            else:
+                own = self.store.write_part(step, files, check=self._check)
+                info = self.store.commit_parts(step, {**own, **rank_entries}, **common)
+        except CommitConflictError as exc:
+            raise TrainError(
+                f"step {step} was already committed by another writer ({exc}): two processes are "
+                "training into the same --store; restart one to resume from the other's checkpoint"
+            ) from None
+        except StoreError as exc:
+            raise TrainError(f"checkpoint of step {step} was not committed: {exc}") from None
+        record = {"step": step, "generation": info.name, "bytes": info.bytes, "seconds": time.perf_counter() - t0}
+        self.records.append(record)
+        self.reporter.event("checkpoint", **record)
+        return record
+
+    def _check(self, name: str, stored: bytes) -> None:
+        # The store hands us the bytes it read back: prove they load as a state, weights-only.
+        if name == STATE_FILE:
+            decode(stored)
+        else:
+            decode_rank_part(stored)
+
+    def _apply_retention(self) -> None:
+        if not self.keep:
+            return
+        try:
+            removed = self.store.apply_retention(self.keep)
+        except (StoreError, OSError) as exc:
+            # The new generation is committed; a failed cleanup costs storage, not work.
+            self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")
+            return
+        if removed:
+            self.reporter.event("retention", keep=self.keep, removed=[g.name for g in removed])

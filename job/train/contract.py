@@ -1,0 +1,162 @@
+"""Run identity: ``plan.json`` and the contract hash that binds every checkpoint to its run.
+
+The contract (docs/protocol.md) is sha256 over:
+
+- the sha256 of the plan's configuration (the task spec and the task's own settings),
+- the state schema version,
+- the data identity (sha256 of the exact data / data manifest),
+- the world size,
+- the objective name (``global_token_mean_v1`` for tinylm, ``mse_mean_v1`` for regression),
+- the seed.
+
+``plan.json`` is written once, create-only, on the first start. Every later start recomputes the fields
+from its own options and compares them with the stored plan: a different task config, data, seed or
+objective is a different experiment, so resuming would silently mix two runs. That is refused (exit 2)
+with the name of the field that differs.
+
+The world size is the exception to "compare with plan.json": plan.json holds the world the run *started*
+with (it is in the contract hash, which keeps naming the run), but a run may continue on another world with
+``--allow-world-change``. So the trainer compares the world with the newest generation's instead (see
+job.train.loop), and records every change in the state (``meta.world_changes``) and in summary.json.
+plan.json also records the epoch plan of the first start (informational, outside the hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+from typing import Any
+from urllib.parse import urlparse
+
+from job.errors import ConfigError, ContractError
+from job.train.state import STATE_SCHEMA
+
+PLAN_SCHEMA = "trainproof.plan/1"
+PLAN_FILE = "plan.json"
+# Compared in this order on restart; the first difference is reported (with the others listed).
+CONTRACT_FIELDS = ("task", "task_config", "data_identity", "seed", "world", "objective", "state_schema")
+
+
+def canonical_json(value: Any) -> bytes:
+    """Deterministic JSON bytes (sorted keys, no whitespace): the input of every hash here."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sha256_hex(data: bytes) -> str:
+    """sha256 hex digest."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def build_plan(
+    *, task: str, task_config: dict[str, Any], data_identity: str, seed: int, world: int, objective: str,
+    code_version: str, epoch_plan: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The run's plan: its identity fields, the derived contract hash, and when/what wrote it."""
+    plan: dict[str, Any] = {
+        "schema": PLAN_SCHEMA,
+        "task": task,
+        "task_config": task_config,
+        "data_identity": data_identity,
+        "seed": seed,
+        "world": world,
+        "objective": objective,
+        "state_schema": STATE_SCHEMA,
+    }
+    plan["config_sha256"] = sha256_hex(canonical_json({"task": task, "task_config": task_config}))
+    plan["contract"] = contract_of(plan)
+    plan["code_version"] = code_version
+    if epoch_plan is not None:
+        plan["epoch_plan"] = epoch_plan
+    plan["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return plan
+
+
+def contract_of(plan: dict[str, Any]) -> str:
+    """The contract hash of a plan (recomputed, never trusted from the file)."""
+    fields = {
+        "config_sha256": plan["config_sha256"],
+        "state_schema": plan["state_schema"],
+        "data_identity": plan["data_identity"],
+        "world": plan["world"],
+        "objective": plan["objective"],
+        "seed": plan["seed"],
+    }
+    return sha256_hex(canonical_json(fields))
+
+
+def differences(stored: dict[str, Any], new: dict[str, Any], *, ignore: tuple[str, ...] = ()) -> list[str]:
+    """Human-readable differences between two plans' contract fields, most specific first."""
+    out = []
+    for field in (f for f in CONTRACT_FIELDS if f not in ignore):
+        a, b = stored.get(field), new.get(field)
+        if a == b:
+            continue
+        if field == "task_config" and stored.get("task") != new.get("task"):
+            continue  # another task has other settings altogether: naming the task says it all
+        if field == "task_config" and isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    out.append(f"task_config.{key} (stored {a.get(key, '<absent>')!r}, now {b.get(key, '<absent>')!r})")
+        else:
+            out.append(f"{field} (stored {_short(a)}, now {_short(b)})")
+    return out
+
+
+def ensure_plan(store: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """Write ``plan.json`` create-only, or check this run against the one already there.
+
+    Returns the plan in force (the stored one: its contract names the run even when the world size has
+    changed since). Raises ContractError naming the differing field(s); the world is not compared here.
+    """
+    try:
+        store.write_file(PLAN_FILE, canonical_json(plan) + b"\n", create_only=True)
+        return plan
+    except FileExistsError:
+        pass  # a previous start (or a concurrent one that won the create) wrote it: compare
+    stored = read_plan(store)
+    check_plan(stored, plan, where=store.url)
+    return stored
+
+
+def check_plan(stored: dict[str, Any], plan: dict[str, Any], *, where: str) -> None:
+    """Refuse ``plan`` unless it is the same experiment as ``stored`` (every contract field but the world)."""
+    diffs = differences(stored, plan, ignore=("world",))
+    if not diffs and contract_of({**plan, "world": stored.get("world")}) != stored.get("contract"):
+        diffs = [f"contract (stored {_short(stored.get('contract'))}, now {_short(plan['contract'])})"]
+    if diffs:
+        raise ContractError(
+            f"this run does not match {PLAN_FILE} in {where}: {diffs[0]}"
+            + (f" (and {len(diffs) - 1} more: {'; '.join(diffs[1:4])}{'; ...' if len(diffs) > 4 else ''})"
+               if len(diffs) > 1 else "")
+            + ". Use a new --store for a new experiment, or the original settings to resume this one"
+        )
+
+
+def read_plan(store: Any) -> dict[str, Any]:
+    """Read and parse ``plan.json``; a malformed plan is a contract error (a person must look at it)."""
+    try:
+        plan = json.loads(store.read_file(PLAN_FILE))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ContractError(f"{PLAN_FILE} in {store.url} is not valid JSON ({exc})") from None
+    if not isinstance(plan, dict) or plan.get("schema") != PLAN_SCHEMA:
+        raise ContractError(f"{PLAN_FILE} in {store.url} is not a {PLAN_SCHEMA} plan")
+    return plan
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else text[:20] + "...'"
+
+
+def read_run_plan(store: Any) -> dict[str, Any]:
+    """The run's plan.json; ConfigError (exit 2) when the store holds no run."""
+    try:
+        return read_plan(store)
+    except FileNotFoundError:
+        raise ConfigError(f"{store.url} holds no run (no {PLAN_FILE})") from None
+
+
+def absolute_url(store: Any) -> str:
+    """The store's URL, absolute for a local folder (child processes may not share our working directory)."""
+    return store.root if urlparse(store.url).scheme in ("", "file") else store.url.rstrip("/")

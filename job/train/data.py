@@ -1,0 +1,143 @@
+"""Data position: which samples each optimizer step consumes, and how to resume mid-epoch exactly.
+
+Each epoch's permutation is drawn from the data generator (seeded from the run seed alone, so the data
+order is the same on every rank and for every world size), *lazily* when the first batch of that epoch
+is requested. Drawing lazily matters: a run cut exactly at an epoch boundary and a continuous run then
+draw the next permutation at the same point of the generator's sequence (right before that epoch's first
+batch), so neither skips nor repeats data.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from job.train import rng
+from job.errors import ConfigError, StateError
+
+DATA_SCHEMA = "trainproof.data/2"  # /2: the data generator travels with the position
+
+
+def epoch_plan(samples: int, per_rank: int, world: int = 1) -> dict[str, Any]:
+    """The epoch plan of docs/protocol.md: steps per epoch, tail size and quarter-epoch steps.
+
+    Every sample is presented exactly once per epoch: no silent tail drop and no padding. The last step
+    may be smaller, but must still give every rank at least one real sample; otherwise ConfigError (exit 2)
+    names the numbers and batch sizes that would work.
+    """
+    if samples < 1 or per_rank < 1 or world < 1:
+        raise ConfigError(f"an epoch plan needs samples, batch and world >= 1 (got {samples}, {per_rank}, {world})")
+    global_batch = world * per_rank
+    steps = math.ceil(samples / global_batch)
+    tail = samples - (steps - 1) * global_batch
+    if tail < world:
+        raise ConfigError(
+            f"epoch plan: {samples} samples in global batches of {global_batch} ({world} ranks x {per_rank}) "
+            f"leave {tail} sample(s) for the last step of each epoch, fewer than the {world} ranks (every rank "
+            f"needs at least one real sample; trainproof neither drops nor pads the tail). Set the task's per-rank "
+            f"batch_size (--config) to {_fitting_batches(samples, per_rank, world)}, use another world size, or "
+            f"a sample count whose remainder modulo {global_batch} is 0 or at least {world}"
+        )
+    quarters = [math.ceil(steps * q / 4) for q in range(1, 5)]
+    return {"samples": samples, "global_batch": global_batch, "steps": steps, "tail": tail, "quarter_steps": quarters}
+
+
+def _fitting_batches(samples: int, per_rank: int, world: int) -> str:
+    """The nearest per-rank batch sizes below and above ``per_rank`` whose epoch tail fits the world."""
+    def fits(b: int) -> bool:
+        return samples - (math.ceil(samples / (world * b)) - 1) * world * b >= world
+
+    below = next((b for b in range(per_rank - 1, 0, -1) if fits(b)), None)
+    above = next((b for b in range(per_rank + 1, per_rank + 4 * world + 2) if fits(b)), None)
+    found = [str(b) for b in (below, above) if b is not None]
+    return " or ".join(found) if found else "another value"
+
+
+class EpochSampler:
+    """Hands out the sample ids of each optimizer step: one permutation per epoch and a cursor in it.
+
+    It owns the data generator (:func:`job.train.rng.data_generator`): the permutations are one global sequence,
+    the same on every rank and for any world size; each rank then takes its slice of each step's ids.
+    """
+
+    def __init__(self, num_samples: int, np_gen: np.random.Generator) -> None:
+        if num_samples < 1:
+            raise ConfigError("a task must have at least one sample")
+        self.num_samples = num_samples
+        self._gen = np_gen
+        self.epoch = 0
+        self.cursor = 0
+        self.permutation: np.ndarray | None = None  # None until the first batch is requested
+
+    def next_ids(self, batch_size: int) -> list[int]:
+        """Sample ids for the next optimizer step (fewer than ``batch_size`` at the end of an epoch)."""
+        if self.permutation is None or self.cursor >= self.num_samples:
+            if self.permutation is not None:
+                self.epoch += 1
+            self.permutation = self._gen.permutation(self.num_samples).astype(np.int64)
+            self.cursor = 0
+        ids = self.permutation[self.cursor : self.cursor + batch_size]
+        self.cursor += len(ids)
+        return [int(i) for i in ids]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position and generator as weights-only-loadable values (the permutation as an int64 tensor)."""
+        perm = None if self.permutation is None else torch.from_numpy(self.permutation.copy())
+        return {
+            "schema": DATA_SCHEMA,
+            "num_samples": self.num_samples,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "permutation": perm,
+            "generator": rng.generator_state(self._gen),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the position after checking it describes a real permutation of this dataset.
+
+        The generator is restored separately, by :meth:`restore_generator`, with the other generators: last.
+        """
+        check_state(state, self.num_samples)
+        perm = state["permutation"]
+        self.permutation = None if perm is None else perm.numpy().astype(np.int64).copy()
+        self.epoch = int(state["epoch"])
+        self.cursor = int(state["cursor"])
+
+    def restore_generator(self, state: dict[str, Any]) -> None:
+        """Put the data generator back to the state saved with this position."""
+        self._gen.bit_generator.state = state["generator"]
+
+    def next_draw(self) -> float:
+        """The data generator's next draw, observed and then put back (see ``rng.observe_next_draws``)."""
+        saved = self._gen.bit_generator.state
+        try:
+            return float(self._gen.random())
+        finally:
+            self._gen.bit_generator.state = saved
+
+
+def check_state(state: Any, num_samples: int) -> None:
+    """Refuse a data position that does not fit a dataset of ``num_samples`` samples."""
+    if not isinstance(state, dict) or state.get("schema") != DATA_SCHEMA:
+        raise StateError(f"data position has an unknown schema (expected {DATA_SCHEMA!r})")
+    if state.get("num_samples") != num_samples:
+        raise StateError(
+            f"data position is for {state.get('num_samples')} samples, the dataset has {num_samples}"
+        )
+    epoch, cursor, perm = state.get("epoch"), state.get("cursor"), state.get("permutation")
+    if not (isinstance(epoch, int) and epoch >= 0 and isinstance(cursor, int) and 0 <= cursor <= num_samples):
+        raise StateError(f"data position epoch={epoch!r} cursor={cursor!r} is out of range")
+    if perm is None:
+        if cursor != 0 or epoch != 0:
+            raise StateError("data position has a cursor but no permutation")
+        perm = torch.arange(num_samples)  # nothing drawn yet: only the generator remains to check
+    if not isinstance(perm, torch.Tensor) or perm.dtype != torch.int64 or perm.shape != (num_samples,):
+        raise StateError("data permutation must be an int64 tensor with one entry per sample")
+    if not torch.equal(torch.sort(perm).values, torch.arange(num_samples)):
+        raise StateError("data permutation is not a permutation of the dataset (a sample repeated or missing)")
+    gen = state.get("generator")
+    if not isinstance(gen, dict) or gen.get("bit_generator") != "PCG64":
+        raise StateError("data position lacks its PCG64 data generator state")

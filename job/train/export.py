@@ -1,0 +1,281 @@
+"""Export bundle: the weights, configuration, metrics and data identity a consumer needs, committed with
+the store's write -> verify -> mark-usable semantics, then reloaded from its destination in a fresh process.
+
+Layout (``<dest>/step-%08d/``, ``<dest>`` defaulting to ``<run>/exports``)::
+
+    model_bf16.pt       plain state_dict, floating tensors in bfloat16 (integer buffers kept as they are)
+    model.safetensors   full precision (``model_fp.pt``, a plain state_dict, when safetensors is absent)
+    config.json         task, task settings, dtype, seed, contract, source generation, versions
+    metrics.json        final loss, evaluation metric (full precision and bf16), steps, samples/targets seen
+    data.json           data identity, epoch plan and position
+    README.md           loading instructions and a short snippet that works
+    SHA256SUMS          ``sha256sum -c`` compatible
+    COMPLETE.json       written last by the store: every file's size and sha256, ``export_bytes/_sha256``
+
+The reload check reads the *committed* bundle (a consumer trusts nothing else), and a committed
+generation is never modified, so its result goes next to the bundle: ``<dest>/step-%08d.reload-check.json``
+(see :mod:`job.proof.reload`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterator
+
+import torch
+
+from job.errors import ConfigError
+from job.train.state import STATE_FILE, History, decode
+from job.tasks import Task, load_task
+from job.train.contract import absolute_url, read_run_plan
+from storage import COMPLETE, GenerationStore
+from storage.manifest import step_dir
+
+EXPORT_SCHEMA = "trainproof.export/1"
+BF16_FILE, SUMS_FILE = "model_bf16.pt", "SHA256SUMS"
+BF16_RTOL = 2.0 ** -5
+BF16_WHY = (
+    "bfloat16 keeps 8 significant bits, so rounding moves each weight by at most u = 2^-8 (0.39%) of its value; "
+    "to first order the metric moves by at most u * sum|dm/dw * w|, a few u for these small networks. "
+    "We allow 8u = 2^-5 (3.1%) relative to the full-precision metric; the bf16 metric measured at export "
+    "must also be reproduced exactly on reload (same bytes, same CPU kernels).")
+EXACT_RTOL = 1e-12  # a re-evaluation of the same bytes on the CPU at the same thread count is bitwise
+
+
+@dataclass(kw_only=True)
+class Bundle:
+    """A committed export bundle."""
+
+    dest: GenerationStore
+    step: int
+    files: dict[str, str]
+    """File name -> sha256 (from COMPLETE.json)."""
+    export_bytes: int
+    export_sha256: str
+    reused: bool
+    """True when an identical bundle of this step was already committed (nothing written)."""
+
+    @property
+    def url(self) -> str:
+        """Where the bundle is (absolute for a local folder)."""
+        return f"{absolute_url(self.dest)}/{step_dir(self.step)}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The export block of verification.json."""
+        return {"location": self.url, "step": self.step, "files": self.files, "export_bytes": self.export_bytes,
+                "export_sha256": self.export_sha256, "reused": self.reused}
+
+
+def export(run: GenerationStore, *, step: int | None = None, dest: GenerationStore | None = None) -> Bundle:
+    """Build the bundle of generation ``step`` (default: the newest usable one) and commit it under ``dest``.
+
+    Read-only towards the run's generations (nothing is quarantined or deleted). Raises ConfigError when
+    there is nothing to export or the task cannot evaluate.
+    """
+    plan = read_run_plan(run)
+    loaded = _load_source(run, plan, step)
+    state = decode(loaded.files[STATE_FILE])
+    dest = dest or run.child("exports")
+    source = {"run": run.url, "generation": loaded.info.name,
+              "state_sha256": loaded.info.manifest["files"][STATE_FILE]["sha256"]}
+    existing = _existing(dest, loaded.info.step, source)
+    if existing is not None:
+        return existing
+    files = build_files(load_task(plan["task"], plan["task_config"]), plan, state, source)
+    info = dest.commit(loaded.info.step, files, contract=plan["contract"], world=plan.get("world", 1),
+                       code_version=state["meta"].get("code_version", ""), check=check_file,
+                       digests={"export": BF16_FILE}, extra={"kind": "export", "source": source})
+    return _bundle(dest, info.step, info.manifest, reused=False)
+
+
+def _load_source(run: GenerationStore, plan: dict[str, Any], step: int | None):
+    check = lambda name, data: decode(data) if name == STATE_FILE else None  # noqa: E731
+    if step is not None:
+        return run.load(step, check, contract=plan["contract"])
+    loaded = run.load_latest(contract=plan["contract"], check=check, quarantine=False)
+    if loaded is None:
+        raise ConfigError(f"{run.url} has no complete generation to export")
+    return loaded
+
+
+def _existing(dest: GenerationStore, step: int, source: dict[str, Any]) -> Bundle | None:
+    """An already committed bundle of this step: reused when it was made from the same state, else refused."""
+    if not any(g.step == step and g.status == COMPLETE for g in dest.scan()):
+        return None
+    loaded = dest.load(step)
+    theirs = json.loads(loaded.files["config.json"]).get("source", {})
+    if theirs.get("state_sha256") != source["state_sha256"]:
+        raise ConfigError(f"{dest.url}/{step_dir(step)} already holds an export of another state "
+                          f"({theirs.get('run')}); choose another --dest")
+    return _bundle(dest, step, loaded.info.manifest, reused=True)
+
+
+def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reused: bool) -> Bundle:
+    return Bundle(dest=dest, step=step, files={n: m["sha256"] for n, m in manifest["files"].items()},
+                  export_bytes=manifest["export_bytes"], export_sha256=manifest["export_sha256"], reused=reused)
+
+
+# -- the files --------------------------------------------------------------------------------------------
+def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source: dict[str, Any]) -> dict[str, bytes]:
+    """Every file of the bundle, as bytes (SHA256SUMS last, over the others)."""
+    weights = {k: v.detach().cpu().contiguous() for k, v in state["model"].items()}
+    bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
+    fp_name, fp_bytes = _full_precision(weights)
+    metric, threads = evaluate_weights(task, weights)
+    metric_bf16, _ = evaluate_weights(task, bf16)
+    files = {
+        BF16_FILE: _torch_bytes(bf16),
+        fp_name: fp_bytes,
+        "config.json": _json(_config(task, plan, state, source, fp_name)),
+        "metrics.json": _json(_metrics(task, plan, state, metric, metric_bf16, threads)),
+        "data.json": _json(_data(task, plan, state)),
+        "README.md": readme(task, fp_name, metric).encode(),
+    }
+    files[SUMS_FILE] = "".join(f"{_sha256(data)}  {name}\n" for name, data in sorted(files.items())).encode()
+    return files
+
+
+def _full_precision(weights: dict[str, torch.Tensor]) -> tuple[str, bytes]:
+    try:
+        from safetensors.torch import save
+    except ImportError:  # optional extra: a plain state_dict loads everywhere torch does
+        return "model_fp.pt", _torch_bytes(weights)
+    return "model.safetensors", save(weights)
+
+
+def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> dict[str, Any]:
+    meta = state["meta"]
+    return {
+        "schema": EXPORT_SCHEMA, "task": plan["task"], "task_config": plan["task_config"],
+        "dtype": str(task.dtype).removeprefix("torch."), "seed": plan["seed"], "objective": plan["objective"],
+        "contract": plan["contract"], "step": state["progress"]["step"], "code_version": meta.get("code_version"),
+        "versions": meta.get("versions"), "trained_on": meta.get("device"), "amp": meta.get("amp"),
+        "weights": {"bf16": BF16_FILE, "full_precision": fp_name}, "source": source,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _metrics(task: Task, plan: dict, state: dict, metric: float, metric_bf16: float, threads: int) -> dict[str, Any]:
+    history, progress = History.from_state_dict(state["history"]), state["progress"]
+    last = history.row(-1) if len(history) else {}
+    return {
+        "step": progress["step"], "epoch": progress["epoch"], "final_loss": last.get("loss"),
+        "final_lr": last.get("lr"), "next_lr": progress.get("next_lr"), "samples_seen": progress["samples_seen"],
+        "targets_seen": progress["targets_seen"],
+        "target_unit": "tokens" if plan["objective"].startswith("global_token_mean") else "targets",
+        "eval": {"metric": task.eval_metric, "value": metric, "value_bf16": metric_bf16, "device": "cpu",
+                 "threads": threads, "dtype": str(task.dtype).removeprefix("torch.")},
+        "bf16_tolerance": {"rtol": BF16_RTOL, "why": BF16_WHY},
+    }
+
+
+def _data(task: Task, plan: dict, state: dict) -> dict[str, Any]:
+    data = state["ranks"][0].get("data") or {}
+    return {"data_identity": plan["data_identity"], "contract": plan["contract"], "num_samples": task.num_samples(),
+            "epoch_plan": state["meta"].get("epoch_plan"), "epoch": data.get("epoch"), "cursor": data.get("cursor"),
+            "samples_seen": state["progress"]["samples_seen"], "targets_seen": state["progress"]["targets_seen"]}
+
+
+SNIPPET = """\
+import json, torch
+from job.tasks import load_task
+
+cfg = json.load(open("config.json"))
+task = load_task(cfg["task"], cfg["task_config"])
+model = task.build_model().to(getattr(torch, cfg["dtype"]))
+weights = torch.load("model_bf16.pt", map_location="cpu", weights_only=True)
+model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in weights.items()})
+print(task.eval_metric, task.evaluate(model))
+"""
+
+
+def readme(task: Task, fp_name: str, metric: float) -> str:
+    """The bundle's README.md: what is here, how to check it, how to load it."""
+    fp_load = ('from safetensors.torch import load_file; weights = load_file("model.safetensors")'
+               if fp_name.endswith(".safetensors") else
+               'weights = torch.load("model_fp.pt", map_location="cpu", weights_only=True)')
+    return f"""# trainproof export bundle
+
+| file | holds |
+|---|---|
+| `{BF16_FILE}` | model weights, floating tensors in bfloat16 (a plain `state_dict`) |
+| `{fp_name}` | the same weights in full precision |
+| `config.json` | task, task settings, dtype, seed, run contract, source generation, versions |
+| `metrics.json` | final loss, evaluation ({task.eval_metric} {metric:.6g} in full precision), steps, samples seen |
+| `data.json` | data identity (sha256) and data position |
+| `SHA256SUMS` | checksums: `sha256sum -c SHA256SUMS` |
+
+`COMPLETE.json` (written last) lists every file's size and sha256: the bundle is usable iff it exists.
+
+## Load it
+
+With trainproof installed (`pip install trainproof`), from this folder (it prints the evaluation metric,
+within bfloat16 rounding of `metrics.json`):
+
+```python
+{SNIPPET}```
+
+For full precision, load the weights with `{fp_load}` and skip the dtype conversion.
+"""
+
+
+# -- helpers shared with the reload check ---------------------------------------------------------------
+def evaluate_weights(task: Task, weights: dict[str, torch.Tensor]) -> tuple[float, int]:
+    """``task.evaluate`` of a freshly built CPU model holding ``weights`` (cast to the task's dtype).
+
+    Returns (metric, CPU threads used). The thread count is the task's (one for the built-ins), so the
+    same bytes give the same metric in any process; the global generators are left untouched.
+    """
+    with _cpu_threads(task.cpu_threads) as threads, torch.random.fork_rng(devices=[]):
+        model = task.build_model().to(dtype=task.dtype)
+        reference = model.state_dict()
+        model.load_state_dict({k: v.to(reference[k].dtype) if k in reference else v for k, v in weights.items()})
+        try:
+            return float(task.evaluate(model)), threads
+        except NotImplementedError as exc:
+            raise ConfigError(f"cannot export: {exc} (the bundle's metric needs it)") from None
+
+
+@contextlib.contextmanager
+def _cpu_threads(threads: int | None) -> Iterator[int]:
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(saved)
+
+
+def check_file(name: str, data: bytes) -> None:
+    """Content check run by the store on every file read back before COMPLETE.json is written."""
+    if name.endswith(".pt"):
+        weights = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+            raise ValueError(f"{name} is not a plain state_dict of tensors")
+    elif name.endswith(".safetensors"):
+        from safetensors.torch import load
+
+        load(data)
+    elif name.endswith(".json"):
+        json.loads(data)
+
+
+def _torch_bytes(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _json(value: Any) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()

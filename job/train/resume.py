@@ -1,0 +1,118 @@
+"""Where a run continues from: the run's plan agreed by every rank, the generation to resume agreed by
+every rank, and the world-size decision.
+
+Why rank 0 decides and the others follow: discovery may quarantine a corrupt generation and plan.json is
+written create-only; W ranks doing that at once would race each other, and two ranks that picked different
+generations (one listed a moment later) would silently train from different states. So rank 0 writes or
+reads plan.json and discovers the newest usable generation; it broadcasts what it found; every other rank
+loads exactly that generation (the manifest lists the rank files: they all belong to it) and all ranks
+agree that every load succeeded before training starts.
+
+World size: the run's current world is that of its newest usable generation (or plan.json's before the
+first one). Resuming with another world is refused (exit 2) unless ``--allow-world-change``; then the
+global data position carries over, every rank's generators are re-derived from (seed, rank, step), and the
+change is recorded: the run is no longer bitwise comparable with a run that kept its world.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from job.train.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
+from job.train.dist import Collectives, PeerError
+from job.errors import ContractError, TrainError
+from job.train.state import STATE_FILE, decode, decode_generation, decode_rank_part
+from storage import GenerationStore
+from storage.errors import StoreError
+
+
+def agree_plan(store: GenerationStore, plan: dict[str, Any], sync: Collectives) -> dict[str, Any]:
+    """plan.json written or checked by rank 0, then checked by every rank against its own options."""
+    stored = sync.on_rank0(f"write or check {PLAN_FILE}", lambda: ensure_plan(store, plan))
+    raw = sync.broadcast_bytes(canonical_json(stored) if sync.rank == 0 else None, f"share {PLAN_FILE}")
+    if sync.rank:
+        stored = json.loads(raw)
+        check_plan(stored, plan, where=f"{store.url} (rank {sync.rank}'s options differ from rank 0's)")
+    return stored
+
+
+def load_agreed(store: GenerationStore, contract: str, sync: Collectives) -> tuple[str, dict[str, Any]] | None:
+    """(generation name, joined state) of the newest usable generation, loaded by every rank; None if none."""
+    loaded = sync.on_rank0("find the newest usable generation", lambda: _latest(store, contract))
+    step = int(sync.broadcast_bytes(str(loaded[0] if loaded else 0).encode() if sync.rank == 0 else None,
+                                    "share the step to resume"))
+    error: Exception | None = None
+    if sync.rank and step:
+        try:
+            loaded = _load(store, contract, step)
+        except (TrainError, StoreError, OSError) as exc:
+            error = exc
+    sync.require_all(error is None, f"load generation {step} to resume")
+    if isinstance(error, TrainError):
+        raise error
+    if error is not None:
+        raise PeerError(f"could not load step {step}, which rank 0 resumes from: {error}")
+    return None if not step else (f"step-{step:08d}", loaded[1])
+
+
+def _latest(store: GenerationStore, contract: str) -> tuple[int, dict[str, Any]] | None:
+    # Any world: a newer generation written by another world must be refused (or adopted) explicitly,
+    # never silently skipped in favour of an older one that would lose its progress.
+    decoded: dict[int, Any] = {}
+    found = store.load_latest(contract=contract, check=_checker(decoded))
+    if found is None:
+        return None
+    return found.info.step, _joined(found.files, decoded)
+
+
+def _load(store: GenerationStore, contract: str, step: int) -> tuple[int, dict[str, Any]]:
+    decoded: dict[int, Any] = {}
+    found = store.load(step, _checker(decoded), contract=contract)
+    return step, _joined(found.files, decoded)
+
+
+def _checker(decoded: dict[int, Any]):
+    def check(name: str, data: bytes) -> None:
+        if name == STATE_FILE:
+            decoded.clear()  # hold at most one decoded candidate in memory
+            decoded[id(data)] = (data, decode(data))  # keeps `data` alive, so its id stays unique
+        elif name.startswith("rank-"):
+            decode_rank_part(data)
+
+    return check
+
+
+def _joined(files: dict[str, bytes], decoded: dict[int, Any]) -> dict[str, Any]:
+    data = files[STATE_FILE]
+    state = decoded[id(data)][1] if id(data) in decoded else None
+    return decode_generation(files, state=state)
+
+
+def world_decision(*, saved_world: int, world: int, step: int, allow: bool, history: list[dict[str, int]],
+                   source: str) -> list[dict[str, int]]:
+    """The world changes of the run after this start; ContractError (exit 2) for a change not allowed.
+
+    ``source`` says where ``saved_world`` comes from (a generation, or plan.json before the first one).
+    """
+    if saved_world == world:
+        return list(history)
+    if not allow:
+        raise ContractError(
+            f"this run trains with world size {saved_world} ({source}) but this process group has {world}: "
+            f"resume with {saved_world} ranks (--nproc-per-node, or torchrun's), or pass --allow-world-change "
+            f"to continue with {world} (the data order carries over, the per-rank random streams are re-derived, "
+            "and the run is no longer bitwise comparable with one that kept its world size)")
+    return [*history, {"step": step, "from": saved_world, "to": world}]
+
+
+def check_transition(data: dict[str, Any], world: int, global_batch: int) -> None:
+    """Refuse a world change whose first, partial epoch would leave a rank without a sample."""
+    perm, cursor, total = data.get("permutation"), data.get("cursor", 0), data.get("num_samples", 0)
+    left = total - cursor if perm is not None and cursor < total else 0
+    tail = left % global_batch or (global_batch if left else 0)
+    if 0 < tail < world:
+        raise ContractError(
+            f"after the world change the current epoch has {left} sample(s) left: its last step would hold "
+            f"{tail} for {world} ranks. Resume with the old world size until the epoch ends, or pick a world "
+            "size that divides the rest")

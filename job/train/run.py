@@ -1,0 +1,262 @@
+"""The live training objects of one run, one optimizer step, and state capture/restore.
+
+Order matters and is the protocol's (docs/protocol.md):
+
+1. seed the generators, build model, optimizer and scheduler (the scheduler is constructed *before*
+   ``optimizer.load_state_dict``: constructing it afterwards would overwrite the restored learning rate);
+2. load model, scheduler and optimizer states, GradScaler, data position, history, progress;
+3. restore the random generators LAST, right before training continues, and prove the restore by
+   re-observing the next draws recorded at save time.
+
+With world > 1 every rank runs these same functions on its own slice of each step's global batch (see
+:func:`train_step`); the model is wrapped in DistributedDataParallel with summed gradients (job.train.dist).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from job.train import rng
+from job.train.data import EpochSampler
+from job.train.dist import Collectives, DistEnv, rank_seed, rank_slice, wrap_model
+from job.errors import ConfigError, StateError
+from job.train.state import STATE_SCHEMA, History
+from job.tasks.base import Task, TaskContext
+
+@dataclass(kw_only=True)
+class Run:
+    """Everything that changes while training, in one place."""
+
+    task: Task
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    scaler: torch.amp.GradScaler
+    sampler: EpochSampler
+    np_gen: np.random.Generator
+    use_amp: bool
+    history: History = field(default_factory=History)
+    step: int = 0
+    samples_seen: int = 0
+    targets_seen: int = 0
+    env: DistEnv = field(default_factory=DistEnv)
+    """This process's rank and the world size."""
+    sync: Collectives | None = None
+    """Collectives over the run's process group (local when world is 1)."""
+    ddp: nn.Module | None = None
+    """The DistributedDataParallel wrapper the forward passes go through (None when world is 1)."""
+    per_rank_mean: bool = False
+    """The verifier's negative control (``--negative-control per-rank-mean``): normalise each rank's loss by
+    its *own* target count and average the ranks (the mean of per-rank means), the classic mistake the
+    global objective avoids. Never on for training."""
+
+    def __post_init__(self) -> None:
+        self.sync = self.sync or Collectives(self.env)
+
+    @property
+    def cuda(self) -> bool:
+        """Whether CUDA generators are in play."""
+        return self.device.type == "cuda"
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.task.batch_size * self.env.world
+
+    def lr(self) -> float:
+        """Learning rate the next optimizer step will apply (first parameter group)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+def build_run(task: Task, device: torch.device, seed: int, *, env: DistEnv | None = None,
+              sync: Collectives | None = None, per_rank_mean: bool = False) -> Run:
+    """Seed every generator, then build model, optimizer, scheduler, scaler and sampler, in that order.
+
+    Each rank seeds its own generators from ``rank_seed(seed, rank)``; the data generator is seeded from
+    ``seed`` alone (one global data order). With world > 1 the model is wrapped in DDP here, which
+    broadcasts rank 0's initial weights to every rank.
+    """
+    env = env or DistEnv()
+    np_gen = rng.seed_all(rank_seed(seed, env.rank))
+    model = task.build_model().to(device=device, dtype=task.dtype)
+    model.train()
+    optimizer = task.build_optimizer(model)
+    scheduler = task.build_scheduler(optimizer)
+    use_amp = task.use_amp(device)
+    scaler = torch.amp.GradScaler(device.type, enabled=use_amp)
+    sampler = EpochSampler(task.num_samples(), rng.data_generator(seed))
+    return Run(task=task, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
+               scaler=scaler, sampler=sampler, np_gen=np_gen, use_amp=use_amp, env=env, sync=sync,
+               ddp=wrap_model(model, env, device), per_rank_mean=per_rank_mean)
+
+
+def train_step(run: Run) -> dict[str, Any]:
+    """One optimizer step over the next global batch, accumulated over this rank's micro-batches.
+
+    The loss is the global mean over the step's real targets (rows, tokens), over every rank and
+    micro-batch: each micro-batch's *sum* of target losses is divided by the target count of the whole
+    step, all-reduced before the first backward, and DDP *sums* the ranks' gradients (job.train.dist). So ranks
+    and micro-batches holding different numbers of targets weigh exactly what their targets weigh, and
+    W ranks reproduce the one-rank run up to the order of floating-point additions.
+    """
+    t0 = time.perf_counter()
+    task, world = run.task, run.env.world
+    ids = run.sampler.next_ids(run.global_batch)
+    mine = rank_slice(ids, world, run.env.rank)
+    chunks = [mine[i : i + task.micro_batch_size] for i in range(0, len(mine), task.micro_batch_size)]
+    local = sum(task.count_targets(c) for c in chunks)
+    # One all-reduce gives the global count and whether any rank has nothing to train on: every rank then
+    # refuses together, instead of one rank raising while the others wait in DDP's all-reduce.
+    count, empty = run.sync.sum_ints([local, int(local < 1)], "count the step's targets")
+    if empty:
+        raise ConfigError(f"{empty} rank(s) count no targets in their samples of step {run.step + 1} "
+                          f"(this rank's: {mine[:8]}...)")
+    denominator = local * world if run.per_rank_mean else count
+    lr = run.lr()
+    run.optimizer.zero_grad(set_to_none=True)
+    loss_total = torch.zeros((), dtype=torch.float64, device=run.device)
+    ctx = TaskContext(np_rng=run.np_gen, device=run.device)
+    for i, chunk in enumerate(chunks):
+        batch = task.make_batch(chunk, ctx)
+        with _no_sync_unless(run, last=i == len(chunks) - 1):
+            with _autocast(run):
+                loss_sum = task.loss_sum(run.ddp or run.model, batch)
+            run.scaler.scale(loss_sum / denominator).backward()
+        loss_total += loss_sum.detach().to(torch.float64)
+    _optimizer_update(run)
+    run.step += 1
+    run.samples_seen += len(ids)
+    run.targets_seen += count
+    loss = run.sync.sum_float(float(loss_total), "sum the step's loss") / count
+    run.history.append(step=run.step, epoch=run.sampler.epoch, loss=loss, lr=lr, targets=count, sample_ids=ids)
+    return {"step": run.step, "epoch": run.sampler.epoch, "loss": loss, "lr": lr, "samples": len(ids),
+            "targets": count, "step_seconds": time.perf_counter() - t0}
+
+
+def _no_sync_unless(run: Run, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+    # Gradients are all-reduced once per step, on the last micro-batch's backward; the earlier ones only
+    # accumulate locally (DDP's no_sync, which must cover the forward pass: that is where DDP decides).
+    if run.ddp is None or last:
+        return contextlib.nullcontext()
+    return run.ddp.no_sync()
+
+
+def _autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
+    if not run.use_amp:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=run.device.type, dtype=torch.float16)
+
+
+def _optimizer_update(run: Run) -> None:
+    """Unscale and clip (when asked), step through the GradScaler, then advance the schedule."""
+    if run.task.grad_clip:
+        run.scaler.unscale_(run.optimizer)
+        nn.utils.clip_grad_norm_(run.model.parameters(), run.task.grad_clip)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    if run.scheduler is not None:
+        run.scheduler.step()
+
+
+def capture_rank_part(run: Run) -> dict[str, Any]:
+    """This rank's part of the state: its generators, the data position and the next draws.
+
+    Rank 0's ``data`` is the global data position (permutation, cursor, epoch, data generator); other
+    ranks keep only epoch and cursor, which prove their file belongs to the same moment.
+    """
+    data = run.sampler.state_dict()
+    if run.env.rank:
+        data = {"epoch": data["epoch"], "cursor": data["cursor"]}
+    draws = rng.observe_next_draws(run.np_gen, cuda=run.cuda)
+    if run.env.rank == 0:
+        draws["numpy_data"] = run.sampler.next_draw()
+    # The draws are observed, then put back: they let the loader (and the verifier) prove the restore.
+    return {"rank": run.env.rank, "rng": rng.capture(run.np_gen, cuda=run.cuda), "data": data, "next_draws": draws}
+
+
+def capture_state(run: Run, meta: dict[str, Any]) -> dict[str, Any]:
+    """The full training state at the current optimizer-step boundary, with this rank's part inline
+    (see job.train.state for the layout; rank 0's is the one saved in ``training_state.pt``)."""
+    return {
+        "schema": STATE_SCHEMA,
+        "meta": meta,
+        "progress": {"step": run.step, "epoch": run.sampler.epoch, "samples_seen": run.samples_seen,
+                     "targets_seen": run.targets_seen, "next_lr": run.lr()},
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "history": run.history.state_dict(),
+        "ranks": [capture_rank_part(run)],
+    }
+
+
+def restore_state(run: Run, state: dict[str, Any], *, restore_rng: bool = True, rederive_at: int | None = None,
+                  seed: int | None = None) -> None:
+    """Load ``state`` into a freshly built run; generators last (skipped for the negative control).
+
+    ``state["ranks"]`` must hold this rank's part (job.train.state.decode_generation joins the rank files).
+    ``rederive_at``: the world size changed at this step, so the saved per-rank streams do not fit any more:
+    every rank re-derives its generators from ``rank_seed(seed, rank, step)`` instead, while the data
+    generator (global) carries over.
+    """
+    data = state["ranks"][0]["data"]
+    _load("model", lambda: run.model.load_state_dict(state["model"]))
+    if (run.scheduler is None) != (state["scheduler"] is None):
+        raise StateError("the state and the task disagree on whether a learning-rate scheduler exists")
+    if run.scheduler is not None:
+        _load("scheduler", lambda: run.scheduler.load_state_dict(state["scheduler"]))
+    _load("optimizer", lambda: run.optimizer.load_state_dict(state["optimizer"]))
+    _load_scaler(run, state["scaler"])
+    run.sampler.load_state_dict(data)
+    run.history = History.from_state_dict(state["history"])
+    progress = state["progress"]
+    run.step, run.samples_seen, run.targets_seen = progress["step"], progress["samples_seen"], progress["targets_seen"]
+    if not restore_rng:
+        return
+    if rederive_at is None:
+        restore_generators(run, state["ranks"][run.env.rank], data)
+    else:
+        assert seed is not None, "re-deriving the streams needs the run seed"
+        run.sampler.restore_generator(data)
+        rng.reseed(run.np_gen, rank_seed(seed, run.env.rank, rederive_at))
+
+
+def restore_generators(run: Run, rank_part: dict[str, Any], data: dict[str, Any] | None = None) -> None:
+    """Restore every generator and check that each one's next draw is the one observed at save time.
+
+    ``data``: the global data position whose generator is restored too (rank 0's part holds it).
+    """
+    rng.restore(rank_part["rng"], run.np_gen, cuda=run.cuda)
+    observed = rng.observe_next_draws(run.np_gen, cuda=run.cuda)
+    data = rank_part["data"] if data is None else data
+    if "generator" in data:
+        run.sampler.restore_generator(data)
+        observed["numpy_data"] = run.sampler.next_draw()
+    saved = rank_part.get("next_draws", {})
+    differing = sorted(k for k in observed if k in saved and observed[k] != saved[k])
+    if differing:
+        raise StateError(f"restored generators {differing} do not reproduce the draws observed at save time")
+
+
+def _load(what: str, load: Any) -> None:
+    try:
+        load()
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StateError(f"the saved {what} state does not fit this task's {what}: {first}") from None
+
+
+def _load_scaler(run: Run, scaler_state: dict[str, Any]) -> None:
+    if run.scaler.is_enabled():
+        if not scaler_state:
+            raise StateError("the state has no GradScaler state but this run trains with AMP")
+        _load("GradScaler", lambda: run.scaler.load_state_dict(scaler_state))

@@ -1,0 +1,133 @@
+"""``python -m tests.support.hooked <trainproof args>``: trainproof with faults injected, for tests only.
+
+The product reads no test switch: a pod spec cannot turn any of this on. Tests that need a slow step, a
+slow save or a deliberately broken resume start this wrapper instead of ``python -m job``; it patches the
+trainer's functions in its own process, points :data:`job.train.launch.ENTRY_MODULE` at itself (so the ranks
+and verifier paths it starts are wrapped too) and runs the real command line. What it injects comes from
+``TPHOOK_*`` variables, which processes inherit (the verifier passes only ``TRAINPROOF_*`` store settings on):
+
+=======================  ==================================================================================
+``TPHOOK_STEP_DELAY``    seconds to sleep after each optimizer step (lets a signal land mid-run)
+``TPHOOK_SAVE_DELAY``    seconds to sleep inside a save: after the state was written and read back, before
+                         ``COMPLETE.json``; and after a rank wrote its part (lets a signal or a kill land
+                         mid-save)
+``TPHOOK_PER_RANK_MEAN`` ``1``: every run normalises its loss per rank (a trainer bug on every path)
+``TPHOOK_SABOTAGE``      break the *resume* on purpose, the bugs the verifier claims to catch
+                         (comma-separated; a fresh start is never affected):
+                         ``skip_optimizer`` load the optimizer's hyper-parameters but not its state;
+                         ``rebuild_scheduler`` construct the scheduler again after loading it;
+                         ``reseed_rng`` re-seed every generator instead of restoring them;
+                         ``lose_cursor`` restart the epoch's permutation from its first sample;
+                         ``repeat_batch`` step the cursor back one batch;
+                         ``crash`` fail while restoring (the process exits 1)
+=======================  ==================================================================================
+
+Tests in the same process as the verifier (CliRunner) set the variables and monkeypatch ``ENTRY_MODULE``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from typing import Any
+
+MODULE = "tests.support.hooked"
+SABOTAGES = ("skip_optimizer", "rebuild_scheduler", "reseed_rng", "lose_cursor", "repeat_batch", "crash")
+
+
+class SabotageCrash(RuntimeError):
+    """The ``crash`` sabotage: a resume that fails outright."""
+
+
+def _seconds(name: str) -> float:
+    return float(os.environ.get(name) or 0.0)
+
+
+def _sabotages() -> frozenset[str]:
+    names = frozenset(n.strip() for n in os.environ.get("TPHOOK_SABOTAGE", "").split(",") if n.strip())
+    unknown = sorted(names - set(SABOTAGES))
+    if unknown:  # a typo must not pass for a clean run
+        raise ValueError(f"TPHOOK_SABOTAGE: unknown sabotage {unknown}; known: {', '.join(SABOTAGES)}")
+    return names
+
+
+def _state_to_restore(kinds: frozenset[str], state: dict[str, Any]) -> dict[str, Any]:
+    print(f"warning: TPHOOK_SABOTAGE={','.join(sorted(kinds))}: this resume is broken on purpose",
+          file=sys.stderr, flush=True)
+    if "crash" in kinds:
+        raise SabotageCrash("TPHOOK_SABOTAGE=crash: failing the restore on purpose")
+    if "skip_optimizer" in kinds:
+        # Only the hyper-parameters survive: the "continue" looks fine, the moments start from zero.
+        state = {**state, "optimizer": {"state": {}, "param_groups": state["optimizer"]["param_groups"]}}
+    return state
+
+
+def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> None:
+    from job.train import rng
+
+    if "rebuild_scheduler" in kinds and run.scheduler is not None:
+        # Constructing a scheduler resets the optimizer's learning rate to the schedule's start.
+        run.scheduler = run.task.build_scheduler(run.optimizer)
+    if "reseed_rng" in kinds:
+        fresh = rng.seed_all(state["meta"]["seed"])  # Python, NumPy global, torch: re-seeded in place
+        run.np_gen.bit_generator.state = fresh.bit_generator.state  # the sampler holds this very object
+    if "lose_cursor" in kinds:
+        run.sampler.cursor = 0
+    if "repeat_batch" in kinds:
+        run.sampler.cursor = max(0, run.sampler.cursor - run.global_batch)
+
+
+def install() -> None:
+    """Patch the trainer in this process as the ``TPHOOK_*`` variables say, and wrap the processes it starts."""
+    from job.train import checkpoint, launch, loop
+    from job.train.state import STATE_FILE
+
+    launch.ENTRY_MODULE = MODULE
+    step_delay, save_delay = _seconds("TPHOOK_STEP_DELAY"), _seconds("TPHOOK_SAVE_DELAY")
+    if step_delay > 0:
+        step = loop.train_step
+
+        @functools.wraps(step)
+        def slow_step(run: Any) -> dict[str, Any]:
+            record = step(run)
+            time.sleep(step_delay)  # a signal does not cut this short in effect: the handler only sets a flag
+            return record
+
+        loop.train_step = slow_step
+    if save_delay > 0:
+        check, own_part = checkpoint.Checkpointer._check, checkpoint.Checkpointer._write_own_part
+
+        def slow_check(self: Any, name: str, stored: bytes) -> None:
+            if name == STATE_FILE:
+                time.sleep(save_delay)
+            check(self, name, stored)
+
+        def slow_part(self: Any, *args: Any, **kwargs: Any) -> bytes:
+            frame = own_part(self, *args, **kwargs)
+            time.sleep(save_delay)
+            return frame
+
+        checkpoint.Checkpointer._check, checkpoint.Checkpointer._write_own_part = slow_check, slow_part
+    if os.environ.get("TPHOOK_PER_RANK_MEAN") == "1":
+        build = loop.build_run
+        loop.build_run = functools.wraps(build)(lambda *a, **kw: build(*a, **{**kw, "per_rank_mean": True}))
+    kinds = _sabotages()
+    if kinds:
+        restore = loop.restore_state
+
+        @functools.wraps(restore)
+        def broken_restore(run: Any, state: dict[str, Any], **kwargs: Any) -> None:
+            restore(run, _state_to_restore(kinds, state), **kwargs)
+            _after_restore(kinds, run, state)
+
+        loop.restore_state = broken_restore
+
+
+if __name__ == "__main__":
+    install()
+    from job.cli import main
+
+    sys.argv[0] = "trainproof"
+    main()
