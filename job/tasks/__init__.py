@@ -15,8 +15,8 @@ BUILTIN_TASKS = {
 }
 
 __all__ = [
-    "BUILTIN_TASKS", "AdaptedBatch", "DatasetTask", "Task", "TaskContext", "config_from_dict", "dataset_digest",
-    "eval_mode", "load_task", "require", "sha256_of",
+    "BUILTIN_TASKS", "AdaptedBatch", "ConfigError", "DatasetTask", "Task", "TaskContext", "config_from_dict",
+    "dataset_digest", "eval_mode", "load_task", "require", "sha256_of",
 ]
 
 

@@ -68,14 +68,17 @@ class DatasetTask(Task):
     - ``build_model()``: a freshly initialised model (draws from the global PyTorch generator only);
     - ``per_sample_loss(model, batch)``: unreduced losses of a collated batch, ``(n,)`` or
       ``(n, targets_per_sample)``;
-    - ``config``: the factory's complete settings, JSON-able; the run contract and ``factory(config)``;
+    - ``config``: the factory's complete, resolved settings (JSON-able). It is the task's part of the run
+      contract and ``factory(config)`` must rebuild this task, so every value that shapes training
+      (batch size, learning rate, model size, data selection) should come from it;
     - ``batch_size`` / ``micro_batch_size``: samples per optimizer step / per forward and backward;
     - ``optimizer`` (``sgd``, ``adam``, ``adamw``), ``lr``, ``weight_decay``, ``optimizer_options``
       (e.g. ``{"betas": [0.9, 0.95]}``);
     - ``lr_schedule(step) -> factor``: a plain function for ``LambdaLR``, or None for a constant rate;
     - ``grad_clip``: max global gradient norm, or None;
     - ``augment(sample, np_rng) -> sample``: per-sample augmentation with the run's NumPy generator;
-    - ``collate``: list of samples -> batch (default ``torch.utils.data.default_collate``);
+    - ``collate``: list of samples -> batch (default ``torch.utils.data.default_collate``); the batch's
+      tensors are then moved to the run's device, floating-point ones cast to ``dtype``;
     - ``data_identity``: a sha256 hex of the exact data; default: computed over every sample once;
     - ``eval_dataset``: held-out samples for :meth:`evaluate` (the per-target mean loss), or None;
     - ``objective``, ``cpu_threads`` (default 1: bitwise-reproducible CPU runs), ``dtype``,
@@ -171,7 +174,9 @@ class DatasetTask(Task):
         samples = [self.dataset[i] for i in sample_ids]
         if self._augment is not None:
             samples = [self._augment(s, ctx.np_rng) for s in samples]
-        return AdaptedBatch(data=to_device(self._collate(samples), ctx.device), samples=len(sample_ids),
+        # Floating inputs in the model's dtype (the trainer casts the model to ``dtype``, not the data).
+        data = to_device(self._collate(samples), ctx.device, self.dtype)
+        return AdaptedBatch(data=data, samples=len(sample_ids),
                             targets=self.count_targets(sample_ids))
 
     def loss_sum(self, model: nn.Module, batch: AdaptedBatch) -> torch.Tensor:
@@ -195,29 +200,32 @@ class DatasetTask(Task):
         """Per-target mean of ``per_sample_loss`` over ``eval_dataset``, in order, no augmentation, dropout off."""
         if self.eval_dataset is None:
             raise NotImplementedError("DatasetTask: pass eval_dataset=... to make the task exportable")
-        device = next(model.parameters()).device
+        weight = next(model.parameters())
         total, count = 0.0, 0
         n = len(self.eval_dataset)  # type: ignore[arg-type]
         with eval_mode(model):
             for start in range(0, n, self._micro_batch_size):
                 ids = list(range(start, min(start + self._micro_batch_size, n)))
-                data = to_device(self._collate([self.eval_dataset[i] for i in ids]), device)
+                data = to_device(self._collate([self.eval_dataset[i] for i in ids]), weight.device, weight.dtype)
                 batch = AdaptedBatch(data=data, samples=len(ids), targets=len(ids) * self.targets_per_sample)
                 total += float(self.loss_sum(model, batch).double())
                 count += batch.targets
         return total / count
 
 
-def to_device(data: Any, device: torch.device) -> Any:
-    """``data`` with every tensor (inside dicts, lists and tuples) moved to ``device``."""
+def to_device(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """``data`` with every tensor (inside dicts, lists and tuples) moved to ``device``, floating-point ones
+    cast to ``dtype`` when given (integer tensors such as labels and token ids keep theirs)."""
     if isinstance(data, torch.Tensor):
+        if dtype is not None and data.is_floating_point():
+            return data.to(device=device, dtype=dtype, non_blocking=True)
         return data.to(device, non_blocking=True)
     if isinstance(data, Mapping):
-        return {k: to_device(v, device) for k, v in data.items()}
+        return {k: to_device(v, device, dtype) for k, v in data.items()}
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
-        return type(data)(*(to_device(v, device) for v in data))
+        return type(data)(*(to_device(v, device, dtype) for v in data))
     if isinstance(data, (list, tuple)):
-        return type(data)(to_device(v, device) for v in data)
+        return type(data)(to_device(v, device, dtype) for v in data)
     return data
 
 
