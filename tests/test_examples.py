@@ -6,7 +6,8 @@
   an uninterrupted run (states read back through the store);
 - the README section's commands run as written (``trainproof`` console script, ``export PYTHONPATH``), and
   their ``verify`` passes with a report that says so;
-- ``verify`` catches a task that draws from a private generator (the pitfall docs/tasks.md warns about).
+- ``verify`` catches a task that draws from a private generator (the pitfall docs/tasks.md warns about);
+- docs/tasks.md's two task modules (adapter, from scratch) train through the entry point and round-trip config().
 
 Everything else in ``job`` is driven through processes: only ``job.tasks`` and ``storage`` are imported.
 """
@@ -275,6 +276,36 @@ def test_a_misshapen_loss_stops_training_with_exit_2_and_says_why(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "per_sample_loss returned shape (), expected (4,)" in result.stderr, result.stderr
     assert "reduction='none'" in result.stderr
+
+
+def doc_modules() -> dict[str, str]:
+    """docs/tasks.md's ``python`` blocks that start with ``# <name>.py``: module name -> source."""
+    text = (ROOT / "docs" / "tasks.md").read_text()
+    blocks = re.findall(r"```python\n# (\w+)\.py\b[^\n]*\n(.*?)```", text, re.S)
+    return {name: body for name, body in blocks}
+
+
+def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, monkeypatch):
+    modules = doc_modules()
+    assert set(modules) == {"mytask", "lines"}, sorted(modules)  # the adapter one and the from-scratch one
+    for name, body in modules.items():
+        (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in modules:
+        task = load_task(f"{name}:factory", {"batch_size": 4})
+        again = load_task(f"{name}:factory", task.config())
+        assert again.config() == task.config() and again.data_identity() == task.data_identity(), name
+    env = env_without_trainproof({"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "TRAINPROOF_LOG_FORMAT": "json"})
+    procs = {name: subprocess.Popen([sys.executable, "-m", "job", "train", "--store", str(tmp_path / name),
+                                     "--task", f"{name}:factory", "--max-steps", "8"],
+                                    cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name in modules}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{name}: {err}"
+        losses = [e["loss"] for e in events(out) if e["event"] == "step"]
+        assert len(losses) == 8 and losses[-1] < losses[0], (name, losses)
+        assert final_state(tmp_path / name)["progress"]["step"] == 8
 
 
 def readme_commands() -> list[str]:
