@@ -9,7 +9,7 @@ The adapter does the parts of a task that are easy to get subtly wrong:
   and across ranks. A mean (a scalar) or a wrongly shaped loss is refused with a ConfigError (exit 2);
 - **randomness**: samples come from ``dataset[i]``, which must be deterministic; augmentation goes through
   ``augment(sample, np_rng)`` with the run's checkpointed NumPy generator. Dropout and other PyTorch draws
-  use the global generator, which the trainer owns too. Nothing else is random;
+  use the global generator, which the trainer owns too. The adapter itself draws nothing;
 - **the run contract**: ``config`` (the complete, resolved settings of the user's factory) is what
   :meth:`config` returns, so ``factory(task.config())`` must rebuild the same task (the export's reload
   check and ``verify --audit`` do exactly that); ``data_identity`` defaults to a sha256 over every sample.
