@@ -11,14 +11,18 @@ import importlib
 from typing import Any
 
 from job.errors import ConfigError
-from job.tasks.base import Task, TaskContext
+from job.tasks.adapter import AdaptedBatch, DatasetTask, dataset_digest
+from job.tasks.base import Task, TaskContext, config_from_dict, eval_mode, require, sha256_of
 
 BUILTIN_TASKS = {
     "regression": "job.tasks.regression:make_task",
     "tinylm": "job.tasks.tinylm:make_task",
 }
 
-__all__ = ["BUILTIN_TASKS", "Task", "TaskContext", "load_task"]
+__all__ = [
+    "BUILTIN_TASKS", "AdaptedBatch", "ConfigError", "DatasetTask", "Task", "TaskContext", "config_from_dict",
+    "dataset_digest", "eval_mode", "load_task", "require", "sha256_of",
+]
 
 
 def load_task(spec: str, config: dict[str, Any] | None = None) -> Task:
