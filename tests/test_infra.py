@@ -312,6 +312,8 @@ def test_every_pod_runs_locked_down(rendered):
     for name, what, pod in _all_pods(rendered):
         where = f"{name}: {what}"
         assert pod.get("automountServiceAccountToken") is False, f"{where} mounts a service account token"
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & {k for k, v in pod.items() if v}, f"{where} shares the host's"
+        assert not [v for v in pod.get("volumes", []) if "hostPath" in v], f"{where} mounts a host path"
         pod_ctx = pod.get("securityContext", {})
         for c in _containers(pod):
             ctx = c.get("securityContext", {})
