@@ -309,10 +309,11 @@ def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, m
 
 
 def readme_commands() -> list[str]:
-    """The command lines of the README section's first ``bash`` block, verbatim."""
-    text = (ROOT / "docs" / "README-own-model-section.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text, re.S)
-    assert block, "docs/README-own-model-section.md has no ```bash block"
+    """The command lines of the first ``bash`` block of README.md's "Train your own model" section, verbatim."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Train your own model\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "README.md's 'Train your own model' section has no ```bash block"
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 

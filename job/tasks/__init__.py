@@ -8,6 +8,8 @@ May import only ``job.errors``: a task knows nothing of the loop, checkpoints or
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 from job.errors import ConfigError
@@ -36,6 +38,10 @@ def load_task(spec: str, config: dict[str, Any] | None = None) -> Task:
         raise ConfigError(
             f"unknown task {spec!r}: use one of {sorted(BUILTIN_TASKS)} or 'package.module:factory'"
         )
+    if spec not in BUILTIN_TASKS and os.getcwd() not in sys.path and "" not in sys.path:
+        # `trainproof` (a console script) does not put the working directory on the import path the way
+        # `python -m` does: a user's `--task mymodule:factory` next to them must import either way.
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
