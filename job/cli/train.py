@@ -105,7 +105,7 @@ def _deadline_work(cfg: TrainConfig) -> dict[str, Any]:
         return {}
     # The reload check is a fresh process like this one: our own start-up so far (torch imported) measures it.
     startup_s = min(time.monotonic() - job.IMPORTED_AT, 120.0)
-    return {"deadline": Deadline(cfg.deadline, margin_s=cfg.deadline_margin_s), "finisher": Finisher(startup_s)}
+    return {"deadline": Deadline(cfg.deadline, margin_s=cfg.deadline_margin_s), "finisher": Finisher(startup_s, cfg.task)}
 
 
 def _spot_config(provider: str, endpoint: str | None, interval: float) -> SpotConfig:

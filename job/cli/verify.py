@@ -37,7 +37,9 @@ def _opener(endpoint_url: str | None, region: str | None, path_style: bool | Non
 @app.command("verify")
 def verify_command(
     store: StoreArg,
-    task: Annotated[Optional[str], typer.Option(help="Task of the protocol (default regression).")] = None,
+    task: Annotated[Optional[str], typer.Option(
+        help="Task of the protocol (default regression); with --audit the run's task, needed unless it is built "
+             "in (compared with plan.json, never read from it).")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Updates of the continuous path (default 10; tinylm 8).")] = None,
     cut: Annotated[Optional[int], typer.Option(help="Step of the cut (default 5; tinylm 3).")] = None,
     atol: Annotated[float, typer.Option(help="Absolute tolerance of floating-point comparisons.")] = 1e-12,
@@ -88,12 +90,13 @@ def verify_command(
 
 
 def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **steps: Any):
+    task = protocol_only.pop("task")  # the audit's task is trusted from here, compared with plan.json
     given = [f"--{k.replace('reuse', 'reuse-reference')}" for k, v in protocol_only.items() if v is not None]
     if given:
         raise UsageError(f"--audit replays with the run's own plan.json; drop {', '.join(given)}")
     from job.proof.audit import Audit, AuditSettings
 
-    return Audit(AuditSettings(tolerance=tolerance, **steps, **common), opener)
+    return Audit(AuditSettings(tolerance=tolerance, task=task, **steps, **common), opener)
 
 
 def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **more: Any):
@@ -140,6 +143,9 @@ def _run_and_report(runner: Any) -> int:
 def export_command(
     store: StoreArg,
     step: Annotated[str, typer.Option(help=_STEP_HELP)] = "latest",
+    task: Annotated[Optional[str], typer.Option(
+        envvar="TRAINPROOF_TASK", help="The run's task (needed unless it is built in): compared with plan.json, "
+        "never read from it.")] = None,
     dest: Annotated[Optional[str], typer.Option(help="Export root (default <store>/exports); the bundle is "
                                                      "<dest>/step-%08d/.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds the reload-check process may run.")] = 3600.0,
@@ -157,9 +163,9 @@ def export_command(
         from job.proof.paths import VerificationIncomplete, absolute_url
 
         bundle = export(opener(store), step=None if step == "latest" else int(step),
-                        dest=opener(dest) if dest else None)
+                        dest=opener(dest) if dest else None, task=task)
         print(f"{'reused' if bundle.reused else 'committed'} {bundle.url}")
-        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, timeout=timeout,
+        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, timeout=timeout,
                                         store_args=store_cli_args(endpoint_url, region, path_style))
         location = write_record(bundle.dest, bundle.step, record)
     except TrainError as exc:
@@ -176,6 +182,8 @@ def export_command(
 def reload_check_command(
     bundle: Annotated[str, typer.Option("--bundle", help="Export root holding the bundle.")],
     step: Annotated[int, typer.Option(help="Step of the bundle.")],
+    task: Annotated[str, typer.Option(help="The bundle's task, from the process that made it (compared with "
+                                           "config.json, never read from it).")],
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Internal: reload an export bundle from its destination and print the check as one JSON line."""
@@ -183,7 +191,7 @@ def reload_check_command(
     from job.proof.reload import reload_check
 
     try:
-        record = reload_check(_opener(endpoint_url, region, path_style)(bundle), step)
+        record = reload_check(_opener(endpoint_url, region, path_style)(bundle), step, task=task)
     except TrainError as exc:
         raise fail(" ".join(str(exc).split()), exc.exit_code) from None
     print(json.dumps(record))

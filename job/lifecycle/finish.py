@@ -56,8 +56,10 @@ def resolve_run_deadline(store: GenerationStore, spec: str, *, absolute_only: bo
 class Finisher:
     """Estimates and performs the export + fresh-process reload check after a deadline's final commit."""
 
-    def __init__(self, startup_s: float) -> None:
+    def __init__(self, startup_s: float, task: str) -> None:
         self.startup_s = startup_s
+        self.task = task
+        """The run's task as this process was told it (the export compares plan.json with it)."""
         """How long this process took to import torch and open the run: the reload check is such a process."""
 
     def estimate_s(self, save_s: float) -> float:
@@ -80,9 +82,9 @@ class Finisher:
 
         t0 = time.perf_counter()
         try:
-            bundle = export(store)
+            bundle = export(store, task=self.task)
             timeout = max(seconds_left - (time.perf_counter() - t0), 1.0) if seconds_left is not None else 3600.0
-            record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, store_args=[], timeout=timeout)
+            record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, store_args=[], timeout=timeout)
             location = write_record(bundle.dest, bundle.step, record)
         except (TrainError, VerificationIncomplete, StoreError, OSError) as exc:
             return {"ok": False, "why": " ".join(f"{type(exc).__name__}: {exc}".split())[:500]}

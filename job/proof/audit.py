@@ -25,7 +25,7 @@ from job.proof.compare import Diff, Tolerance, compare_states, parameter_distanc
 from job.train.contract import PLAN_FILE
 from job.errors import ConfigError
 from job.train.state import decode_generation
-from job.tasks import load_task
+from job.tasks import load_task, trusted_task
 from job.proof.protocol import parameter_names, verification_base
 from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv, new_id, read_run_plan,
                              require_success, run_processes, seed_run)
@@ -39,6 +39,8 @@ class AuditSettings:
 
     store: str
     """The run to audit."""
+    task: str | None = None
+    """The run's task (``--task``): compared with plan.json, never read from it; needed unless built in."""
     from_step: int | None = None
     """Generation a (default: the second newest complete one, or the newest one before ``to_step``)."""
     to_step: int | None = None
@@ -60,7 +62,10 @@ class Audit:
         self.plan = read_run_plan(self.run_store)
         if self.plan.get("world", 1) != 1:
             raise ConfigError(f"--audit replays single-process runs only; this run has world {self.plan['world']}")
-        self.task = load_task(self.plan["task"], self.plan["task_config"])
+        self.task_name = trusted_task(self.plan.get("task"), settings.task, f"{PLAN_FILE} of {self.run_store.url}")
+        if not isinstance(self.plan.get("task_config"), dict):
+            raise ConfigError(f"{PLAN_FILE} of {self.run_store.url} holds no task_config mapping")
+        self.task = load_task(self.task_name, self.plan["task_config"])
         self.param_names = parameter_names(self.task)
         self.root = verification_base(opener, settings.store, settings.workdir).child(settings.vid)
         self.replay_url = f"{absolute_url(self.root)}/replay"
@@ -102,7 +107,7 @@ class Audit:
         with tempfile.TemporaryDirectory(prefix="trainproof-audit-") as tmp:
             config = Path(tmp) / "task_config.json"
             config.write_text(json.dumps(self.plan["task_config"]))
-            argv = job_argv("train", "--store", self.replay_url, "--task", self.plan["task"], "--config", str(config),
+            argv = job_argv("train", "--store", self.replay_url, "--task", self.task_name, "--config", str(config),
                             "--seed", str(self.plan["seed"]), "--steps", str(self.b - self.a),
                             "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
                             "--resume", "auto", "--device", self.s.device, "--log-format", "json", *self.s.store_args)
@@ -125,7 +130,7 @@ class Audit:
         verdicts = self.verdicts() if error is None else {
             "all_checks_passed": False, "positive": False, "negative_divergence_detected": None}
         settings = {"run": self.run_store.url, "from": self.a, "to": self.b, "atol": self.s.tolerance.atol,
-                    "rtol": self.s.tolerance.rtol, "device": self.s.device, "task": self.plan["task"],
+                    "rtol": self.s.tolerance.rtol, "device": self.s.device, "task": self.task_name,
                     "task_config": self.plan["task_config"], "seed": self.plan["seed"]}
         return build_report(
             kind="audit", vid=self.s.vid, location=absolute_url(self.root), store=self.run_store.url,

@@ -27,6 +27,33 @@ __all__ = [
 ]
 
 
+def trusted_task(stored: Any, given: str | None, where: str) -> str:
+    """The task to build for a run whose stored record ``where`` (plan.json, an export's config.json) names
+    ``stored``. A stored file is compared, never obeyed: anyone who can write to the bucket can write it, and
+    importing the module it names would run their code with this process's credentials.
+
+    ``given`` (``--task``/``TRAINPROOF_TASK``, trusted) must equal the record; without it only a built-in task
+    name is accepted. Raises ConfigError (exit 2) naming both otherwise.
+    """
+    shown = printable(stored)
+    if given is not None:
+        if given != stored:
+            raise ConfigError(f"--task {given!r} but {where} records task {shown}: pass the run's own task, "
+                              "or use another --store")
+        return given
+    if isinstance(stored, str) and stored in BUILTIN_TASKS:
+        return stored
+    raise ConfigError(f"{where} records task {shown}, which is not a built-in task: trainproof never imports code "
+                      f"named by a stored file; if that is your task, pass --task {shown} yourself")
+
+
+def printable(value: Any, limit: int = 120) -> str:
+    """``repr`` of a value read from storage, cut to ``limit`` characters and free of control characters."""
+    text = repr(value)
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def load_task(spec: str, config: dict[str, Any] | None = None) -> Task:
     """Build the task named by ``spec`` (a built-in name or ``package.module:factory``).
 
