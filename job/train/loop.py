@@ -268,7 +268,7 @@ class Trainer:
             self.sync.on_rank0("check that the store holds no generation", self._refuse_existing_generations)
             self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
             return None
-        found = load_agreed(self.store, self.plan["contract"], self.sync)
+        found = load_agreed(self.store, self.plan["contract"], self.sync, code_version=code_version())
         if found is None:
             self.sync.on_rank0("look for unusable generations", self._warn_if_unusable_generations)
             self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
@@ -279,7 +279,10 @@ class Trainer:
                                      source=f"{name} was written by {saved_world} rank(s)")
         if changed:
             check_transition(state["ranks"][0]["data"], self.world, run.global_batch)
-        for warning in check_consistency(state, self._expected(step, saved_world)) + self._device_warnings(state):
+        # The generation's own step (its folder name), not the state's word for it: a state moved under a newer
+        # name must be refused, never resumed from.
+        expected = self._expected(int(name.rsplit("-", 1)[1]), saved_world)
+        for warning in check_consistency(state, expected) + self._device_warnings(state):
             self.reporter.warn(warning)
         restore_state(run, state, restore_rng=not self.cfg.omit_rng_restore, seed=self.cfg.seed,
                       rederive_at=step if changed else None)

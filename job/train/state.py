@@ -266,27 +266,41 @@ def check_consistency(state: dict[str, Any], expected: Expected) -> list[str]:
     Raises StateError naming the first inconsistency. Warnings (other torch/numpy versions: the
     resume is still correct but may not be bitwise equal) are returned for the caller to log.
     """
-    check_structure(state)
-    meta, progress = state["meta"], state["progress"]
-    _same("contract", meta.get("contract"), expected.contract, "the state belongs to another run")
+    check_self_consistent(state, step=expected.step, contract=expected.contract)
+    meta = state["meta"]
     _same("world", meta.get("world"), expected.world, "resume with the original world size")
     _same("code_version", meta.get("code_version"), expected.code_version,
           "resume with the version that wrote it, or start a new --store")
     _same("data_identity", meta.get("data_identity"), expected.data_identity, "the data changed since the save")
-    step = progress.get("step")
-    if not isinstance(step, int) or step < 0:
-        raise StateError(f"state progress.step is {step!r}, not a step count")
-    if expected.step is not None:
-        _same("progress.step", step, expected.step, "the generation's name and its content disagree")
-    history = History.from_state_dict(state["history"])
-    if history.column("step") != list(range(1, step + 1)):
-        raise StateError(f"history does not record steps 1..{step} exactly once each (a step repeated or skipped)")
-    sched = state["scheduler"]
-    if sched is not None and sched.get("last_epoch") != step:
-        raise StateError(f"scheduler has taken {sched.get('last_epoch')} steps but progress says {step}")
     if len(state["ranks"]) != expected.world:
         raise StateError(f"state holds {len(state['ranks'])} rank part(s) for world {expected.world}")
     return _version_warnings(meta.get("versions", {}))
+
+
+def check_self_consistent(state: dict[str, Any], *, step: int | None, contract: str) -> None:
+    """Refuse a state that contradicts itself or the generation it was read from (StateError).
+
+    Such a state was not written by a correct trainer of this run (damage, or a planted copy: an older state
+    under a newer folder name): the caller quarantines its generation and falls back to the previous one.
+    ``step`` is the generation's step (its folder name), None when the state stands alone.
+    """
+    check_structure(state)
+    meta, progress = state["meta"], state["progress"]
+    _same("contract", meta.get("contract"), contract, "the state belongs to another run")
+    own = progress.get("step")
+    if not isinstance(own, int) or isinstance(own, bool) or own < 0:
+        raise StateError(f"state progress.step is {own!r}, not a step count")
+    if step is not None:
+        _same("progress.step", own, step, "the generation's name and its content disagree")
+    history = History.from_state_dict(state["history"])
+    if history.column("step") != list(range(1, own + 1)):
+        raise StateError(f"history does not record steps 1..{own} exactly once each (a step repeated or skipped)")
+    sched = state["scheduler"]
+    if sched is not None and sched.get("last_epoch") != own:
+        raise StateError(f"scheduler has taken {sched.get('last_epoch')} steps but progress says {own}")
+    world = meta.get("world")
+    if not isinstance(world, int) or len(state["ranks"]) != world:
+        raise StateError(f"state holds {len(state['ranks'])} rank part(s) for world {world!r}")
 
 
 def _same(field: str, got: Any, want: Any, hint: str) -> None:
