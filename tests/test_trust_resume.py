@@ -92,3 +92,33 @@ def test_only_generations_of_other_code_is_the_persons_call_exit_2(tmp_path):
              digests={"state": STATE_FILE})
     result = run(store, "--max-steps", "5")
     assert result.code == 2 and "code_version" in result.stderr, result.stderr
+
+
+def test_a_run_restarted_after_its_deadline_finishes_instead_of_failing_the_job(tmp_path):
+    """deadline.json says the rental ended: no exit 2 (a Job would fail for good), no exit 75 (it would restart
+    into the same past deadline forever): nothing more is trained, the newest generation is exported and
+    reload-checked, exit 0."""
+    import json
+    from datetime import datetime, timedelta, timezone
+
+    store = tmp_path / "run"
+    assert run(store, "--max-steps", "4").code == 0
+    past = datetime.now(timezone.utc) - timedelta(minutes=5)
+    (store / "deadline.json").write_text(json.dumps({
+        "schema": "trainproof.deadline/1", "spec": "1h", "first_start": (past - timedelta(hours=1)).isoformat(),
+        "at": past.isoformat()}))
+    result = run(store, "--max-steps", "100", "--deadline", "1h")
+    assert result.code == 0, result.stderr
+    done = result.last("done")
+    assert done["reason"] == "deadline" and done["step"] == 4 and done["export"]["ok"], done
+    assert "has passed" in result.stderr
+    assert (store / "exports" / "step-00000004" / "COMPLETE.json").exists()
+
+
+def test_a_damaged_deadline_record_is_replaced_not_fatal(tmp_path):
+    store = tmp_path / "run"
+    store.mkdir()
+    (store / "deadline.json").write_text('{"at": [[[[[[' * 2000)
+    result = run(store, "--max-steps", "3", "--deadline", "1h")
+    assert result.code == 0, result.stderr
+    assert "deadline.json is unreadable" in result.stderr

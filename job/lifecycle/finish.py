@@ -41,15 +41,37 @@ def resolve_run_deadline(store: GenerationStore, spec: str, *, absolute_only: bo
         return datetime.fromisoformat(record["at"])
     except FileExistsError:
         pass
-    saved = json.loads(store.read_file(DEADLINE_FILE))
+    try:
+        saved = json.loads(store.read_file(DEADLINE_FILE)[:MAX_RECORD_BYTES + 1])
+        saved_at = _aware(saved["at"])
+        first = _aware(saved.get("first_start", record["first_start"]))
+    except (ValueError, TypeError, KeyError, RecursionError, AttributeError) as exc:
+        # Damaged (or planted) record: counting from now is the safe reading; the old value is unknowable.
+        log.warning("%s is unreadable (%s): recording the deadline afresh from now", DEADLINE_FILE,
+                    type(exc).__name__)
+        store.write_file(DEADLINE_FILE, _json(record))
+        return datetime.fromisoformat(record["at"])
     if saved.get("spec") == spec:
-        return datetime.fromisoformat(saved["at"])
+        return saved_at
     # A changed value: a relative one still counts from the run's first start, not from this restart.
-    first = datetime.fromisoformat(saved.get("first_start", record["first_start"]))
     at = parse_deadline(spec, first)
     log.warning("--deadline changed from %r (%s) to %r (%s) since the run's first start: the new value wins",
                 saved.get("spec"), saved.get("at"), spec, at.isoformat())
     store.write_file(DEADLINE_FILE, _json({**record, "first_start": first.isoformat(), "at": at.isoformat()}))
+    return at
+
+
+MAX_RECORD_BYTES = 64 * 1024
+"""deadline.json is a few hundred bytes; anything longer is not ours."""
+
+
+def _aware(text: object) -> datetime:
+    """An ISO time with a zone, from a stored record (ValueError/TypeError otherwise)."""
+    if not isinstance(text, str) or len(text) > 64:
+        raise ValueError("not an ISO time")
+    at = datetime.fromisoformat(text)
+    if at.tzinfo is None:
+        raise ValueError("no time zone")
     return at
 
 
