@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from job.cli.app import app
@@ -15,6 +16,15 @@ from job.cli.common import EndpointArg, PathStyleArg, RegionArg, StoreArg, Usage
 from storage import COMPLETE
 
 _STYLE = {"complete": "green", "incomplete": "yellow", "corrupt": "red", "foreign": "magenta"}
+
+
+def shown(text: object) -> str:
+    """Text read from the store, safe for the terminal: control characters replaced, rich markup escaped.
+
+    A folder name, a REASON file or LATEST can hold anything a writer of the bucket put there: ``[/x]`` would
+    crash rich's markup parser, and escape sequences would reach the terminal."""
+    plain = "".join(c if c.isprintable() else "?" for c in str(text))
+    return escape(plain)
 
 
 def _age(mtime: float | None) -> str:
@@ -55,15 +65,19 @@ def ls_command(
         }
         print(json.dumps(doc, indent=2))
         return
-    table = Table(title=f"{run.url}  (LATEST hint: {hint or 'none'})")
-    for col in ("generation", "status", "bytes", "age", "note"):
-        table.add_column(col)
+    table = Table(title=f"{shown(run.url)}  (LATEST hint: {shown(hint or 'none')})")
+    names = [g.name for g in gens] + [f"quarantine/{n}" for n, _ in quarantined]
+    # Names are shown whole (they are what a person types next); the note column folds instead.
+    table.add_column("generation", no_wrap=True, min_width=max(map(len, names), default=10))
+    for col in ("status", "bytes", "age"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("note", overflow="fold")
     for g in gens:
         note = g.reason or ("newest complete" if g.step == newest else "")
-        table.add_row(g.name, f"[{_STYLE[g.status]}]{g.status}[/]", f"{g.bytes:,}", _age(g.mtime), note)
+        table.add_row(shown(g.name), f"[{_STYLE[g.status]}]{g.status}[/]", f"{g.bytes:,}", _age(g.mtime), shown(note))
     for name, reason in quarantined:
-        table.add_row(f"quarantine/{name}", "[red]quarantined[/]", "", "", reason)
-    Console().print(table if gens or quarantined else f"{run.url}: no generations yet")
+        table.add_row(shown(f"quarantine/{name}"), "[red]quarantined[/]", "", "", shown(reason))
+    Console().print(table if gens or quarantined else f"{shown(run.url)}: no generations yet")
 
 
 @app.command("gc")
