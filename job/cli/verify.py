@@ -52,6 +52,8 @@ def verify_command(
     audit: Annotated[bool, typer.Option("--audit", help="Replay a run's generations --from -> --to, compare.")] = False,
     from_step: Annotated[Optional[int], typer.Option("--from", help="Audit: generation a (2nd newest).")] = None,
     to_step: Annotated[Optional[int], typer.Option("--to", help="Audit: generation b (default: newest).")] = None,
+    max_replay_steps: Annotated[Optional[int], typer.Option(
+        min=1, help="Audit: longest replay accepted (default: ten epochs of the run's plan, at least 1000).")] = None,
     workdir: Annotated[Optional[str], typer.Option(help="Where <id>/ goes (default <store>/verification).")] = None,
     vid: Annotated[Optional[str], typer.Option("--id", help="Verification id (default: UTC time + random).")] = None,
     export_bundle: Annotated[bool, typer.Option("--export/--no-export", help="Export the resumed result.")] = True,
@@ -78,7 +80,8 @@ def verify_command(
         if audit:
             if world != 1:
                 raise UsageError("--world is for the protocol; --audit replays with the run's own plan.json")
-            runner = _audit(common, opener, tolerance, protocol_only, from_step=from_step, to_step=to_step)
+            runner = _audit(common, opener, tolerance, protocol_only, from_step=from_step, to_step=to_step,
+                            max_replay_steps=max_replay_steps)
         else:
             if from_step is not None or to_step is not None:
                 raise UsageError("--from/--to select generations for --audit")

@@ -51,6 +51,17 @@ class AuditSettings:
     vid: str = field(default_factory=new_id)
     timeout: float = 7200.0
     store_args: list[str] = field(default_factory=list)
+    max_replay_steps: int | None = None
+    """Longest replay accepted (default: :func:`replay_cap` of the run's plan)."""
+
+
+def replay_cap(plan: dict[str, Any]) -> int:
+    """The longest replay an audit runs without being told to: ten epochs of the run's own plan, at least 1000
+    steps. A generation claiming a step far beyond it (a forged ``step-99999999``) must not buy a replay of
+    millions of steps."""
+    epoch = plan.get("epoch_plan") if isinstance(plan.get("epoch_plan"), dict) else {}
+    steps = epoch.get("steps")
+    return max(1000, 10 * steps) if isinstance(steps, int) and 0 < steps < 10**7 else 1000
 
 
 class Audit:
@@ -98,6 +109,10 @@ class Audit:
         if a is None or b is None or not a < b or a not in steps or b not in steps:
             raise ConfigError(f"--audit needs two complete generations a < b of {self.run_store.url}; it has "
                               f"{steps or 'none'} (asked for --from {self.s.from_step} --to {self.s.to_step})")
+        cap = self.s.max_replay_steps or replay_cap(self.plan)
+        if b - a > cap:
+            raise ConfigError(f"--audit would replay {b - a} steps ({a} -> {b}), more than {cap} (ten epochs of this "
+                              "run's plan): pick closer generations with --from/--to, or raise --max-replay-steps")
         self.a, self.b = a, b
         loaded = [self.run_store.load(step, contract=self.plan["contract"]) for step in (a, b)]
         self.generations = {"from": _describe(loaded[0]), "to": _describe(loaded[1])}
