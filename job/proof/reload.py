@@ -28,6 +28,7 @@ import torch
 from job.train.export import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evaluate_weights
 from job.errors import ConfigError
 from job.tasks import load_task, trusted_task
+from job.train.state import check_archive
 from job.proof.paths import VerificationIncomplete, job_argv, run_processes
 from storage import GenerationStore
 from storage.manifest import step_dir
@@ -81,6 +82,7 @@ def _weights(files: dict[str, bytes], name: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
 
         return load(files[name])
+    check_archive(files[name])  # no zip bomb reaches torch.load
     return torch.load(io.BytesIO(files[name]), map_location="cpu", weights_only=True)
 
 

@@ -26,6 +26,7 @@ can never write a state that its own loader would refuse.
 from __future__ import annotations
 
 import io
+import zipfile
 import pickle
 import re
 from array import array
@@ -199,7 +200,28 @@ def _checked_part(part: dict[str, Any], rank: int, state: dict[str, Any]) -> dic
     return part
 
 
+MAX_EXPANSION = 1.05
+"""How much larger than the file its archive's members may be in all: ``torch.save`` stores them uncompressed,
+so the sum of member sizes is the file size less the archive's own headers. Anything that expands further
+(a deflated member, a zip bomb) is refused before torch reads it."""
+
+
+def check_archive(data: bytes) -> None:
+    """Refuse a checkpoint archive whose members would expand past :data:`MAX_EXPANSION` times its size."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise StateError(f"the state file is not a torch checkpoint archive ({type(exc).__name__}: {exc})") from None
+    expanded = sum(m.file_size for m in members)
+    compressed = [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]
+    if compressed or expanded > MAX_EXPANSION * len(data):
+        raise StateError(f"refused: the state file ({len(data):,} bytes) would expand to {expanded:,} bytes "
+                         f"({len(compressed)} compressed member(s)); torch.save writes stored members only")
+
+
 def _load_weights_only(data: bytes) -> Any:
+    check_archive(data)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
