@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -132,15 +132,17 @@ def plain_name_problem(name: object) -> str | None:
 
 def redact_url(url: object) -> str:
     """``url`` with any user info replaced by ``***`` (``s3://KEY:SECRET@bucket/p`` → ``s3://***@bucket/p``),
-    so a URL can go into an error message or a log line without leaking credentials.  Never raises."""
+    so a URL can go into an error message or a log line without leaking credentials.  Never raises.
+
+    Also when the secret holds a ``/`` (AWS secrets often do), which ends a URL's authority early:
+    ``s3://KEY:SEC/RET@bucket/p`` has the authority ``KEY:SEC``, whose colon is not a port's."""
     text = str(url)
-    try:
-        parts = urlsplit(text)
-    except ValueError:  # e.g. an unbalanced '[' in the host: fall back to cutting at the last '@'
-        parts = None
-    if parts is not None and "@" in parts.netloc:
-        return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
-    if parts is None and "@" in text:
-        scheme, sep, rest = text.partition("://")
-        return f"{scheme}{sep}***@{rest.rsplit('@', 1)[1]}" if sep else "***@" + text.rsplit("@", 1)[1]
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text  # a plain path: no user info
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if "@" in authority:  # the last '@' of the authority ends the user info (RFC 3986)
+        return f"{scheme}://***@{rest[len(authority.rsplit('@', 1)[0]) + 1:]}"
+    if ":" in authority and not authority.rsplit(":", 1)[1].isdigit() and "@" in rest:
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return text

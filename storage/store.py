@@ -221,7 +221,9 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     from storage.s3 import S3Backend
 
     bucket, prefix = parsed.netloc, parsed.path.strip("/")
-    if "@" in bucket:  # credentials in the URL would end up in logs and process listings: refuse them
+    # Credentials in the URL would end up in logs and process listings: refuse them.  A bucket name never holds
+    # '@' or ':'; a ':' there is "KEY:SECRET" whose secret held a '/' (which ended the authority early).
+    if "@" in bucket or ":" in bucket:
         raise StoreConfigError(f"credentials in the store URL {redact_url(url)} are not supported: use "
                                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an IAM role")
     if not bucket:
