@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import threading
 
 import pytest
 
@@ -240,3 +242,40 @@ def test_read_json_of_a_run_file_is_defensive(store_url):
     assert store.read_json("plan.json") == {"contract": "c"}
     with pytest.raises(FileNotFoundError):
         store.read_json("nope.json")
+
+
+def test_a_data_file_swapped_for_a_symlink_is_never_read_through(tmp_path):
+    """Same bytes outside the run, linked in after the scan: load refuses the link instead of following it."""
+    store = open_store(str(tmp_path / "run"))
+    commit(store, 1)
+    [info] = store.scan()
+    (tmp_path / "outside.pt").write_bytes(STATE)
+    inside = tmp_path / "run" / "step-00000001" / "training_state.pt"
+    inside.unlink()
+    os.symlink(tmp_path / "outside.pt", inside)
+    from storage.generations import load
+
+    with pytest.raises(CorruptGenerationError, match="not a regular file"):
+        load(store._ctx, info)
+    [gen] = store.scan()
+    assert gen.status == CORRUPT and "not a regular file" in gen.reason
+
+
+def test_a_data_file_swapped_for_a_fifo_does_not_hang_a_load(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    commit(store, 1)
+    [info] = store.scan()
+    inside = tmp_path / "run" / "step-00000001" / "training_state.pt"
+    inside.unlink()
+    os.mkfifo(inside)
+    from storage.generations import load
+
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(pytest.raises(CorruptGenerationError, load, store._ctx, info)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    if worker.is_alive():  # unblock the stuck open() so the thread can end, then fail
+        os.close(os.open(inside, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("load blocked on a FIFO")
+    assert outcome and "not a regular file" in str(outcome[0].value)

@@ -204,3 +204,18 @@ def test_dry_run_verifies_but_deletes_nothing(store_url):
     assert [s for s, _ in steps(store)] == [1, 2, 3]
     manifest = json.loads(store.read_file(f"step-00000003/{MARKER}"))
     assert manifest["contract"] == C
+
+
+def test_plan_retention_counts_only_the_given_contract_and_world():
+    """The pure function itself filters (a caller may hand it a scan made without a contract)."""
+    from storage.generations import GenerationInfo
+
+    def gen(step, contract=C, world=1):
+        return GenerationInfo(step=step, name=f"step-{step:08d}", status=COMPLETE, mtime=0.0,
+                              manifest={"contract": contract, "world": world})
+
+    gens = [gen(1), gen(2), gen(3, world=2), gen(99_999_999, contract="someone-else")]
+    plan = plan_retention(gens, keep=1, now=1e9, grace_seconds=3600, contract=C)
+    assert [g.step for g in plan] == [1, 2]  # 3 (world 2) is the newest of contract C; 99999999 is not ours
+    plan = plan_retention(gens, keep=1, now=1e9, grace_seconds=3600, contract=C, world=1)
+    assert [g.step for g in plan] == [1]

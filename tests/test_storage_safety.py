@@ -130,3 +130,19 @@ def test_store_messages_never_carry_user_info(caplog):
         store.read_file("plan.json")
     assert "***@" in str(err.value) and "sekrit-pw" not in str(err.value)
     assert all("sekrit-pw" not in r.getMessage() for r in caplog.records)
+
+
+def test_a_wrong_sized_object_is_refused_from_the_listing_without_reading_it(store_url):
+    """The object in the store is not the size that was written (a racing writer appended): the listing says so
+    and the commit refuses before reading a byte of it."""
+    def append_after_writing(path, create_only, write):
+        out = write()
+        if path.endswith("training_state.pt"):
+            store.backend.inner.write(path, FILES["training_state.pt"] + b"appended")
+        return out
+
+    store = wrap(open_store(store_url), on_write=append_after_writing)
+    with pytest.raises(CorruptGenerationError, match="were written"):
+        commit(store)
+    assert store.backend.bytes_read.get(join(store.root, "step-00000001", "training_state.pt"), 0) == 0
+    assert not store.backend.inner.exists(join(store.root, "step-00000001", MARKER))
