@@ -116,7 +116,7 @@ def plain_name_problem(name: object) -> str | None:
     A plain name is a non-empty string of at most MAX_NAME_CHARS characters, not ``.`` or ``..``, with no
     ``/`` or ``\\`` (so no absolute path and no way out of the folder) and no control characters."""
     if not isinstance(name, str):
-        return f"{name!r} is not a string"
+        return f"{repr(name)[:60]} is not a string"  # cut: it may be a megabyte of JSON, and goes into logs
     if not name:
         return "the name is empty"
     if name in (".", ".."):

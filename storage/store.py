@@ -100,7 +100,8 @@ class GenerationStore:
         return self._committed(step, manifest, keep)
 
     def scan(self, *, contract: str | None = None, world: int | None = None) -> list[GenerationInfo]:
-        """Every generation, ascending, classified complete / incomplete / corrupt / foreign (no hashing)."""
+        """Every generation, ascending, classified complete / incomplete / corrupt / foreign (no hashing); never
+        raises on what it finds, and looks at no more than ``Limits.scan_entries`` of them (with a warning)."""
         return scan(self._ctx, contract=contract, world=world)
 
     def load(self, step: int, check: Check | None = None, *, contract: str | None = None,

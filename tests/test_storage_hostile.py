@@ -279,3 +279,10 @@ def test_a_data_file_swapped_for_a_fifo_does_not_hang_a_load(tmp_path):
         os.close(os.open(inside, os.O_WRONLY | os.O_NONBLOCK))
         pytest.fail("load blocked on a FIFO")
     assert outcome and "not a regular file" in str(outcome[0].value)
+
+
+def test_a_reason_never_carries_a_huge_value():
+    doc = manifest(files={"training_state.pt": {"bytes": 1, "sha256": SHA, "object": ["x" * 1000] * 500}})
+    with pytest.raises(ManifestError) as err:
+        parse(json.dumps(doc).encode(), dir_name="step-00000003")
+    assert len(str(err.value)) < 300
