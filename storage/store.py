@@ -158,7 +158,7 @@ class GenerationStore:
         """What ``LATEST`` says (a hint only) when it names a generation (``step-%08d``), else None."""
         try:
             raw = self.read_file(LATEST, max_bytes=self.options.limits.small_json_bytes)
-        except FileNotFoundError:
+        except OSError:  # missing, or (on a folder) a symlink or a pipe in its place: no hint
             return None
         text = raw.decode("utf-8", "replace").strip() if len(raw) <= self.options.limits.small_json_bytes else ""
         if mf.parse_step_dir(text) is None:  # a hint only: anything else (junk, a huge file) is no hint

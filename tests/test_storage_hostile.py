@@ -286,3 +286,12 @@ def test_a_reason_never_carries_a_huge_value():
     with pytest.raises(ManifestError) as err:
         parse(json.dumps(doc).encode(), dir_name="step-00000003")
     assert len(str(err.value)) < 300
+
+
+def test_a_symlinked_latest_hint_is_no_hint(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    commit(store, 1)
+    (tmp_path / "run" / "LATEST").unlink()
+    (tmp_path / "secret").write_bytes(b"step-00000001\n")
+    os.symlink(tmp_path / "secret", tmp_path / "run" / "LATEST")
+    assert store.latest_hint() is None
