@@ -19,7 +19,7 @@ M = [
  ("manifest size by listing", "storage/generations.py", "if entries[mf.MARKER].size > ctx.limits.manifest_bytes:", "if False:", "tests/test_storage_hostile.py -k oversized_manifest"),
  ("json size cap", "storage/limits.py", "    if len(raw) > max_bytes:\n", "    if False:\n", "tests/test_storage_hostile.py -k 'untrusted or read_json'"),
  ("file_bytes cap", "storage/manifest.py", 'if not 0 <= meta["bytes"] <= limits.file_bytes:', 'if not 0 <= meta["bytes"]:', "tests/test_storage_hostile.py -k 'above_the_cap or bytes_negative'"),
- ("bounded load read", "storage/generations.py", "lambda: read_at_most(ctx.backend, path, size))", "lambda: ctx.backend.read(path))", "tests/test_storage_hostile.py -k swapped"),
+ ("bounded load read", "storage/generations.py", "lambda: read_hashed(ctx.backend, path, size))", "lambda: (lambda d: (d, __import__(\"hashlib\").sha256(d).hexdigest()))(ctx.backend.read(path)))", "tests/test_storage_hostile.py -k swapped"),
  ("int digits", "storage/limits.py", "    if len(text.lstrip(\"-\")) > MAX_INT_DIGITS:\n", "    if False:\n", "tests/test_storage_hostile.py -k 'untrusted'"),
  ("recursion catch", "storage/limits.py", "    except RecursionError:\n", "    except ZeroDivisionError:\n", "tests/test_storage_hostile.py -k 'deeply or untrusted or reason'"),
  ("depth cap", "storage/limits.py", "    if _depth(value) > MAX_JSON_DEPTH:\n", "    if False:\n", "tests/test_storage_hostile.py -k 'depth_cap or untrusted'"),

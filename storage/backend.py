@@ -94,15 +94,22 @@ def digest(data: bytes | memoryview) -> tuple[int, str]:
 def read_at_most(backend: "Backend", path: str, max_bytes: int) -> bytes:
     """The object's bytes, but never more than ``max_bytes + 1`` of them (one more than allowed, so the caller
     sees it is too big) — a hostile object cannot make the reader hold more than the cap."""
-    out, chunks = io.BytesIO(), backend.iter_read(path)
+    return read_hashed(backend, path, max_bytes)[0]
+
+
+def read_hashed(backend: "Backend", path: str, max_bytes: int) -> tuple[bytes, str]:
+    """``read_at_most`` and the sha256 of what it returns, hashed chunk by chunk as the bytes arrive (one pass)."""
+    out, sha, chunks = io.BytesIO(), hashlib.sha256(), backend.iter_read(path)
     try:
         for chunk in chunks:
-            out.write(memoryview(chunk)[: max_bytes + 1 - out.tell()])
+            chunk = memoryview(chunk)[: max_bytes + 1 - out.tell()]
+            sha.update(chunk)
+            out.write(chunk)
             if out.tell() > max_bytes:
                 break
     finally:
         chunks.close()
-    return out.getvalue()  # BytesIO hands over its buffer without a copy
+    return out.getvalue(), sha.hexdigest()  # BytesIO hands over its buffer without a copy
 
 
 def hash_object(backend: "Backend", path: str, max_bytes: int) -> tuple[int, str]:

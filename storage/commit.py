@@ -21,7 +21,7 @@ import logging
 import uuid
 
 from storage import manifest as mf
-from storage.backend import hash_object, read_at_most
+from storage.backend import hash_object, read_at_most, read_hashed
 from storage.errors import CommitConflictError, CorruptGenerationError
 from storage.generations import Check, Ctx
 
@@ -139,8 +139,8 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None) -> None:
             if check is None:  # stream it through sha256: never more than one chunk in memory
                 data, got = None, ctx.io(f"verify {name}/{obj}", lambda: hash_object(ctx.backend, path, size))
             else:  # the caller's check needs the bytes: read at most size + 1 of them
-                data = ctx.io(f"verify {name}/{obj}", lambda: read_at_most(ctx.backend, path, size))
-                got = (len(data), hashlib.sha256(data).hexdigest())
+                data, digest = ctx.io(f"verify {name}/{obj}", lambda: read_hashed(ctx.backend, path, size))
+                got = (len(data), digest)
         except FileNotFoundError:
             raise CommitConflictError(f"{name}/{obj} vanished right after it was written (another process is "
                                       "deleting this run's files?); not marking it usable") from None

@@ -8,13 +8,12 @@ folder exists.  Anything else is reported with the reason and skipped, never rai
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 from storage import manifest as mf
-from storage.backend import Backend, Entry, hash_object, join, read_at_most
+from storage.backend import Backend, Entry, hash_object, join, read_at_most, read_hashed
 from storage.errors import CorruptGenerationError
 from storage.limits import Limits
 
@@ -156,14 +155,14 @@ def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict) -> bytes:
     for attempt in (1, 2):  # one re-read: the first read may have hit a transient fault
         try:
             # Never more than the manifest's size + 1: an object swapped for a huge one is not read whole.
-            data = ctx.io(f"read {name}/{fname}", lambda: read_at_most(ctx.backend, path, size))
+            data, sha = ctx.io(f"read {name}/{fname}", lambda: read_hashed(ctx.backend, path, size))
         except FileNotFoundError:
             raise CorruptGenerationError(name, f"{fname} is missing") from None
         except OSError as exc:
             if not _not_a_file(exc):
                 raise
             raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
-        if len(data) == size and hashlib.sha256(data).hexdigest() == meta["sha256"]:
+        if len(data) == size and sha == meta["sha256"]:
             return data
         if attempt == 1:
             log.warning("%s/%s did not match its manifest on first read; reading it again", name, fname)
