@@ -13,7 +13,8 @@ from storage import manifest as mf
 from storage.backend import FsspecBackend, LocalBackend, join, read_at_most
 from storage.commit import LATEST, commit_generation, mark_usable, write_part
 from storage.errors import CorruptGenerationError, StoreConfigError, StoreError
-from storage.generations import COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan
+from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan,
+                                 verify_hashes)
 from storage.limits import loads_untrusted, redact_url
 from storage.options import RetryPolicy, StoreOptions
 from storage.quarantine import list_quarantined, quarantine
@@ -110,6 +111,11 @@ class GenerationStore:
         CorruptGenerationError if it is not usable."""
         info = inspect(self._ctx, mf.step_dir(step), contract=contract, world=world)
         return load(self._ctx, info, check)
+
+    def verify(self, step: int, *, contract: str | None = None, world: int | None = None) -> str | None:
+        """Re-read generation ``step`` streaming every file through sha256 (never a whole file in memory):
+        None when it is complete and every file matches its manifest, else why not (for ``ls --verify``)."""
+        return verify_hashes(self._ctx, inspect(self._ctx, mf.step_dir(step), contract=contract, world=world))
 
     def load_latest(self, *, contract: str | None = None, world: int | None = None, check: Check | None = None,
                     quarantine: bool = True) -> Loaded | None:

@@ -219,3 +219,15 @@ def test_plan_retention_counts_only_the_given_contract_and_world():
     assert [g.step for g in plan] == [1, 2]  # 3 (world 2) is the newest of contract C; 99999999 is not ours
     plan = plan_retention(gens, keep=1, now=1e9, grace_seconds=3600, contract=C, world=1)
     assert [g.step for g in plan] == [1]
+
+
+def test_verify_streams_every_file_and_names_the_fault(store_url):
+    store = open_store(store_url)
+    commit(store, 1)
+    assert store.verify(1, contract=C) is None
+    assert "contract" in store.verify(1, contract="other")
+    target = join(store.root, "step-00000001", "training_state.pt")
+    data = store.backend.read(target)
+    store.backend.write(target, data[:-1] + b"X")
+    assert "sha256" in store.verify(1)
+    assert "no COMPLETE.json" in store.verify(2)
