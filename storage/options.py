@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from storage.limits import Limits
+
 _CHECKSUM_MODES = ("auto", "when_supported", "when_required")
 _CREATE_ONLY_MODES = ("require", "weak")
 
@@ -58,6 +60,8 @@ class StoreOptions:
     sweep_multipart_older_than: float | None = 3600.0
     """On open for writing, abort unfinished multipart uploads under the run prefix older than this many
     seconds (left by writers killed mid-upload; they cost storage).  None disables the sweep."""
+    limits: Limits = field(default_factory=Limits)
+    """Caps on what is read from the store (manifest size, claimed file size, entries per scan)."""
 
     def __post_init__(self) -> None:
         if self.checksum not in _CHECKSUM_MODES:
