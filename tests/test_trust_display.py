@@ -11,7 +11,8 @@ from tests.test_verify_helpers import cli  # noqa: F401  (a fixture)
 HOSTILE = "[/x] [bold red]boom[/] \x1b[2J\x1b]0;owned\x07 \x00end"
 
 
-def test_ls_shows_hostile_reason_and_latest_text_as_text(cli, tmp_path):
+def test_ls_shows_hostile_reason_and_latest_text_as_text(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # one line per row: the checks below read whole cells
     store = tmp_path / "run"
     assert run(store, "--max-steps", "2").code == 0
     q = store / "quarantine" / "step-00000009-planted"

@@ -42,7 +42,7 @@ def resolve_run_deadline(store: GenerationStore, spec: str, *, absolute_only: bo
     except FileExistsError:
         pass
     try:
-        saved = json.loads(store.read_file(DEADLINE_FILE)[:MAX_RECORD_BYTES + 1])
+        saved = store.read_json(DEADLINE_FILE, max_bytes=MAX_RECORD_BYTES)
         saved_at = _aware(saved["at"])
         first = _aware(saved.get("first_start", record["first_start"]))
     except (ValueError, TypeError, KeyError, RecursionError, AttributeError) as exc:

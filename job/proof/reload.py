@@ -27,6 +27,7 @@ import torch
 
 from job.train.export import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evaluate_weights
 from job.errors import ConfigError
+from storage.limits import loads_untrusted
 from job.tasks import load_task, trusted_task
 from job.train.state import check_archive
 from job.proof.paths import VerificationIncomplete, job_argv, run_processes
@@ -34,6 +35,8 @@ from storage import GenerationStore
 from storage.manifest import step_dir
 
 RELOAD_SCHEMA = "trainproof.reload_check/1"
+MAX_RECORD_BYTES = 1 << 20
+"""config.json and metrics.json of a bundle are a few KiB; larger ones are not ours."""
 
 
 def record_name(step: int) -> str:
@@ -49,7 +52,11 @@ def reload_check(dest: GenerationStore, step: int, *, task: str) -> dict[str, An
     """
     loaded = dest.load(step)  # size and sha256 of every file against COMPLETE.json, read from the store
     files = loaded.files
-    config, metrics = json.loads(files["config.json"]), json.loads(files["metrics.json"])
+    try:
+        config = loads_untrusted(files["config.json"], what="config.json", max_bytes=MAX_RECORD_BYTES)
+        metrics = loads_untrusted(files["metrics.json"], what="metrics.json", max_bytes=MAX_RECORD_BYTES)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{dest.url}/{step_dir(step)} is not a readable bundle: {exc}") from None
     if not isinstance(config, dict) or not isinstance(metrics, dict) or not isinstance(config.get("task_config"), dict):
         raise ConfigError(f"{dest.url}/{step_dir(step)}: config.json or metrics.json is not a bundle record")
     task = load_task(trusted_task(config.get("task"), task, f"config.json of {dest.url}/{step_dir(step)}"),
