@@ -224,11 +224,16 @@ class S3Backend(FsspecBackend):
         self.fs.invalidate_cache(path)
 
     # -- endpoint checks ----------------------------------------------------------------------------------
-    def check_access(self, bucket: str) -> None:
-        """Fail fast, with one clear line, on a missing bucket, refused credentials or an unreachable endpoint."""
+    def check_access(self, bucket: str, prefix: str = "") -> None:
+        """Fail fast, with one clear line, on a missing bucket or refused credentials (StoreConfigError).
+
+        A list of at most one key under the run's prefix, not HeadBucket: AWS authorises HeadBucket as an
+        unprefixed ``s3:ListBucket``, which a policy scoped to the run's prefix refuses. An unreachable endpoint
+        or a 5xx is *not* a configuration error (a MinIO pod may still be starting): the error is re-raised for
+        the caller's bounded retry, which ends in StoreUnavailableError (exit 1), never exit 2."""
         where = redact_url(self.options.endpoint_url) if self.options.endpoint_url else "AWS S3"
         try:
-            self.fs.call_s3("head_bucket", Bucket=bucket)
+            self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
         except FileNotFoundError:
             raise StoreConfigError(f"bucket '{bucket}' does not exist at {where}: create it or fix the --store URL") from None
         except PermissionError:
@@ -241,7 +246,8 @@ class S3Backend(FsspecBackend):
                 raise StoreConfigError(
                     "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an IAM role") from None
             if "Connect" in name or "Endpoint" in name or isinstance(exc, (ConnectionError, TimeoutError)):
-                raise StoreConfigError(f"cannot reach the S3 endpoint {where}: check AWS_ENDPOINT_URL / --endpoint-url ({name})") from None
+                raise ConnectionError(f"cannot reach the S3 endpoint {where} ({name}): if it keeps failing, check "
+                                      "AWS_ENDPOINT_URL / --endpoint-url") from None
             raise
 
     def probe_create_only(self, scratch: str) -> bool:

@@ -19,7 +19,7 @@ from storage.limits import loads_untrusted, redact_url
 from storage.options import RetryPolicy, StoreOptions
 from storage.quarantine import list_quarantined, quarantine
 from storage.retention import apply_retention
-from storage.retry import RetryStats, call_with_retry, retry_or_unavailable
+from storage.retry import RetryStats, retry_or_unavailable
 
 log = logging.getLogger("trainproof.storage")
 DEFAULT_GRACE_SECONDS = 6 * 3600.0
@@ -240,7 +240,7 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     # A short budget: a wrong endpoint should fail in seconds, not after the full write budget.
     quick = RetryPolicy(attempts=min(3, options.retry.attempts), total_seconds=30.0,
                         initial_wait=options.retry.initial_wait, max_wait=options.retry.max_wait)
-    call_with_retry(quick, f"check bucket {bucket}", lambda: backend.check_access(bucket))
+    retry_or_unavailable(quick, f"check bucket {bucket}", lambda: backend.check_access(bucket, prefix), stats)
     root = join(bucket, prefix) if prefix else bucket
 
     def prepare(store: GenerationStore) -> None:
