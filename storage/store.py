@@ -244,6 +244,8 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     root = join(bucket, prefix) if prefix else bucket
 
     def prepare(store: GenerationStore) -> None:
+        if options.create_only == "private":
+            return  # nobody else writes here: no probe object, no sweep (see StoreOptions.create_only)
         if not store._io("probe create-only writes", lambda: backend.probe_create_only(join(root, ".trainproof-probe"))):
             where = redact_url(options.endpoint_url) if options.endpoint_url else "AWS S3"
             if options.create_only == "require":

@@ -26,11 +26,13 @@ log = logging.getLogger("trainproof.verify")
 _STEP_HELP = "Generation to export: a step number, or 'latest' (the newest usable one)."
 
 
-def _opener(endpoint_url: str | None, region: str | None, path_style: bool | None):
+def _opener(endpoint_url: str | None, region: str | None, path_style: bool | None, *, private: bool = False):
     # No multipart sweep from the verifier: the store it reads may belong to a training Job that is
     # uploading right now (every training process sweeps its own prefix when it starts).
     options = replace(StoreOptions.from_env(endpoint_url=endpoint_url, region=region, path_style=path_style),
                       sweep_multipart_older_than=None)
+    if private and options.create_only == "require":
+        options = replace(options, create_only="private")  # the audit's own prefix: no probe object (read-only)
     return lambda url: open_store(url, options)
 
 
@@ -69,7 +71,8 @@ def verify_command(
     """Prove resume == continuous in fresh processes (or --audit a real run); upload verification.json.
     Exit 0 passed, 1 a comparison failed, 2 the verification could not be completed."""
     setup_logging()
-    opener, store_args = _opener(endpoint_url, region, path_style), store_cli_args(endpoint_url, region, path_style)
+    opener = _opener(endpoint_url, region, path_style, private=audit)
+    store_args = store_cli_args(endpoint_url, region, path_style)
     common = dict(store=store, device=device, workdir=workdir, timeout=timeout, store_args=store_args,
                   **({"vid": vid} if vid else {}))
     protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse)

@@ -16,6 +16,7 @@ the replay that this command does not provide yet; it is refused (exit 2).
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,7 +127,12 @@ class Audit:
                             "--seed", str(self.plan["seed"]), "--steps", str(self.b - self.a),
                             "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
                             "--resume", "auto", "--device", self.s.device, "--log-format", "json", *self.s.store_args)
-            results = run_processes([("replay", self.replay_url, argv)], timeout=self.s.timeout)
+            # The replay writes only under this audit's own verification/<id>/ (no other writer): no create-only
+            # probe object there, so the audit writes nothing but its own results.
+            private = {"TRAINPROOF_S3_CREATE_ONLY": "private"} if os.environ.get(
+                "TRAINPROOF_S3_CREATE_ONLY", "require") == "require" else {}
+            results = run_processes([("replay", self.replay_url, argv)], timeout=self.s.timeout,
+                                    envs={"replay": private})
         self.paths["replay"] = results[0].to_json()
         require_success(results)
         event = results[0].event("resume") or {}
