@@ -456,18 +456,11 @@ def test_audit_policy_reads_the_run_and_writes_only_verification_results():
     _check_scoped(statements)
     grants = _grants(statements)
     assert set(grants) == {"s3:ListBucket", "s3:ListBucketMultipartUploads", "s3:GetObject", "s3:PutObject",
-                           "s3:AbortMultipartUpload", "s3:DeleteObject"}
+                           "s3:AbortMultipartUpload"}  # no delete: the audit leaves no probe (tests/test_trust_audit.py)
     assert grants["s3:GetObject"] == {_RUN_ARN + "*"}
     verification = _RUN_ARN + "verification/"
     for action in ("s3:PutObject", "s3:AbortMultipartUpload"):
         assert grants[action] and all(r.startswith(verification) for r in grants[action]), action
-    # Its only delete: the replay store's create-only probe objects, nothing the run or an audit result holds.
-    assert grants["s3:DeleteObject"] == {verification + "*/.trainproof-probe/*"}
-
-
-def test_the_probe_the_audit_may_delete_is_the_stores_probe():
-    """The audit policy's one DeleteObject names the store's create-only probe folder: keep them in step."""
-    assert '".trainproof-probe"' in (ROOT / "storage" / "store.py").read_text()
 
 
 def test_compose_trainproof_services_have_a_read_only_root():
