@@ -7,12 +7,14 @@ Remote backends are imported lazily, so a local run imports nothing remote.
 from storage.errors import (CommitConflictError, CorruptGenerationError, StoreConfigError, StoreError,
                             StoreUnavailableError)
 from storage.generations import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, GenerationInfo, Loaded
+from storage.limits import Limits, redact_url
 from storage.options import RetryPolicy, StoreOptions
-from storage.retention import plan_retention
+from storage.retention import MIN_GRACE_SECONDS, plan_retention
 from storage.store import GenerationStore, open_store
 
 __all__ = [
-    "open_store", "GenerationStore", "GenerationInfo", "Loaded", "StoreOptions", "RetryPolicy", "plan_retention",
+    "open_store", "GenerationStore", "GenerationInfo", "Loaded", "StoreOptions", "RetryPolicy", "Limits",
+    "plan_retention", "MIN_GRACE_SECONDS", "redact_url",
     "StoreError", "StoreConfigError", "StoreUnavailableError", "CommitConflictError", "CorruptGenerationError",
     "COMPLETE", "INCOMPLETE", "CORRUPT", "FOREIGN",
 ]

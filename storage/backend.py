@@ -8,9 +8,12 @@ holds no buffers between calls.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import os
 import shutil
+import stat
 import threading
 import uuid
 from dataclasses import dataclass
@@ -28,6 +31,8 @@ class Entry:
     size: int
     is_dir: bool
     mtime: float | None = None
+    is_special: bool = False
+    """A symlink, FIFO, socket or device (local folders only): never read, followed, or deleted through."""
 
 
 class Backend(Protocol):
@@ -41,14 +46,24 @@ class Backend(Protocol):
     def read(self, path: str) -> bytes:
         """The object's bytes, read from the store itself (no cache)."""
 
-    def listdir(self, path: str) -> list[Entry]:
-        """Direct children of ``path`` (fresh listing, never a cache); [] when it does not exist."""
+    def iter_read(self, path: str) -> Iterator[bytes]:
+        """The object's bytes in chunks, from the store; closing the iterator early stops the download, so a
+        caller can hash or cap an object without holding all of it."""
+
+    def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
+        """Direct children of ``path`` whose name starts with ``prefix`` (fresh listing, never a cache);
+        [] when it does not exist.  With ``limit``, at most ``limit + 1`` entries (one more, so the caller
+        can tell the listing was cut), without listing the rest."""
 
     def delete(self, path: str) -> None:
         """Delete one object; a missing one is fine (idempotent)."""
 
     def delete_tree(self, path: str) -> None:
-        """Delete ``path`` and everything under it; missing is fine."""
+        """Delete ``path`` and everything under it; missing is fine; never through a symlink."""
+
+    def delete_folder(self, path: str, *, first: str) -> None:
+        """Delete folder ``path``, its object ``first`` before anything else (so an interrupted delete leaves
+        the folder without it), never following a symlink at ``path``; missing is fine."""
 
     def copy(self, src: str, dst: str) -> None:
         """Copy one object (server-side where the backend can)."""
@@ -74,6 +89,43 @@ def iter_chunks(data: Source) -> Iterator[memoryview | bytes]:
 def digest(data: bytes | memoryview) -> tuple[int, str]:
     """(size, sha256 hex) of bytes already in memory."""
     return len(data), hashlib.sha256(data).hexdigest()
+
+
+def read_at_most(backend: "Backend", path: str, max_bytes: int) -> bytes:
+    """The object's bytes, but never more than ``max_bytes + 1`` of them (one more than allowed, so the caller
+    sees it is too big) — a hostile object cannot make the reader hold more than the cap."""
+    return read_hashed(backend, path, max_bytes)[0]
+
+
+def read_hashed(backend: "Backend", path: str, max_bytes: int) -> tuple[bytes, str]:
+    """``read_at_most`` and the sha256 of what it returns, hashed chunk by chunk as the bytes arrive (one pass)."""
+    out, sha, chunks = io.BytesIO(), hashlib.sha256(), backend.iter_read(path)
+    try:
+        for chunk in chunks:
+            chunk = memoryview(chunk)[: max_bytes + 1 - out.tell()]
+            sha.update(chunk)
+            out.write(chunk)
+            if out.tell() > max_bytes:
+                break
+    finally:
+        chunks.close()
+    return out.getvalue(), sha.hexdigest()  # BytesIO hands over its buffer without a copy
+
+
+def hash_object(backend: "Backend", path: str, max_bytes: int) -> tuple[int, str]:
+    """(size, sha256) of the object, streamed chunk by chunk; stops after ``max_bytes + 1`` bytes, so a size
+    above ``max_bytes`` means "too big" and its digest is of that prefix only."""
+    sha, size, chunks = hashlib.sha256(), 0, backend.iter_read(path)
+    try:
+        for chunk in chunks:
+            chunk = memoryview(chunk)[: max_bytes + 1 - size]
+            sha.update(chunk)
+            size += len(chunk)
+            if size > max_bytes:
+                break
+    finally:
+        chunks.close()
+    return size, sha.hexdigest()
 
 
 def join(*parts: str) -> str:
@@ -110,19 +162,33 @@ class LocalBackend:
         return size, sha.hexdigest()
 
     def read(self, path: str) -> bytes:
-        with open(path, "rb") as fh:
+        with _open_regular(path) as fh:
             return fh.read()
 
-    def listdir(self, path: str) -> list[Entry]:
+    def iter_read(self, path: str) -> Iterator[bytes]:
+        with _open_regular(path) as fh:
+            while block := fh.read(CHUNK):
+                yield block
+
+    def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
+        entries = []
         try:
             with os.scandir(path) as it:
-                entries = []
                 for e in it:
-                    st = e.stat()
-                    entries.append(Entry(e.name, st.st_size, e.is_dir(), st.st_mtime))
-                return entries
+                    if not e.name.startswith(prefix):
+                        continue
+                    try:  # lstat: a symlink is reported as what it is, never as what it points to
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # deleted since the directory was read
+                        continue
+                    is_dir = stat.S_ISDIR(st.st_mode)
+                    special = not is_dir and not stat.S_ISREG(st.st_mode)
+                    entries.append(Entry(e.name, st.st_size, is_dir, st.st_mtime, special))
+                    if limit is not None and len(entries) > limit:
+                        break
         except (FileNotFoundError, NotADirectoryError):
             return []
+        return entries
 
     def delete(self, path: str) -> None:
         try:
@@ -131,7 +197,29 @@ class LocalBackend:
             pass
 
     def delete_tree(self, path: str) -> None:
+        if os.path.islink(path):  # rmtree refuses one too; say why in our words
+            raise OSError(errno.ELOOP, "refusing to delete through a symlink", path)
+        # shutil.rmtree uses the fd-based walk on Linux: a folder swapped for a symlink mid-walk is not followed.
         shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
+
+    def delete_folder(self, path: str, *, first: str) -> None:
+        try:
+            # O_NOFOLLOW on the folder itself: unlinking through a symlinked step folder would delete a file
+            # outside the run.  The marker is then removed relative to that very folder (no second lookup).
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return
+        except NotADirectoryError:
+            raise OSError(errno.ELOOP, "refusing to delete through a symlink or a non-folder", path) from None
+        try:
+            try:
+                os.unlink(first, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.delete_tree(path)
 
     def copy(self, src: str, dst: str) -> None:
         with open(src, "rb") as fh:
@@ -154,6 +242,20 @@ def _fsync_dir(folder: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _open_regular(path: str):
+    """Open a regular file for reading without following a symlink and without blocking on a FIFO: in a
+    shared folder, ``training_state.pt`` may have been replaced by a link to another file or by a pipe."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _ignore_missing(func, path, exc_info) -> None:
@@ -187,7 +289,13 @@ class FsspecBackend:
     def read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
-    def listdir(self, path: str) -> list[Entry]:
+    def iter_read(self, path: str) -> Iterator[bytes]:
+        with self.fs.open(path, "rb") as fh:
+            while block := fh.read(CHUNK):
+                yield block
+
+    def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
+        # In-process filesystems only (memory://): listing everything costs no requests, so just filter.
         try:
             items = self.fs.ls(path, detail=True)
         except FileNotFoundError:
@@ -195,10 +303,12 @@ class FsspecBackend:
         out = []
         for item in items:
             name = item["name"].rstrip("/").rsplit("/", 1)[-1]
-            if item["name"].rstrip("/") == path.rstrip("/"):
+            if item["name"].rstrip("/") == path.rstrip("/") or not name.startswith(prefix):
                 continue
             mtime = item.get("created") or item.get("mtime") or item.get("LastModified")
             out.append(Entry(name, int(item.get("size") or 0), item["type"] == "directory", _timestamp(mtime)))
+            if limit is not None and len(out) > limit:
+                break
         return out
 
     def delete(self, path: str) -> None:
@@ -212,6 +322,11 @@ class FsspecBackend:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+
+    def delete_folder(self, path: str, *, first: str) -> None:
+        # Object stores have no symlinks; deleting ``first`` alone first is what makes an interruption safe.
+        self.delete(join(path, first))
+        self.delete_tree(path)
 
     def copy(self, src: str, dst: str) -> None:
         self.fs.copy(src, dst)

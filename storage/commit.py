@@ -21,6 +21,7 @@ import logging
 import uuid
 
 from storage import manifest as mf
+from storage.backend import hash_object, read_at_most, read_hashed
 from storage.errors import CommitConflictError, CorruptGenerationError
 from storage.generations import Check, Ctx
 
@@ -47,7 +48,7 @@ def write_part(ctx: Ctx, step: int, files: dict[str, bytes], *, check: Check | N
     and verify them read back from the store.  Returns name → (bytes, sha256, object) for ``mark_usable``."""
     if not files:
         raise ValueError("a generation needs at least one file")
-    bad = [n for n in files if "/" in n or n in ("", ".", "..", mf.MARKER, "REASON")]
+    bad = {n: mf.name_problem(n) for n in files if mf.name_problem(n)}
     if bad:
         raise ValueError(f"invalid file names for a generation: {bad}")
     name = mf.step_dir(step)
@@ -65,7 +66,7 @@ def mark_usable(
     """Phase 2 (one writer): check every listed object is in the store with its listed size, then write
     ``COMPLETE.json`` create-only and move the ``LATEST`` hint.  Returns the manifest."""
     name = mf.step_dir(step)
-    sizes = {e.name: e.size for e in ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.path(name)))}
+    sizes = _sizes(ctx, name)
     for fname, (size, _sha, obj) in written.items():
         if sizes.get(obj) != size:
             raise CorruptGenerationError(name, f"{obj} is not in the store with {size} bytes "
@@ -81,6 +82,11 @@ def mark_usable(
 
 
 def _refuse_committed(ctx: Ctx, name: str) -> None:
+    here = [e for e in ctx.io("list generations", lambda: ctx.backend.listdir(ctx.root, prefix=name)) if e.name == name]
+    if here and (here[0].is_special or not here[0].is_dir):
+        # A symlinked step folder would make this commit write (and later delete) outside the run.
+        raise CommitConflictError(f"{name} exists and is not a folder (a symlink or a special file); "
+                                  "refusing to write through it")
     if ctx.io(f"check {name}", lambda: ctx.backend.exists(ctx.path(name, mf.MARKER))):
         raise CommitConflictError(f"{name} is already committed (by another writer or an earlier attempt); "
                                   "refusing to write it again")
@@ -110,23 +116,37 @@ def _write_file(ctx: Ctx, name: str, fname: str, data: bytes, attempt: str) -> t
 
 
 def _same_object(ctx: Ctx, name: str, fname: str, size: int, sha: str) -> bool:
-    sizes = {e.name: e.size for e in ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.path(name)))}
-    if sizes.get(fname) != size:  # cheap test first: a leftover of another size is never read
+    if _sizes(ctx, name).get(fname) != size:  # cheap test first: a leftover of another size is never read
         return False
-    stored = ctx.io(f"read {name}/{fname}", lambda: ctx.backend.read(ctx.path(name, fname)))
-    return hashlib.sha256(stored).hexdigest() == sha
+    stored = ctx.io(f"read {name}/{fname}", lambda: hash_object(ctx.backend, ctx.path(name, fname), size))
+    return stored == (size, sha)
+
+
+def _sizes(ctx: Ctx, name: str) -> dict[str, int]:
+    """Size of every regular object in generation ``name`` (a symlink or pipe counts as absent)."""
+    listing = ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.path(name), limit=ctx.limits.scan_entries))
+    return {e.name: e.size for e in listing if not e.is_dir and not e.is_special}
 
 
 def _verify(ctx: Ctx, name: str, written: dict, check: Check | None) -> None:
+    sizes = _sizes(ctx, name)
     for fname, (size, sha, obj) in written.items():
+        if obj in sizes and sizes[obj] != size:  # the listing's size first: a wrong-sized object is not read
+            raise CorruptGenerationError(name, f"{obj} is {sizes[obj]} bytes in the store, {size} were written; "
+                                               "not marking it usable")
+        path = ctx.path(name, obj)
         try:
-            data = ctx.io(f"verify {name}/{obj}", lambda obj=obj: ctx.backend.read(ctx.path(name, obj)))
+            if check is None:  # stream it through sha256: never more than one chunk in memory
+                data, got = None, ctx.io(f"verify {name}/{obj}", lambda: hash_object(ctx.backend, path, size))
+            else:  # the caller's check needs the bytes: read at most size + 1 of them
+                data, digest = ctx.io(f"verify {name}/{obj}", lambda: read_hashed(ctx.backend, path, size))
+                got = (len(data), digest)
         except FileNotFoundError:
             raise CommitConflictError(f"{name}/{obj} vanished right after it was written (another process is "
                                       "deleting this run's files?); not marking it usable") from None
-        if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
+        if got != (size, sha):
             raise CorruptGenerationError(name, f"{obj} read back from the store differs from what was written "
-                                               f"({len(data)} bytes vs {size}); not marking it usable")
+                                               f"({got[0]} bytes vs {size}); not marking it usable")
         if check is not None:
             try:
                 check(fname, data)
@@ -145,7 +165,8 @@ def _mark_usable(ctx: Ctx, name: str, manifest: dict) -> None:
         pass
     # 412: maybe our own write, whose response was lost and which the retry then found.
     try:
-        theirs = mf.parse(ctx.io(f"read {name}/{mf.MARKER}", lambda: ctx.backend.read(marker)), dir_name=name)
+        raw = ctx.io(f"read {name}/{mf.MARKER}", lambda: read_at_most(ctx.backend, marker, ctx.limits.manifest_bytes))
+        theirs = mf.parse(raw, dir_name=name, limits=ctx.limits)
     except (mf.ManifestError, FileNotFoundError):
         theirs = {}
     if theirs.get("attempt") != manifest["attempt"]:

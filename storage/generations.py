@@ -7,14 +7,15 @@ folder exists.  Anything else is reported with the reason and skipped, never rai
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 from storage import manifest as mf
-from storage.backend import Backend, join
+from storage.backend import Backend, Entry, hash_object, join, read_at_most, read_hashed
 from storage.errors import CorruptGenerationError
+from storage.limits import Limits
 
 log = logging.getLogger("trainproof.storage")
 
@@ -47,33 +48,65 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Ctx:
-    """What the discovery/commit/retention functions work on: a backend, a root, and the retry wrapper."""
+    """What the discovery/commit/retention functions work on: a backend, a root, the retry wrapper, the caps."""
 
     backend: Backend
     root: str
     io: Callable  # io(what, fn) -> fn() with bounded retries
+    limits: Limits = field(default_factory=Limits)
 
     def path(self, *parts: str) -> str:
         return join(self.root, *parts)
 
 
-def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None) -> GenerationInfo:
-    """Classify one generation folder from its listing and manifest (no hashing)."""
+@dataclass(frozen=True)
+class Scan:
+    """A scan's generations, and whether it stopped at ``Limits.scan_entries`` (then some were not seen)."""
+
+    generations: list[GenerationInfo]
+    truncated: bool = False
+
+
+def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None,
+            entry: Entry | None = None) -> GenerationInfo:
+    """Classify one generation folder from its listing and manifest (no hashing).  ``entry`` is its entry in
+    the root's listing when the caller has it; without one it is looked up (a symlink is never followed)."""
     step = mf.parse_step_dir(name)
     assert step is not None, name
-    entries = {e.name: e for e in ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.path(name))) if not e.is_dir}
+    if entry is None:
+        entry = next((e for e in ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.root, prefix=name))
+                      if e.name == name), None)
+    if entry is not None and (entry.is_special or not entry.is_dir):
+        return GenerationInfo(step=step, name=name, status=FOREIGN, mtime=entry.mtime, reason=(
+            "not a folder (a symlink or a special file): never followed, loaded or deleted"))
+    cap = ctx.limits.scan_entries
+    listing = ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.path(name), limit=cap))
+    entries = {e.name: e for e in listing if not e.is_dir}
     size = sum(e.size for e in entries.values())
     mtimes = [e.mtime for e in entries.values() if e.mtime is not None]
     base = dict(step=step, name=name, bytes=size, mtime=max(mtimes) if mtimes else None)
+    if len(listing) > cap:
+        return GenerationInfo(status=CORRUPT, reason=f"holds more than {cap} objects (Limits.scan_entries)", **base)
     if mf.MARKER not in entries:
         return GenerationInfo(status=INCOMPLETE, reason=f"no {mf.MARKER}: partial or abandoned write", **base)
+    if entries[mf.MARKER].is_special:
+        return GenerationInfo(status=CORRUPT, reason=f"{mf.MARKER} is not a regular file", **base)
+    if entries[mf.MARKER].size > ctx.limits.manifest_bytes:  # never read a huge "manifest"
+        return GenerationInfo(status=CORRUPT, reason=(
+            f"{mf.MARKER} is {entries[mf.MARKER].size} bytes, over {ctx.limits.manifest_bytes} (Limits.manifest_bytes)"),
+            **base)
     try:
-        raw = ctx.io(f"read {name}/{mf.MARKER}", lambda: ctx.backend.read(ctx.path(name, mf.MARKER)))
-        manifest = mf.parse(raw, dir_name=name)
+        raw = ctx.io(f"read {name}/{mf.MARKER}",
+                     lambda: read_at_most(ctx.backend, ctx.path(name, mf.MARKER), ctx.limits.manifest_bytes))
+        manifest = mf.parse(raw, dir_name=name, limits=ctx.limits)
     except FileNotFoundError:  # deleted between listing and reading (retention, quarantine)
         return GenerationInfo(status=INCOMPLETE, reason=f"{mf.MARKER} vanished while reading", **base)
     except mf.ManifestError as exc:
         return GenerationInfo(status=CORRUPT, reason=str(exc), **base)
+    except OSError as exc:
+        if not _not_a_file(exc):
+            raise
+        return GenerationInfo(status=CORRUPT, reason=f"{mf.MARKER} is not a regular file", **base)
     if contract is not None and manifest["contract"] != contract:
         return GenerationInfo(status=FOREIGN, manifest=manifest, reason=(
             f"contract {manifest['contract'][:12]}… is not this run's {contract[:12]}…"), **base)
@@ -84,37 +117,83 @@ def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None) -> 
         obj = mf.object_name(fname, meta)
         if obj not in entries:
             return GenerationInfo(status=CORRUPT, manifest=manifest, reason=f"{obj} is missing", **base)
+        if entries[obj].is_special:
+            return GenerationInfo(status=CORRUPT, manifest=manifest, reason=f"{obj} is not a regular file", **base)
         if entries[obj].size != meta["bytes"]:
             return GenerationInfo(status=CORRUPT, manifest=manifest, reason=(
                 f"{obj} is {entries[obj].size} bytes, {mf.MARKER} says {meta['bytes']}"), **base)
     return GenerationInfo(status=COMPLETE, manifest=manifest, **base)
 
 
+def scan_capped(ctx: Ctx, *, contract: str | None = None, world: int | None = None) -> Scan:
+    """Every ``step-*`` generation under the root, ascending by step, from a fresh listing — but at most
+    ``Limits.scan_entries`` of them, with a warning when there are more (then ``truncated`` is True)."""
+    cap = ctx.limits.scan_entries
+    listing = ctx.io("list generations", lambda: ctx.backend.listdir(ctx.root, prefix="step-", limit=cap))
+    truncated = len(listing) > cap
+    if truncated:
+        log.warning("%s holds more than %d step-* entries (Limits.scan_entries): looking at the first %d only; "
+                    "generations beyond them are not seen, and retention deletes nothing until this is cleaned up",
+                    ctx.root, cap, cap)
+    entries = sorted((e for e in listing[:cap] if mf.parse_step_dir(e.name) is not None), key=lambda e: e.name)
+    return Scan([inspect(ctx, e.name, contract=contract, world=world, entry=e) for e in entries], truncated)
+
+
 def scan(ctx: Ctx, *, contract: str | None = None, world: int | None = None) -> list[GenerationInfo]:
-    """Every ``step-*`` generation under the root, ascending by step, from a fresh listing."""
-    names = sorted(
-        e.name for e in ctx.io("list generations", lambda: ctx.backend.listdir(ctx.root))
-        if e.is_dir and mf.parse_step_dir(e.name) is not None
-    )
-    return [inspect(ctx, n, contract=contract, world=world) for n in names]
+    """``scan_capped``'s generations."""
+    return scan_capped(ctx, contract=contract, world=world).generations
+
+
+def _not_a_file(exc: OSError) -> bool:
+    # What LocalBackend raises when an object was swapped for a symlink or a pipe after the listing.
+    return exc.errno in (errno.ELOOP, errno.EINVAL, errno.EISDIR, errno.ENOTDIR)
 
 
 def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict) -> bytes:
     fname = mf.object_name(fname, meta)
-    path = ctx.path(name, fname)
+    path, size = ctx.path(name, fname), meta["bytes"]
     for attempt in (1, 2):  # one re-read: the first read may have hit a transient fault
         try:
-            data = ctx.io(f"read {name}/{fname}", lambda: ctx.backend.read(path))
+            # Never more than the manifest's size + 1: an object swapped for a huge one is not read whole.
+            data, sha = ctx.io(f"read {name}/{fname}", lambda: read_hashed(ctx.backend, path, size))
         except FileNotFoundError:
             raise CorruptGenerationError(name, f"{fname} is missing") from None
-        if len(data) == meta["bytes"] and hashlib.sha256(data).hexdigest() == meta["sha256"]:
+        except OSError as exc:
+            if not _not_a_file(exc):
+                raise
+            raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
+        if len(data) == size and sha == meta["sha256"]:
             return data
         if attempt == 1:
             log.warning("%s/%s did not match its manifest on first read; reading it again", name, fname)
-    if len(data) != meta["bytes"]:
-        raise CorruptGenerationError(name, f"{fname} is {len(data)} bytes, {mf.MARKER} says {meta['bytes']}")
+    if len(data) != size:
+        shown = f"more than {size}" if len(data) > size else str(len(data))
+        raise CorruptGenerationError(name, f"{fname} is {shown} bytes, {mf.MARKER} says {size}")
     raise CorruptGenerationError(name, f"{fname} sha256 differs from {mf.MARKER} (changed or damaged after commit)")
 
+
+def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
+    """Re-verify a complete generation by streaming every file through sha256 (never holding one whole);
+    None when every file has its manifest's size and sha256, else the reason it does not."""
+    if info.status != COMPLETE or info.manifest is None:
+        return info.reason or f"status {info.status}"
+    for fname, meta in info.manifest["files"].items():
+        obj = mf.object_name(fname, meta)
+        try:
+            size, sha = ctx.io(f"verify {info.name}/{obj}",
+                               lambda obj=obj: hash_object(ctx.backend, ctx.path(info.name, obj), meta["bytes"]))
+        except FileNotFoundError:
+            return f"{obj} is missing"
+        except OSError as exc:
+            if not _not_a_file(exc):
+                raise
+            return f"{obj} is not a regular file"
+        if size != meta["bytes"]:
+            return f"{obj} is {'more than ' if size > meta['bytes'] else ''}{min(size, meta['bytes'])} bytes, " \
+                   f"{mf.MARKER} says {meta['bytes']}"
+        if sha != meta["sha256"]:
+            return f"{obj} sha256 differs from {mf.MARKER}"
+    return None
 
 def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None) -> Loaded:
     """Read every file of a complete generation, verify size and sha256 (re-reading once on a mismatch),

@@ -6,10 +6,17 @@ import json
 import re
 from datetime import datetime, timezone
 
+from storage.limits import Limits, UntrustedJSONError, loads_untrusted, plain_name_problem
+
 SCHEMA = "trainproof.generation/1"
 MARKER = "COMPLETE.json"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-_SHA = re.compile(r"^[0-9a-f]{64}$")
+_STEP_DIR = re.compile(r"^step-([0-9]{8})\Z")  # \Z and [0-9]: no trailing newline, no non-ASCII digits
+_SHA = re.compile(r"^[0-9a-f]{64}\Z")
+MAX_STEP = 99_999_999
+MAX_WORLD = 1_000_000
+MAX_TEXT = 256
+# Names the store itself puts in a generation folder: a manifest may not claim them as data files.
+RESERVED = (MARKER, "REASON")
 
 
 class ManifestError(ValueError):
@@ -18,8 +25,8 @@ class ManifestError(ValueError):
 
 def step_dir(step: int) -> str:
     """``step-%08d``, the name of a generation."""
-    if step < 0 or step > 99_999_999:
-        raise ValueError(f"step must be in 0..99999999, got {step}")
+    if step < 0 or step > MAX_STEP:
+        raise ValueError(f"step must be in 0..{MAX_STEP}, got {step}")
     return f"step-{step:08d}"
 
 
@@ -68,37 +75,88 @@ def build(
 
 
 def dumps(manifest: dict) -> bytes:
+    """The manifest's stored bytes (sorted keys, so equal manifests are equal bytes)."""
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
 
-def parse(raw: bytes, *, dir_name: str) -> dict:
-    """Parse and check a manifest found in folder ``dir_name``; raise ManifestError naming what is wrong."""
+def parse(raw: bytes, *, dir_name: str, limits: Limits | None = None) -> dict:
+    """Parse and check a manifest found in folder ``dir_name``; raise ManifestError naming what is wrong.
+
+    Defensive: whatever the bytes (huge, deeply nested, 5000-digit integers, NaN, wrong types, names with
+    ``..`` or ``/``), the only exception is ManifestError, so discovery can classify instead of crashing."""
+    limits = limits or Limits()
     try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{MARKER} is not valid JSON ({exc.__class__.__name__})") from None
+        manifest = loads_untrusted(raw, what=MARKER, max_bytes=limits.manifest_bytes)
+    except UntrustedJSONError as exc:
+        raise ManifestError(str(exc)) from None
     if not isinstance(manifest, dict):
         raise ManifestError(f"{MARKER} is not a JSON object")
     if manifest.get("schema") != SCHEMA:
-        raise ManifestError(f"{MARKER} has schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
+        raise ManifestError(f"{MARKER} has schema {_short(manifest.get('schema'))}, expected {SCHEMA!r}")
     step = manifest.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ManifestError(f"{MARKER} step {step!r} is not an integer >= 1")
+    if not _is_int(step) or not 1 <= step <= MAX_STEP:
+        raise ManifestError(f"{MARKER} step {_short(step)} is not an integer in 1..{MAX_STEP}")
     if parse_step_dir(dir_name) is not None and parse_step_dir(dir_name) != step:
         raise ManifestError(f"{MARKER} says step {step} but the folder is {dir_name}")
     for key, kind in (("contract", str), ("world", int), ("files", dict), ("attempt", str)):
-        if not isinstance(manifest.get(key), kind):
+        value = manifest.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
             raise ManifestError(f"{MARKER} field {key!r} is missing or not a {kind.__name__}")
-    if manifest["world"] < 1:
-        raise ManifestError(f"{MARKER} world {manifest['world']} < 1")
-    if not manifest["files"]:
-        raise ManifestError(f"{MARKER} lists no files")
-    for name, meta in manifest["files"].items():
-        if "/" in name or name in ("", ".", "..", MARKER):
-            raise ManifestError(f"{MARKER} lists an invalid file name {name!r}")
-        if not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int) or not _SHA.match(str(meta.get("sha256", ""))):
-            raise ManifestError(f"{MARKER} entry for {name!r} lacks an integer 'bytes' or a sha256 hex 'sha256'")
-        obj = object_name(name, meta)
-        if not isinstance(obj, str) or "/" in obj or obj in ("", ".", "..", MARKER):
-            raise ManifestError(f"{MARKER} entry for {name!r} names an invalid object {obj!r}")
+    for key in ("contract", "attempt"):
+        if not manifest[key] or len(manifest[key]) > MAX_TEXT:
+            raise ManifestError(f"{MARKER} field {key!r} is empty or longer than {MAX_TEXT} characters")
+    for key, kind in (("code_version", str), ("created_at", str), ("extra", dict)):
+        if key in manifest and not isinstance(manifest[key], kind):
+            raise ManifestError(f"{MARKER} field {key!r} is not a {kind.__name__}")
+    if not 1 <= manifest["world"] <= MAX_WORLD:
+        raise ManifestError(f"{MARKER} world {manifest['world']} is not in 1..{MAX_WORLD}")
+    _check_files(manifest["files"], limits)
+    for key, value in manifest.items():  # digests: <key>_bytes / <key>_sha256 (callers compare them)
+        if key.endswith("_bytes") and not (_is_int(value) and 0 <= value <= limits.file_bytes):
+            raise ManifestError(f"{MARKER} field {key!r} is not a size in 0..{limits.file_bytes}")
+        if key.endswith("_sha256") and not (isinstance(value, str) and _SHA.match(value)):
+            raise ManifestError(f"{MARKER} field {key!r} is not a sha256 hex digest")
     return manifest
+
+
+def _check_files(files: dict, limits: Limits) -> None:
+    if not files:
+        raise ManifestError(f"{MARKER} lists no files")
+    if len(files) > limits.files_per_generation:
+        raise ManifestError(f"{MARKER} lists more than {limits.files_per_generation} files")
+    objects = set()
+    for name, meta in files.items():
+        problem = name_problem(name)
+        if problem:
+            raise ManifestError(f"{MARKER} lists an invalid file name: {problem}")
+        if not isinstance(meta, dict) or not _is_int(meta.get("bytes")) or not isinstance(meta.get("sha256"), str) \
+                or not _SHA.match(meta["sha256"]):
+            raise ManifestError(f"{MARKER} entry for {name!r} lacks an integer 'bytes' or a sha256 hex 'sha256'")
+        if not 0 <= meta["bytes"] <= limits.file_bytes:
+            raise ManifestError(f"{MARKER} entry for {name!r} claims {meta['bytes']} bytes, outside "
+                                f"0..{limits.file_bytes} (Limits.file_bytes)")
+        obj = object_name(name, meta)
+        problem = name_problem(obj)
+        if problem:
+            raise ManifestError(f"{MARKER} entry for {name!r} names an invalid object: {problem}")
+        if obj in objects:
+            raise ManifestError(f"{MARKER} lists object {obj!r} for two files")
+        objects.add(obj)
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a generation's file or object name (None when it can): a plain name
+    (``storage.limits.plain_name_problem``) that is not one the store itself uses in a generation folder."""
+    problem = plain_name_problem(name)
+    if problem is None and name in RESERVED:
+        problem = f"{name!r} is reserved"
+    return problem
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: object) -> str:
+    # A hostile manifest's values go into log lines: keep them short and printable.
+    return repr(value)[:60]

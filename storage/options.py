@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from storage.limits import Limits
+
 _CHECKSUM_MODES = ("auto", "when_supported", "when_required")
-_CREATE_ONLY_MODES = ("require", "weak")
+_CREATE_ONLY_MODES = ("require", "weak", "private")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,13 +53,18 @@ class StoreOptions:
     """Named AWS profile; default ``AWS_PROFILE`` (handled by botocore)."""
     create_only: str = "require"
     """``require``: refuse an endpoint that ignores ``If-None-Match: *`` (probed once per store).
-    ``weak``: accept it; commits then rely on check-then-write, which two concurrent writers can race."""
+    ``weak``: accept it; commits then rely on check-then-write, which two concurrent writers can race.
+    ``private``: a prefix no other process writes (the audit's own replay under ``verification/<id>/``): writes
+    are still create-only, but nothing is probed or swept, so a read-only audit leaves no probe object and needs
+    no delete permission."""
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     sweep_multipart_older_than: float | None = 3600.0
     """On open for writing, abort unfinished multipart uploads under the run prefix older than this many
     seconds (left by writers killed mid-upload; they cost storage).  None disables the sweep."""
+    limits: Limits = field(default_factory=Limits)
+    """Caps on what is read from the store (manifest size, claimed file size, entries per scan)."""
 
     def __post_init__(self) -> None:
         if self.checksum not in _CHECKSUM_MODES:

@@ -14,7 +14,9 @@ import time
 import uuid
 
 from storage import manifest as mf
+from storage.backend import read_at_most
 from storage.generations import Ctx
+from storage.limits import UntrustedJSONError, loads_untrusted
 
 log = logging.getLogger("trainproof.storage")
 QUARANTINE = "quarantine"
@@ -48,13 +50,29 @@ def _copy_then_delete(ctx: Ctx, name: str, src: str, dest: str) -> None:
 
 def list_quarantined(ctx: Ctx) -> list[tuple[str, str]]:
     """(folder name, reason) of every quarantined generation, oldest first."""
+    cap = ctx.limits.scan_entries
+    listing = ctx.io("list quarantine", lambda: ctx.backend.listdir(ctx.path(QUARANTINE), limit=cap))
+    if len(listing) > cap:
+        log.warning("quarantine holds more than %d entries (Limits.scan_entries): listing the first %d", cap, cap)
     out = []
-    for e in sorted(ctx.io("list quarantine", lambda: ctx.backend.listdir(ctx.path(QUARANTINE))), key=lambda e: e.name):
-        if not e.is_dir:
+    for e in sorted(listing[:cap], key=lambda e: e.name):
+        if not e.is_dir or e.is_special:
             continue
-        try:
-            reason = json.loads(ctx.backend.read(ctx.path(QUARANTINE, e.name, "REASON"))).get("reason", "")
-        except (FileNotFoundError, ValueError):
-            reason = "(no REASON file: the move was interrupted)"
-        out.append((e.name, reason))
+        out.append((e.name, _reason(ctx, e.name)))
     return out
+
+
+def _reason(ctx: Ctx, folder: str) -> str:
+    """The REASON file's reason, read defensively (capped, strict JSON, a string): it is printed by ``ls``."""
+    cap = ctx.limits.small_json_bytes
+    try:
+        raw = ctx.io(f"read {folder}/REASON", lambda: read_at_most(ctx.backend, ctx.path(QUARANTINE, folder, "REASON"), cap))
+        reason = loads_untrusted(raw, what="REASON", max_bytes=cap)
+    except FileNotFoundError:
+        return "(no REASON file: the move was interrupted)"
+    except UntrustedJSONError as exc:
+        return f"(unreadable REASON file: {exc})"
+    except OSError as exc:  # a symlink or a pipe in place of the file (local folders)
+        return f"(unreadable REASON file: {exc.strerror or exc.__class__.__name__})"
+    reason = reason.get("reason") if isinstance(reason, dict) else None
+    return reason[:1000] if isinstance(reason, str) else "(REASON file without a reason)"

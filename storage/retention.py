@@ -1,33 +1,122 @@
-"""What to keep: a pure function of the list of generations, applied only after a commit.
+"""What to keep, and deleting the rest without ever losing the last good copy.
 
-Rules (each one a complaint about a peer tool, see DESIGN.md):
-- keep the ``keep`` newest complete generations;
+``plan_retention`` is a pure function of the list of generations.  Its rules (each one a complaint about a
+peer tool, see DESIGN.md):
+- keep the ``keep`` newest complete generations *of this run* (``contract``/``world`` when given);
 - never delete the newest complete generation, nor anything newer than it (a write may be in flight);
-- collect partial generations older than the newest complete one once they are older than ``grace_seconds``;
-- never touch corrupt (evidence: quarantine moves those aside) or foreign (another run's) generations;
-- export bundles and quarantine live outside ``step-*`` and are never seen here.
+- a foreign (another contract or world), corrupt, or symlinked generation is never counted as the newest and
+  never deleted: it is left in place with a warning (quarantine moves corrupt ones aside when they are loaded);
+- with no ``contract`` given and complete generations of several contracts in the folder, the newest cannot be
+  told apart from a stranger's, so nothing is deleted;
+- collect partial generations older than the newest complete one once untouched for ``grace_seconds``, which
+  cannot go below MIN_GRACE_SECONDS unless the caller states that no writer is active;
+- export bundles, verification records and quarantine live outside ``step-*`` and are never seen here.
+
+``apply_retention`` then re-verifies (streams every file through sha256) the newest generation it keeps before
+deleting anything: if that one fails, nothing older than the newest generation that does verify is deleted.
 """
 
 from __future__ import annotations
 
-from storage.generations import COMPLETE, INCOMPLETE, GenerationInfo
+import logging
+import time
+
+from storage import manifest as mf
+from storage.generations import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, Ctx, GenerationInfo, scan_capped, verify_hashes
+
+log = logging.getLogger("trainproof.storage")
+# A partial generation younger than this may belong to a writer that is still writing (a slow upload, a rank
+# that lags): deleting its files under it would turn its commit into a conflict or a corrupt generation.
+MIN_GRACE_SECONDS = 60.0
 
 
 def plan_retention(
-    generations: list[GenerationInfo], *, keep: int, now: float, grace_seconds: float
+    generations: list[GenerationInfo], *, keep: int, now: float, grace_seconds: float,
+    contract: str | None = None, world: int | None = None, i_know_no_writer_is_active: bool = False,
 ) -> list[GenerationInfo]:
-    """The generations to delete, oldest first."""
+    """The generations to delete, oldest first.  ``contract``/``world``: only complete generations with this
+    contract and world size count (others are left alone).  ``grace_seconds`` below MIN_GRACE_SECONDS is raised
+    to it, with a warning, unless ``i_know_no_writer_is_active``."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the newest complete generation is never deleted), got {keep}")
-    complete = sorted((g for g in generations if g.status == COMPLETE), key=lambda g: g.step)
-    if not complete:
+    grace = effective_grace(grace_seconds, i_know_no_writer_is_active)
+    ours, strangers = [], []
+    for g in generations:
+        if g.status == COMPLETE and g.manifest is not None and _matches(g.manifest, contract, world):
+            ours.append(g)
+        elif g.status in (COMPLETE, CORRUPT, FOREIGN):
+            strangers.append(g)
+    for g in strangers:
+        log.warning("retention: leaving %s alone (%s%s)", g.name, "another run's" if g.status == COMPLETE else g.status,
+                    f": {g.reason}" if g.reason else "")
+    if not ours:
         return []
-    newest = complete[-1].step
-    kept = {g.step for g in complete[-keep:]}
-    doomed = [g for g in complete if g.step not in kept and g.step < newest]
+    contracts = {g.manifest["contract"] for g in ours}
+    if len(contracts) > 1:  # only possible with contract=None
+        log.warning("retention: complete generations of %d different contracts and no contract given; deleting "
+                    "nothing (pass the run's contract)", len(contracts))
+        return []
+    ours.sort(key=lambda g: g.step)
+    newest = ours[-1].step
+    kept = {g.step for g in ours[-keep:]}
+    doomed = [g for g in ours if g.step not in kept and g.step < newest]
     doomed += [
         g for g in generations
         if g.status == INCOMPLETE and g.step < newest
-        and g.mtime is not None and now - g.mtime > grace_seconds
+        and g.mtime is not None and now - g.mtime > grace
     ]
     return sorted(doomed, key=lambda g: g.step)
+
+
+def effective_grace(grace_seconds: float, i_know_no_writer_is_active: bool = False) -> float:
+    """``grace_seconds``, raised to MIN_GRACE_SECONDS (with a warning) unless no writer can be active."""
+    if grace_seconds < MIN_GRACE_SECONDS and not i_know_no_writer_is_active:
+        log.warning("retention: grace period %.0fs raised to %.0fs: a partial generation that young may belong to "
+                    "a writer still writing (pass i_know_no_writer_is_active=True when none can be)",
+                    grace_seconds, MIN_GRACE_SECONDS)
+        return MIN_GRACE_SECONDS
+    return grace_seconds
+
+
+def _matches(manifest: dict, contract: str | None, world: int | None) -> bool:
+    return (contract is None or manifest["contract"] == contract) and (world is None or manifest["world"] == world)
+
+
+def apply_retention(ctx: Ctx, *, keep: int, grace_seconds: float, contract: str | None = None,
+                    world: int | None = None, dry_run: bool = False, i_know_no_writer_is_active: bool = False,
+                    before_write=lambda: None) -> list[GenerationInfo]:
+    """Delete what ``plan_retention`` selects, after re-verifying the newest generation kept; return it.
+
+    A complete generation loses its COMPLETE.json first, so an interrupted delete leaves it incomplete.  On a
+    local folder a step folder that is a symlink is never entered or deleted through."""
+    found = scan_capped(ctx, contract=contract, world=world)
+    if found.truncated:  # unseen generations could be newer than what we would keep
+        return []
+    doomed = plan_retention(found.generations, keep=keep, now=time.time(), grace_seconds=grace_seconds,
+                            contract=contract, world=world, i_know_no_writer_is_active=i_know_no_writer_is_active)
+    if doomed and not _newest_verifies(ctx, found.generations, contract, world):
+        return []
+    if dry_run or not doomed:
+        return doomed
+    before_write()
+    for info in doomed:
+        path = ctx.path(info.name)
+        ctx.io(f"delete {info.name}", lambda: ctx.backend.delete_folder(path, first=mf.MARKER))
+        log.info("retention: deleted %s (%s)", info.name, info.status)
+    return doomed
+
+
+def _newest_verifies(ctx: Ctx, generations: list[GenerationInfo], contract: str | None, world: int | None) -> bool:
+    """Whether the newest complete generation of this run reads back with every listed sha256.  When it does
+    not, log which older one does (that one, and everything older, must then stay)."""
+    ours = [g for g in generations if g.status == COMPLETE and g.manifest and _matches(g.manifest, contract, world)]
+    for rank, g in enumerate(sorted(ours, key=lambda g: g.step, reverse=True)):
+        problem = verify_hashes(ctx, g)
+        if problem is None:
+            if rank:
+                log.warning("retention: %s is the newest generation that verifies; deleting nothing older than it",
+                            g.name)
+            return rank == 0
+        log.warning("retention: %s does not verify (%s); it is not counted as a good copy", g.name, problem)
+    log.warning("retention: no complete generation verifies; deleting nothing")
+    return False

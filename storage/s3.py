@@ -17,9 +17,11 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 from storage.backend import CHUNK, Entry, FsspecBackend, Source, iter_chunks
 from storage.errors import StoreConfigError
+from storage.limits import redact_url
 from storage.options import StoreOptions
 from storage.retry import RetryStats, is_transient, retry_or_unavailable
 
@@ -168,20 +170,44 @@ class S3Backend(FsspecBackend):
     def read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
-    def listdir(self, path: str) -> list[Entry]:
+    def iter_read(self, path: str) -> Iterator[bytes]:
+        # One GET whose body is read chunk by chunk: closing early drops the connection instead of downloading
+        # the rest, so hashing or capping never holds the whole object (s3fs's cat_file would).
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(path)
+        body = self.fs.call_s3("get_object", Bucket=bucket, Key=key)["Body"]
         try:
-            items = self.fs.ls(path, detail=True, refresh=True)
-        except FileNotFoundError:
-            return []
-        out = []
-        for item in items:
-            full = item["name"].rstrip("/")
-            if full == path.rstrip("/"):
-                continue
-            mtime = item.get("LastModified")
-            out.append(Entry(full.rsplit("/", 1)[-1], int(item.get("size") or 0), item["type"] == "directory",
-                             mtime.timestamp() if mtime is not None else None))
-        return out
+            while block := sync(self.fs.loop, body.read, CHUNK):
+                yield block
+        finally:
+            body.close()
+
+    def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
+        # Our own paginated ListObjectsV2 (s3fs's ls lists every key into memory first): the prefix narrows the
+        # listing server-side and ``limit`` stops paging, so a prefix with millions of keys costs one page.
+        bucket, key, _ = self.fs.split_path(path)
+        base = f"{key.rstrip('/')}/" if key else ""
+        kwargs = {"Bucket": bucket, "Prefix": base + prefix, "Delimiter": "/"}
+        out: list[Entry] = []
+        while True:
+            try:
+                page = self.fs.call_s3("list_objects_v2", **kwargs)
+            except FileNotFoundError:
+                return []
+            for cp in page.get("CommonPrefixes", []):
+                out.append(Entry(cp["Prefix"][len(base):].rstrip("/"), 0, True, None))
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(base):]
+                if name:  # not the folder's own "dir/" marker object
+                    mtime = obj.get("LastModified")
+                    out.append(Entry(name, int(obj.get("Size") or 0), False,
+                                     mtime.timestamp() if mtime is not None else None))
+            if limit is not None and len(out) > limit:
+                return out[: limit + 1]
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                return out
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
     def exists(self, path: str) -> bool:
         try:
@@ -198,11 +224,16 @@ class S3Backend(FsspecBackend):
         self.fs.invalidate_cache(path)
 
     # -- endpoint checks ----------------------------------------------------------------------------------
-    def check_access(self, bucket: str) -> None:
-        """Fail fast, with one clear line, on a missing bucket, refused credentials or an unreachable endpoint."""
-        where = self.options.endpoint_url or "AWS S3"
+    def check_access(self, bucket: str, prefix: str = "") -> None:
+        """Fail fast, with one clear line, on a missing bucket or refused credentials (StoreConfigError).
+
+        A list of at most one key under the run's prefix, not HeadBucket: AWS authorises HeadBucket as an
+        unprefixed ``s3:ListBucket``, which a policy scoped to the run's prefix refuses. An unreachable endpoint
+        or a 5xx is *not* a configuration error (a MinIO pod may still be starting): the error is re-raised for
+        the caller's bounded retry, which ends in StoreUnavailableError (exit 1), never exit 2."""
+        where = redact_url(self.options.endpoint_url) if self.options.endpoint_url else "AWS S3"
         try:
-            self.fs.call_s3("head_bucket", Bucket=bucket)
+            self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
         except FileNotFoundError:
             raise StoreConfigError(f"bucket '{bucket}' does not exist at {where}: create it or fix the --store URL") from None
         except PermissionError:
@@ -215,7 +246,8 @@ class S3Backend(FsspecBackend):
                 raise StoreConfigError(
                     "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an IAM role") from None
             if "Connect" in name or "Endpoint" in name or isinstance(exc, (ConnectionError, TimeoutError)):
-                raise StoreConfigError(f"cannot reach the S3 endpoint {where}: check AWS_ENDPOINT_URL / --endpoint-url ({name})") from None
+                raise ConnectionError(f"cannot reach the S3 endpoint {where} ({name}): if it keeps failing, check "
+                                      "AWS_ENDPOINT_URL / --endpoint-url") from None
             raise
 
     def probe_create_only(self, scratch: str) -> bool:

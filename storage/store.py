@@ -10,14 +10,16 @@ from typing import Callable
 from urllib.parse import urlparse
 
 from storage import manifest as mf
-from storage.backend import FsspecBackend, LocalBackend, join
+from storage.backend import FsspecBackend, LocalBackend, join, read_at_most
 from storage.commit import LATEST, commit_generation, mark_usable, write_part
 from storage.errors import CorruptGenerationError, StoreConfigError, StoreError
-from storage.generations import COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan
+from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan,
+                                 verify_hashes)
+from storage.limits import loads_untrusted, redact_url
 from storage.options import RetryPolicy, StoreOptions
 from storage.quarantine import list_quarantined, quarantine
-from storage.retention import plan_retention
-from storage.retry import RetryStats, call_with_retry, retry_or_unavailable
+from storage.retention import apply_retention
+from storage.retry import RetryStats, retry_or_unavailable
 
 log = logging.getLogger("trainproof.storage")
 DEFAULT_GRACE_SECONDS = 6 * 3600.0
@@ -34,14 +36,14 @@ class GenerationStore:
         self._prepare = _prepare
         self._prepared = _prepare is None
         self._lock = threading.Lock()
-        self._ctx = Ctx(backend=backend, root=root, io=self._io)
+        self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits)
 
     def __repr__(self) -> str:
-        return f"GenerationStore({self.url!r})"
+        return f"GenerationStore({redact_url(self.url)!r})"
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def _io(self, what: str, fn: Callable):
-        return retry_or_unavailable(self.options.retry, what, fn, self.stats, where=f" on {self.url}")
+        return retry_or_unavailable(self.options.retry, what, fn, self.stats, where=f" on {redact_url(self.url)}")
 
     def _before_write(self) -> None:
         # Probing and sweeping write to the store, so read-only users (ls, audit) never trigger them.
@@ -76,8 +78,8 @@ class GenerationStore:
     def _committed(self, step: int, manifest: dict, keep: int | None) -> GenerationInfo:
         info = GenerationInfo(step=step, name=mf.step_dir(step), status=COMPLETE, manifest=manifest,
                               bytes=sum(m["bytes"] for m in manifest["files"].values()), mtime=time.time())
-        if keep is not None:
-            self.apply_retention(keep)
+        if keep is not None:  # only this run's contract counts: a stranger's generation is never "the newest"
+            self.apply_retention(keep, contract=manifest["contract"])
         return info
 
     def write_part(self, step: int, files: dict[str, bytes], *, check: Check | None = None) -> dict[str, list]:
@@ -99,14 +101,21 @@ class GenerationStore:
         return self._committed(step, manifest, keep)
 
     def scan(self, *, contract: str | None = None, world: int | None = None) -> list[GenerationInfo]:
-        """Every generation, ascending, classified complete / incomplete / corrupt / foreign (no hashing)."""
+        """Every generation, ascending, classified complete / incomplete / corrupt / foreign (no hashing); never
+        raises on what it finds, and looks at no more than ``Limits.scan_entries`` of them (with a warning)."""
         return scan(self._ctx, contract=contract, world=world)
 
     def load(self, step: int, check: Check | None = None, *, contract: str | None = None,
              world: int | None = None) -> Loaded:
-        """Generation ``step``, every file read and verified; CorruptGenerationError if it is not usable."""
+        """Generation ``step``, every file read (never more than its manifest's size) and verified;
+        CorruptGenerationError if it is not usable."""
         info = inspect(self._ctx, mf.step_dir(step), contract=contract, world=world)
         return load(self._ctx, info, check)
+
+    def verify(self, step: int, *, contract: str | None = None, world: int | None = None) -> str | None:
+        """Re-read generation ``step`` streaming every file through sha256 (never a whole file in memory):
+        None when it is complete and every file matches its manifest, else why not (for ``ls --verify``)."""
+        return verify_hashes(self._ctx, inspect(self._ctx, mf.step_dir(step), contract=contract, world=world))
 
     def load_latest(self, *, contract: str | None = None, world: int | None = None, check: Check | None = None,
                     quarantine: bool = True) -> Loaded | None:
@@ -140,27 +149,29 @@ class GenerationStore:
         """(folder, reason) of every quarantined generation."""
         return list_quarantined(self._ctx)
 
-    def apply_retention(self, keep: int, *, grace_seconds: float = DEFAULT_GRACE_SECONDS,
-                        dry_run: bool = False) -> list[GenerationInfo]:
-        """Delete what ``plan_retention`` selects (never the newest complete generation, nor anything newer).
-        A complete generation loses its COMPLETE.json first, so an interrupted delete leaves it incomplete."""
-        doomed = plan_retention(self.scan(), keep=keep, now=time.time(), grace_seconds=grace_seconds)
-        if dry_run:
-            return doomed
-        self._before_write()
-        for info in doomed:
-            if info.status == COMPLETE:
-                self._io(f"delete {info.name}/{mf.MARKER}", lambda: self.backend.delete(join(self.root, info.name, mf.MARKER)))
-            self._io(f"delete {info.name}", lambda: self.backend.delete_tree(join(self.root, info.name)))
-            log.info("retention: deleted %s (%s)", info.name, info.status)
-        return doomed
+    def apply_retention(self, keep: int, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False,
+                        contract: str | None = None, world: int | None = None,
+                        i_know_no_writer_is_active: bool = False) -> list[GenerationInfo]:
+        """Delete what ``plan_retention`` selects (never the newest complete generation of this ``contract`` and
+        ``world``, nor anything newer; never foreign, corrupt or symlinked ones), after re-verifying the newest
+        kept generation's sha256s; return what was (or, with ``dry_run``, would be) deleted.  ``grace_seconds``
+        below ``MIN_GRACE_SECONDS`` is raised to it unless ``i_know_no_writer_is_active``."""
+        return apply_retention(self._ctx, keep=keep, grace_seconds=grace_seconds, contract=contract, world=world,
+                               dry_run=dry_run, i_know_no_writer_is_active=i_know_no_writer_is_active,
+                               before_write=self._before_write)
 
     def latest_hint(self) -> str | None:
-        """What ``LATEST`` says (a hint only), or None."""
+        """What ``LATEST`` says (a hint only) when it names a generation (``step-%08d``), else None."""
         try:
-            return self.read_file(LATEST).decode().strip() or None
-        except (FileNotFoundError, UnicodeDecodeError):
+            raw = self.read_file(LATEST, max_bytes=self.options.limits.small_json_bytes)
+        except OSError:  # missing, or (on a folder) a symlink or a pipe in its place: no hint
             return None
+        text = raw.decode("utf-8", "replace").strip() if len(raw) <= self.options.limits.small_json_bytes else ""
+        if mf.parse_step_dir(text) is None:  # a hint only: anything else (junk, a huge file) is no hint
+            if text or raw:
+                log.warning("ignoring the LATEST hint of %s: it does not name a generation", redact_url(self.url))
+            return None
+        return text
 
     # -- run-level files (plan.json, summary.json, verification.json) -----------------------------------
     def write_file(self, name: str, data: bytes, *, create_only: bool = False) -> None:
@@ -169,9 +180,20 @@ class GenerationStore:
         path = join(self.root, name)
         self._io(f"write {name}", lambda: self.backend.write(path, data, create_only=create_only))
 
-    def read_file(self, name: str) -> bytes:
-        """A run-level file's bytes; FileNotFoundError when missing."""
-        return self._io(f"read {name}", lambda: self.backend.read(join(self.root, name)))
+    def read_file(self, name: str, *, max_bytes: int | None = None) -> bytes:
+        """A run-level file's bytes; FileNotFoundError when missing.  With ``max_bytes``, never more than
+        ``max_bytes + 1`` bytes are read (a longer result means the file is too big)."""
+        path = join(self.root, name)
+        if max_bytes is None:
+            return self._io(f"read {name}", lambda: self.backend.read(path))
+        return self._io(f"read {name}", lambda: read_at_most(self.backend, path, max_bytes))
+
+    def read_json(self, name: str, *, max_bytes: int | None = None) -> object:
+        """A run-level JSON file (plan.json, summary.json…), parsed defensively (``storage.limits``): ValueError
+        when it is too big (default ``Limits.manifest_bytes``), not JSON, too deep, or holds NaN or a huge
+        integer; FileNotFoundError when missing."""
+        cap = self.options.limits.manifest_bytes if max_bytes is None else max_bytes
+        return loads_untrusted(self.read_file(name, max_bytes=cap), what=name, max_bytes=cap)
 
     def exists(self, name: str) -> bool:
         return self._io(f"check {name}", lambda: self.backend.exists(join(self.root, name)))
@@ -192,33 +214,40 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
     if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
         root = os.path.abspath(os.path.expanduser(parsed.path if scheme == "file" else url))
         if os.path.exists(root) and not os.path.isdir(root):
-            raise StoreConfigError(f"--store {url} is a file, not a folder")
+            raise StoreConfigError(f"--store {redact_url(url)} is a file, not a folder")
         return GenerationStore(LocalBackend(), root, url, options)
     if scheme == "memory":
         from fsspec.implementations.memory import MemoryFileSystem
         return GenerationStore(FsspecBackend(MemoryFileSystem()), "/" + (parsed.netloc + parsed.path).strip("/"), url, options)
     if scheme in ("s3", "s3a"):
         return _open_s3(url, parsed, options)
-    raise StoreConfigError(f"unsupported store URL scheme {scheme!r} in {url}: use s3://, file://, a folder, or memory://")
+    raise StoreConfigError(f"unsupported store URL scheme {scheme!r} in {redact_url(url)}: use s3://, file://, a folder, or memory://")
 
 
 def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     from storage.s3 import S3Backend
 
     bucket, prefix = parsed.netloc, parsed.path.strip("/")
+    # Credentials in the URL would end up in logs and process listings: refuse them.  A bucket name never holds
+    # '@' or ':'; a ':' there is "KEY:SECRET" whose secret held a '/' (which ended the authority early).
+    if "@" in bucket or ":" in bucket:
+        raise StoreConfigError(f"credentials in the store URL {redact_url(url)} are not supported: use "
+                               "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an IAM role")
     if not bucket:
-        raise StoreConfigError(f"no bucket in {url}: use s3://bucket/prefix/run")
+        raise StoreConfigError(f"no bucket in {redact_url(url)}: use s3://bucket/prefix/run")
     stats = RetryStats()
     backend = S3Backend(options, stats)
     # A short budget: a wrong endpoint should fail in seconds, not after the full write budget.
     quick = RetryPolicy(attempts=min(3, options.retry.attempts), total_seconds=30.0,
                         initial_wait=options.retry.initial_wait, max_wait=options.retry.max_wait)
-    call_with_retry(quick, f"check bucket {bucket}", lambda: backend.check_access(bucket))
+    retry_or_unavailable(quick, f"check bucket {bucket}", lambda: backend.check_access(bucket, prefix), stats)
     root = join(bucket, prefix) if prefix else bucket
 
     def prepare(store: GenerationStore) -> None:
+        if options.create_only == "private":
+            return  # nobody else writes here: no probe object, no sweep (see StoreOptions.create_only)
         if not store._io("probe create-only writes", lambda: backend.probe_create_only(join(root, ".trainproof-probe"))):
-            where = options.endpoint_url or "AWS S3"
+            where = redact_url(options.endpoint_url) if options.endpoint_url else "AWS S3"
             if options.create_only == "require":
                 raise StoreConfigError(
                     f"the S3 endpoint {where} ignores If-None-Match: * (create-only writes), so two writers could "

@@ -77,10 +77,14 @@ def test_missing_bucket_is_one_line_exit_2(s3_env):
     _assert_one_line_exit_2(result, "no-such-bucket-here", "does not exist")
 
 
-def test_unreachable_endpoint_is_one_line_exit_2(s3_env):
+def test_unreachable_endpoint_is_retried_then_exit_1_never_2(s3_env):
+    """A MinIO pod still starting looks like this: retrying can help, so a Job must not be failed for good."""
     env = dict(os.environ, AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}")
     result = tp("ls", "--store", f"s3://{s3_env}/run", env=env)
-    _assert_one_line_exit_2(result, "cannot reach", "127.0.0.1")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("trainproof: error:")]
+    assert len(lines) == 1 and "cannot reach" in lines[0] and "127.0.0.1" in lines[0], result.stderr
+    assert result.stderr.count("retrying check bucket") >= 1 and "Traceback" not in result.stderr
 
 
 def test_refused_credentials_are_one_line_exit_2_and_never_printed(s3_server, s3_env):

@@ -103,7 +103,7 @@ def test_a_bundle_whose_metric_is_wrong_fails_its_reload_check(exported, tmp_pat
     dest = open_store(str(tmp_path / "dest"))
     dest.commit(4, files, contract="c", world=1, code_version="test", check=check_file,
                 digests={"export": "model_bf16.pt"})
-    record = reload_check(dest, 4)
+    record = reload_check(dest, 4, task="regression")
     assert record["passed"] is False
     assert not record["checks"]["full_precision_reproduced"]["passed"] and record["checks"]["bf16_reproduced"]["passed"]
 

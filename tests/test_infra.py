@@ -274,6 +274,215 @@ def test_compose_credentials_are_local_defaults_only():
     assert '127.0.0.1:9000:9000' in text  # the well-known defaults are not published beyond loopback
 
 
+# --- Least privilege: pods, credentials, IAM policies ---------------------------------------------------------------
+
+_INTERNAL_DOCS = ("DESIGN.md", "PROTOCOL.md", "STYLE.md")
+
+
+def _pod_specs(objects: list[dict]):
+    """(description, pod spec) of every workload: Jobs, CronJobs' job templates, Deployments, ..."""
+    for obj in objects:
+        spec = obj.get("spec", {})
+        if obj["kind"] == "CronJob":
+            spec = spec["jobTemplate"]["spec"]
+        if "template" in spec:
+            yield f"{obj['kind']}/{obj['metadata']['name']}", spec["template"]["spec"]
+
+
+def _containers(pod: dict) -> list[dict]:
+    return pod.get("initContainers", []) + pod["containers"]
+
+
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def _bytes(quantity) -> int:
+    m = re.fullmatch(r"(\d+)([KMGT]i|[kMGT])?", str(quantity))
+    assert m, f"unsupported quantity {quantity!r}"
+    return int(m.group(1)) * _UNITS.get(m.group(2) or "", 1)
+
+
+def _all_pods(rendered):
+    pods = [(name, what, pod) for name, objects in rendered.items() for what, pod in _pod_specs(objects)]
+    assert len({what for _, what, _ in pods}) >= 5  # train, verify, multinode, minio, minio-bucket
+    return pods
+
+
+def test_every_pod_runs_locked_down(rendered):
+    for name, what, pod in _all_pods(rendered):
+        where = f"{name}: {what}"
+        assert pod.get("automountServiceAccountToken") is False, f"{where} mounts a service account token"
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & {k for k, v in pod.items() if v}, f"{where} shares the host's"
+        assert not [v for v in pod.get("volumes", []) if "hostPath" in v], f"{where} mounts a host path"
+        pod_ctx = pod.get("securityContext", {})
+        for c in _containers(pod):
+            ctx = c.get("securityContext", {})
+            at = f"{where} container {c['name']}"
+            assert ctx.get("readOnlyRootFilesystem") is True, f"{at}: root filesystem is writable"
+            assert ctx.get("allowPrivilegeEscalation") is False, f"{at}: privilege escalation allowed"
+            assert ctx.get("capabilities", {}).get("drop") == ["ALL"] and not ctx["capabilities"].get("add"), at
+            assert not ctx.get("privileged"), at
+            assert ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is True, f"{at}: may run as root"
+            assert ctx.get("runAsUser", pod_ctx.get("runAsUser", 0)) != 0, f"{at}: runs as uid 0"
+            seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {}))
+            assert seccomp.get("type") == "RuntimeDefault", f"{at}: seccomp {seccomp}"
+
+
+def test_every_pod_writes_only_to_a_bounded_tmp(rendered):
+    """A read-only root: /tmp is an emptyDir with a size limit, and ephemeral storage is requested and capped
+    (the pod is evicted, not the node's disk filled)."""
+    for name, what, pod in _all_pods(rendered):
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        disk = sum(_bytes(v["emptyDir"]["sizeLimit"]) for v in volumes.values()
+                   if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory")
+        limit = 0
+        for c in _containers(pod):
+            at = f"{name}: {what} container {c['name']}"
+            mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+            assert "/tmp" in mounts, f"{at}: nothing writable at /tmp"
+            tmp = volumes[mounts["/tmp"]["name"]]
+            assert "emptyDir" in tmp and _bytes(tmp["emptyDir"]["sizeLimit"]) > 0, f"{at}: /tmp is not a bounded emptyDir"
+            assert tmp["emptyDir"].get("medium") != "Memory", f"{at}: /tmp in memory counts against the memory limit"
+            res = c.get("resources", {})
+            assert "ephemeral-storage" in res.get("requests", {}), f"{at}: no ephemeral-storage request"
+            assert "ephemeral-storage" in res.get("limits", {}), f"{at}: no ephemeral-storage limit"
+            limit += _bytes(res["limits"]["ephemeral-storage"])
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            for var in ("TMPDIR", "XDG_CACHE_HOME", "MPLCONFIGDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                        "CUDA_CACHE_PATH", "HOME"):
+                if var in env:
+                    assert env[var] == "/tmp" or env[var].startswith("/tmp/"), f"{at}: {var}={env[var]} is read-only"
+            if c["image"].startswith("trainproof"):
+                assert {"TMPDIR", "XDG_CACHE_HOME", "MPLCONFIGDIR", "TORCHINDUCTOR_CACHE_DIR"} <= set(env), at
+        assert limit >= disk, f"{name}: {what}: ephemeral-storage limits below its emptyDir size limits"
+
+
+def test_trainproof_pods_run_as_the_images_user(rendered):
+    uid = [ln.split()[1] for ln in (ROOT / "Dockerfile").read_text().splitlines() if ln.startswith("USER ")][-1]
+    for name, what, pod in _all_pods(rendered):
+        if any(c["image"].startswith("trainproof") for c in pod["containers"]):
+            assert str(pod["securityContext"]["runAsUser"]) == uid, f"{name}: {what}"
+
+
+def _secret_refs(container: dict) -> set[str]:
+    return {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def _signing_key(pod: dict, container: dict) -> None:
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    path = Path(env["TRAINPROOF_SIGNING_KEY_FILE"])
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    mount = mounts[str(path.parent)]
+    assert mount.get("readOnly") is True
+    volume = {v["name"]: v for v in pod["volumes"]}[mount["name"]]
+    secret = volume["secret"]
+    assert secret["secretName"] == "trainproof-signing-key" and secret["optional"] is True
+    assert {"key": "signing-key", "path": path.name} in secret["items"]
+    assert secret["defaultMode"] & 0o077 <= 0o040  # readable by the pod's group only (fsGroup), never others
+
+
+def test_the_audit_has_its_own_credentials_and_the_signing_key(rendered):
+    cron = only(rendered["base"], "CronJob", "trainproof-verify")
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    verify = pod["containers"][0]
+    assert _secret_refs(verify) == {"trainproof-s3-audit-credentials"}  # never the trainer's read-write keys
+    _signing_key(pod, verify)
+
+
+@pytest.mark.parametrize("name, job_name", [("base", "trainproof-train"), ("multinode", "trainproof-multinode")])
+def test_the_trainer_mounts_the_signing_key(rendered, name, job_name):
+    pod = only(rendered[name], "Job", job_name)["spec"]["template"]["spec"]
+    train = next(c for c in pod["containers"] if c["name"] == "train")
+    assert _secret_refs(train) == {"trainproof-s3-credentials"}
+    _signing_key(pod, train)
+
+
+IAM = INFRA / "iam"
+_BUCKET_ARN = "arn:aws:s3:::BUCKET"
+_RUN_ARN = "arn:aws:s3:::BUCKET/PREFIX/"
+_BUCKET_ACTIONS = {"s3:ListBucket", "s3:ListBucketMultipartUploads"}
+
+
+def _policy(name: str) -> list[dict]:
+    doc = json.loads((IAM / name).read_text())
+    assert doc["Version"] == "2012-10-17" and set(doc) == {"Version", "Statement"}
+    statements = doc["Statement"]
+    for st in statements:
+        # Allow only, named actions on named resources: no NotAction/NotResource, no Principal (identity policy).
+        assert set(st) <= {"Sid", "Effect", "Action", "Resource", "Condition"} and st["Effect"] == "Allow", st
+        for key in ("Action", "Resource"):
+            if isinstance(st[key], str):
+                st[key] = [st[key]]
+        assert all(re.fullmatch(r"s3:[A-Za-z]+", a) for a in st["Action"]), st  # no wildcard actions
+    return statements
+
+
+def _grants(statements: list[dict]) -> dict[str, set[str]]:
+    """action -> the resources it is allowed on."""
+    out: dict[str, set[str]] = {}
+    for st in statements:
+        for action in st["Action"]:
+            out.setdefault(action, set()).update(st["Resource"])
+    return out
+
+
+def _check_scoped(statements: list[dict]) -> None:
+    for st in statements:
+        for action in st["Action"]:
+            for res in st["Resource"]:
+                if action in _BUCKET_ACTIONS:
+                    assert res == _BUCKET_ARN, f"{action} on {res}"
+                else:  # an object action: inside the run's prefix, never the whole bucket
+                    assert res.startswith(_RUN_ARN) and len(res) > len(_RUN_ARN), f"{action} on {res}"
+        if "s3:ListBucket" in st["Action"]:
+            prefixes = st["Condition"]["StringLike"]["s3:prefix"]
+            assert set(st["Condition"]) == {"StringLike"} and set(st["Condition"]["StringLike"]) == {"s3:prefix"}
+            assert prefixes and all(p == "PREFIX" or p.startswith("PREFIX/") for p in prefixes), prefixes
+
+
+def test_trainer_policy_is_scoped_to_the_run():
+    statements = _policy("trainer-policy.json")
+    _check_scoped(statements)
+    grants = _grants(statements)
+    assert set(grants) == {"s3:ListBucket", "s3:ListBucketMultipartUploads", "s3:GetObject", "s3:PutObject",
+                           "s3:DeleteObject", "s3:AbortMultipartUpload"}
+    for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
+        assert grants[action] == {_RUN_ARN + "*"}, action
+
+
+def test_audit_policy_reads_the_run_and_writes_only_verification_results():
+    statements = _policy("audit-policy.json")
+    _check_scoped(statements)
+    grants = _grants(statements)
+    assert set(grants) == {"s3:ListBucket", "s3:ListBucketMultipartUploads", "s3:GetObject", "s3:PutObject",
+                           "s3:AbortMultipartUpload"}  # no delete: the audit leaves no probe (tests/test_trust_audit.py)
+    assert grants["s3:GetObject"] == {_RUN_ARN + "*"}
+    verification = _RUN_ARN + "verification/"
+    for action in ("s3:PutObject", "s3:AbortMultipartUpload"):
+        assert grants[action] and all(r.startswith(verification) for r in grants[action]), action
+
+
+def test_compose_trainproof_services_have_a_read_only_root():
+    svc = yaml.safe_load((INFRA / "compose.yaml").read_text())["services"]
+    for name in ("train", "verify", "cli"):
+        s = svc[name]
+        assert s["read_only"] is True and s["cap_drop"] == ["ALL"], name
+        assert {"type": "tmpfs", "target": "/tmp", "tmpfs": {"size": s["volumes"][0]["tmpfs"]["size"]}} in s["volumes"]
+        assert s["environment"]["TMPDIR"] == "/tmp" and s["environment"]["XDG_CACHE_HOME"].startswith("/tmp/")
+
+
+def test_security_documents_stand_alone():
+    security = (ROOT / "SECURITY.md").read_text()
+    assert "(SECURITY.md)" in (ROOT / "README.md").read_text()  # linked from the README
+    assert "infra/iam" in security and "trainproof-s3-audit-credentials" in security
+    files = [ROOT / "SECURITY.md", ROOT / "docs" / "deploy.md", *INFRA.rglob("*")]
+    for path in files:
+        if path.is_file():
+            text = path.read_text()
+            assert not [d for d in _INTERNAL_DOCS if d in text], f"{path} refers to a document the repository lacks"
+
+
 # --- Rental values are the planner's ------------------------------------------------------------------------------
 
 _plans: dict[str, dict] = {}

@@ -286,3 +286,21 @@ def test_the_amp_gradscaler_path_checkpoints_and_resumes_exactly():
     saved["scaler"] = {}
     with pytest.raises(StateError, match="GradScaler"):
         restore_state(amp_run(), saved)
+
+
+def test_a_state_archive_that_expands_past_its_size_is_refused_before_loading():
+    """A zip bomb in a checkpoint's clothing: a small deflated member that expands a thousandfold."""
+    import io as _io
+    import zipfile as _zip
+
+    from job.train.state import check_archive
+
+    buf = _io.BytesIO()
+    torch.save({"a": torch.zeros(1000)}, buf)
+    check_archive(buf.getvalue())  # what torch.save writes passes
+    bomb = _io.BytesIO()
+    with _zip.ZipFile(bomb, "w", compression=_zip.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", b"\0" * 5_000_000)
+    assert len(bomb.getvalue()) < 20_000
+    with pytest.raises(StateError, match="would expand to 5,000,"):
+        decode(bomb.getvalue())

@@ -173,7 +173,7 @@ def test_retention_keeps_k_newest_and_never_the_newest_complete(store_url):
     assert [g.step for g in store.scan()] == [4, 5]
     # a partial newer than the newest complete is never collected, however old
     store.backend.write(raw(store, "step-00000006", "training_state.pt"), b"in flight")
-    store.apply_retention(1, grace_seconds=0)
+    store.apply_retention(1, grace_seconds=0, i_know_no_writer_is_active=True)
     assert [g.step for g in store.scan()] == [5, 6]
 
 
@@ -187,7 +187,9 @@ def test_retention_collects_old_partials_but_not_exports_or_quarantine(store_url
     oldest = [g.name for g in store.scan() if g.step == 1]
     assert [g.name for g in store.apply_retention(1, grace_seconds=3600)] == oldest
     assert [g.step for g in store.scan()] == [2, 3]  # the fresh partial is within its grace period
-    store.apply_retention(1, grace_seconds=0)
+    store.apply_retention(1, grace_seconds=0)  # raised to MIN_GRACE_SECONDS: a writer may still be writing it
+    assert [g.step for g in store.scan()] == [2, 3]
+    store.apply_retention(1, grace_seconds=0, i_know_no_writer_is_active=True)
     assert [g.step for g in store.scan()] == [3]
     assert [g.step for g in exports.scan()] == [1]
 

@@ -4,7 +4,7 @@
 #
 #   infra/spot/supervise.sh [--once] [train options...]        (options also come from TRAINPROOF_* variables)
 #
-# What each exit code of `trainproof train` (README, "Exit codes") leads to:
+# What each exit code of `trainproof train` (README.md, "Exit codes") leads to:
 #   0    target reached                          -> stop, exit 0
 #   2    usage, configuration or contract error  -> stop at once, exit 2 (retrying cannot help)
 #   75   stopped early after committing          -> run again after SUPERVISE_BACKOFF_SECONDS (it resumes)

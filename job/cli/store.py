@@ -4,17 +4,36 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated
+from dataclasses import replace
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from job.cli.app import app
 from job.cli.common import EndpointArg, PathStyleArg, RegionArg, StoreArg, UsageError, handled, open_run, setup_logging
-from storage import COMPLETE
+from storage import COMPLETE, CORRUPT
 
 _STYLE = {"complete": "green", "incomplete": "yellow", "corrupt": "red", "foreign": "magenta"}
+
+
+def shown(text: object) -> str:
+    """Text read from the store, safe for the terminal: control characters replaced, rich markup escaped.
+
+    A folder name, a REASON file or LATEST can hold anything a writer of the bucket put there: ``[/x]`` would
+    crash rich's markup parser, and escape sequences would reach the terminal."""
+    plain = "".join(c if c.isprintable() else "?" for c in str(text))
+    return escape(plain)
+
+
+def _verified(run: Any, g: Any) -> Any:
+    """``g``, marked corrupt (with the reason) when a complete generation's bytes do not match its manifest."""
+    if g.status != COMPLETE:
+        return g
+    problem = run.verify(g.step)
+    return g if problem is None else replace(g, status=CORRUPT, reason=problem)
 
 
 def _age(mtime: float | None) -> str:
@@ -32,15 +51,21 @@ def _age(mtime: float | None) -> str:
 def ls_command(
     store: StoreArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-read every complete generation and check each "
+                                                          "file's sha256 (slow on big states).")] = False,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """List a run's generations with their status (complete / incomplete / corrupt / foreign).
 
-    Also shows the LATEST hint (a hint only) and quarantined generations with their reason. Read-only.
+    Also shows the LATEST hint (a hint only) and quarantined generations with their reason. Read-only: writes
+    nothing. Without --verify a generation is "complete" when its COMPLETE.json checks out (names, sizes);
+    --verify also hashes every file, so damaged bytes show as corrupt.
     """
     setup_logging()
     run = open_run(store, endpoint_url, region, path_style)
     gens = run.scan()
+    if verify:
+        gens = [_verified(run, g) for g in gens]
     quarantined = run.quarantined()
     hint = run.latest_hint()
     newest = max((g.step for g in gens if g.status == COMPLETE), default=None)
@@ -55,15 +80,32 @@ def ls_command(
         }
         print(json.dumps(doc, indent=2))
         return
-    table = Table(title=f"{run.url}  (LATEST hint: {hint or 'none'})")
-    for col in ("generation", "status", "bytes", "age", "note"):
-        table.add_column(col)
+    table = Table(title=f"{shown(run.url)}  (LATEST hint: {shown(hint or 'none')})")
+    names = [g.name for g in gens] + [f"quarantine/{n}" for n, _ in quarantined]
+    # Names are shown whole (they are what a person types next); the note column folds instead.
+    table.add_column("generation", no_wrap=True, min_width=max(map(len, names), default=10))
+    for col in ("status", "bytes", "age"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("note", overflow="fold")
     for g in gens:
         note = g.reason or ("newest complete" if g.step == newest else "")
-        table.add_row(g.name, f"[{_STYLE[g.status]}]{g.status}[/]", f"{g.bytes:,}", _age(g.mtime), note)
+        table.add_row(shown(g.name), f"[{_STYLE[g.status]}]{g.status}[/]", f"{g.bytes:,}", _age(g.mtime), shown(note))
     for name, reason in quarantined:
-        table.add_row(f"quarantine/{name}", "[red]quarantined[/]", "", "", reason)
-    Console().print(table if gens or quarantined else f"{run.url}: no generations yet")
+        table.add_row(shown(f"quarantine/{name}"), "[red]quarantined[/]", "", "", shown(reason))
+    Console().print(table if gens or quarantined else f"{shown(run.url)}: no generations yet")
+
+
+def _run_contract(run: Any) -> str | None:
+    """The run's contract from its plan.json; None for a store without one (retention then deletes nothing
+    when it finds generations of more than one contract)."""
+    from job.train.contract import PLAN_FILE, read_plan
+
+    try:
+        return read_plan(run)["contract"]
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a malformed plan: nothing is safe to collect
+        raise UsageError(f"gc needs a readable {PLAN_FILE} to tell this run's generations from others: {exc}") from None
 
 
 @app.command("gc")
@@ -72,7 +114,8 @@ def gc_command(
     store: StoreArg,
     keep: Annotated[int, typer.Option("--keep", min=1, help="Complete generations to keep (the newest is always kept).")],
     grace_hours: Annotated[float, typer.Option("--grace-hours", min=0.0,
-                                               help="Collect partial generations only once this old.")] = 6.0,
+                                               help="Collect partial generations only once this old (never younger than 60 s: a "
+                                                    "writer may still be committing).")] = 6.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")] = False,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
@@ -83,9 +126,12 @@ def gc_command(
     """
     setup_logging()
     run = open_run(store, endpoint_url, region, path_style)
-    if not any(g.status == COMPLETE for g in run.scan()):
-        raise UsageError(f"{run.url} has no complete generation: nothing can be collected safely")
-    doomed = run.apply_retention(keep, grace_seconds=grace_hours * 3600, dry_run=dry_run)
+    contract = _run_contract(run)
+    if not any(g.status == COMPLETE for g in run.scan(contract=contract)):
+        raise UsageError(f"{shown(run.url)} has no complete generation of this run: nothing can be collected safely")
+    # Only this run's generations (its plan.json's contract) count as "newest" or "old": a stranger's folder
+    # never pushes ours out. Retention re-verifies the newest kept generation before deleting anything.
+    doomed = run.apply_retention(keep, grace_seconds=grace_hours * 3600, dry_run=dry_run, contract=contract)
     verb = "would delete" if dry_run else "deleted"
     for g in doomed:
         print(f"{verb} {g.name} ({g.status})")

@@ -18,7 +18,7 @@ from job.cli.common import EndpointArg, PathStyleArg, RegionArg, StoreArg, fail,
 from job.train.config import TrainConfig, load_task_config
 from job.errors import ConfigError, TrainError
 from job.lifecycle.finish import Finisher
-from job.lifecycle.signals import Deadline, StopRequest, parse_deadline
+from job.lifecycle.signals import Deadline, StopRequest
 from job.lifecycle.spot import PROVIDERS, SpotConfig, SpotWatcher
 
 
@@ -83,7 +83,7 @@ def train_command(
                 max_steps=max_steps, steps=steps, checkpoint_every=checkpoint_every,
                 checkpoint_every_seconds=checkpoint_every_seconds, keep=keep, resume=resume,
                 omit_rng_restore=omit_rng_restore, negative_control=negative_control, seed=seed,
-                deadline=parse_deadline(deadline or rental_ends) if deadline or rental_ends else None,
+                deadline=None,  # set below from the run's deadline.json (a restart must not move it)
                 device=device, log_every=log_every, log_format=log_format,
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
             )
@@ -105,7 +105,7 @@ def _deadline_work(cfg: TrainConfig) -> dict[str, Any]:
         return {}
     # The reload check is a fresh process like this one: our own start-up so far (torch imported) measures it.
     startup_s = min(time.monotonic() - job.IMPORTED_AT, 120.0)
-    return {"deadline": Deadline(cfg.deadline, margin_s=cfg.deadline_margin_s), "finisher": Finisher(startup_s)}
+    return {"deadline": Deadline(cfg.deadline, margin_s=cfg.deadline_margin_s), "finisher": Finisher(startup_s, cfg.task)}
 
 
 def _spot_config(provider: str, endpoint: str | None, interval: float) -> SpotConfig:
@@ -120,11 +120,14 @@ def _run_deadline(run_store: Any, deadline: str | None, rental_ends: str | None)
     spec = deadline or rental_ends
     if not spec:
         return None
-    from job.lifecycle.finish import resolve_run_deadline
+    from job.lifecycle.finish import DEADLINE_FILE, resolve_run_deadline
 
+    existed = run_store.exists(DEADLINE_FILE)
     at = resolve_run_deadline(run_store, spec, absolute_only=rental_ends is not None)
-    if at <= datetime.now(timezone.utc):
-        raise ConfigError(f"the run's deadline {at.isoformat()} (deadline.json) is already past")
+    if at <= datetime.now(timezone.utc) and not existed:
+        raise ConfigError(f"the deadline {at.isoformat()} is already past: give a later --deadline")
+    # A run whose recorded deadline has passed is not misconfigured (it is restarted after its rental ended):
+    # the trainer then only finishes it (export and reload check) instead of failing the Job with exit 2.
     return at
 
 

@@ -26,18 +26,22 @@ log = logging.getLogger("trainproof.verify")
 _STEP_HELP = "Generation to export: a step number, or 'latest' (the newest usable one)."
 
 
-def _opener(endpoint_url: str | None, region: str | None, path_style: bool | None):
+def _opener(endpoint_url: str | None, region: str | None, path_style: bool | None, *, private: bool = False):
     # No multipart sweep from the verifier: the store it reads may belong to a training Job that is
     # uploading right now (every training process sweeps its own prefix when it starts).
     options = replace(StoreOptions.from_env(endpoint_url=endpoint_url, region=region, path_style=path_style),
                       sweep_multipart_older_than=None)
+    if private and options.create_only == "require":
+        options = replace(options, create_only="private")  # the audit's own prefix: no probe object (read-only)
     return lambda url: open_store(url, options)
 
 
 @app.command("verify")
 def verify_command(
     store: StoreArg,
-    task: Annotated[Optional[str], typer.Option(help="Task of the protocol (default regression).")] = None,
+    task: Annotated[Optional[str], typer.Option(
+        help="Task of the protocol (default regression); with --audit the run's task, needed unless it is built "
+             "in (compared with plan.json, never read from it).")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Updates of the continuous path (default 10; tinylm 8).")] = None,
     cut: Annotated[Optional[int], typer.Option(help="Step of the cut (default 5; tinylm 3).")] = None,
     atol: Annotated[float, typer.Option(help="Absolute tolerance of floating-point comparisons.")] = 1e-12,
@@ -50,6 +54,8 @@ def verify_command(
     audit: Annotated[bool, typer.Option("--audit", help="Replay a run's generations --from -> --to, compare.")] = False,
     from_step: Annotated[Optional[int], typer.Option("--from", help="Audit: generation a (2nd newest).")] = None,
     to_step: Annotated[Optional[int], typer.Option("--to", help="Audit: generation b (default: newest).")] = None,
+    max_replay_steps: Annotated[Optional[int], typer.Option(
+        min=1, help="Audit: longest replay accepted (default: ten epochs of the run's plan, at least 1000).")] = None,
     workdir: Annotated[Optional[str], typer.Option(help="Where <id>/ goes (default <store>/verification).")] = None,
     vid: Annotated[Optional[str], typer.Option("--id", help="Verification id (default: UTC time + random).")] = None,
     export_bundle: Annotated[bool, typer.Option("--export/--no-export", help="Export the resumed result.")] = True,
@@ -65,7 +71,8 @@ def verify_command(
     """Prove resume == continuous in fresh processes (or --audit a real run); upload verification.json.
     Exit 0 passed, 1 a comparison failed, 2 the verification could not be completed."""
     setup_logging()
-    opener, store_args = _opener(endpoint_url, region, path_style), store_cli_args(endpoint_url, region, path_style)
+    opener = _opener(endpoint_url, region, path_style, private=audit)
+    store_args = store_cli_args(endpoint_url, region, path_style)
     common = dict(store=store, device=device, workdir=workdir, timeout=timeout, store_args=store_args,
                   **({"vid": vid} if vid else {}))
     protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse)
@@ -76,7 +83,8 @@ def verify_command(
         if audit:
             if world != 1:
                 raise UsageError("--world is for the protocol; --audit replays with the run's own plan.json")
-            runner = _audit(common, opener, tolerance, protocol_only, from_step=from_step, to_step=to_step)
+            runner = _audit(common, opener, tolerance, protocol_only, from_step=from_step, to_step=to_step,
+                            max_replay_steps=max_replay_steps)
         else:
             if from_step is not None or to_step is not None:
                 raise UsageError("--from/--to select generations for --audit")
@@ -88,12 +96,13 @@ def verify_command(
 
 
 def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **steps: Any):
+    task = protocol_only.pop("task")  # the audit's task is trusted from here, compared with plan.json
     given = [f"--{k.replace('reuse', 'reuse-reference')}" for k, v in protocol_only.items() if v is not None]
     if given:
         raise UsageError(f"--audit replays with the run's own plan.json; drop {', '.join(given)}")
     from job.proof.audit import Audit, AuditSettings
 
-    return Audit(AuditSettings(tolerance=tolerance, **steps, **common), opener)
+    return Audit(AuditSettings(tolerance=tolerance, task=task, **steps, **common), opener)
 
 
 def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **more: Any):
@@ -140,6 +149,9 @@ def _run_and_report(runner: Any) -> int:
 def export_command(
     store: StoreArg,
     step: Annotated[str, typer.Option(help=_STEP_HELP)] = "latest",
+    task: Annotated[Optional[str], typer.Option(
+        envvar="TRAINPROOF_TASK", help="The run's task (needed unless it is built in): compared with plan.json, "
+        "never read from it.")] = None,
     dest: Annotated[Optional[str], typer.Option(help="Export root (default <store>/exports); the bundle is "
                                                      "<dest>/step-%08d/.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds the reload-check process may run.")] = 3600.0,
@@ -157,9 +169,9 @@ def export_command(
         from job.proof.paths import VerificationIncomplete, absolute_url
 
         bundle = export(opener(store), step=None if step == "latest" else int(step),
-                        dest=opener(dest) if dest else None)
+                        dest=opener(dest) if dest else None, task=task)
         print(f"{'reused' if bundle.reused else 'committed'} {bundle.url}")
-        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, timeout=timeout,
+        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, timeout=timeout,
                                         store_args=store_cli_args(endpoint_url, region, path_style))
         location = write_record(bundle.dest, bundle.step, record)
     except TrainError as exc:
@@ -176,6 +188,8 @@ def export_command(
 def reload_check_command(
     bundle: Annotated[str, typer.Option("--bundle", help="Export root holding the bundle.")],
     step: Annotated[int, typer.Option(help="Step of the bundle.")],
+    task: Annotated[str, typer.Option(help="The bundle's task, from the process that made it (compared with "
+                                           "config.json, never read from it).")],
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Internal: reload an export bundle from its destination and print the check as one JSON line."""
@@ -183,7 +197,7 @@ def reload_check_command(
     from job.proof.reload import reload_check
 
     try:
-        record = reload_check(_opener(endpoint_url, region, path_style)(bundle), step)
+        record = reload_check(_opener(endpoint_url, region, path_style)(bundle), step, task=task)
     except TrainError as exc:
         raise fail(" ".join(str(exc).split()), exc.exit_code) from None
     print(json.dumps(record))

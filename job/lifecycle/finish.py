@@ -41,11 +41,19 @@ def resolve_run_deadline(store: GenerationStore, spec: str, *, absolute_only: bo
         return datetime.fromisoformat(record["at"])
     except FileExistsError:
         pass
-    saved = json.loads(store.read_file(DEADLINE_FILE))
+    try:
+        saved = store.read_json(DEADLINE_FILE, max_bytes=MAX_RECORD_BYTES)
+        saved_at = _aware(saved["at"])
+        first = _aware(saved.get("first_start", record["first_start"]))
+    except (ValueError, TypeError, KeyError, RecursionError, AttributeError) as exc:
+        # Damaged (or planted) record: counting from now is the safe reading; the old value is unknowable.
+        log.warning("%s is unreadable (%s): recording the deadline afresh from now", DEADLINE_FILE,
+                    type(exc).__name__)
+        store.write_file(DEADLINE_FILE, _json(record))
+        return datetime.fromisoformat(record["at"])
     if saved.get("spec") == spec:
-        return datetime.fromisoformat(saved["at"])
+        return saved_at
     # A changed value: a relative one still counts from the run's first start, not from this restart.
-    first = datetime.fromisoformat(saved.get("first_start", record["first_start"]))
     at = parse_deadline(spec, first)
     log.warning("--deadline changed from %r (%s) to %r (%s) since the run's first start: the new value wins",
                 saved.get("spec"), saved.get("at"), spec, at.isoformat())
@@ -53,11 +61,27 @@ def resolve_run_deadline(store: GenerationStore, spec: str, *, absolute_only: bo
     return at
 
 
+MAX_RECORD_BYTES = 64 * 1024
+"""deadline.json is a few hundred bytes; anything longer is not ours."""
+
+
+def _aware(text: object) -> datetime:
+    """An ISO time with a zone, from a stored record (ValueError/TypeError otherwise)."""
+    if not isinstance(text, str) or len(text) > 64:
+        raise ValueError("not an ISO time")
+    at = datetime.fromisoformat(text)
+    if at.tzinfo is None:
+        raise ValueError("no time zone")
+    return at
+
+
 class Finisher:
     """Estimates and performs the export + fresh-process reload check after a deadline's final commit."""
 
-    def __init__(self, startup_s: float) -> None:
+    def __init__(self, startup_s: float, task: str) -> None:
         self.startup_s = startup_s
+        self.task = task
+        """The run's task as this process was told it (the export compares plan.json with it)."""
         """How long this process took to import torch and open the run: the reload check is such a process."""
 
     def estimate_s(self, save_s: float) -> float:
@@ -80,9 +104,9 @@ class Finisher:
 
         t0 = time.perf_counter()
         try:
-            bundle = export(store)
+            bundle = export(store, task=self.task)
             timeout = max(seconds_left - (time.perf_counter() - t0), 1.0) if seconds_left is not None else 3600.0
-            record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, store_args=[], timeout=timeout)
+            record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, store_args=[], timeout=timeout)
             location = write_record(bundle.dest, bundle.step, record)
         except (TrainError, VerificationIncomplete, StoreError, OSError) as exc:
             return {"ok": False, "why": " ".join(f"{type(exc).__name__}: {exc}".split())[:500]}

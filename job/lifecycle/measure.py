@@ -47,7 +47,7 @@ def measure(store: str, task: str, *, steps: int = 5, config: Path | None = None
     saves = [e["seconds"] for e in events if e.get("event") == "checkpoint"]
     return {"scratch": url, "steps": steps, "train_wall_s": round(train_wall, 3),
             "step_s": _step_seconds(events, saves, steps), "checkpoint_s": max(saves),
-            "checkpoints": len(saves), "export_s": _export_seconds(url, args, timeout)}
+            "checkpoints": len(saves), "export_s": _export_seconds(url, task, args, timeout)}
 
 
 def _step_seconds(events: list[dict[str, Any]], saves: list[float], steps: int) -> float:
@@ -57,7 +57,7 @@ def _step_seconds(events: list[dict[str, Any]], saves: list[float], steps: int) 
     return max((span - sum(saves)) / steps, 1e-6)
 
 
-def _export_seconds(url: str, store_args: list[str], timeout: float) -> float:
+def _export_seconds(url: str, task: str, store_args: list[str], timeout: float) -> float:
     """Export the scratch run's newest generation and reload-check it in a fresh process, timed."""
     from job.train.export import export
     from job.proof.reload import check_in_fresh_process
@@ -65,8 +65,9 @@ def _export_seconds(url: str, store_args: list[str], timeout: float) -> float:
     from storage import StoreOptions, open_store
 
     t0 = time.perf_counter()
-    bundle = export(open_store(url, StoreOptions.from_env()))
-    record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, store_args=store_args, timeout=timeout)
+    bundle = export(open_store(url, StoreOptions.from_env()), task=task)
+    record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, store_args=store_args,
+                                    timeout=timeout)
     if not record["passed"]:
         raise RuntimeError(f"the measuring export failed its reload check: {bundle.url}")
     return time.perf_counter() - t0

@@ -16,6 +16,7 @@ the replay that this command does not provide yet; it is refused (exit 2).
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from job.proof.compare import Diff, Tolerance, compare_states, parameter_distanc
 from job.train.contract import PLAN_FILE
 from job.errors import ConfigError
 from job.train.state import decode_generation
-from job.tasks import load_task
+from job.tasks import load_task, trusted_task
 from job.proof.protocol import parameter_names, verification_base
 from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv, new_id, read_run_plan,
                              require_success, run_processes, seed_run)
@@ -39,6 +40,8 @@ class AuditSettings:
 
     store: str
     """The run to audit."""
+    task: str | None = None
+    """The run's task (``--task``): compared with plan.json, never read from it; needed unless built in."""
     from_step: int | None = None
     """Generation a (default: the second newest complete one, or the newest one before ``to_step``)."""
     to_step: int | None = None
@@ -49,6 +52,17 @@ class AuditSettings:
     vid: str = field(default_factory=new_id)
     timeout: float = 7200.0
     store_args: list[str] = field(default_factory=list)
+    max_replay_steps: int | None = None
+    """Longest replay accepted (default: :func:`replay_cap` of the run's plan)."""
+
+
+def replay_cap(plan: dict[str, Any]) -> int:
+    """The longest replay an audit runs without being told to: ten epochs of the run's own plan, at least 1000
+    steps. A generation claiming a step far beyond it (a forged ``step-99999999``) must not buy a replay of
+    millions of steps."""
+    epoch = plan.get("epoch_plan") if isinstance(plan.get("epoch_plan"), dict) else {}
+    steps = epoch.get("steps")
+    return max(1000, 10 * steps) if isinstance(steps, int) and 0 < steps < 10**7 else 1000
 
 
 class Audit:
@@ -60,7 +74,10 @@ class Audit:
         self.plan = read_run_plan(self.run_store)
         if self.plan.get("world", 1) != 1:
             raise ConfigError(f"--audit replays single-process runs only; this run has world {self.plan['world']}")
-        self.task = load_task(self.plan["task"], self.plan["task_config"])
+        self.task_name = trusted_task(self.plan.get("task"), settings.task, f"{PLAN_FILE} of {self.run_store.url}")
+        if not isinstance(self.plan.get("task_config"), dict):
+            raise ConfigError(f"{PLAN_FILE} of {self.run_store.url} holds no task_config mapping")
+        self.task = load_task(self.task_name, self.plan["task_config"])
         self.param_names = parameter_names(self.task)
         self.root = verification_base(opener, settings.store, settings.workdir).child(settings.vid)
         self.replay_url = f"{absolute_url(self.root)}/replay"
@@ -93,6 +110,10 @@ class Audit:
         if a is None or b is None or not a < b or a not in steps or b not in steps:
             raise ConfigError(f"--audit needs two complete generations a < b of {self.run_store.url}; it has "
                               f"{steps or 'none'} (asked for --from {self.s.from_step} --to {self.s.to_step})")
+        cap = self.s.max_replay_steps or replay_cap(self.plan)
+        if b - a > cap:
+            raise ConfigError(f"--audit would replay {b - a} steps ({a} -> {b}), more than {cap} (ten epochs of this "
+                              "run's plan): pick closer generations with --from/--to, or raise --max-replay-steps")
         self.a, self.b = a, b
         loaded = [self.run_store.load(step, contract=self.plan["contract"]) for step in (a, b)]
         self.generations = {"from": _describe(loaded[0]), "to": _describe(loaded[1])}
@@ -102,11 +123,16 @@ class Audit:
         with tempfile.TemporaryDirectory(prefix="trainproof-audit-") as tmp:
             config = Path(tmp) / "task_config.json"
             config.write_text(json.dumps(self.plan["task_config"]))
-            argv = job_argv("train", "--store", self.replay_url, "--task", self.plan["task"], "--config", str(config),
+            argv = job_argv("train", "--store", self.replay_url, "--task", self.task_name, "--config", str(config),
                             "--seed", str(self.plan["seed"]), "--steps", str(self.b - self.a),
                             "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
                             "--resume", "auto", "--device", self.s.device, "--log-format", "json", *self.s.store_args)
-            results = run_processes([("replay", self.replay_url, argv)], timeout=self.s.timeout)
+            # The replay writes only under this audit's own verification/<id>/ (no other writer): no create-only
+            # probe object there, so the audit writes nothing but its own results.
+            private = {"TRAINPROOF_S3_CREATE_ONLY": "private"} if os.environ.get(
+                "TRAINPROOF_S3_CREATE_ONLY", "require") == "require" else {}
+            results = run_processes([("replay", self.replay_url, argv)], timeout=self.s.timeout,
+                                    envs={"replay": private})
         self.paths["replay"] = results[0].to_json()
         require_success(results)
         event = results[0].event("resume") or {}
@@ -125,7 +151,7 @@ class Audit:
         verdicts = self.verdicts() if error is None else {
             "all_checks_passed": False, "positive": False, "negative_divergence_detected": None}
         settings = {"run": self.run_store.url, "from": self.a, "to": self.b, "atol": self.s.tolerance.atol,
-                    "rtol": self.s.tolerance.rtol, "device": self.s.device, "task": self.plan["task"],
+                    "rtol": self.s.tolerance.rtol, "device": self.s.device, "task": self.task_name,
                     "task_config": self.plan["task_config"], "seed": self.plan["seed"]}
         return build_report(
             kind="audit", vid=self.s.vid, location=absolute_url(self.root), store=self.run_store.url,

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from job.train.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F401 - re-exported
 from job.train.launch import entry_argv
 from job.train.state import STATE_FILE, decode, decode_generation
-from storage import COMPLETE, GenerationStore
+from storage import COMPLETE, GenerationStore, redact_url
 
 Opener = Callable[[str], GenerationStore]
 # Kept for the children: how to reach the store. Every other TRAINPROOF_* variable is a `train` option: an
@@ -54,7 +54,8 @@ class PathResult:
     def to_json(self) -> dict[str, Any]:
         """The path's entry in verification.json (the command as one shell line)."""
         resume = self.event("resume")
-        return {"store": self.url, "command": shlex.join(self.argv), "exit_code": self.code,
+        return {"store": redact_url(self.url), "command": shlex.join(redact_url(a) if "://" in a else a for a in self.argv),
+                "exit_code": self.code,
                 "seconds": round(self.seconds, 3), "resumed_from": None if resume is None else resume.get("step"),
                 "rng_restored": None if resume is None else resume.get("rng_restored")}
 

@@ -307,9 +307,9 @@ class Protocol:
 
     # -- export -----------------------------------------------------------------------------------------
     def _export(self) -> None:
-        bundle = export(self.opener(self.urls["resume"]), step=self.s.steps)
-        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, store_args=self.s.store_args,
-                                        timeout=self.s.timeout)
+        bundle = export(self.opener(self.urls["resume"]), step=self.s.steps, task=self.s.task)
+        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task,
+                                        store_args=self.s.store_args, timeout=self.s.timeout)
         location = write_record(bundle.dest, bundle.step, record)
         self.export = {**bundle.to_json(), "reload_check": record, "reload_check_location": location}
 

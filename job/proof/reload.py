@@ -26,12 +26,17 @@ from typing import Any
 import torch
 
 from job.train.export import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evaluate_weights
-from job.tasks import load_task
+from job.errors import ConfigError
+from storage.limits import loads_untrusted
+from job.tasks import load_task, trusted_task
+from job.train.state import check_archive
 from job.proof.paths import VerificationIncomplete, job_argv, run_processes
 from storage import GenerationStore
 from storage.manifest import step_dir
 
 RELOAD_SCHEMA = "trainproof.reload_check/1"
+MAX_RECORD_BYTES = 1 << 20
+"""config.json and metrics.json of a bundle are a few KiB; larger ones are not ours."""
 
 
 def record_name(step: int) -> str:
@@ -39,12 +44,23 @@ def record_name(step: int) -> str:
     return f"{step_dir(step)}.reload-check.json"
 
 
-def reload_check(dest: GenerationStore, step: int) -> dict[str, Any]:
-    """Run the check in *this* process (the hidden ``reload-check`` command); return the record."""
+def reload_check(dest: GenerationStore, step: int, *, task: str) -> dict[str, Any]:
+    """Run the check in *this* process (the hidden ``reload-check`` command); return the record.
+
+    ``task`` comes from the process that made the bundle; the bundle's ``config.json`` is compared with it,
+    never obeyed (see :func:`job.tasks.trusted_task`).
+    """
     loaded = dest.load(step)  # size and sha256 of every file against COMPLETE.json, read from the store
     files = loaded.files
-    config, metrics = json.loads(files["config.json"]), json.loads(files["metrics.json"])
-    task = load_task(config["task"], config["task_config"])
+    try:
+        config = loads_untrusted(files["config.json"], what="config.json", max_bytes=MAX_RECORD_BYTES)
+        metrics = loads_untrusted(files["metrics.json"], what="metrics.json", max_bytes=MAX_RECORD_BYTES)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{dest.url}/{step_dir(step)} is not a readable bundle: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(metrics, dict) or not isinstance(config.get("task_config"), dict):
+        raise ConfigError(f"{dest.url}/{step_dir(step)}: config.json or metrics.json is not a bundle record")
+    task = load_task(trusted_task(config.get("task"), task, f"config.json of {dest.url}/{step_dir(step)}"),
+                     config["task_config"])
     full = _weights(files, config["weights"]["full_precision"])
     bf16 = _weights(files, BF16_FILE)
     not_bf16 = sorted(k for k, v in bf16.items() if v.is_floating_point() and v.dtype != torch.bfloat16)
@@ -73,6 +89,7 @@ def _weights(files: dict[str, bytes], name: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
 
         return load(files[name])
+    check_archive(files[name])  # no zip bomb reaches torch.load
     return torch.load(io.BytesIO(files[name]), map_location="cpu", weights_only=True)
 
 
@@ -90,12 +107,13 @@ def _sums_ok(files: dict[str, bytes]) -> bool:
     return set(listed) == others and all(hashlib.sha256(files[n]).hexdigest() == listed[n] for n in others)
 
 
-def check_in_fresh_process(dest_url: str, step: int, *, store_args: list[str], timeout: float) -> dict[str, Any]:
+def check_in_fresh_process(dest_url: str, step: int, *, task: str, store_args: list[str],
+                           timeout: float) -> dict[str, Any]:
     """Run :func:`reload_check` in a new ``python -m job reload-check`` process; return its record.
 
     Raises VerificationIncomplete when the process printed no record (it crashed or could not read the store).
     """
-    argv = job_argv("reload-check", "--bundle", dest_url, "--step", str(step), *store_args)
+    argv = job_argv("reload-check", "--bundle", dest_url, "--step", str(step), "--task", task, *store_args)
     result = run_processes([("reload-check", dest_url, argv)], timeout=timeout)[0]
     records = [e for e in result.events if e.get("schema") == RELOAD_SCHEMA]
     if not records:

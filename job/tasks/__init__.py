@@ -8,17 +8,50 @@ May import only ``job.errors``: a task knows nothing of the loop, checkpoints or
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 from job.errors import ConfigError
-from job.tasks.base import Task, TaskContext
+from job.tasks.adapter import AdaptedBatch, DatasetTask, dataset_digest
+from job.tasks.base import Task, TaskContext, config_from_dict, eval_mode, require, sha256_of
 
 BUILTIN_TASKS = {
     "regression": "job.tasks.regression:make_task",
     "tinylm": "job.tasks.tinylm:make_task",
 }
 
-__all__ = ["BUILTIN_TASKS", "Task", "TaskContext", "load_task"]
+__all__ = [
+    "BUILTIN_TASKS", "AdaptedBatch", "ConfigError", "DatasetTask", "Task", "TaskContext", "config_from_dict",
+    "dataset_digest", "eval_mode", "load_task", "require", "sha256_of",
+]
+
+
+def trusted_task(stored: Any, given: str | None, where: str) -> str:
+    """The task to build for a run whose stored record ``where`` (plan.json, an export's config.json) names
+    ``stored``. A stored file is compared, never obeyed: anyone who can write to the bucket can write it, and
+    importing the module it names would run their code with this process's credentials.
+
+    ``given`` (``--task``/``TRAINPROOF_TASK``, trusted) must equal the record; without it only a built-in task
+    name is accepted. Raises ConfigError (exit 2) naming both otherwise.
+    """
+    shown = printable(stored)
+    if given is not None:
+        if given != stored:
+            raise ConfigError(f"--task {given!r} but {where} records task {shown}: pass the run's own task, "
+                              "or use another --store")
+        return given
+    if isinstance(stored, str) and stored in BUILTIN_TASKS:
+        return stored
+    raise ConfigError(f"{where} records task {shown}, which is not a built-in task: trainproof never imports code "
+                      f"named by a stored file; if that is your task, pass --task {shown} yourself")
+
+
+def printable(value: Any, limit: int = 120) -> str:
+    """``repr`` of a value read from storage, cut to ``limit`` characters and free of control characters."""
+    text = repr(value)
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_task(spec: str, config: dict[str, Any] | None = None) -> Task:
@@ -32,6 +65,10 @@ def load_task(spec: str, config: dict[str, Any] | None = None) -> Task:
         raise ConfigError(
             f"unknown task {spec!r}: use one of {sorted(BUILTIN_TASKS)} or 'package.module:factory'"
         )
+    if spec not in BUILTIN_TASKS and os.getcwd() not in sys.path and "" not in sys.path:
+        # `trainproof` (a console script) does not put the working directory on the import path the way
+        # `python -m` does: a user's `--task mymodule:factory` next to them must import either way.
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

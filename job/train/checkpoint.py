@@ -165,7 +165,8 @@ class Checkpointer:
         if not self.keep:
             return
         try:
-            removed = self.store.apply_retention(self.keep)
+            # Only this run's generations count (another contract's or world's never make ours "old").
+            removed = self.store.apply_retention(self.keep, contract=self.contract, world=self.world)
         except (StoreError, OSError) as exc:
             # The new generation is committed; a failed cleanup costs storage, not work.
             self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")

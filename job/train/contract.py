@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from job.errors import ConfigError, ContractError
+from storage import redact_url
 from job.train.state import STATE_SCHEMA
 
 PLAN_SCHEMA = "trainproof.plan/1"
@@ -136,11 +137,15 @@ def check_plan(stored: dict[str, Any], plan: dict[str, Any], *, where: str) -> N
 def read_plan(store: Any) -> dict[str, Any]:
     """Read and parse ``plan.json``; a malformed plan is a contract error (a person must look at it)."""
     try:
-        plan = json.loads(store.read_file(PLAN_FILE))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ContractError(f"{PLAN_FILE} in {store.url} is not valid JSON ({exc})") from None
+        plan = store.read_json(PLAN_FILE)  # size-capped, defensive (storage.limits)
+    except ValueError as exc:
+        raise ContractError(f"{PLAN_FILE} in {redact_url(store.url)} is not a readable plan ({exc})") from None
     if not isinstance(plan, dict) or plan.get("schema") != PLAN_SCHEMA:
-        raise ContractError(f"{PLAN_FILE} in {store.url} is not a {PLAN_SCHEMA} plan")
+        raise ContractError(f"{PLAN_FILE} in {redact_url(store.url)} is not a {PLAN_SCHEMA} plan")
+    types = {"task": str, "task_config": dict, "seed": int, "world": int, "contract": str}
+    wrong = [k for k, t in types.items() if k in plan and not isinstance(plan[k], t)]
+    if wrong:
+        raise ContractError(f"{PLAN_FILE} in {redact_url(store.url)} has malformed field(s) {wrong}")
     return plan
 
 

@@ -30,8 +30,8 @@ import torch
 
 from job.errors import ConfigError
 from job.train.state import STATE_FILE, History, decode
-from job.tasks import Task, load_task
-from job.train.contract import absolute_url, read_run_plan
+from job.tasks import Task, load_task, trusted_task
+from job.train.contract import PLAN_FILE, absolute_url, read_run_plan
 from storage import COMPLETE, GenerationStore
 from storage.manifest import step_dir
 
@@ -58,6 +58,8 @@ class Bundle:
     export_sha256: str
     reused: bool
     """True when an identical bundle of this step was already committed (nothing written)."""
+    task: str
+    """The task the bundle was built with (trusted: from the caller, compared with plan.json)."""
 
     @property
     def url(self) -> str:
@@ -70,26 +72,30 @@ class Bundle:
                 "export_sha256": self.export_sha256, "reused": self.reused}
 
 
-def export(run: GenerationStore, *, step: int | None = None, dest: GenerationStore | None = None) -> Bundle:
+def export(run: GenerationStore, *, step: int | None = None, dest: GenerationStore | None = None,
+           task: str | None = None) -> Bundle:
     """Build the bundle of generation ``step`` (default: the newest usable one) and commit it under ``dest``.
 
-    Read-only towards the run's generations (nothing is quarantined or deleted). Raises ConfigError when
-    there is nothing to export or the task cannot evaluate.
+    ``task``: the run's task as the caller knows it (``--task``); the name in plan.json is only compared with
+    it, and without it only a built-in task is built (see :func:`job.tasks.trusted_task`). Read-only towards
+    the run's generations (nothing is quarantined or deleted). Raises ConfigError when there is nothing to
+    export, the task is not given, or it cannot evaluate.
     """
     plan = read_run_plan(run)
+    task_name = trusted_task(plan.get("task"), task, f"{PLAN_FILE} of {run.url}")
     loaded = _load_source(run, plan, step)
     state = decode(loaded.files[STATE_FILE])
     dest = dest or run.child("exports")
     source = {"run": run.url, "generation": loaded.info.name,
               "state_sha256": loaded.info.manifest["files"][STATE_FILE]["sha256"]}
-    existing = _existing(dest, loaded.info.step, source)
+    existing = _existing(dest, loaded.info.step, source, task_name)
     if existing is not None:
         return existing
-    files = build_files(load_task(plan["task"], plan["task_config"]), plan, state, source)
+    files = build_files(load_task(task_name, plan["task_config"]), plan, state, source)
     info = dest.commit(loaded.info.step, files, contract=plan["contract"], world=plan.get("world", 1),
                        code_version=state["meta"].get("code_version", ""), check=check_file,
                        digests={"export": BF16_FILE}, extra={"kind": "export", "source": source})
-    return _bundle(dest, info.step, info.manifest, reused=False)
+    return _bundle(dest, info.step, info.manifest, reused=False, task=task_name)
 
 
 def _load_source(run: GenerationStore, plan: dict[str, Any], step: int | None):
@@ -102,7 +108,7 @@ def _load_source(run: GenerationStore, plan: dict[str, Any], step: int | None):
     return loaded
 
 
-def _existing(dest: GenerationStore, step: int, source: dict[str, Any]) -> Bundle | None:
+def _existing(dest: GenerationStore, step: int, source: dict[str, Any], task: str) -> Bundle | None:
     """An already committed bundle of this step: reused when it was made from the same state, else refused."""
     if not any(g.step == step and g.status == COMPLETE for g in dest.scan()):
         return None
@@ -111,12 +117,13 @@ def _existing(dest: GenerationStore, step: int, source: dict[str, Any]) -> Bundl
     if theirs.get("state_sha256") != source["state_sha256"]:
         raise ConfigError(f"{dest.url}/{step_dir(step)} already holds an export of another state "
                           f"({theirs.get('run')}); choose another --dest")
-    return _bundle(dest, step, loaded.info.manifest, reused=True)
+    return _bundle(dest, step, loaded.info.manifest, reused=True, task=task)
 
 
-def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reused: bool) -> Bundle:
+def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reused: bool, task: str) -> Bundle:
     return Bundle(dest=dest, step=step, files={n: m["sha256"] for n, m in manifest["files"].items()},
-                  export_bytes=manifest["export_bytes"], export_sha256=manifest["export_sha256"], reused=reused)
+                  export_bytes=manifest["export_bytes"], export_sha256=manifest["export_sha256"], reused=reused,
+                  task=task)
 
 
 # -- the files --------------------------------------------------------------------------------------------

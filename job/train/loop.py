@@ -38,7 +38,7 @@ from job.tasks import Task, load_task
 from storage import COMPLETE, INCOMPLETE, GenerationStore, StoreOptions, open_store
 from storage.errors import StoreConfigError, StoreError
 
-EXIT_OK, EXIT_STOPPED = 0, 75
+EXIT_OK, EXIT_FAILURE, EXIT_STOPPED = 0, 1, 75
 SUMMARY_FILE = "summary.json"
 
 
@@ -200,11 +200,16 @@ class Trainer:
                             deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat(),
                             **({"deadline_reserve_s": round(self.deadline.finish_s, 3)} if self.finisher else {}))
         self.reporter.begin(step=run.step, target=target)
-        reason = self._loop(run, target)
+        left = self.deadline.seconds_left()
+        past = left is not None and left <= 0 and self.finisher is not None
+        reason = "deadline" if past else self._loop(run, target)
         if run.step > self.checkpointer.last_step:  # the end, or the boundary after a stop request
             self._save(run)
-        finished = self._finish(run) if reason == "deadline" else None
+        finished = self._finish(run, unbounded=past) if reason == "deadline" else None
         exit_code = EXIT_OK if run.step >= target or (finished or {}).get("ok") else EXIT_STOPPED
+        if past and exit_code != EXIT_OK:
+            # Exit 75 would have a Job restart into the same past deadline forever: a counted failure instead.
+            exit_code = EXIT_FAILURE
         outcome = Outcome(exit_code=exit_code, reason=reason, step=run.step, target=target, export=finished)
         if self.rank == 0:
             self._write_summary(run, outcome, resumed_from)
@@ -242,15 +247,22 @@ class Trainer:
         reason = "signal" if signal else "spot-notice" if notice else "deadline" if deadline else None
         return reason, bool(save_any)
 
-    def _finish(self, run: Run) -> dict[str, Any]:
-        """After a deadline's final commit: rank 0 exports and reload-checks; every rank learns whether it passed."""
+    def _finish(self, run: Run, *, unbounded: bool = False) -> dict[str, Any]:
+        """After a deadline's final commit: rank 0 exports and reload-checks; every rank learns whether it passed.
+
+        ``unbounded``: the run's deadline had already passed when this process started (a restart after the
+        rental's end, or a final commit whose export did not fit): nothing is trained, and the export is made
+        without a time limit, since the machine is evidently still there."""
         result: dict[str, Any] = {"ok": False, "why": "not rank 0"}
         if self.rank == 0 and self.finisher is not None:
             self.reporter.event("export_begin", step=run.step, seconds_left=self.deadline.seconds_left())
+            if unbounded:
+                self.reporter.warn(f"the run's deadline {self.cfg.deadline} has passed: no more training; "
+                                   f"exporting step {run.step} without a time limit")
             result = ({"ok": False, "why": "the export did not fit before the deadline from this process's start"}
-                      if self.deadline.finish_given_up else
-                      self.finisher.export_and_check(self.store, self.deadline.seconds_left(),
-                                                   self.deadline.save_estimate_s))
+                      if self.deadline.finish_given_up and not unbounded else
+                      self.finisher.export_and_check(self.store, None if unbounded else self.deadline.seconds_left(),
+                                                     self.deadline.save_estimate_s))
             if not result["ok"]:
                 saved = f"checkpoint of step {run.step} committed" if run.step else "no step was taken"
                 self.reporter.warn(f"deadline: {saved}, but no verified export ({result['why']}): exit 75; "
@@ -268,7 +280,7 @@ class Trainer:
             self.sync.on_rank0("check that the store holds no generation", self._refuse_existing_generations)
             self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
             return None
-        found = load_agreed(self.store, self.plan["contract"], self.sync)
+        found = load_agreed(self.store, self.plan["contract"], self.sync, code_version=code_version())
         if found is None:
             self.sync.on_rank0("look for unusable generations", self._warn_if_unusable_generations)
             self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
@@ -279,7 +291,10 @@ class Trainer:
                                      source=f"{name} was written by {saved_world} rank(s)")
         if changed:
             check_transition(state["ranks"][0]["data"], self.world, run.global_batch)
-        for warning in check_consistency(state, self._expected(step, saved_world)) + self._device_warnings(state):
+        # The generation's own step (its folder name), not the state's word for it: a state moved under a newer
+        # name must be refused, never resumed from.
+        expected = self._expected(int(name.rsplit("-", 1)[1]), saved_world)
+        for warning in check_consistency(state, expected) + self._device_warnings(state):
             self.reporter.warn(warning)
         restore_state(run, state, restore_rng=not self.cfg.omit_rng_restore, seed=self.cfg.seed,
                       rederive_at=step if changed else None)

@@ -12,19 +12,30 @@ World size: the run's current world is that of its newest usable generation (or 
 first one). Resuming with another world is refused (exit 2) unless ``--allow-world-change``; then the
 global data position carries over, every rank's generators are re-derived from (seed, rank, step), and the
 change is recorded: the run is no longer bitwise comparable with a run that kept its world.
+
+Falling back instead of failing the Job: a generation whose files verify but whose state contradicts
+itself or its folder (its step is not the folder's, its contract or data identity is not the manifest's,
+its history or scheduler disagree with its step) cannot have been written by a correct trainer of this run:
+it is damage or a planted copy. It is quarantined (evidence kept, one warning line) and the previous
+generation is used. A generation written by *other code* is not damage: it is skipped with a warning when an
+older one of this build exists (a stray or planted newer file must not crash-loop the Job); when none does,
+the code change is the person's call (exit 2).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from job.train.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
 from job.train.dist import Collectives, PeerError
-from job.errors import ContractError, TrainError
-from job.train.state import STATE_FILE, decode, decode_generation, decode_rank_part
-from storage import GenerationStore
-from storage.errors import StoreError
+from job.errors import ContractError, StateError, TrainError
+from job.train.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
+from storage import COMPLETE, GenerationStore
+from storage.errors import CorruptGenerationError, StoreError
+
+log = logging.getLogger("trainproof.resume")
 
 
 def agree_plan(store: GenerationStore, plan: dict[str, Any], sync: Collectives) -> dict[str, Any]:
@@ -37,9 +48,13 @@ def agree_plan(store: GenerationStore, plan: dict[str, Any], sync: Collectives) 
     return stored
 
 
-def load_agreed(store: GenerationStore, contract: str, sync: Collectives) -> tuple[str, dict[str, Any]] | None:
-    """(generation name, joined state) of the newest usable generation, loaded by every rank; None if none."""
-    loaded = sync.on_rank0("find the newest usable generation", lambda: _latest(store, contract))
+def load_agreed(store: GenerationStore, contract: str, sync: Collectives, *,
+                code_version: str | None = None) -> tuple[str, dict[str, Any]] | None:
+    """(generation name, joined state) of the newest usable generation, loaded by every rank; None if none.
+
+    ``code_version``: this build's; a generation of other code is passed over for an older one of this build
+    (see the module docstring)."""
+    loaded = sync.on_rank0("find the newest usable generation", lambda: _latest(store, contract, code_version))
     step = int(sync.broadcast_bytes(str(loaded[0] if loaded else 0).encode() if sync.rank == 0 else None,
                                     "share the step to resume"))
     error: Exception | None = None
@@ -56,14 +71,63 @@ def load_agreed(store: GenerationStore, contract: str, sync: Collectives) -> tup
     return None if not step else (f"step-{step:08d}", loaded[1])
 
 
-def _latest(store: GenerationStore, contract: str) -> tuple[int, dict[str, Any]] | None:
+def _latest(store: GenerationStore, contract: str, code_version: str | None) -> tuple[int, dict[str, Any]] | None:
     # Any world: a newer generation written by another world must be refused (or adopted) explicitly,
     # never silently skipped in favour of an older one that would lose its progress.
-    decoded: dict[int, Any] = {}
-    found = store.load_latest(contract=contract, check=_checker(decoded))
-    if found is None:
-        return None
-    return found.info.step, _joined(found.files, decoded)
+    other_code: list[tuple[int, dict[str, Any]]] = []
+    below: int | None = None
+    while True:
+        decoded: dict[int, Any] = {}
+        found = (store.load_latest(contract=contract, check=_checker(decoded)) if below is None
+                 else _load_below(store, contract, below, _checker(decoded)))
+        if found is None:
+            break
+        step, state = found.info.step, _joined(found.files, decoded)
+        problem = _inconsistency(state, step, contract)
+        if problem is not None:
+            log.warning("skipping %s (inconsistent): %s", found.info.name, problem)
+            _quarantine(store, step, problem)
+            below = step  # strictly older from now on, even if the quarantine could not move it
+            continue
+        written_by = state["meta"].get("code_version")
+        if code_version is not None and written_by != code_version:
+            log.warning("skipping %s: written by %r, this is %r; looking for an older generation of this build",
+                        found.info.name, written_by, code_version)
+            other_code.append((step, state))
+            below = step
+            continue
+        return step, state
+    if other_code:
+        return other_code[0]  # none of this build: the newest, for check_consistency to refuse by name
+    return None
+
+
+def _inconsistency(state: dict[str, Any], step: int, contract: str) -> str | None:
+    try:
+        check_self_consistent(state, step=step, contract=contract)
+    except StateError as exc:
+        return str(exc)
+    return None
+
+
+def _load_below(store: GenerationStore, contract: str, below: int, check: Any):
+    """The newest complete generation older than ``below`` that verifies (corrupt ones are quarantined)."""
+    for info in reversed(store.scan(contract=contract)):
+        if info.step >= below or info.status != COMPLETE:
+            continue
+        try:
+            return store.load(info.step, check, contract=contract)
+        except CorruptGenerationError as exc:
+            log.warning("skipping %s (corrupt): %s", info.name, exc)
+            _quarantine(store, info.step, str(exc))
+    return None
+
+
+def _quarantine(store: GenerationStore, step: int, reason: str) -> None:
+    try:
+        store.quarantine(step, reason)
+    except (StoreError, OSError) as exc:
+        log.warning("could not quarantine step %d (%s); it stays in place and keeps being skipped", step, exc)
 
 
 def _load(store: GenerationStore, contract: str, step: int) -> tuple[int, dict[str, Any]]:

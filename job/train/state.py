@@ -26,6 +26,7 @@ can never write a state that its own loader would refuse.
 from __future__ import annotations
 
 import io
+import zipfile
 import pickle
 import re
 from array import array
@@ -199,7 +200,28 @@ def _checked_part(part: dict[str, Any], rank: int, state: dict[str, Any]) -> dic
     return part
 
 
+MAX_EXPANSION = 1.05
+"""How much larger than the file its archive's members may be in all: ``torch.save`` stores them uncompressed,
+so the sum of member sizes is the file size less the archive's own headers. Anything that expands further
+(a deflated member, a zip bomb) is refused before torch reads it."""
+
+
+def check_archive(data: bytes) -> None:
+    """Refuse a checkpoint archive whose members would expand past :data:`MAX_EXPANSION` times its size."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise StateError(f"the state file is not a torch checkpoint archive ({type(exc).__name__}: {exc})") from None
+    expanded = sum(m.file_size for m in members)
+    compressed = [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]
+    if compressed or expanded > MAX_EXPANSION * len(data):
+        raise StateError(f"refused: the state file ({len(data):,} bytes) would expand to {expanded:,} bytes "
+                         f"({len(compressed)} compressed member(s)); torch.save writes stored members only")
+
+
 def _load_weights_only(data: bytes) -> Any:
+    check_archive(data)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -266,27 +288,41 @@ def check_consistency(state: dict[str, Any], expected: Expected) -> list[str]:
     Raises StateError naming the first inconsistency. Warnings (other torch/numpy versions: the
     resume is still correct but may not be bitwise equal) are returned for the caller to log.
     """
-    check_structure(state)
-    meta, progress = state["meta"], state["progress"]
-    _same("contract", meta.get("contract"), expected.contract, "the state belongs to another run")
+    check_self_consistent(state, step=expected.step, contract=expected.contract)
+    meta = state["meta"]
     _same("world", meta.get("world"), expected.world, "resume with the original world size")
     _same("code_version", meta.get("code_version"), expected.code_version,
           "resume with the version that wrote it, or start a new --store")
     _same("data_identity", meta.get("data_identity"), expected.data_identity, "the data changed since the save")
-    step = progress.get("step")
-    if not isinstance(step, int) or step < 0:
-        raise StateError(f"state progress.step is {step!r}, not a step count")
-    if expected.step is not None:
-        _same("progress.step", step, expected.step, "the generation's name and its content disagree")
-    history = History.from_state_dict(state["history"])
-    if history.column("step") != list(range(1, step + 1)):
-        raise StateError(f"history does not record steps 1..{step} exactly once each (a step repeated or skipped)")
-    sched = state["scheduler"]
-    if sched is not None and sched.get("last_epoch") != step:
-        raise StateError(f"scheduler has taken {sched.get('last_epoch')} steps but progress says {step}")
     if len(state["ranks"]) != expected.world:
         raise StateError(f"state holds {len(state['ranks'])} rank part(s) for world {expected.world}")
     return _version_warnings(meta.get("versions", {}))
+
+
+def check_self_consistent(state: dict[str, Any], *, step: int | None, contract: str) -> None:
+    """Refuse a state that contradicts itself or the generation it was read from (StateError).
+
+    Such a state was not written by a correct trainer of this run (damage, or a planted copy: an older state
+    under a newer folder name): the caller quarantines its generation and falls back to the previous one.
+    ``step`` is the generation's step (its folder name), None when the state stands alone.
+    """
+    check_structure(state)
+    meta, progress = state["meta"], state["progress"]
+    _same("contract", meta.get("contract"), contract, "the state belongs to another run")
+    own = progress.get("step")
+    if not isinstance(own, int) or isinstance(own, bool) or own < 0:
+        raise StateError(f"state progress.step is {own!r}, not a step count")
+    if step is not None:
+        _same("progress.step", own, step, "the generation's name and its content disagree")
+    history = History.from_state_dict(state["history"])
+    if history.column("step") != list(range(1, own + 1)):
+        raise StateError(f"history does not record steps 1..{own} exactly once each (a step repeated or skipped)")
+    sched = state["scheduler"]
+    if sched is not None and sched.get("last_epoch") != own:
+        raise StateError(f"scheduler has taken {sched.get('last_epoch')} steps but progress says {own}")
+    world = meta.get("world")
+    if not isinstance(world, int) or len(state["ranks"]) != world:
+        raise StateError(f"state holds {len(state['ranks'])} rank part(s) for world {world!r}")
 
 
 def _same(field: str, got: Any, want: Any, hint: str) -> None:

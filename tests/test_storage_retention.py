@@ -1,0 +1,233 @@
+"""Retention cannot lose the last good copy: strangers' generations never count as the newest, the newest kept
+generation is re-verified before anything older goes, young partials survive a zero grace period, and a
+symlinked step folder is never followed.  Memory, local folder and S3 over loopback unless noted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from storage import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, open_store
+from storage.backend import LocalBackend, join
+from storage.manifest import MARKER
+from storage.retention import MIN_GRACE_SECONDS, plan_retention
+
+C = "contract-r"
+
+
+def commit(store, step, contract=C, world=1, **kw):
+    return store.commit(step, {"training_state.pt": b"%d" % step * 500, "meta.json": b"{}"}, contract=contract,
+                        world=world, code_version="t", **kw)
+
+
+def steps(store, **kw):
+    return [(g.step, g.status) for g in store.scan(**kw)]
+
+
+def test_a_one_byte_foreign_manifest_at_the_top_never_counts_as_the_newest(store_url):
+    """(a) step-99999999/COMPLETE.json of one byte, keep=1: the real newest survives and still loads."""
+    store = open_store(store_url)
+    for step in (1, 2, 3):
+        commit(store, step)
+    store.backend.write(join(store.root, "step-99999999", MARKER), b"1")
+    store.apply_retention(1, contract=C, world=1)
+    assert steps(store) == [(3, COMPLETE), (99_999_999, CORRUPT)]
+    assert store.load(3).files["training_state.pt"] == b"3" * 500
+    store.apply_retention(1)  # without a contract too
+    assert steps(store) == [(3, COMPLETE), (99_999_999, CORRUPT)]
+
+
+def test_a_valid_generation_of_another_contract_is_neither_newest_nor_deleted(store_url):
+    store = open_store(store_url)
+    for step in (1, 2, 3):
+        commit(store, step)
+    commit(store, 99_999_999, contract="someone-else")
+    store.apply_retention(1, contract=C)
+    assert steps(store) == [(3, COMPLETE), (99_999_999, COMPLETE)]
+    assert store.load_latest(contract=C).info.step == 3
+
+
+def test_without_a_contract_mixed_contracts_delete_nothing(store_url, caplog):
+    store = open_store(store_url)
+    for step in (1, 2):
+        commit(store, step)
+    commit(store, 99_999_999, contract="someone-else")
+    with caplog.at_level(logging.WARNING, logger="trainproof.storage"):
+        assert store.apply_retention(1) == []
+    assert [s for s, _ in steps(store)] == [1, 2, 99_999_999]
+    assert any("different contracts" in r.getMessage() for r in caplog.records)
+
+
+def test_commit_with_keep_counts_only_its_own_contract(store_url):
+    """A stranger's valid generation numbered above ours must not make the commit delete what it just wrote."""
+    store = open_store(store_url)
+    commit(store, 99_999_999, contract="someone-else")
+    for step in (1, 2, 3):
+        commit(store, step, keep=1)
+    assert steps(store) == [(3, COMPLETE), (99_999_999, COMPLETE)]
+
+
+def test_world_filter_leaves_other_worlds_alone(store_url):
+    store = open_store(store_url)
+    commit(store, 1, world=2)
+    commit(store, 2)
+    commit(store, 3)
+    commit(store, 4, world=2)
+    store.apply_retention(1, contract=C, world=1)
+    assert steps(store) == [(1, COMPLETE), (3, COMPLETE), (4, COMPLETE)]
+    assert steps(store, world=1) == [(1, FOREIGN), (3, COMPLETE), (4, FOREIGN)]
+
+
+def test_a_newest_generation_that_fails_verification_keeps_the_older_good_one(store_url, caplog):
+    """(b) one flipped byte (same size) in the newest generation: the older, verifying one is kept."""
+    store = open_store(store_url)
+    for step in (1, 2, 3):
+        commit(store, step)
+    target = join(store.root, "step-00000003", "training_state.pt")
+    data = store.backend.read(target)
+    store.backend.write(target, bytes([data[0] ^ 0x01]) + data[1:])
+    with caplog.at_level(logging.WARNING, logger="trainproof.storage"):
+        assert store.apply_retention(1, contract=C) == []
+    assert steps(store) == [(1, COMPLETE), (2, COMPLETE), (3, COMPLETE)]  # listing cannot see a same-size flip
+    assert store.load(2).files["training_state.pt"] == b"2" * 500
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "step-00000003 does not verify" in messages and "step-00000002 is the newest generation that verifies" in messages
+
+
+def test_nothing_is_deleted_when_no_generation_verifies(store_url):
+    store = open_store(store_url)
+    for step in (1, 2):
+        commit(store, step)
+    for step in (1, 2):
+        target = join(store.root, f"step-{step:08d}", "meta.json")
+        store.backend.write(target, b"{!")
+    assert store.apply_retention(1, contract=C) == []
+    assert [s for s, _ in steps(store)] == [1, 2]
+
+
+def test_a_young_partial_survives_a_zero_grace_period(store_url, caplog):
+    """(c) files present, no COMPLETE.json, fresh mtime: grace 0 is raised to the floor and it stays."""
+    store = open_store(store_url)
+    commit(store, 1)
+    store.backend.write(join(store.root, "step-00000002", "training_state.pt"), b"being written")
+    commit(store, 3)
+    with caplog.at_level(logging.WARNING, logger="trainproof.storage"):
+        store.apply_retention(1, grace_seconds=0, contract=C)
+    assert steps(store) == [(2, INCOMPLETE), (3, COMPLETE)]
+    assert any("raised to 60s" in r.getMessage() for r in caplog.records)
+    store.apply_retention(1, grace_seconds=0, contract=C, i_know_no_writer_is_active=True)
+    assert steps(store) == [(3, COMPLETE)]
+
+
+def test_plan_retention_applies_the_grace_floor():
+    from storage.generations import GenerationInfo
+
+    now = 1_000_000.0
+    gens = [GenerationInfo(step=1, name="step-00000001", status=INCOMPLETE, mtime=now - MIN_GRACE_SECONDS / 2),
+            GenerationInfo(step=2, name="step-00000002", status=COMPLETE, mtime=now,
+                           manifest={"contract": C, "world": 1})]
+    assert plan_retention(gens, keep=1, now=now, grace_seconds=0) == []
+    assert [g.step for g in plan_retention(gens, keep=1, now=now, grace_seconds=0,
+                                           i_know_no_writer_is_active=True)] == [1]
+
+
+def test_a_symlinked_step_folder_is_never_followed_or_deleted_through(tmp_path):
+    """(d) step-00000001 is a symlink to a complete generation outside the run: gc leaves it and its target."""
+    outside = open_store(str(tmp_path / "elsewhere"))
+    commit(outside, 1)
+    target = tmp_path / "elsewhere" / "step-00000001"
+    store = open_store(str(tmp_path / "run"))
+    for step in (2, 3, 4):
+        commit(store, step)
+    os.symlink(target, tmp_path / "run" / "step-00000001")
+    [link] = [g for g in store.scan() if g.step == 1]
+    assert link.status == FOREIGN and "symlink" in link.reason
+    store.apply_retention(1, grace_seconds=0, i_know_no_writer_is_active=True)
+    assert [s for s, _ in steps(store)] == [1, 4]
+    assert (target / MARKER).exists() and (target / "training_state.pt").exists()
+    assert os.path.islink(tmp_path / "run" / "step-00000001")
+    assert outside.load(1).files["training_state.pt"] == b"1" * 500
+
+
+def test_local_folder_deletes_refuse_a_symlink(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / MARKER).write_bytes(b"{}")
+    (tmp_path / "real" / "keep.pt").write_bytes(b"x")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    backend = LocalBackend()
+    with pytest.raises(OSError, match="symlink"):
+        backend.delete_folder(str(tmp_path / "link"), first=MARKER)
+    with pytest.raises(OSError, match="symlink"):
+        backend.delete_tree(str(tmp_path / "link"))
+    assert sorted(os.listdir(tmp_path / "real")) == [MARKER, "keep.pt"]
+
+
+def test_commit_refuses_to_write_through_a_symlinked_step_folder(tmp_path):
+    from storage import CommitConflictError
+
+    (tmp_path / "elsewhere").mkdir()
+    store = open_store(str(tmp_path / "run"))
+    commit(store, 1)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "run" / "step-00000002")
+    with pytest.raises(CommitConflictError, match="symlink"):
+        commit(store, 2)
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_only_step_generations_are_subject_to_keep(store_url):
+    store = open_store(store_url)
+    commit(store, 1)
+    commit(store, 2)
+    exports = store.child("exports")
+    exports.commit(1, {"model.pt": b"w"}, contract=C, world=1, code_version="t")
+    store.write_file("verification/report.json", b"{}")
+    store.quarantine(1, "evidence")
+    commit(store, 3)
+    commit(store, 4)
+    store.backend.write(join(store.root, "step-junk", "x"), b"not a generation")
+    store.apply_retention(1, grace_seconds=0, contract=C, i_know_no_writer_is_active=True)
+    assert steps(store) == [(4, COMPLETE)]
+    assert [g.step for g in exports.scan()] == [1]
+    assert store.read_file("verification/report.json") == b"{}"
+    assert [r for _, r in store.quarantined()] == ["evidence"]
+    assert store.backend.read(join(store.root, "step-junk", "x")) == b"not a generation"
+
+
+def test_dry_run_verifies_but_deletes_nothing(store_url):
+    store = open_store(store_url)
+    for step in (1, 2, 3):
+        commit(store, step)
+    assert [g.step for g in store.apply_retention(1, dry_run=True, contract=C)] == [1, 2]
+    assert [s for s, _ in steps(store)] == [1, 2, 3]
+    manifest = json.loads(store.read_file(f"step-00000003/{MARKER}"))
+    assert manifest["contract"] == C
+
+
+def test_plan_retention_counts_only_the_given_contract_and_world():
+    """The pure function itself filters (a caller may hand it a scan made without a contract)."""
+    from storage.generations import GenerationInfo
+
+    def gen(step, contract=C, world=1):
+        return GenerationInfo(step=step, name=f"step-{step:08d}", status=COMPLETE, mtime=0.0,
+                              manifest={"contract": contract, "world": world})
+
+    gens = [gen(1), gen(2), gen(3, world=2), gen(99_999_999, contract="someone-else")]
+    plan = plan_retention(gens, keep=1, now=1e9, grace_seconds=3600, contract=C)
+    assert [g.step for g in plan] == [1, 2]  # 3 (world 2) is the newest of contract C; 99999999 is not ours
+    plan = plan_retention(gens, keep=1, now=1e9, grace_seconds=3600, contract=C, world=1)
+    assert [g.step for g in plan] == [1]
+
+
+def test_verify_streams_every_file_and_names_the_fault(store_url):
+    store = open_store(store_url)
+    commit(store, 1)
+    assert store.verify(1, contract=C) is None
+    assert "contract" in store.verify(1, contract="other")
+    target = join(store.root, "step-00000001", "training_state.pt")
+    data = store.backend.read(target)
+    store.backend.write(target, data[:-1] + b"X")
+    assert "sha256" in store.verify(1)
+    assert "no COMPLETE.json" in store.verify(2)
