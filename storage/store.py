@@ -193,6 +193,7 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
         root = os.path.abspath(os.path.expanduser(parsed.path if scheme == "file" else url))
         if os.path.exists(root) and not os.path.isdir(root):
             raise StoreConfigError(f"--store {url} is a file, not a folder")
+        _refuse_file_ancestor(url, root)
         return GenerationStore(LocalBackend(), root, url, options)
     if scheme == "memory":
         from fsspec.implementations.memory import MemoryFileSystem
@@ -200,6 +201,16 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
     if scheme in ("s3", "s3a"):
         return _open_s3(url, parsed, options)
     raise StoreConfigError(f"unsupported store URL scheme {scheme!r} in {url}: use s3://, file://, a folder, or memory://")
+
+
+def _refuse_file_ancestor(url: str, root: str) -> None:
+    """A folder under a *file* can never be created: say so now (exit 2), not after every write's retries."""
+    parent = os.path.dirname(root)
+    while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise StoreConfigError(f"--store {url}: {parent} is a file, so no folder can be made under it; "
+                               "choose a path under a folder")
 
 
 def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:

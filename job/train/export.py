@@ -102,11 +102,19 @@ def export(run: GenerationStore, *, step: int | None = None, dest: GenerationSto
 def _load_source(run: GenerationStore, plan: dict[str, Any], step: int | None):
     check = lambda name, data: decode(data) if name == STATE_FILE else None  # noqa: E731
     if step is not None:
+        complete = sorted(g.step for g in run.scan(contract=plan["contract"]) if g.status == COMPLETE)
+        if step not in complete:  # a usage error, not a damaged generation: say what can be exported
+            raise ConfigError(f"--step {step}: {run.url} has no complete generation at step {step}; complete "
+                              f"steps: {_steps_text(complete)}")
         return run.load(step, check, contract=plan["contract"])
     loaded = run.load_latest(contract=plan["contract"], check=check, quarantine=False)
     if loaded is None:
         raise ConfigError(f"{run.url} has no complete generation to export")
     return loaded
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[-20:])) + (f" (and {len(steps) - 20} older)" if len(steps) > 20 else "") or "none"
 
 
 def _existing(dest: GenerationStore, step: int, source: dict[str, Any]) -> Bundle | None:
