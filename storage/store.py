@@ -176,6 +176,23 @@ class GenerationStore:
     def exists(self, name: str) -> bool:
         return self._io(f"check {name}", lambda: self.backend.exists(join(self.root, name)))
 
+    # -- folders of run-level data (verification/<id>/...) ------------------------------------------------
+    def list_dir(self, relpath: str = "") -> list:
+        """Direct children (``storage.backend.Entry``: name, size, is_dir, mtime) of ``<run>/<relpath>``, fresh."""
+        path = join(self.root, relpath.strip("/")) if relpath.strip("/") else self.root
+        return self._io(f"list {relpath or '.'}", lambda: self.backend.listdir(path))
+
+    def delete_tree(self, relpath: str) -> None:
+        """Delete ``<run>/<relpath>`` and everything under it (a generation loses its COMPLETE.json first, so an
+        interrupted delete leaves it incomplete, never complete and partial). Never the run's root."""
+        relpath = relpath.strip("/")
+        if not relpath or ".." in relpath.split("/"):
+            raise ValueError(f"invalid path to delete {relpath!r}")
+        self._before_write()
+        path = join(self.root, relpath)
+        self._io(f"delete {relpath}/{mf.MARKER}", lambda: self.backend.delete(join(path, mf.MARKER)))
+        self._io(f"delete {relpath}", lambda: self.backend.delete_tree(path))
+
 
 # ---------------------------------------------------------------------------------------------------------
 def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore:
