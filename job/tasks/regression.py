@@ -53,7 +53,7 @@ class RegressionConfig:
     """Seed of the (fixed) dataset; independent of the run seed so the data identity never moves."""
     lr_min: float = 0.0
     """Floor of the StepLR decay (0: none, the fixture). The fixture halves the rate every 3 steps, which is right
-    for the protocol's 10 steps but reaches 1e-11 by step 60 and underflows towards 1e-203 by step 2000; a longer
+    for the protocol's 10 steps but falls below 1e-7 by step 60 and to 1e-202 by step 2000; a longer
     demo sets e.g. ``{"lr_min": 1e-4}``. Left out of the task's settings (hence the contract) while 0, so every
     existing run and the protocol's fixture keep their contract."""
 
