@@ -215,7 +215,8 @@ def plot_png(losses: dict[str, list[float]], distances: dict[str, dict[int, floa
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.info("matplotlib is not installed: no %s (pip install 'trainproof[plot]')", PLOT_FILE)
+        log.info("matplotlib is not installed: no %s (install matplotlib; the image and the test extra have it)",
+                 PLOT_FILE)
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     for path, values in sorted(losses.items(), key=lambda kv: list(_STYLE).index(kv[0])):

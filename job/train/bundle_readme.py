@@ -7,8 +7,8 @@ from job.train.standalone import EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, STAND
 
 INSTALL = ("a checkout of its repository\n(`bash scripts/dev.sh ...`, or `pip install -e .` in it) or its container "
            "image (`docker build -t trainproof:local .`\nin the checkout)")
-"""Where trainproof comes from. Never ``pip install trainproof``: that name on the public package index belongs
-to another project."""
+"""Where trainproof comes from: never the public package index, where the name ``trainproof`` belongs to another
+project."""
 
 SNIPPET = """\
 import json, torch
