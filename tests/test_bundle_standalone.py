@@ -123,9 +123,46 @@ def test_the_reachability_probe_sees_trainproof_where_it_is(tmp_path, torch_only
     assert "TRAINPROOF-REACHABLE ['job', 'storage', 'tests']" in result.stdout and result.returncode == 0
 
 
-def test_a_bundle_of_an_unknown_task_says_there_is_no_model_py():
+USER_TASK = """
+import torch
+from torch.utils.data import TensorDataset
+from job.tasks import DatasetTask
+
+def factory(config):
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).unsqueeze(1)
+    data = TensorDataset(torch.cat([x, x * x], 1), 3 * x)
+    return DatasetTask(
+        dataset=data, eval_dataset=data,
+        build_model=lambda: torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)),
+        per_sample_loss=lambda m, b: ((m(b[0]) - b[1]) ** 2).squeeze(1),
+        config=dict(config), batch_size=4, dtype=torch.float64, optimizer="sgd", lr=0.1)
+"""
+
+
+def test_a_traceable_task_unknown_to_the_exporter_gets_a_program_that_runs_without_its_code(
+        tmp_path, torch_only_site, monkeypatch):
+    (tmp_path / "usertask.py").write_text(USER_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the exporter imports the task, as `trainproof export` would
+    trained = run(tmp_path / "run", "--task", "usertask:factory", "--max-steps", "2",
+                  env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    assert trained.code == 0, trained.stderr
+    from job.train.export import export
+    from storage import open_store
+
+    export(open_store(str(tmp_path / "run")))
+    bundle = tmp_path / "run" / "exports" / "step-00000002"
+    assert not (bundle / "model.py").exists() and (bundle / "model.pt2").is_file()
+    readme = (bundle / "README.md").read_text()
+    assert "no `model.py`" in readme and "another project" in readme
+    result = _run_snippet(bundle, tmp_path / "consumer", torch_only_site)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "TRAINPROOF-REACHABLE []" and lines[-1] == "max |output - recorded|: 0.0", lines
+
+
+def test_a_bundle_of_an_untraceable_unknown_task_says_so_and_has_no_snippet():
     from job.train.bundle_readme import readme
 
     text = readme(metric_name="m", metric=1.0, fp_name="model.safetensors", bf16_names=["model_bf16.pt"],
                   has_model_py=False, program_note="not traced: x", has_plot=False)
-    assert "```python" not in text and "no `model.py`" in text and "pip install trainproof" not in text
+    assert "```python" not in text and "no `model.py`" in text and "could not trace it (not traced: x)" in text

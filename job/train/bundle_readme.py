@@ -3,7 +3,7 @@ reproduces the recorded metric with only ``torch`` and ``safetensors`` installed
 
 from __future__ import annotations
 
-from job.train.standalone import EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, STANDALONE_RTOL
+from job.train.standalone import EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, PROGRAM_INPUTS_FILE, STANDALONE_RTOL
 
 INSTALL = ("a checkout of its repository\n(`bash scripts/dev.sh ...`, or `pip install -e .` in it) or its container "
            "image (`docker build -t trainproof:local .`\nin the checkout)")
@@ -23,6 +23,17 @@ value = bundle.evaluate(net, load_file("eval_data.safetensors"))
 print(metrics["eval"]["metric"], value, "recorded:", metrics["eval"]["value"])
 """
 
+PROGRAM_SNIPPET = """\
+import torch
+from safetensors.torch import load_file
+
+program = torch.export.load("model.pt2")  # the traced model: no Python source of it needed
+example = load_file("program_inputs.safetensors")
+args = [example[f"arg_{i}"] for i in range(len(example) - 1)]
+output = program.module()(*args)
+print("max |output - recorded|:", float((output - example["output"]).abs().max()))
+"""
+
 
 def readme(*, metric_name: str, metric: float, fp_name: str, bf16_names: list[str], has_model_py: bool,
            program_note: str | None, has_plot: bool) -> str:
@@ -33,12 +44,14 @@ def readme(*, metric_name: str, metric: float, fp_name: str, bf16_names: list[st
         ("`config.json`", "task, task settings (`task_config`), dtype, seed, run contract, source generation, versions"),
         ("`metrics.json`", f"final loss, evaluation ({metric_name} {metric:.6g} in full precision), steps, samples seen"),
         ("`data.json`", "data identity (sha256) and data position"),
-        (f"`{EVAL_DATA_FILE}`", "the exact batches of the recorded evaluation"),
     ]
     if has_model_py:
         rows.append((f"`{MODEL_FILE}`", "the architecture and the evaluation in plain torch (`build_model`, `evaluate`)"))
-    if program_note and program_note.startswith("traced"):
+        rows.append((f"`{EVAL_DATA_FILE}`", "the exact batches of the recorded evaluation"))
+    traced = bool(program_note and program_note.startswith("traced"))
+    if traced:
         rows.append((f"`{PROGRAM_FILE}`", f"a `torch.export` program of the model ({program_note})"))
+        rows.append((f"`{PROGRAM_INPUTS_FILE}`", "an input it was traced on (`arg_0`, ...) and the model's `output`"))
     if has_plot:
         rows.append(("`loss.png`", "the training loss per step"))
     rows.append(("`SHA256SUMS`", "checksums: `sha256sum -c SHA256SUMS`"))
@@ -54,16 +67,20 @@ torch release and thread count).
 
 For the bfloat16 weights, load `model_bf16.safetensors` instead: `load_state_dict` casts them back to the
 model's dtype (the metric then moves within `metrics.json`'s `bf16_tolerance`)."""
-    else:
-        load = ("This task's architecture is not known to the exporter, so there is no `model.py`: rebuild the "
-                "model with the task's own code (`config.json` names it and its settings) and load "
-                f"`{fp_name}` with `safetensors.torch.load_file`.")
-    program = ""
-    if program_note and program_note.startswith("traced"):
-        program = f"""
+    elif traced:
+        load = f"""This task's architecture is not known to the exporter, so there is no `model.py`; `{PROGRAM_FILE}` runs the
+model without its code. In a virtualenv with only `torch` and `safetensors`, from this folder (the difference
+is 0 with the same torch release and thread count; this program accepts only the traced input shapes):
 
-Without any Python source of the model: `program = torch.export.load("{PROGRAM_FILE}")`, then
-`program.module()(*inputs)` runs it (the first evaluation batch's inputs are in `{EVAL_DATA_FILE}`)."""
+```python
+{PROGRAM_SNIPPET}```
+
+To train further or evaluate, rebuild the model with the task's own code (`config.json` names it and its
+settings) and load `{fp_name}` with `safetensors.torch.load_file`."""
+    else:
+        load = ("This task's architecture is not known to the exporter, so there is no `model.py`, and "
+                f"`torch.export` could not trace it ({program_note}): rebuild the model with the task's own code "
+                f"(`config.json` names it and its settings) and load `{fp_name}` with `safetensors.torch.load_file`.")
     return f"""# trainproof export bundle
 
 | file | holds |
@@ -74,7 +91,7 @@ Without any Python source of the model: `program = torch.export.load("{PROGRAM_F
 
 ## Load it
 
-{load}{program}
+{load}
 
 trainproof itself (to train, verify or export more) comes from {INSTALL}.
 The package named `trainproof` on the public package index is another project.

@@ -141,7 +141,8 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
 
     from job.train.bundle_readme import readme
     from job.train.plot import loss_png
-    from job.train.standalone import EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, export_program, standalone
+    from job.train.standalone import (EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, PROGRAM_INPUTS_FILE, export_program,
+                                      standalone)
 
     weights = {k: v.detach().cpu().contiguous() for k, v in state["model"].items()}
     bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
@@ -150,7 +151,8 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
     alone = standalone(plan["task"], task)
     # torch.export costs seconds (10+ on first use) on every export, verify included: only where no model.py
     # can rebuild the architecture does the bundle need a program to be loadable without the task's code.
-    program, program_note = (None, "not needed: model.py rebuilds it") if alone else export_program(task, weights)
+    program, example, program_note = (None, {}, "not needed: model.py rebuilds it") if alone else \
+        export_program(task, weights)
     history = History.from_state_dict(state["history"])
     plot = loss_png(history.column("step"), history.column("loss"), f"{plan['task']}: training loss")
     files = {
@@ -169,7 +171,7 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
     if alone is not None:
         files[MODEL_FILE], files[EVAL_DATA_FILE] = alone.source.encode(), save(alone.eval_data)
     if program is not None:
-        files[PROGRAM_FILE] = program
+        files[PROGRAM_FILE], files[PROGRAM_INPUTS_FILE] = program, save(example)
     if plot is not None:
         files["loss.png"] = plot
     files[SUMS_FILE] = "".join(f"{_sha256(data)}  {name}\n" for name, data in sorted(files.items())).encode()

@@ -32,6 +32,7 @@ from job.tasks import Task
 log = logging.getLogger("trainproof.export")
 
 MODEL_FILE, EVAL_DATA_FILE, PROGRAM_FILE = "model.py", "eval_data.safetensors", "model.pt2"
+PROGRAM_INPUTS_FILE = "program_inputs.safetensors"
 STANDALONE_RTOL = 1e-6
 """What a consumer's re-evaluation must match (relative to ``metrics.json``). The same torch release and thread
 count give the same bits (the bundle test finds an exact match); another CPU or torch build may round float32
@@ -155,10 +156,12 @@ def standalone(spec: str, task: Task) -> Standalone | None:
 
 
 # -- torch.export -----------------------------------------------------------------------------------------
-def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[bytes | None, str]:
+def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[bytes | None, dict[str, torch.Tensor], str]:
     """``model.pt2``: the model holding ``weights``, traced by ``torch.export`` on the first input of its evaluation.
 
-    Returns (bytes, note); (None, why) when the model cannot be traced (the bundle is still complete without it).
+    Returns (program bytes, example, note): ``example`` holds that input (``arg_0``, ``arg_1``, ...) and the model's
+    output on it (``output``), for ``program_inputs.safetensors``. (None, {}, why) when the model cannot be traced
+    with positional tensor inputs and a tensor output (the bundle is still complete without it).
     """
     captured: list[tuple[tuple, dict]] = []
 
@@ -174,18 +177,27 @@ def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[bytes 
         try:
             task.evaluate(model)  # only to see what the model is called with
         except NotImplementedError as exc:
-            return None, f"not traced: {exc}"
+            return None, {}, f"not traced: {exc}"
         finally:
             handle.remove()
     if not captured:
-        return None, "not traced: the evaluation never called the model"
+        return None, {}, "not traced: the evaluation never called the model"
     args, kwargs = captured[0]
+    if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+        return None, {}, "not traced: the model takes keyword or non-tensor inputs"
+    args = tuple(a.detach().cpu() for a in args)
     try:
-        program = torch.export.export(model.eval(), args, kwargs)
+        model.eval()
+        with torch.no_grad():
+            output = model(*args)
+        if not isinstance(output, torch.Tensor):
+            return None, {}, "not traced: the model's output is not one tensor"
+        program = torch.export.export(model, args)
         buf = io.BytesIO()
         torch.export.save(program, buf)
     except Exception as exc:  # noqa: BLE001  (any tracing failure only means: no model.pt2)
         log.info("no %s: torch.export could not trace the model (%s)", PROGRAM_FILE, type(exc).__name__)
-        return None, f"not traced: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-    shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
-    return buf.getvalue(), f"traced with torch.export on input shapes {shapes} (static shapes: the same shapes only)"
+        return None, {}, f"not traced: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    example = {f"arg_{i}": a.contiguous() for i, a in enumerate(args)} | {"output": output.detach().contiguous()}
+    shapes = [list(a.shape) for a in args]
+    return buf.getvalue(), example, f"traced with torch.export on input shapes {shapes} (static shapes: these only)"
