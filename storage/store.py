@@ -198,6 +198,23 @@ class GenerationStore:
     def exists(self, name: str) -> bool:
         return self._io(f"check {name}", lambda: self.backend.exists(join(self.root, name)))
 
+    # -- folders of run-level data (verification/<id>/...) ------------------------------------------------
+    def list_dir(self, relpath: str = "") -> list:
+        """Direct children (``storage.backend.Entry``: name, size, is_dir, mtime) of ``<run>/<relpath>``, fresh."""
+        path = join(self.root, relpath.strip("/")) if relpath.strip("/") else self.root
+        return self._io(f"list {relpath or '.'}", lambda: self.backend.listdir(path))
+
+    def delete_tree(self, relpath: str) -> None:
+        """Delete ``<run>/<relpath>`` and everything under it (a generation loses its COMPLETE.json first, so an
+        interrupted delete leaves it incomplete, never complete and partial). Never the run's root."""
+        relpath = relpath.strip("/")
+        if not relpath or ".." in relpath.split("/"):
+            raise ValueError(f"invalid path to delete {relpath!r}")
+        self._before_write()
+        path = join(self.root, relpath)
+        self._io(f"delete {relpath}/{mf.MARKER}", lambda: self.backend.delete(join(path, mf.MARKER)))
+        self._io(f"delete {relpath}", lambda: self.backend.delete_tree(path))
+
 
 # ---------------------------------------------------------------------------------------------------------
 def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore:
@@ -215,6 +232,7 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
         root = os.path.abspath(os.path.expanduser(parsed.path if scheme == "file" else url))
         if os.path.exists(root) and not os.path.isdir(root):
             raise StoreConfigError(f"--store {redact_url(url)} is a file, not a folder")
+        _refuse_file_ancestor(url, root)
         return GenerationStore(LocalBackend(), root, url, options)
     if scheme == "memory":
         from fsspec.implementations.memory import MemoryFileSystem
@@ -222,6 +240,16 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
     if scheme in ("s3", "s3a"):
         return _open_s3(url, parsed, options)
     raise StoreConfigError(f"unsupported store URL scheme {scheme!r} in {redact_url(url)}: use s3://, file://, a folder, or memory://")
+
+
+def _refuse_file_ancestor(url: str, root: str) -> None:
+    """A folder under a *file* can never be created: say so now (exit 2), not after every write's retries."""
+    parent = os.path.dirname(root)
+    while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise StoreConfigError(f"--store {redact_url(url)}: {parent} is a file, so no folder can be made under it; "
+                               "choose a path under a folder")
 
 
 def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:

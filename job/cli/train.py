@@ -14,7 +14,7 @@ import typer
 import job
 
 from job.cli.app import app
-from job.cli.common import EndpointArg, PathStyleArg, RegionArg, StoreArg, fail, handled, open_run, setup_logging
+from job.cli.common import EXIT_PREEMPTED, EndpointArg, PathStyleArg, RegionArg, StoreArg, fail, handled, open_run, setup_logging
 from job.train.config import TrainConfig, load_task_config
 from job.errors import ConfigError, TrainError
 from job.lifecycle.finish import Finisher
@@ -96,6 +96,10 @@ def train_command(
         except TrainError as exc:
             rank = os.environ.get("RANK") if "WORLD_SIZE" in os.environ else None
             raise fail((f"rank {rank}: " if rank else "") + " ".join(str(exc).split()), exc.exit_code) from None
+    if outcome.exit_code == EXIT_PREEMPTED and os.environ.get("RANK", "0") == "0":
+        # The last line a person sees after a SIGTERM/Ctrl-C: what was kept and what to do next (rank 0 only).
+        sys.stderr.write(f"trainproof: stopped ({outcome.reason}) after committing step {outcome.step} of "
+                         f"{outcome.target}; run the same command again to resume\n")
     raise typer.Exit(outcome.exit_code)
 
 

@@ -64,6 +64,9 @@ def verify_command(
     world: Annotated[int, typer.Option(
         help="Ranks of every path (train --nproc-per-node W, gloo on the CPU); > 1 adds the world-size "
              "equivalence check (W ranks vs 1 rank, same global batch) and its negative control.")] = 1,
+    keep_evidence: Annotated[bool, typer.Option(
+        "--keep-evidence", help="Keep the paths' step-* generations after a passed verdict (a failed or incomplete "
+                                "one always keeps them; --reuse-reference needs them).")] = False,
     reuse: Annotated[Optional[str], typer.Option(
         "--reuse-reference", hidden=True, help="Reuse an earlier verification's continuous and cut paths.")] = None,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
@@ -92,7 +95,7 @@ def verify_command(
                                export=export_bundle, parallel=not sequential, world=world)
     except (UsageError, TrainError, StoreError, OSError, ValueError) as exc:
         raise fail(" ".join(str(exc).split()), EXIT_USAGE) from None
-    raise typer.Exit(_run_and_report(runner))
+    raise typer.Exit(_run_and_report(runner, keep_evidence=keep_evidence))
 
 
 def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **steps: Any):
@@ -118,7 +121,7 @@ def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only
     return Protocol(settings, opener)
 
 
-def _run_and_report(runner: Any) -> int:
+def _run_and_report(runner: Any, *, keep_evidence: bool = False) -> int:
     """Run, then always try to upload a report (a partial one, with the error, when it could not complete)."""
     from job.proof.paths import VerificationIncomplete
     from job.proof.report import print_summary, upload
@@ -137,11 +140,29 @@ def _run_and_report(runner: Any) -> int:
     except (StoreError, OSError) as exc:
         error = error or f"could not upload the report: {exc}"
         print(f"trainproof: error: could not upload {runner.root.url}/verification.json: {exc}", file=sys.stderr)
+    if error is None and report["all_checks_passed"] and not keep_evidence:
+        _prune(runner, report)
     print_summary(report)
     if error is not None:
         print(f"trainproof: error: verification incomplete: {error}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OK if report["all_checks_passed"] else EXIT_FAILURE
+
+
+def _prune(runner: Any, report: dict[str, Any]) -> None:
+    """After a passed verdict: remove the paths' generations, then say so in verification.json (re-uploaded).
+    A failure to remove is a warning, never a changed verdict (the audit's identity may not delete)."""
+    from job.proof.evidence import prune_evidence
+    from job.proof.report import upload
+
+    try:
+        removed = prune_evidence(runner.root)
+        report["evidence"] = {"removed_generations": removed, "kept": "verification.json, plot, each path's "
+                              "plan.json and summary.json, the export; --keep-evidence keeps the generations"}
+        upload(runner.root, report, None)
+    except (StoreError, OSError) as exc:
+        log.warning("could not remove the verification's generations under %s (%s); they stay: "
+                    "`trainproof gc --keep-verifications N` removes old verifications", runner.root.url, exc)
 
 
 @app.command("export")

@@ -132,7 +132,7 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     """A short table (one row per check, one column per compared path), then the verdicts."""
     console = console or Console(width=120)
     checks = report["checks"]
-    table = Table(title=f"trainproof verify ({report['kind']}) {report['id']}")
+    table = Table(title=f"trainproof verify ({report['kind']}) {report['id']}", caption=_compared(report))
     table.add_column("check")
     for path in checks:
         table.add_column(path, justify="right")
@@ -155,6 +155,19 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     if report.get("export"):
         console.print(f"export: {report['export']['location']}")
     console.print(f"report: {report['location']}/{REPORT_FILE}")
+
+
+def _compared(report: dict[str, Any]) -> str | None:
+    """An audit's table says which generations it compared (from -> to), a protocol's which steps."""
+    settings = report.get("settings") or {}
+    if report.get("kind") == "audit":
+        gens = report.get("audited_generations") or {}
+        a = (gens.get("from") or {}).get("generation") or f"step {settings.get('from')}"
+        b = (gens.get("to") or {}).get("generation") or f"step {settings.get('to')}"
+        return f"replayed {settings.get('run')}: {a} -> {b}, compared with the run's own {b}"
+    if "steps" in settings and "cut" in settings:
+        return f"{settings['steps']} steps, cut at {settings['cut']}; each path compared with continuous"
+    return None
 
 
 def _world_table(world: dict[str, Any]) -> Table:
@@ -202,7 +215,8 @@ def plot_png(losses: dict[str, list[float]], distances: dict[str, dict[int, floa
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.info("matplotlib is not installed: no %s (pip install 'trainproof[plot]')", PLOT_FILE)
+        log.info("matplotlib is not installed: no %s (install matplotlib; the image and the test extra have it)",
+                 PLOT_FILE)
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     for path, values in sorted(losses.items(), key=lambda kv: list(_STYLE).index(kv[0])):

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import typing
 from dataclasses import dataclass
 from typing import Any, Iterator, TypeVar
 
@@ -143,9 +144,37 @@ def config_from_dict(cls: type[C], overrides: dict[str, Any] | None) -> C:
     if unknown:
         raise ConfigError(f"unknown {cls.__name__} key(s) {unknown}; known keys: {sorted(known)}")
     try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001  (a user's annotation that does not resolve: leave the check to the class)
+        hints = {}
+    for key, value in overrides.items():
+        expected = _type_error(hints.get(key), value)
+        if expected:  # checked before __post_init__, whose comparisons would fail with a TypeError that names no key
+            raise ConfigError(f"{cls.__name__}: {key!r} must be {expected}, got {value!r} "
+                              f"({type(value).__name__}); fix it in the --config file")
+    try:
         return cls(**overrides)
     except TypeError as exc:
         raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def _type_error(hint: Any, value: Any) -> str | None:
+    """What ``value`` should have been for the annotation ``hint`` (None when it fits or the hint is not checked)."""
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        if not isinstance(value, list):
+            return "a list"
+        bad = [v for v in value if _type_error(item, v)]
+        return f"a list of {_type_error(item, bad[0]).removeprefix('a ').removeprefix('an ')}s" if bad else None
+    return None
 
 
 def require(condition: bool, message: str) -> None:

@@ -94,6 +94,12 @@ class TrainConfig:
             return start_step + self.steps
         return self.max_steps if self.max_steps is not None else default_steps
 
+    def target_source(self) -> str:
+        """Where :meth:`target_step` took the target from, for the start line (a silent default surprises)."""
+        if self.steps is not None:
+            return "--steps"
+        return "--max-steps" if self.max_steps is not None else "the task's default: no --max-steps given"
+
     def recorded(self) -> dict[str, Any]:
         """Trainer settings recorded in each state (informational; the contract covers what matters)."""
         return {

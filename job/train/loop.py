@@ -194,7 +194,8 @@ class Trainer:
                         per_rank_mean=self.cfg.negative_control == "per-rank-mean")
         resumed_from = self._resume(run)  # generators are restored here, last, right before the loop
         target = self.cfg.target_step(run.step, self.task.default_steps)
-        self.reporter.event("start", task=self.cfg.task, step=run.step, target=target, device=str(self.device),
+        self.reporter.event("start", task=self.cfg.task, step=run.step, target=target,
+                            target_from=self.cfg.target_source(), seed=self.cfg.seed, device=str(self.device),
                             world=self.world, contract=self.plan["contract"], store=self.store.url,
                             epoch_plan=self.epoch_plan, world_changes=self.world_changes,
                             deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat(),
