@@ -14,9 +14,11 @@ from storage.generations import COMPLETE, INCOMPLETE, GenerationInfo
 
 
 def plan_retention(
-    generations: list[GenerationInfo], *, keep: int, now: float, grace_seconds: float
+    generations: list[GenerationInfo], *, keep: int, now: float, grace_seconds: float,
+    protect: frozenset[int] | set[int] = frozenset(),
 ) -> list[GenerationInfo]:
-    """The generations to delete, oldest first."""
+    """The generations to delete, oldest first. ``protect``: steps of complete generations to keep anyway
+    (the caller's reasons, e.g. the generation a resume started from, kept until an audit spans it)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the newest complete generation is never deleted), got {keep}")
     complete = sorted((g for g in generations if g.status == COMPLETE), key=lambda g: g.step)
@@ -24,7 +26,7 @@ def plan_retention(
         return []
     newest = complete[-1].step
     kept = {g.step for g in complete[-keep:]}
-    doomed = [g for g in complete if g.step not in kept and g.step < newest]
+    doomed = [g for g in complete if g.step not in kept and g.step not in protect and g.step < newest]
     doomed += [
         g for g in generations
         if g.status == INCOMPLETE and g.step < newest

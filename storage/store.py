@@ -141,10 +141,12 @@ class GenerationStore:
         return list_quarantined(self._ctx)
 
     def apply_retention(self, keep: int, *, grace_seconds: float = DEFAULT_GRACE_SECONDS,
-                        dry_run: bool = False) -> list[GenerationInfo]:
-        """Delete what ``plan_retention`` selects (never the newest complete generation, nor anything newer).
-        A complete generation loses its COMPLETE.json first, so an interrupted delete leaves it incomplete."""
-        doomed = plan_retention(self.scan(), keep=keep, now=time.time(), grace_seconds=grace_seconds)
+                        dry_run: bool = False, protect: frozenset[int] | set[int] = frozenset()) -> list[GenerationInfo]:
+        """Delete what ``plan_retention`` selects (never the newest complete generation, nor anything newer,
+        nor a step in ``protect``). A complete generation loses its COMPLETE.json first, so an interrupted
+        delete leaves it incomplete."""
+        doomed = plan_retention(self.scan(), keep=keep, now=time.time(), grace_seconds=grace_seconds,
+                                protect=protect)
         if dry_run:
             return doomed
         self._before_write()

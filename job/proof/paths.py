@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
-from job.train.contract import absolute_url, read_run_plan  # noqa: F401 - re-exported for the proof modules
+from job.train.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F401 - re-exported for the proof modules
 from job.errors import ConfigError
 from job.train.launch import entry_argv
 from job.train.state import STATE_FILE, decode, decode_generation

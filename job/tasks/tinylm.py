@@ -8,7 +8,11 @@ What makes it a realistic checkpointing workload, at CPU-test size by default:
   comes from :meth:`TinyLMTask.count_targets` before any forward pass, so a distributed run can
   all-reduce it first;
 - gradient accumulation over micro-batches, dropout (PyTorch RNG), AdamW, warm-up schedule,
-  gradient clipping, and on CUDA float16 autocast with a GradScaler (all driven by the trainer).
+  gradient clipping, and on CUDA float16 autocast with a GradScaler (all driven by the trainer);
+- input-token corruption as augmentation, drawing from every generator family the trainer owns: Python
+  ``random`` (each micro-batch's corruption rate), the run's NumPy generator (which positions, and the
+  replacement tokens) and PyTorch (dropout). So a resume that loses any one of them diverges here too,
+  as it does on ``regression``.
 
 The corpus is generated from ``corpus_seed`` with its own PCG64 (never the run's generators): each
 sequence is BOS, a short random motif repeated with a little noise, EOS. It is learnable, so the loss
@@ -18,6 +22,7 @@ visibly falls. Size it up with ``--config`` (d_model, n_layers, n_sequences, ...
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -68,6 +73,8 @@ class TinyLMConfig:
     """Max global gradient norm (0 disables clipping)."""
     corpus_seed: int = 1234
     """Seed of the corpus generator; independent of the run seed."""
+    input_noise: float = 0.05
+    """Mean rate of input tokens replaced by random ones (augmentation; targets are never corrupted)."""
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 8, "tinylm: vocab_size must be >= 8")
@@ -78,6 +85,7 @@ class TinyLMConfig:
         require(4 <= self.min_len <= self.max_len, "tinylm: need 4 <= min_len <= max_len")
         require(self.n_sequences >= 1, "tinylm: n_sequences must be >= 1")
         require(1 <= self.micro_batch_size <= self.batch_size, "tinylm: need 1 <= micro_batch_size <= batch_size")
+        require(0.0 <= self.input_noise < 0.5, "tinylm: input_noise must be in [0, 0.5)")
         require(self.lr > 0 and self.weight_decay >= 0 and self.warmup_steps >= 1 and self.grad_clip >= 0,
                 "tinylm: lr > 0, weight_decay >= 0, warmup_steps >= 1, grad_clip >= 0")
 
@@ -210,7 +218,23 @@ class TinyLMTask(Task):
         return sum(len(self.corpus[i]) - 1 for i in sample_ids)
 
     def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> dict[str, torch.Tensor]:
-        return _pad([self.corpus[i] for i in sample_ids], ctx.device)
+        batch = _pad([self.corpus[i] for i in sample_ids], torch.device("cpu"))
+        if self.cfg.input_noise > 0:
+            batch["inputs"] = self._corrupt(batch["inputs"], batch["key_real"], ctx.np_rng)
+        return {k: v.to(ctx.device, non_blocking=True) for k, v in batch.items()}
+
+    def _corrupt(self, inputs: torch.Tensor, real: torch.Tensor, np_rng: np.random.Generator) -> torch.Tensor:
+        """Replace a few real input tokens (never BOS) by random ones: Python ``random`` jitters this
+        micro-batch's rate, the run's NumPy generator picks the positions and the replacements."""
+        rate = self.cfg.input_noise * (0.5 + random.random())
+        hit = torch.from_numpy(np_rng.random(tuple(inputs.shape)) < rate) & real
+        hit[:, 0] = False
+        replacement = torch.from_numpy(np_rng.integers(3, self.cfg.vocab_size, size=tuple(inputs.shape)))
+        return torch.where(hit, replacement, inputs)
+
+    def deterministic_objective(self) -> TinyLMTask:
+        """No dropout and no input corruption (the objective check's variant)."""
+        return TinyLMTask(replace(self.cfg, dropout=0.0, input_noise=0.0))
 
     eval_metric = "heldout_token_loss"
 
