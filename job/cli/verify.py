@@ -124,6 +124,8 @@ def _run_and_report(runner: Any) -> int:
     error = None
     try:
         runner.run()
+        if hasattr(runner, "record_passed"):
+            runner.record_passed()  # an audit that passed releases the restore point retention protects
     except (VerificationIncomplete, TrainError, StoreError, OSError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # a bug must still end as "could not complete", with its traceback logged

@@ -149,9 +149,9 @@ def _short(value: Any) -> str:
 
 
 # -- what each check looks at ---------------------------------------------------------------------------
-# Trainer settings (max_steps, ...) and the step a process resumed from differ between invocations by design;
+# Trainer settings (max_steps, ..., the step the process resumed from) differ between invocations by design;
 # library versions and the device are reported in verification.json rather than compared.
-_META_NOT_COMPARED = ("trainer", "versions", "device", "resumed_from")
+_META_NOT_COMPARED = ("trainer", "versions", "device")
 
 
 def _history(state: dict[str, Any]) -> dict[str, torch.Tensor]:

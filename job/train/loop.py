@@ -347,9 +347,11 @@ class Trainer:
             "contract": self.plan["contract"], "world": self.world, "world_changes": self.world_changes,
             "task": self.cfg.task, "task_config": self.task.config(), "seed": self.cfg.seed,
             "objective": self.task.objective, "data_identity": self.plan["data_identity"],
-            "code_version": code_version(), "code_changes": self.code_changes, "resumed_from": self.resumed_from,
+            "code_version": code_version(), "code_changes": self.code_changes,
             "versions": runtime_versions(), "device": str(self.device),
-            "amp": run.use_amp, "epoch_plan": self.epoch_plan, "trainer": self.cfg.recorded(),
+            "amp": run.use_amp, "epoch_plan": self.epoch_plan,
+            # Per invocation, like the trainer's settings: the step this process restored (None: a fresh start).
+            "trainer": {**self.cfg.recorded(), "resumed_from": self.resumed_from},
         }
 
     def _expected(self, step: int, world: int, code: str | None = None) -> Expected:
