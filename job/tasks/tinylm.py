@@ -10,7 +10,7 @@ What makes it a realistic checkpointing workload, at CPU-test size by default:
 - gradient accumulation over micro-batches, dropout (PyTorch RNG), AdamW, warm-up schedule,
   gradient clipping, and on CUDA float16 autocast with a GradScaler (all driven by the trainer);
 - input-token corruption as augmentation, drawing from every generator family the trainer owns: Python
-  ``random`` (each micro-batch's corruption rate), the run's NumPy generator (which positions, and the
+  ``random`` (each sequence's corruption rate), the run's NumPy generator (which positions, and the
   replacement tokens) and PyTorch (dropout). So a resume that loses any one of them diverges here too,
   as it does on ``regression``.
 
@@ -218,19 +218,19 @@ class TinyLMTask(Task):
         return sum(len(self.corpus[i]) - 1 for i in sample_ids)
 
     def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> dict[str, torch.Tensor]:
-        batch = _pad([self.corpus[i] for i in sample_ids], torch.device("cpu"))
-        if self.cfg.input_noise > 0:
-            batch["inputs"] = self._corrupt(batch["inputs"], batch["key_real"], ctx.np_rng)
-        return {k: v.to(ctx.device, non_blocking=True) for k, v in batch.items()}
+        seqs = [self.corpus[i] for i in sample_ids]
+        inputs = [self._corrupt(s[:-1], ctx.np_rng) for s in seqs] if self.cfg.input_noise > 0 else None
+        return _pad(seqs, ctx.device, inputs)
 
-    def _corrupt(self, inputs: torch.Tensor, real: torch.Tensor, np_rng: np.random.Generator) -> torch.Tensor:
-        """Replace a few real input tokens (never BOS) by random ones: Python ``random`` jitters this
-        micro-batch's rate, the run's NumPy generator picks the positions and the replacements."""
+    def _corrupt(self, tokens: np.ndarray, np_rng: np.random.Generator) -> np.ndarray:
+        """Replace a few input tokens (never BOS; targets stay clean) by random ones: Python ``random`` jitters
+        this sequence's rate, the run's NumPy generator picks the positions and the replacements. Drawn per
+        sequence, in sample order, so a step's draws do not depend on its split into micro-batches."""
         rate = self.cfg.input_noise * (0.5 + random.random())
-        hit = torch.from_numpy(np_rng.random(tuple(inputs.shape)) < rate) & real
-        hit[:, 0] = False
-        replacement = torch.from_numpy(np_rng.integers(3, self.cfg.vocab_size, size=tuple(inputs.shape)))
-        return torch.where(hit, replacement, inputs)
+        hit = np_rng.random(len(tokens)) < rate
+        hit[0] = False
+        replacement = np_rng.integers(3, self.cfg.vocab_size, size=len(tokens))
+        return np.where(hit, replacement, tokens).astype(np.int64)
 
     def deterministic_objective(self) -> TinyLMTask:
         """No dropout and no input corruption (the objective check's variant)."""
@@ -266,14 +266,16 @@ class TinyLMTask(Task):
         )
 
 
-def _pad(seqs: list[np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded inputs/targets of a micro-batch; padded targets are IGNORE, ``key_real`` masks them."""
+def _pad(seqs: list[np.ndarray], device: torch.device,
+         inputs_of: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded inputs/targets of a micro-batch; padded targets are IGNORE, ``key_real`` masks them.
+    ``inputs_of``: each sequence's (augmented) inputs instead of ``s[:-1]``."""
     width = max(len(s) for s in seqs) - 1
     inputs = torch.full((len(seqs), width), PAD, dtype=torch.long)
     targets = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
     for row, s in enumerate(seqs):
         n = len(s) - 1
-        inputs[row, :n] = torch.from_numpy(s[:-1])
+        inputs[row, :n] = torch.from_numpy(s[:-1] if inputs_of is None else inputs_of[row])
         targets[row, :n] = torch.from_numpy(s[1:])
     batch = {"inputs": inputs, "targets": targets, "key_real": targets != IGNORE}
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
