@@ -19,7 +19,7 @@ The runs (each a real ``train`` process, the W-rank ones through the real launch
 
 They train ``train --objective-check`` (job.tasks.objective.ObjectiveCheckTask): the task's
 ``deterministic_objective()`` variant (the built-ins switch dropout, gain and noise off) with every
-``nn.Dropout`` at p = 0, in float64, for :data:`STEPS` steps. Parameters, optimizer moments (Adam's first
+``nn.Dropout`` and ``nn.MultiheadAttention`` dropout at 0, in float64, for :data:`STEPS` steps. Parameters, optimizer moments (Adam's first
 moment is the gradient itself, scaled) and per-step losses are compared with ``single``: within
 :data:`TOLERANCE` (absolute, float64; measured ~1e-16 to 1e-13), and the negative control must differ
 by more. Not bitwise: another split adds the same terms in another order.

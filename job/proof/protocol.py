@@ -49,7 +49,7 @@ from job.train.export import export
 from job.train.state import History
 from job.tasks import Task, load_task
 from job.proof.reload import check_in_fresh_process, write_record
-from job.proof.paths import (Opener, PathResult, RunReader, VerificationIncomplete, absolute_url, job_argv,
+from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv,
                              load_generation, new_id, read_run_plan, require_success, run_processes, seed_run)
 from job.proof.report import REPORT_FILE, build_report, environment, plot_png
 from job.proof.world import WorldEquivalence
@@ -210,13 +210,6 @@ class Protocol:
             args = ["--nproc-per-node", str(s.world), *args]
         negative = ["--omit-rng-restore"] if path == NEGATIVE else []
         return job_argv("train", "--store", self.urls[path], *args, *negative)
-
-    def _launch(self, names: tuple[str, ...]) -> list[PathResult]:
-        results = run_processes([(n, self.urls[n], self.train_argv(n)) for n in names],
-                                timeout=self.s.timeout, parallel=self.s.parallel)
-        self.paths.update({r.name: r.to_json() for r in results})
-        require_success(results)
-        return results
 
     def _reference(self) -> None:
         """The continuous and cut paths, the extra cuts' own cut processes and the objective runs, concurrently."""

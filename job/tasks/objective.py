@@ -57,8 +57,12 @@ class ObjectiveCheckTask(Task):
     def build_model(self) -> nn.Module:
         model = self.inner.build_model()
         for module in model.modules():
+            # The trainer keeps the model in training mode: dropout must be off by value (modules, and the
+            # attention dropout MultiheadAttention applies functionally, e.g. inside nn.TransformerEncoderLayer).
             if isinstance(module, nn.modules.dropout._DropoutNd):
-                module.p = 0.0  # the trainer keeps the model in training mode: dropout must be off by value
+                module.p = 0.0
+            elif isinstance(module, nn.MultiheadAttention):
+                module.dropout = 0.0
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
