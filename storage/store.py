@@ -151,14 +151,15 @@ class GenerationStore:
 
     def apply_retention(self, keep: int, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False,
                         contract: str | None = None, world: int | None = None,
-                        i_know_no_writer_is_active: bool = False) -> list[GenerationInfo]:
+                        i_know_no_writer_is_active: bool = False,
+                        protect: frozenset[int] | set[int] = frozenset()) -> list[GenerationInfo]:
         """Delete what ``plan_retention`` selects (never the newest complete generation of this ``contract`` and
         ``world``, nor anything newer; never foreign, corrupt or symlinked ones), after re-verifying the newest
         kept generation's sha256s; return what was (or, with ``dry_run``, would be) deleted.  ``grace_seconds``
         below ``MIN_GRACE_SECONDS`` is raised to it unless ``i_know_no_writer_is_active``."""
         return apply_retention(self._ctx, keep=keep, grace_seconds=grace_seconds, contract=contract, world=world,
                                dry_run=dry_run, i_know_no_writer_is_active=i_know_no_writer_is_active,
-                               before_write=self._before_write)
+                               before_write=self._before_write, protect=protect)
 
     def latest_hint(self) -> str | None:
         """What ``LATEST`` says (a hint only) when it names a generation (``step-%08d``), else None."""

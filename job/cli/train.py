@@ -7,7 +7,7 @@ import time
 from datetime import datetime, timezone
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -41,7 +41,14 @@ def train_command(
     omit_rng_restore: Annotated[bool, _opt("OMIT_RNG_RESTORE", "Negative control: skip the RNG restore.")] = False,
     negative_control: Annotated[str, typer.Option(
         hidden=True, help="The verifier's own negative control (a wrong objective it must detect): "
-        "per-rank-mean. Never for training; no environment variable sets it.")] = "none",
+        "per-rank-mean, mean-of-microbatch-means. Never for training; no environment variable sets it.")] = "none",
+    objective_check: Annotated[bool, typer.Option(
+        "--objective-check", hidden=True, help="The verifier's objective-equivalence run: the task's deterministic "
+        "variant in float64 (job.proof.objective). Never for training; no environment variable sets it.")] = False,
+    batch_size: Annotated[Optional[int], typer.Option(
+        hidden=True, help="With --objective-check: samples per step and rank.")] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option(
+        hidden=True, help="With --objective-check: samples per forward/backward.")] = None,
     seed: Annotated[int, _opt("SEED", "Seed of every generator (part of the run contract).")] = 1234,
     config: Annotated[Path | None, _opt("CONFIG", "JSON or TOML file of task settings.")] = None,
     deadline: Annotated[str | None, _opt("DEADLINE", "Stop in time to commit, export and reload-check the export "
@@ -65,6 +72,9 @@ def train_command(
     dist_timeout: Annotated[float, _opt("DIST_TIMEOUT", "Seconds any collective may wait for a rank.")] = 600.0,
     allow_world_change: Annotated[
         bool, _opt("ALLOW_WORLD_CHANGE", "Resume on another world size (no longer bitwise comparable).")] = False,
+    allow_code_change: Annotated[
+        bool, _opt("ALLOW_CODE_CHANGE", "Resume a generation written by other code (another source digest of "
+                   "job/ and storage/); recorded in meta.code_changes.")] = False,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Train; resume from the latest valid generation. Exit 0 done (target reached, or deadline reached with a
@@ -86,6 +96,8 @@ def train_command(
                 deadline=None,  # set below from the run's deadline.json (a restart must not move it)
                 device=device, log_every=log_every, log_format=log_format,
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
+                allow_code_change=allow_code_change, objective_check=objective_check, batch_size=batch_size,
+                micro_batch_size=micro_batch_size,
             )
             run_store = open_run(store, endpoint_url, region, path_style)
             cfg.deadline = _run_deadline(run_store, deadline, rental_ends)

@@ -61,6 +61,9 @@ def verify_command(
     export_bundle: Annotated[bool, typer.Option("--export/--no-export", help="Export the resumed result.")] = True,
     timeout: Annotated[float, typer.Option(help="Seconds each process may run.")] = 7200.0,
     sequential: Annotated[bool, typer.Option("--sequential", help="One process at a time.")] = False,
+    cuts: Annotated[Optional[str], typer.Option(
+        help="Every step to cut and resume at, e.g. 5,6,11 (default: the protocol's cut, the epoch boundary and "
+             "the middle of epoch 1); each resumed path is compared with the continuous one.")] = None,
     world: Annotated[int, typer.Option(
         help="Ranks of every path (train --nproc-per-node W, gloo on the CPU); > 1 adds the world-size "
              "equivalence check (W ranks vs 1 rank, same global batch) and its negative control.")] = 1,
@@ -78,7 +81,7 @@ def verify_command(
     store_args = store_cli_args(endpoint_url, region, path_style)
     common = dict(store=store, device=device, workdir=workdir, timeout=timeout, store_args=store_args,
                   **({"vid": vid} if vid else {}))
-    protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse)
+    protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse, cuts=cuts)
     try:
         from job.proof.compare import Tolerance  # torch is slow to import: keep `--help` fast
 
@@ -109,14 +112,18 @@ def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: d
 
 
 def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **more: Any):
+    from job.proof.cuts import parse_cuts
     from job.proof.protocol import Protocol, ProtocolSettings, default_schedule
 
     o = protocol_only
     task = o["task"] or "regression"
     default_steps, default_cut = default_schedule(task)
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
+    chosen = None if o["cuts"] is None else parse_cuts(o["cuts"])
+    # With --cuts and no --cut, the smallest listed cut is the protocol's (the cut and negative paths).
+    protocol_cut = pick(o["cut"], default_cut if chosen is None else chosen[0])
     settings = ProtocolSettings(task=task, config=o["config"], steps=pick(o["steps"], default_steps),
-                                cut=pick(o["cut"], default_cut), seed=pick(o["seed"], 1234),
+                                cut=protocol_cut, seed=pick(o["seed"], 1234), cuts=chosen,
                                 tolerance=tolerance, reuse=o["reuse"], **more, **common)
     return Protocol(settings, opener)
 
@@ -129,6 +136,8 @@ def _run_and_report(runner: Any, *, keep_evidence: bool = False) -> int:
     error = None
     try:
         runner.run()
+        if hasattr(runner, "record_passed"):
+            runner.record_passed()  # an audit that passed releases the restore point retention protects
     except (VerificationIncomplete, TrainError, StoreError, OSError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # a bug must still end as "could not complete", with its traceback logged

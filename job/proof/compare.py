@@ -149,8 +149,8 @@ def _short(value: Any) -> str:
 
 
 # -- what each check looks at ---------------------------------------------------------------------------
-# Trainer settings (max_steps, ...) differ between invocations by design; library versions and the device
-# are reported in verification.json rather than compared.
+# Trainer settings (max_steps, ..., the step the process resumed from) differ between invocations by design;
+# library versions and the device are reported in verification.json rather than compared.
 _META_NOT_COMPARED = ("trainer", "versions", "device")
 
 
@@ -177,6 +177,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any], frozenset[str]], Any]] = {
     "next_lr": lambda s, _: s["progress"].get("next_lr"),
     "rng_next_draws": lambda s, _: [r.get("next_draws") for r in s["ranks"]],
     "rng_states": lambda s, _: [r.get("rng") for r in s["ranks"]],
+    "task_state": lambda s, _: s.get("task_state", {}),
     "configuration": lambda s, _: {k: v for k, v in s["meta"].items() if k not in _META_NOT_COMPARED},
 }
 """Check name -> the part of a state it compares (``names``: the model's parameter names)."""

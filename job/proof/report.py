@@ -147,11 +147,18 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     if world:
         console.print(_world_table(world))
         keys += ["world_equivalence_passed", "world_negative_detected"]
+    keys += [k for k in ("cuts_passed", "objective_equivalence_passed", "objective_negative_detected") if k in report]
+    if report.get("cuts"):
+        console.print(f"cuts resumed at: {report['cuts']['all']} (continuous path: {report['cuts']['steps']} steps)")
+    if report.get("audit_span"):
+        console.print(f"audit span: {report['audit_span']['summary']}")
     for key in keys:
         value = report.get(key)
         console.print(f"{key}: [{'green' if value else 'red'}]{str(value).lower()}[/]")
     if report.get("failing_checks"):
         console.print(f"[red]failing checks: {', '.join(report['failing_checks'])}[/]")
+    for line in report.get("diagnosis") or []:
+        console.print(f"[yellow]likely cause: {line}[/]", soft_wrap=True)
     if report.get("export"):
         console.print(f"export: {report['export']['location']}")
     console.print(f"report: {report['location']}/{REPORT_FILE}")

@@ -108,6 +108,31 @@ class Task(abc.ABC):
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Sum (not mean) of the per-target losses of one micro-batch, as a scalar tensor."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """State the task itself keeps between steps and must get back on a resume (a curriculum stage, a
+        counter, a private generator's state), saved in every checkpoint as ``task_state``.
+
+        Only weights-only-safe values: tensors, numbers, strings, booleans, None, and lists/dicts of them
+        (a ``torch.Generator``'s ``get_state()`` is a tensor; a NumPy generator's ``bit_generator.state`` holds
+        ints and strings). Default: ``{}`` (a task that keeps no state, the recommended kind)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned. Called on a resume after the model, optimizer,
+        scheduler, data position and history were loaded and *before* the trainer's generators are restored
+        (the protocol's order, docs/protocol.md). Default: nothing to load (an empty dict is expected)."""
+        if state:
+            raise ConfigError(f"{type(self).__name__} keeps no state, but the checkpoint holds task state "
+                              f"{sorted(state)[:5]}: implement load_state_dict")
+
+    def deterministic_objective(self) -> Task:
+        """This task with every random draw of ``make_batch`` and ``loss_sum`` switched off (augmentation,
+        input noise, dropout the trainer cannot see): what the verifier's objective check trains
+        (job.proof.objective). The check also sets every ``nn.Dropout`` module's p to 0 and trains in
+        float64 itself; a task that draws in ``make_batch`` (or uses functional dropout) must override this,
+        e.g. return the task built from its config with the noise settings at 0. Default: ``self``."""
+        return self
+
     def use_amp(self, device: torch.device) -> bool:
         """Whether to run forward passes under float16 autocast with a GradScaler."""
         return device.type == "cuda"

@@ -17,7 +17,7 @@ For a long demo run, ``lr_min`` floors the decay (opt-in: the fixture itself is 
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -136,6 +136,10 @@ class RegressionTask(Task):
     def loss_sum(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return ((model(x) - y) ** 2).sum()
+
+    def deterministic_objective(self) -> RegressionTask:
+        """No dropout, gain or noise (the objective check's variant)."""
+        return RegressionTask(replace(self.cfg, dropout=0.0, gain=0.0, noise=0.0))
 
     eval_metric = "mse"
 

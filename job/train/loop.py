@@ -23,18 +23,19 @@ from typing import Any, Protocol
 
 import torch
 
-import job
-from job.train import dist
+from job.train import dist, identity
 from job.train.checkpoint import Checkpointer, SaveClock
 from job.train.config import TrainConfig
 from job.train.contract import build_plan
 from job.train.data import epoch_plan
 from job.errors import ConfigError, ContractError
 from job.train.progress import Reporter, make_reporter
-from job.train.resume import agree_plan, check_transition, load_agreed, world_decision
-from job.train.run import Run, build_run, capture_rank_part, capture_state, restore_state, train_step
+from job.train.protect import protected_steps
+from job.train.resume import agree_plan, check_transition, code_decision, load_agreed, world_decision
+from job.train.run import RestoreCheckError, Run, build_run, capture_rank_part, capture_state, restore_state, train_step
 from job.train.state import Expected, check_consistency, runtime_versions
 from job.tasks import Task, load_task
+from job.tasks.objective import ObjectiveCheckTask
 from storage import COMPLETE, INCOMPLETE, GenerationStore, StoreOptions, open_store
 from storage.errors import StoreConfigError, StoreError
 
@@ -43,8 +44,8 @@ SUMMARY_FILE = "summary.json"
 
 
 def code_version() -> str:
-    """The code identity recorded in every state and generation."""
-    return f"trainproof {job.__version__}"
+    """The code identity recorded in every state and generation (job.train.identity: version + source digest)."""
+    return identity.code_version()
 
 
 class StopFlags(Protocol):
@@ -136,6 +137,8 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
     stop = stop if stop is not None else NoStop()
     env = dist.DistEnv.from_env()
     task = load_task(cfg.task, cfg.task_config)
+    if cfg.objective_check:  # the verifier's objective-equivalence run (job.proof.objective)
+        task = ObjectiveCheckTask(task, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size)
     device = resolve_device(cfg.device, task, env)
     configure_determinism(task, device)
     # Before any collective: a refused epoch plan ends every rank with exit 2 at once, no rendezvous.
@@ -184,6 +187,10 @@ class Trainer:
         self.checkpointer = Checkpointer(store, contract=plan["contract"], world=self.world, keep=cfg.keep,
                                          code_version=code_version(), reporter=reporter, sync=self.sync)
         self.world_changes: list[dict[str, int]] = []
+        self.code_changes: list[dict[str, Any]] = []
+        """Code identities this run changed between (``--allow-code-change``), as ``{step, from, to}``."""
+        self.resumed_from: int | None = None
+        """Step of the generation this process restored (None: a fresh start); recorded in every generation."""
         self.ranks_signalled = 0
         """How many ranks had received a stop signal at the last agreement (the signal may be another rank's)."""
         self.started_at = datetime.now(timezone.utc)
@@ -191,8 +198,16 @@ class Trainer:
     def run(self) -> Outcome:
         """Build, resume, train to the target or a stop request, commit, summarise."""
         run = build_run(self.task, self.device, self.cfg.seed, env=self.sync.env, sync=self.sync,
-                        per_rank_mean=self.cfg.negative_control == "per-rank-mean")
-        resumed_from = self._resume(run)  # generators are restored here, last, right before the loop
+                        per_rank_mean=self.cfg.negative_control == "per-rank-mean",
+                        microbatch_mean=self.cfg.negative_control == "mean-of-microbatch-means")
+        try:
+            resumed_from = self._resume(run)  # generators are restored here, last, right before the loop
+        except RestoreCheckError as exc:
+            # Named for the verifier: a resume that fails its own check is a failed comparison, not a crash.
+            self.reporter.event("restore_check_failed", check=exc.check, generators=exc.differing, detail=str(exc))
+            raise
+        self.resumed_from = resumed_from
+        self.checkpointer.protect = protected_steps(self.store, resumed_from)  # retention runs on rank 0 only
         target = self.cfg.target_step(run.step, self.task.default_steps)
         self.reporter.event("start", task=self.cfg.task, step=run.step, target=target,
                             target_from=self.cfg.target_source(), seed=self.cfg.seed, device=str(self.device),
@@ -281,7 +296,9 @@ class Trainer:
             self.sync.on_rank0("check that the store holds no generation", self._refuse_existing_generations)
             self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
             return None
-        found = load_agreed(self.store, self.plan["contract"], self.sync, code_version=code_version())
+        # Without --allow-code-change a newer generation of other code is passed over for one of this build.
+        found = load_agreed(self.store, self.plan["contract"], self.sync,
+                            code_version=None if self.cfg.allow_code_change else code_version())
         if found is None:
             self.sync.on_rank0("look for unusable generations", self._warn_if_unusable_generations)
             self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
@@ -292,9 +309,10 @@ class Trainer:
                                      source=f"{name} was written by {saved_world} rank(s)")
         if changed:
             check_transition(state["ranks"][0]["data"], self.world, run.global_batch)
+        saved_code = self._decide_code(state, step=step, source=name)
         # The generation's own step (its folder name), not the state's word for it: a state moved under a newer
         # name must be refused, never resumed from.
-        expected = self._expected(int(name.rsplit("-", 1)[1]), saved_world)
+        expected = self._expected(int(name.rsplit("-", 1)[1]), saved_world, saved_code)
         for warning in check_consistency(state, expected) + self._device_warnings(state):
             self.reporter.warn(warning)
         restore_state(run, state, restore_rng=not self.cfg.omit_rng_restore, seed=self.cfg.seed,
@@ -314,13 +332,27 @@ class Trainer:
                                "kept its world size")
         return saved_world != self.world
 
+    def _decide_code(self, state: dict[str, Any], *, step: int, source: str) -> str:
+        """Refuse (exit 2) a resume under other code unless ``--allow-code-change``; record an allowed change.
+
+        Returns the code identity the state must carry (the saved one when the change is allowed)."""
+        saved = state["meta"].get("code_version")
+        self.code_changes = code_decision(saved=saved, now=code_version(), step=step, source=source,
+                                          allow=self.cfg.allow_code_change,
+                                          history=state["meta"].get("code_changes", []))
+        if saved != code_version() and self.rank == 0:
+            self.reporter.warn(f"code changes from {saved} to {code_version()} at step {step} (--allow-code-change): "
+                               "an audit replaying across this step runs the new code")
+        return saved if saved != code_version() else code_version()
+
     def _save(self, run: Run) -> None:
         """Commit this step on every rank together (see job.train.checkpoint for the cross-rank protocol)."""
         self.reporter.event("checkpoint_begin", step=run.step)
         t0 = time.perf_counter()
         state = capture_state(run, self._meta(run)) if self.rank == 0 else None
         extra = {"task": self.cfg.task, "epoch": run.sampler.epoch, "loss": run.history.row(-1)["loss"],
-                 "next_lr": run.lr(), "world": self.world}
+                 "next_lr": run.lr(), "world": self.world, "resumed_from": self.resumed_from,
+                 "code_changes": self.code_changes}
         self.checkpointer.commit(run.step, state, extra=extra, part=capture_rank_part(run) if self.rank else None)
         self.deadline.observe_save(time.perf_counter() - t0)
         self._update_finish_estimate()
@@ -331,12 +363,15 @@ class Trainer:
             "contract": self.plan["contract"], "world": self.world, "world_changes": self.world_changes,
             "task": self.cfg.task, "task_config": self.task.config(), "seed": self.cfg.seed,
             "objective": self.task.objective, "data_identity": self.plan["data_identity"],
-            "code_version": code_version(), "versions": runtime_versions(), "device": str(self.device),
-            "amp": run.use_amp, "epoch_plan": self.epoch_plan, "trainer": self.cfg.recorded(),
+            "code_version": code_version(), "code_changes": self.code_changes,
+            "versions": runtime_versions(), "device": str(self.device),
+            "amp": run.use_amp, "epoch_plan": self.epoch_plan,
+            # Per invocation, like the trainer's settings: the step this process restored (None: a fresh start).
+            "trainer": {**self.cfg.recorded(), "resumed_from": self.resumed_from},
         }
 
-    def _expected(self, step: int, world: int) -> Expected:
-        return Expected(contract=self.plan["contract"], world=world, code_version=code_version(),
+    def _expected(self, step: int, world: int, code: str | None = None) -> Expected:
+        return Expected(contract=self.plan["contract"], world=world, code_version=code or code_version(),
                         data_identity=self.plan["data_identity"], step=step)
 
     def _device_warnings(self, state: dict[str, Any]) -> list[str]:
@@ -374,7 +409,7 @@ class Trainer:
             "save_seconds_max": max(saves) if saves else None, "throughput": self.reporter.throughput(),
             "signals": self.stop.signals, "notices": self.stop.notices, "export": outcome.export, "device": str(self.device), "code_version": code_version(),
             "ranks_signalled": self.ranks_signalled, "world": self.world, "world_changes": self.world_changes,
-            "bitwise_comparable": not self.world_changes,
+            "bitwise_comparable": not self.world_changes, "code_changes": self.code_changes,
             "started_at": self.started_at.isoformat(timespec="seconds"),
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
