@@ -65,6 +65,13 @@ def train_command(
     dist_timeout: Annotated[float, _opt("DIST_TIMEOUT", "Seconds any collective may wait for a rank.")] = 600.0,
     allow_world_change: Annotated[
         bool, _opt("ALLOW_WORLD_CHANGE", "Resume on another world size (no longer bitwise comparable).")] = False,
+    sync_checkpoint: Annotated[bool, _opt("SYNC_CHECKPOINT", "Commit checkpoints inline, blocking training for "
+                                          "the whole save (default: only a copy to host memory blocks; the "
+                                          "commit runs in the background).")] = False,
+    stop_grace: Annotated[float, _opt("STOP_GRACE", "Seconds between SIGTERM (or a spot notice) and SIGKILL: "
+                                      "the final step is committed only when its measured commit time fits; "
+                                      "else exit 75 from the commit in flight. Kubernetes: match "
+                                      "terminationGracePeriodSeconds (150 in infra/k8s); AWS spot 120.")] = 25.0,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Train; resume from the latest valid generation. Exit 0 done (target reached, or deadline reached with a
@@ -86,6 +93,7 @@ def train_command(
                 deadline=parse_deadline(deadline or rental_ends) if deadline or rental_ends else None,
                 device=device, log_every=log_every, log_format=log_format,
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
+                sync_checkpoint=sync_checkpoint, stop_grace_s=stop_grace,
             )
             run_store = open_run(store, endpoint_url, region, path_style)
             cfg.deadline = _run_deadline(run_store, deadline, rental_ends)
