@@ -164,7 +164,8 @@ def test_a_final_commit_that_does_not_fit_the_stop_grace_is_skipped(tmp_path):
     proc = start(store, "--max-steps", "200", "--checkpoint-every", "10", "--keep", "0", "--stop-grace", "2",
                  env={**FAST, "TPHOOK_SAVE_DELAY": "2"})
     events: list[dict] = []
-    _read_until(proc, _is("checkpoint"), events)  # a commit landed and was measured (> 2 s)
+    _read_until(proc, _is("checkpoint"), events)  # a commit landed and was measured (> 2 s)...
+    _read_until(proc, _is("step"), events)  # ...and the next one is in flight while training goes on
     proc.send_signal(signal.SIGTERM)
     result = finish(proc)
     assert result.code == 75, result.stderr
