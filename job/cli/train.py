@@ -75,6 +75,13 @@ def train_command(
     allow_code_change: Annotated[
         bool, _opt("ALLOW_CODE_CHANGE", "Resume a generation written by other code (another source digest of "
                    "job/ and storage/); recorded in meta.code_changes.")] = False,
+    sync_checkpoint: Annotated[bool, _opt("SYNC_CHECKPOINT", "Commit checkpoints inline, blocking training for "
+                                          "the whole save (default: only a copy to host memory blocks; the "
+                                          "commit runs in the background).")] = False,
+    stop_grace: Annotated[float, _opt("STOP_GRACE", "Seconds between SIGTERM (or a spot notice) and SIGKILL: "
+                                      "the final step is committed only when its measured commit time fits; "
+                                      "else exit 75 from the commit in flight. Kubernetes: match "
+                                      "terminationGracePeriodSeconds (150 in infra/k8s); AWS spot 120.")] = 25.0,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Train; resume from the latest valid generation. Exit 0 done (target reached, or deadline reached with a
@@ -98,6 +105,7 @@ def train_command(
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
                 allow_code_change=allow_code_change, objective_check=objective_check, batch_size=batch_size,
                 micro_batch_size=micro_batch_size,
+                sync_checkpoint=sync_checkpoint, stop_grace_s=stop_grace,
             )
             run_store = open_run(store, endpoint_url, region, path_style)
             cfg.deadline = _run_deadline(run_store, deadline, rental_ends)

@@ -77,6 +77,15 @@ class TrainConfig:
     """Timeout of every collective of a distributed run; it must cover rank 0's upload of a generation,
     during which the other ranks wait for the outcome."""
 
+    sync_checkpoint: bool = False
+    """Commit checkpoints inline, blocking training for the whole save (the behaviour before asynchronous
+    checkpoints, job.train.async_save). Distributed runs are always synchronous for now."""
+    stop_grace_s: float = 25.0
+    """Seconds the platform grants between SIGTERM (or a spot notice) and SIGKILL. After a stop request the
+    final step is committed only when the measured commit time fits what is left; otherwise the run exits 75
+    from the commit that was in flight. Kubernetes: terminationGracePeriodSeconds (30 s by default, 150 s in
+    infra/k8s); AWS spot: 120 s; GCP and Azure spot: 30 s."""
+
     def __post_init__(self) -> None:
         if not self.store:
             raise ConfigError("--store is required (a URL or a local folder)")
@@ -104,6 +113,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+        if self.stop_grace_s <= 0:
+            raise ConfigError(f"--stop-grace must be > 0 seconds (got {self.stop_grace_s})")
         if self.deadline is not None and self.deadline <= datetime.now(timezone.utc):
             raise ConfigError(f"--deadline {self.deadline.isoformat()} is already past")
 
@@ -130,6 +141,8 @@ class TrainConfig:
             "negative_control": self.negative_control, "allow_code_change": self.allow_code_change,
             "objective_check": self.objective_check, "batch_size": self.batch_size,
             "micro_batch_size": self.micro_batch_size,
+            "negative_control": self.negative_control, "sync_checkpoint": self.sync_checkpoint,
+            "stop_grace_s": self.stop_grace_s,
         }
 
 
