@@ -13,7 +13,7 @@ from storage import manifest as mf
 from storage.backend import FsspecBackend, LocalBackend, join, read_at_most
 from storage.commit import LATEST, commit_generation, mark_usable, write_part
 from storage.errors import CorruptGenerationError, StoreConfigError, StoreError
-from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan,
+from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, in_chain, load, scan,
                                  verify_hashes)
 from storage.limits import loads_untrusted, redact_url
 from storage.options import RetryPolicy, StoreOptions
@@ -36,7 +36,7 @@ class GenerationStore:
         self._prepare = _prepare
         self._prepared = _prepare is None
         self._lock = threading.Lock()
-        self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits)
+        self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits, keys=options.signing)
 
     def __repr__(self) -> str:
         return f"GenerationStore({redact_url(self.url)!r})"
@@ -109,13 +109,13 @@ class GenerationStore:
              world: int | None = None) -> Loaded:
         """Generation ``step``, every file read (never more than its manifest's size) and verified;
         CorruptGenerationError if it is not usable."""
-        info = inspect(self._ctx, mf.step_dir(step), contract=contract, world=world)
+        info = in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world)
         return load(self._ctx, info, check)
 
     def verify(self, step: int, *, contract: str | None = None, world: int | None = None) -> str | None:
         """Re-read generation ``step`` streaming every file through sha256 (never a whole file in memory):
         None when it is complete and every file matches its manifest, else why not (for ``ls --verify``)."""
-        return verify_hashes(self._ctx, inspect(self._ctx, mf.step_dir(step), contract=contract, world=world))
+        return verify_hashes(self._ctx, in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world))
 
     def load_latest(self, *, contract: str | None = None, world: int | None = None, check: Check | None = None,
                     quarantine: bool = True) -> Loaded | None:
