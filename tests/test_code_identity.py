@@ -20,6 +20,7 @@ from storage import open_store
 from storage.generations import COMPLETE, GenerationInfo
 from storage.retention import plan_retention
 from tests.test_train_helpers import load_state, run
+from tests.test_verify_helpers import read_report, trainproof
 
 OLD = "trainproof 0.0.9+000000000000"
 
@@ -78,6 +79,15 @@ def test_resuming_under_other_code_is_refused_unless_allowed_and_then_recorded(t
     assert newest["extra"]["resumed_from"] == 4 and newest["extra"]["code_changes"] == change
     summary = json.loads((tmp_path / "old" / "summary.json").read_text())
     assert summary["code_changes"] == change
+
+    # The default audit replays from the restore point (written by the old code) and says it crosses the change.
+    audit = trainproof("verify", "--store", str(tmp_path / "old"), "--audit", "--id", "a")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    span = read_report(str(tmp_path / "old"), "a")["audit_span"]
+    assert (span["from"], span["to"], span["crosses_code_change"], span["replay_crosses_code_change"]) == (4, 6, True, True)
+    assert span["code_versions"] == {"from": OLD, "to": code_version(), "replay": code_version()}
+    assert "crosses a code change" in span["summary"]
+    assert "--allow-code-change" in read_report(str(tmp_path / "old"), "a")["paths"]["replay"]["command"]
 
 
 def _info(step: int) -> GenerationInfo:

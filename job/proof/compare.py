@@ -150,8 +150,9 @@ def _short(value: Any) -> str:
 
 # -- what each check looks at ---------------------------------------------------------------------------
 # Trainer settings (max_steps, ..., the step the process resumed from) differ between invocations by design;
-# library versions and the device are reported in verification.json rather than compared.
-_META_NOT_COMPARED = ("trainer", "versions", "device")
+# library versions, the device and the code identity are reported in verification.json rather than compared (an
+# audit that replays across a code change reports it in ``audit_span``; the protocol's paths share one code).
+_META_NOT_COMPARED = ("trainer", "versions", "device", "code_version", "code_changes")
 
 
 def _history(state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -360,7 +360,7 @@ class Trainer:
         if saved != code_version() and self.rank == 0:
             self.reporter.warn(f"code changes from {saved} to {code_version()} at step {step} (--allow-code-change): "
                                "an audit replaying across this step runs the new code")
-        return saved if saved != code_version() else code_version()
+        return saved
 
     def _save(self, run: Run) -> None:
         """Commit this step: in the background from a host-memory snapshot (job.train.async_save), or inline
