@@ -86,8 +86,11 @@ def mark_usable(
 def _signed(ctx: Ctx, step: int, manifest: dict) -> dict:
     """``manifest`` chained (this run's anchor; the newest in-chain generation below ``step`` as predecessor,
     whatever its contract or world: the chain is the run's) and signed (``storage.signing``)."""
-    below = [g for g in scan(ctx) if g.digest is not None and g.step < step]
-    chained = {**manifest, "anchor": anchor(ctx), "predecessor": below[-1].digest if below else None,
+    run_anchor = anchor(ctx)
+    # No plan.json at the root (an export folder): bundles are signed but form no chain, since they may be
+    # committed in any step order (``export --step 5`` after step 10).
+    below = [g for g in scan(ctx) if g.digest is not None and g.step < step] if run_anchor is not None else []
+    chained = {**manifest, "anchor": run_anchor, "predecessor": below[-1].digest if below else None,
                "predecessor_step": below[-1].step if below else None}
     return ctx.keys.sign(chained)
 

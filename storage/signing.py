@@ -42,6 +42,10 @@ Chain rule, applied by discovery to the generations whose signature is valid and
    retention deletes only the current world's) never break the chain, while a branch from a deleted step is
    still a fork once anything in chain continued that step.
 
+A folder without a ``plan.json`` (the export bundles, ``<run>/exports`` or ``--dest``) has no chain: bundles
+may be committed in any step order, so they carry a null anchor and predecessor and are checked by signature
+alone (an export's signed manifest names its source state, which ``export`` compares before reusing one).
+
 A rejected generation is *foreign*: skipped with one warning line, never resumed from, never deleted.
 The digests are over whole manifests, and a manifest's step is signed, so renaming a folder breaks the
 folder/step check and copying bytes never changes a digest.
