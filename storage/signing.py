@@ -173,7 +173,10 @@ def _value(env: Mapping[str, str], name: str, file_name: str) -> str | None:
         raise SigningConfigError(f"{file_name}: cannot read {path}: {exc.strerror or exc.__class__.__name__}") from None
     if len(raw) > _MAX_KEY_FILE:
         raise SigningConfigError(f"{file_name}: {path} is larger than {_MAX_KEY_FILE} bytes; not a key file")
-    text = raw.decode("utf-8", "strict") if raw else ""
+    try:
+        text = raw.decode("utf-8", "strict")
+    except UnicodeDecodeError:  # never echo the bytes: they are (part of) a key
+        raise SigningConfigError(f"{file_name}: {path} is not UTF-8 text") from None
     text = text[:-1] if text.endswith("\n") else text  # one trailing newline (echo, kubectl --from-file)
     text = text[:-1] if text.endswith("\r") else text
     if not text:

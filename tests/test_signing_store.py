@@ -222,3 +222,14 @@ def test_export_folders_without_a_plan_are_signed_but_not_chained(store_url):
     assert _status(s) == {5: COMPLETE, 10: COMPLETE}
     _forge(s, 12, {k: v for k, v in _raw_manifest(s, 10).items() if k != "signature"}, b"u")
     assert _status(s)[12] == FOREIGN
+
+
+def test_unusable_key_files_are_configuration_errors_that_do_not_show_the_key(tmp_path):
+    from storage import StoreConfigError
+
+    for content in (b"", b"\n", b"\xff\xfe" + KEY):
+        path = tmp_path / "key"
+        path.write_bytes(content)
+        with pytest.raises(StoreConfigError) as err:
+            Keyring.from_env({"TRAINPROOF_SIGNING_KEY_FILE": str(path)})
+        assert KEY.decode() not in str(err.value)

@@ -8,6 +8,7 @@ step folder into the run byte for byte.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -36,9 +37,15 @@ def _state(store):
     return load_state(store)
 
 
-def _sign_like(src_manifest: dict, planted: dict) -> dict:
-    """A keyless forger's best: the planted manifest with a signature block copied from a genuine one."""
-    return {**planted, "signature": src_manifest["signature"]}
+def _chain_like(store, planted: dict, *, signature: bool) -> dict:
+    """A keyless forger's best: the planted manifest with this run's anchor and a predecessor that fits (both
+    computable from the bucket's bytes), and, when ``signature``, a signature block copied from a genuine
+    manifest. Only the MAC can then tell it apart."""
+    genuine_raw = (store / "step-00000015" / "COMPLETE.json").read_bytes()
+    genuine = json.loads(genuine_raw)
+    forged = {k: v for k, v in planted.items() if k != "signature"}
+    forged.update(anchor=genuine["anchor"], predecessor=hashlib.sha256(genuine_raw).hexdigest(), predecessor_step=15)
+    return {**forged, "signature": genuine["signature"]} if signature else forged
 
 
 @pytest.mark.parametrize("case", ["unsigned", "forged", "other-key", "out-of-chain"])
@@ -53,10 +60,9 @@ def test_a_planted_generation_is_skipped_and_the_run_reaches_the_untouched_state
     made = run(copy, "--max-steps", "18", "--checkpoint-every", "9", env=env)
     assert made.code == 0, made.stderr
     shutil.copytree(copy / "step-00000018", store / "step-00000018")
-    if case == "forged":
+    if case in ("unsigned", "forged"):
         marker = store / "step-00000018" / "COMPLETE.json"
-        genuine = json.loads((store / "step-00000015" / "COMPLETE.json").read_text())
-        marker.write_text(json.dumps(_sign_like(genuine, json.loads(marker.read_text()))))
+        marker.write_text(json.dumps(_chain_like(store, json.loads(marker.read_text()), signature=case == "forged")))
     result = run(store, "--max-steps", "20", "--checkpoint-every", "5", env=SIGNED)
     assert result.code == 0, result.stderr
     assert result.last("resume")["step"] == 15, result.events
