@@ -40,7 +40,9 @@ Chain rule, applied by discovery to the generations whose signature is valid and
 3. predecessor absent (deleted by retention, quarantined): in chain when no generation in chain lies at or
    above ``predecessor_step`` and below it.  So retention (which deletes the oldest) and world changes (whose
    retention deletes only the current world's) never break the chain, while a branch from a deleted step is
-   still a fork once anything in chain continued that step.
+   still a fork once anything in chain continued that step.  (Once the branch point *and* its continuation
+   are deleted, that knowledge is gone: of two branches the lower one is then taken.  Only a key holder, or
+   a genuine abandoned branch of this run, can provide a branch; see SECURITY.md.)
 
 A folder without a ``plan.json`` (the export bundles, ``<run>/exports`` or ``--dest``) has no chain: bundles
 may be committed in any step order, so they carry a null anchor and predecessor and are checked by signature
