@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from storage.signing import key_id
 from tests.test_train_helpers import ROOT, differences, load_state, run, train_env, trajectory
 
 KEY = "tp-signing-key-9f1c2e7d5b3a"
@@ -115,3 +116,21 @@ def test_verify_audit_and_export_on_a_signed_s3_run_leak_no_secret(s3_env, s3_se
     for k, data in stored.items():  # and every generation, plan and export manifest is signed
         if k.endswith("COMPLETE.json") or k.endswith("/plan.json"):
             assert json.loads(data)["signature"]["alg"] == "hmac-sha256", k
+
+
+def test_key_rotation_in_a_real_run(tmp_path, untouched):
+    """Old key signs 5 and 10; the new key (old one accepted) resumes from 10 and signs 15 and 20, reaching the
+    untouched state. Dropping the old key afterwards makes the plan.json it signed a contract error (exit 2):
+    a person decides (SECURITY.md, rotation)."""
+    store = tmp_path / "run"
+    assert run(store, "--max-steps", "10", "--checkpoint-every", "5", env={"TRAINPROOF_SIGNING_KEY": OTHER}).code == 0
+    rotated = run(store, "--max-steps", "20", "--checkpoint-every", "5",
+                  env={"TRAINPROOF_SIGNING_KEY": KEY, "TRAINPROOF_SIGNING_KEYS_ACCEPTED": OTHER})
+    assert rotated.code == 0, rotated.stderr
+    assert rotated.last("resume")["step"] == 10
+    assert differences(trajectory(untouched), trajectory(_state(store))) == []
+    signers = {step: json.loads((store / f"step-{step:08d}" / "COMPLETE.json").read_text())["signature"]["key_id"]
+               for step in (5, 10, 15, 20) if (store / f"step-{step:08d}").exists()}
+    assert signers[20] == key_id(KEY.encode()) and signers.get(10, key_id(OTHER.encode())) == key_id(OTHER.encode())
+    dropped = run(store, "--max-steps", "25", env=SIGNED)
+    assert dropped.code == 2 and "not accepted" in dropped.stderr, dropped.stderr
