@@ -9,8 +9,9 @@ Two phases, so that several writers (one per rank) can each write and verify the
    concurrent writer), this writer uses ``<stem>.<attempt>.<ext>`` instead and the manifest records it as the
    file's ``object``.  So a concurrent or abandoned writer can never change the bytes a manifest vouches for;
 3. read every object back *from the store* and check size and sha256, then the caller's content check;
-4. with a signing key, chain and sign the manifest (``storage.signing``); write ``COMPLETE.json`` last, create-only; a 412 may be our own write whose response was lost, so read
-   the marker back and compare the attempt id before concluding we lost;
+4. with a signing key, chain and sign the manifest (``storage.signing``); write ``COMPLETE.json`` last,
+   create-only; a 412 may be our own write whose response was lost, so read the marker back and compare the
+   attempt id before concluding we lost;
 5. update the ``LATEST`` hint (best effort: discovery never needs it).
 """
 
