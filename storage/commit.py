@@ -9,8 +9,9 @@ Two phases, so that several writers (one per rank) can each write and verify the
    concurrent writer), this writer uses ``<stem>.<attempt>.<ext>`` instead and the manifest records it as the
    file's ``object``.  So a concurrent or abandoned writer can never change the bytes a manifest vouches for;
 3. read every object back *from the store* and check size and sha256, then the caller's content check;
-4. with a signing key, chain and sign the manifest (``storage.signing``); write ``COMPLETE.json`` last, create-only; a 412 may be our own write whose response was lost, so read
-   the marker back and compare the attempt id before concluding we lost;
+4. with a signing key, chain and sign the manifest (``storage.signing``); write ``COMPLETE.json`` last,
+   create-only; a 412 may be our own write whose response was lost, so read the marker back and compare the
+   attempt id before concluding we lost;
 5. update the ``LATEST`` hint (best effort: discovery never needs it).
 """
 
@@ -86,8 +87,11 @@ def mark_usable(
 def _signed(ctx: Ctx, step: int, manifest: dict) -> dict:
     """``manifest`` chained (this run's anchor; the newest in-chain generation below ``step`` as predecessor,
     whatever its contract or world: the chain is the run's) and signed (``storage.signing``)."""
-    below = [g for g in scan(ctx) if g.digest is not None and g.step < step]
-    chained = {**manifest, "anchor": anchor(ctx), "predecessor": below[-1].digest if below else None,
+    run_anchor = anchor(ctx)
+    # No plan.json at the root (an export folder): bundles are signed but form no chain, since they may be
+    # committed in any step order (``export --step 5`` after step 10).
+    below = [g for g in scan(ctx) if g.digest is not None and g.step < step] if run_anchor is not None else []
+    chained = {**manifest, "anchor": run_anchor, "predecessor": below[-1].digest if below else None,
                "predecessor_step": below[-1].step if below else None}
     return ctx.keys.sign(chained)
 

@@ -171,7 +171,8 @@ def scan_capped(ctx: Ctx, *, contract: str | None = None, world: int | None = No
         return Scan([inspect(ctx, e.name, contract=contract, world=world, entry=e) for e in entries], truncated)
     run_anchor = anchor(ctx)
     found = [inspect(ctx, e.name, contract=contract, world=world, entry=e, run_anchor=run_anchor) for e in entries]
-    return Scan(_chained(found), truncated)
+    # Without a plan.json (an export folder) there is no run to chain: bundles are checked by signature alone.
+    return Scan(_chained(found) if run_anchor is not None else found, truncated)
 
 
 def _chained(found: list[GenerationInfo]) -> list[GenerationInfo]:

@@ -2,7 +2,7 @@
 
 S3 credentials are never held here: botocore finds them itself (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, IRSA web identity, instance metadata), so nothing secret can end up in a log or a repr.
-The signing key is (``signing``), inside a ``Keyring`` whose repr shows key ids only.
+The signing key is held here (``signing``), inside a ``Keyring`` whose repr shows key ids only.
 """
 
 from __future__ import annotations

@@ -40,7 +40,13 @@ Chain rule, applied by discovery to the generations whose signature is valid and
 3. predecessor absent (deleted by retention, quarantined): in chain when no generation in chain lies at or
    above ``predecessor_step`` and below it.  So retention (which deletes the oldest) and world changes (whose
    retention deletes only the current world's) never break the chain, while a branch from a deleted step is
-   still a fork once anything in chain continued that step.
+   still a fork once anything in chain continued that step.  (Once the branch point *and* its continuation
+   are deleted, that knowledge is gone: of two branches the lower one is then taken.  Only a key holder, or
+   a genuine abandoned branch of this run, can provide a branch; see SECURITY.md.)
+
+A folder without a ``plan.json`` (the export bundles, ``<run>/exports`` or ``--dest``) has no chain: bundles
+may be committed in any step order, so they carry a null anchor and predecessor and are checked by signature
+alone (an export's signed manifest names its source state, which ``export`` compares before reusing one).
 
 A rejected generation is *foreign*: skipped with one warning line, never resumed from, never deleted.
 The digests are over whole manifests, and a manifest's step is signed, so renaming a folder breaks the
@@ -169,7 +175,10 @@ def _value(env: Mapping[str, str], name: str, file_name: str) -> str | None:
         raise SigningConfigError(f"{file_name}: cannot read {path}: {exc.strerror or exc.__class__.__name__}") from None
     if len(raw) > _MAX_KEY_FILE:
         raise SigningConfigError(f"{file_name}: {path} is larger than {_MAX_KEY_FILE} bytes; not a key file")
-    text = raw.decode("utf-8", "strict") if raw else ""
+    try:
+        text = raw.decode("utf-8", "strict")
+    except UnicodeDecodeError:  # never echo the bytes: they are (part of) a key
+        raise SigningConfigError(f"{file_name}: {path} is not UTF-8 text") from None
     text = text[:-1] if text.endswith("\n") else text  # one trailing newline (echo, kubectl --from-file)
     text = text[:-1] if text.endswith("\r") else text
     if not text:

@@ -14,7 +14,7 @@ import logging
 
 import pytest
 
-from storage import COMPLETE, FOREIGN, StoreOptions, open_store
+from storage import COMPLETE, FOREIGN, CorruptGenerationError, StoreOptions, open_store
 from storage.signing import Keyring, key_id
 
 KEY, OLD, OTHER = b"k-new-0123456789abcdef", b"k-old-0123456789abcdef", b"k-other-0123456789abc"
@@ -158,6 +158,8 @@ def test_a_fork_is_out_of_chain_and_retention_never_deletes_it(store_url):
     found = {g.step: g for g in s.scan(contract=CONTRACT)}
     assert found[3].status == FOREIGN and "fork" in found[3].reason
     assert s.load_latest(contract=CONTRACT).info.step == 2
+    with pytest.raises(CorruptGenerationError, match="fork"):  # loading it by its step (as an audit does) too
+        s.load(3)
     _commit(s, 4)  # chained to 2, the newest in-chain generation, not to the fork
     assert _raw_manifest(s, 4)["predecessor"] == hashlib.sha256(s.read_file("step-00000002/COMPLETE.json")).hexdigest()
     s.apply_retention(2, contract=CONTRACT, i_know_no_writer_is_active=True)
@@ -209,3 +211,25 @@ def test_a_mac_is_refused_when_any_signed_field_changes():
     assert keys.problem({**doc, "step": 2}).startswith("wrong signature")
     assert keys.problem({**doc, "signature": {**doc["signature"], "mac": "0" * 64}}).startswith("wrong signature")
     assert keys.problem({**doc, "signature": "x"}) == "malformed signature"
+
+
+def test_export_folders_without_a_plan_are_signed_but_not_chained(store_url):
+    # Bundles may be exported in any step order (export --step 5 after step 10): no chain there, signature only.
+    s = _open(store_url, Keyring(KEY))
+    _commit(s, 10)
+    _commit(s, 5)
+    assert _raw_manifest(s, 5)["predecessor"] is None and _raw_manifest(s, 5)["anchor"] is None
+    assert _status(s) == {5: COMPLETE, 10: COMPLETE}
+    _forge(s, 12, {k: v for k, v in _raw_manifest(s, 10).items() if k != "signature"}, b"u")
+    assert _status(s)[12] == FOREIGN
+
+
+def test_unusable_key_files_are_configuration_errors_that_do_not_show_the_key(tmp_path):
+    from storage import StoreConfigError
+
+    for content in (b"", b"\n", b"\xff\xfe" + KEY):
+        path = tmp_path / "key"
+        path.write_bytes(content)
+        with pytest.raises(StoreConfigError) as err:
+            Keyring.from_env({"TRAINPROOF_SIGNING_KEY_FILE": str(path)})
+        assert KEY.decode() not in str(err.value)

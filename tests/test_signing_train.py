@@ -8,6 +8,7 @@ step folder into the run byte for byte.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import sys
 
 import pytest
 
+from storage.signing import key_id
 from tests.test_train_helpers import ROOT, differences, load_state, run, train_env, trajectory
 
 KEY = "tp-signing-key-9f1c2e7d5b3a"
@@ -36,9 +38,15 @@ def _state(store):
     return load_state(store)
 
 
-def _sign_like(src_manifest: dict, planted: dict) -> dict:
-    """A keyless forger's best: the planted manifest with a signature block copied from a genuine one."""
-    return {**planted, "signature": src_manifest["signature"]}
+def _chain_like(store, planted: dict, *, signature: bool) -> dict:
+    """A keyless forger's best: the planted manifest with this run's anchor and a predecessor that fits (both
+    computable from the bucket's bytes), and, when ``signature``, a signature block copied from a genuine
+    manifest. Only the MAC can then tell it apart."""
+    genuine_raw = (store / "step-00000015" / "COMPLETE.json").read_bytes()
+    genuine = json.loads(genuine_raw)
+    forged = {k: v for k, v in planted.items() if k != "signature"}
+    forged.update(anchor=genuine["anchor"], predecessor=hashlib.sha256(genuine_raw).hexdigest(), predecessor_step=15)
+    return {**forged, "signature": genuine["signature"]} if signature else forged
 
 
 @pytest.mark.parametrize("case", ["unsigned", "forged", "other-key", "out-of-chain"])
@@ -53,10 +61,9 @@ def test_a_planted_generation_is_skipped_and_the_run_reaches_the_untouched_state
     made = run(copy, "--max-steps", "18", "--checkpoint-every", "9", env=env)
     assert made.code == 0, made.stderr
     shutil.copytree(copy / "step-00000018", store / "step-00000018")
-    if case == "forged":
+    if case in ("unsigned", "forged"):
         marker = store / "step-00000018" / "COMPLETE.json"
-        genuine = json.loads((store / "step-00000015" / "COMPLETE.json").read_text())
-        marker.write_text(json.dumps(_sign_like(genuine, json.loads(marker.read_text()))))
+        marker.write_text(json.dumps(_chain_like(store, json.loads(marker.read_text()), signature=case == "forged")))
     result = run(store, "--max-steps", "20", "--checkpoint-every", "5", env=SIGNED)
     assert result.code == 0, result.stderr
     assert result.last("resume")["step"] == 15, result.events
@@ -109,3 +116,21 @@ def test_verify_audit_and_export_on_a_signed_s3_run_leak_no_secret(s3_env, s3_se
     for k, data in stored.items():  # and every generation, plan and export manifest is signed
         if k.endswith("COMPLETE.json") or k.endswith("/plan.json"):
             assert json.loads(data)["signature"]["alg"] == "hmac-sha256", k
+
+
+def test_key_rotation_in_a_real_run(tmp_path, untouched):
+    """Old key signs 5 and 10; the new key (old one accepted) resumes from 10 and signs 15 and 20, reaching the
+    untouched state. Dropping the old key afterwards makes the plan.json it signed a contract error (exit 2):
+    a person decides (SECURITY.md, rotation)."""
+    store = tmp_path / "run"
+    assert run(store, "--max-steps", "10", "--checkpoint-every", "5", env={"TRAINPROOF_SIGNING_KEY": OTHER}).code == 0
+    rotated = run(store, "--max-steps", "20", "--checkpoint-every", "5",
+                  env={"TRAINPROOF_SIGNING_KEY": KEY, "TRAINPROOF_SIGNING_KEYS_ACCEPTED": OTHER})
+    assert rotated.code == 0, rotated.stderr
+    assert rotated.last("resume")["step"] == 10
+    assert differences(trajectory(untouched), trajectory(_state(store))) == []
+    signers = {step: json.loads((store / f"step-{step:08d}" / "COMPLETE.json").read_text())["signature"]["key_id"]
+               for step in (5, 10, 15, 20) if (store / f"step-{step:08d}").exists()}
+    assert signers[20] == key_id(KEY.encode()) and signers.get(10, key_id(OTHER.encode())) == key_id(OTHER.encode())
+    dropped = run(store, "--max-steps", "25", env=SIGNED)
+    assert dropped.code == 2 and "not accepted" in dropped.stderr, dropped.stderr
