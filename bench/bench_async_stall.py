@@ -125,10 +125,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         out = [x.clone() for x in tensors]
         copies.append(time.perf_counter() - c0)
         del out
-    return {"mode": spec["mode"], "mib": spec["mib"], "steps_per_s": steps_per_s,
+    return {"mode": spec["mode"], "mib": spec["mib"], "steps_per_s": steps_per_s, "store": cfg.store,
             "blocked_s": [r["blocked_s"] for r in periodic], "save_s": [r["seconds"] for r in periodic],
             "bytes": records[0]["bytes"] if records else None, "memory_ratio": memory,
             "copy_s": statistics.median(copies), "waits": sum(1 for _, _, n, _ in probe.events if n == "checkpoint_wait")}
+
+
+def _drop(url: str) -> None:
+    from storage import open_store
+
+    store = open_store(url)
+    store.backend.delete_tree(store.root)
 
 
 def versions() -> dict[str, str]:
@@ -150,6 +157,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
     ap.add_argument("--checkpoints", type=int, default=4, help="checkpoints per run (steps = every x this)")
     ap.add_argument("--store-root", default=None, help="folder or s3:// prefix (default: a temporary folder)")
+    ap.add_argument("--s3", action="store_true", help="train against a moto S3 server on loopback (tests/support)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -157,6 +165,14 @@ def main() -> None:
         return
     tmp = tempfile.TemporaryDirectory(prefix="tp-async-bench-") if args.store_root is None else None
     root = args.store_root or tmp.name
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if args.s3:
+        from tests.support.s3server import S3Server, dummy_aws_env
+
+        server = S3Server().start()  # threads of this (parent) process serve the children's requests
+        env.update(dummy_aws_env(), AWS_ENDPOINT_URL=server.endpoint)
+        os.environ.update(dummy_aws_env(), AWS_ENDPOINT_URL=server.endpoint)
+        root = f"s3://{server.create_bucket()}/bench"
     results: list[dict[str, Any]] = []
     for mib in [float(s) for s in args.sizes.split(",")]:
         for rep in range(args.repeats):
@@ -164,18 +180,19 @@ def main() -> None:
                 spec = {"mode": mode, "mib": mib, "root": root, "every": args.every,
                         "steps": args.every * args.checkpoints}
                 out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=ROOT,
-                                     capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                     capture_output=True, text=True, env=env)
                 if out.returncode:
                     sys.exit(f"child failed ({spec}):\n{out.stderr[-3000:]}")
                 res = json.loads(out.stdout.strip().splitlines()[-1])
                 results.append(res)
+                _drop(res.pop("store"))  # keep the disk (or moto's memory) flat
                 print(f"{mib:g} MiB {mode} #{rep}: {res['steps_per_s']:.2f} step/s, blocked "
                       f"{[round(b, 3) for b in res['blocked_s']]}, copy {res['copy_s']:.3f} s, "
                       f"memory {res['memory_ratio']}", file=sys.stderr, flush=True)
     table = summarise(results, args)
     out_dir = ROOT / "bench" / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(["python", "bench/bench_async_stall.py", *sys.argv[1:]]), "store": args.store_root or "local folder (tmp)",
+    meta = {"command": " ".join(["python", "bench/bench_async_stall.py", *sys.argv[1:]]), "store": "S3 (moto server on loopback)" if args.s3 else args.store_root or "local folder (tmp)",
             **versions()}
     (out_dir / "async_stall.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
     (out_dir / "async_stall.md").write_text(table)
