@@ -51,7 +51,7 @@ class _RssSampler(threading.Thread):
 
     def __init__(self, period: float = 0.005) -> None:
         super().__init__(daemon=True)
-        self.period, self.samples, self._stop = period, [], threading.Event()
+        self.period, self.samples, self._halt = period, [], threading.Event()
         self._page = os.sysconf("SC_PAGE_SIZE")
 
     def rss(self) -> int:
@@ -59,12 +59,12 @@ class _RssSampler(threading.Thread):
             return int(fh.read().split()[1]) * self._page
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             self.samples.append((time.perf_counter(), self.rss()))
             time.sleep(self.period)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 
