@@ -159,7 +159,11 @@ def main() -> None:
     ap.add_argument("--store-root", default=None, help="folder or s3:// prefix (default: a temporary folder)")
     ap.add_argument("--s3", action="store_true", help="train against a moto S3 server on loopback (tests/support)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--summarise", default=None, metavar="JSON", help="only re-print the table of an earlier run")
     args = ap.parse_args()
+    if args.summarise:
+        print(summarise(json.loads(Path(args.summarise).read_text())["runs"], args))
+        return
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
         return
@@ -213,10 +217,14 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             if not runs.get(mode):
                 continue
             blocked = med([med(r["blocked_s"]) for r in runs[mode] if r["blocked_s"]])
+            steady = [b for r in runs[mode] for b in r["blocked_s"][1:]]  # buffers already allocated
             save = med([med(r["save_s"]) for r in runs[mode] if r["save_s"]])
             waits = sum(r["waits"] for r in runs[mode])
             lines.append(f"| {label} | {mode} | stall | {blocked / copy:.2f} | {GOALS['stall']} | blocked {blocked:.3f} s "
-                         f"per checkpoint vs copy to host {copy:.3f} s; commit {save:.2f} s; {waits} waits |")
+                         f"per checkpoint vs copy to host {copy:.3f} s"
+                         + (f" (after the first checkpoint: {med(steady):.3f} s, stall {med(steady) / copy:.2f})"
+                            if steady and mode == "async" else "")
+                         + f"; commit {save:.2f} s; {waits} waits |")
             if base:
                 tput = med([r["steps_per_s"] for r in runs[mode]])
                 lines.append(f"| {label} | {mode} | throughput | {tput / base:.2f} | {GOALS['throughput']} | "
