@@ -51,7 +51,7 @@ class _RssSampler(threading.Thread):
 
     def __init__(self, period: float = 0.005) -> None:
         super().__init__(daemon=True)
-        self.period, self.samples, self._stop = period, [], threading.Event()
+        self.period, self.samples, self._halt = period, [], threading.Event()
         self._page = os.sysconf("SC_PAGE_SIZE")
 
     def rss(self) -> int:
@@ -59,12 +59,12 @@ class _RssSampler(threading.Thread):
             return int(fh.read().split()[1]) * self._page
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             self.samples.append((time.perf_counter(), self.rss()))
             time.sleep(self.period)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 
@@ -125,10 +125,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         out = [x.clone() for x in tensors]
         copies.append(time.perf_counter() - c0)
         del out
-    return {"mode": spec["mode"], "mib": spec["mib"], "steps_per_s": steps_per_s,
+    return {"mode": spec["mode"], "mib": spec["mib"], "steps_per_s": steps_per_s, "store": cfg.store,
             "blocked_s": [r["blocked_s"] for r in periodic], "save_s": [r["seconds"] for r in periodic],
             "bytes": records[0]["bytes"] if records else None, "memory_ratio": memory,
             "copy_s": statistics.median(copies), "waits": sum(1 for _, _, n, _ in probe.events if n == "checkpoint_wait")}
+
+
+def _drop(url: str) -> None:
+    from storage import open_store
+
+    store = open_store(url)
+    store.backend.delete_tree(store.root)
 
 
 def versions() -> dict[str, str]:
@@ -150,13 +157,26 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
     ap.add_argument("--checkpoints", type=int, default=4, help="checkpoints per run (steps = every x this)")
     ap.add_argument("--store-root", default=None, help="folder or s3:// prefix (default: a temporary folder)")
+    ap.add_argument("--s3", action="store_true", help="train against a moto S3 server on loopback (tests/support)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--summarise", default=None, metavar="JSON", help="only re-print the table of an earlier run")
     args = ap.parse_args()
+    if args.summarise:
+        print(summarise(json.loads(Path(args.summarise).read_text())["runs"], args))
+        return
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
         return
     tmp = tempfile.TemporaryDirectory(prefix="tp-async-bench-") if args.store_root is None else None
     root = args.store_root or tmp.name
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if args.s3:
+        from tests.support.s3server import S3Server, dummy_aws_env
+
+        server = S3Server().start()  # threads of this (parent) process serve the children's requests
+        env.update(dummy_aws_env(), AWS_ENDPOINT_URL=server.endpoint)
+        os.environ.update(dummy_aws_env(), AWS_ENDPOINT_URL=server.endpoint)
+        root = f"s3://{server.create_bucket()}/bench"
     results: list[dict[str, Any]] = []
     for mib in [float(s) for s in args.sizes.split(",")]:
         for rep in range(args.repeats):
@@ -164,18 +184,19 @@ def main() -> None:
                 spec = {"mode": mode, "mib": mib, "root": root, "every": args.every,
                         "steps": args.every * args.checkpoints}
                 out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=ROOT,
-                                     capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                     capture_output=True, text=True, env=env)
                 if out.returncode:
                     sys.exit(f"child failed ({spec}):\n{out.stderr[-3000:]}")
                 res = json.loads(out.stdout.strip().splitlines()[-1])
                 results.append(res)
+                _drop(res.pop("store"))  # keep the disk (or moto's memory) flat
                 print(f"{mib:g} MiB {mode} #{rep}: {res['steps_per_s']:.2f} step/s, blocked "
                       f"{[round(b, 3) for b in res['blocked_s']]}, copy {res['copy_s']:.3f} s, "
                       f"memory {res['memory_ratio']}", file=sys.stderr, flush=True)
     table = summarise(results, args)
     out_dir = ROOT / "bench" / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(["python", "bench/bench_async_stall.py", *sys.argv[1:]]), "store": args.store_root or "local folder (tmp)",
+    meta = {"command": " ".join(["python", "bench/bench_async_stall.py", *sys.argv[1:]]), "store": "S3 (moto server on loopback)" if args.s3 else args.store_root or "local folder (tmp)",
             **versions()}
     (out_dir / "async_stall.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
     (out_dir / "async_stall.md").write_text(table)
@@ -196,10 +217,14 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             if not runs.get(mode):
                 continue
             blocked = med([med(r["blocked_s"]) for r in runs[mode] if r["blocked_s"]])
+            steady = [b for r in runs[mode] for b in r["blocked_s"][1:]]  # buffers already allocated
             save = med([med(r["save_s"]) for r in runs[mode] if r["save_s"]])
             waits = sum(r["waits"] for r in runs[mode])
             lines.append(f"| {label} | {mode} | stall | {blocked / copy:.2f} | {GOALS['stall']} | blocked {blocked:.3f} s "
-                         f"per checkpoint vs copy to host {copy:.3f} s; commit {save:.2f} s; {waits} waits |")
+                         f"per checkpoint vs copy to host {copy:.3f} s"
+                         + (f" (after the first checkpoint: {med(steady):.3f} s, stall {med(steady) / copy:.2f})"
+                            if steady and mode == "async" else "")
+                         + f"; commit {save:.2f} s; {waits} waits |")
             if base:
                 tput = med([r["steps_per_s"] for r in runs[mode]])
                 lines.append(f"| {label} | {mode} | throughput | {tput / base:.2f} | {GOALS['throughput']} | "
