@@ -2,6 +2,7 @@
 # One entry point for a fresh machine with only Python >= 3.10 and pip:
 #   bash scripts/dev.sh train --store ./runs/demo ...   # creates .venv on first use, then runs `trainproof`
 #   bash scripts/dev.sh test [pytest args]               # creates .venv (with test extras), then runs pytest
+# TRAINPROOF_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu: the CPU-only torch (see README, "Install").
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${TRAINPROOF_VENV:-$here/.venv}"
@@ -17,9 +18,16 @@ setup() {
   if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ]; then
     echo "[dev.sh] installing trainproof and its dependencies into $venv" >&2
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
-    # Pin the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
-    "$venv/bin/python" -m pip install -q "torch==${TRAINPROOF_TORCH_VERSION:-2.13.0}" >&2
-    "$venv/bin/python" -m pip install -q -e "$here[test]" >&2
+    # torch first, pinned. From the public index on Linux x86_64 this is the CUDA build (~20 nvidia-* wheels,
+    # several GB) even on a machine without a GPU; TRAINPROOF_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+    # takes the CPU-only wheel from PyTorch's own index instead, where this machine can reach it.
+    index=()
+    if [ -n "${TRAINPROOF_TORCH_INDEX_URL:-}" ]; then
+      index=(--index-url "$TRAINPROOF_TORCH_INDEX_URL")
+      echo "[dev.sh] torch from $TRAINPROOF_TORCH_INDEX_URL" >&2
+    fi
+    "$venv/bin/python" -m pip install -q ${index[@]+"${index[@]}"} "torch==${TRAINPROOF_TORCH_VERSION:-2.13.0}" >&2
+    "$venv/bin/python" -m pip install -q -e "${here}[test]" >&2
     touch "$stamp"
   fi
 }

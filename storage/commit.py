@@ -9,8 +9,9 @@ Two phases, so that several writers (one per rank) can each write and verify the
    concurrent writer), this writer uses ``<stem>.<attempt>.<ext>`` instead and the manifest records it as the
    file's ``object``.  So a concurrent or abandoned writer can never change the bytes a manifest vouches for;
 3. read every object back *from the store* and check size and sha256, then the caller's content check;
-4. write ``COMPLETE.json`` last, create-only; a 412 may be our own write whose response was lost, so read
-   the marker back and compare the attempt id before concluding we lost;
+4. with a signing key, chain and sign the manifest (``storage.signing``); write ``COMPLETE.json`` last,
+   create-only; a 412 may be our own write whose response was lost, so read the marker back and compare the
+   attempt id before concluding we lost;
 5. update the ``LATEST`` hint (best effort: discovery never needs it).
 """
 
@@ -23,7 +24,7 @@ import uuid
 from storage import manifest as mf
 from storage.backend import hash_object, read_at_most, read_hashed
 from storage.errors import CommitConflictError, CorruptGenerationError
-from storage.generations import Check, Ctx
+from storage.generations import Check, Ctx, anchor, scan
 
 log = logging.getLogger("trainproof.storage")
 LATEST = "LATEST"
@@ -73,12 +74,26 @@ def mark_usable(
                                                f"(found {sizes.get(obj)}); not marking it usable")
     manifest = mf.build(step=step, files=written, contract=contract, world=world, code_version=code_version,
                         attempt=attempt or uuid.uuid4().hex, digests=digests, extra=extra)
+    if ctx.keys is not None:
+        manifest = _signed(ctx, step, manifest)
     _mark_usable(ctx, name, manifest)
     try:
         ctx.io("update LATEST", lambda: ctx.backend.write(ctx.path(LATEST), f"{name}\n".encode()))
     except OSError as exc:  # a hint only: discovery lists step-* and never needs it
         log.warning("committed %s but could not update the LATEST hint: %s", name, exc)
     return manifest
+
+
+def _signed(ctx: Ctx, step: int, manifest: dict) -> dict:
+    """``manifest`` chained (this run's anchor; the newest in-chain generation below ``step`` as predecessor,
+    whatever its contract or world: the chain is the run's) and signed (``storage.signing``)."""
+    run_anchor = anchor(ctx)
+    # No plan.json at the root (an export folder): bundles are signed but form no chain, since they may be
+    # committed in any step order (``export --step 5`` after step 10).
+    below = [g for g in scan(ctx) if g.digest is not None and g.step < step] if run_anchor is not None else []
+    chained = {**manifest, "anchor": run_anchor, "predecessor": below[-1].digest if below else None,
+               "predecessor_step": below[-1].step if below else None}
+    return ctx.keys.sign(chained)
 
 
 def _refuse_committed(ctx: Ctx, name: str) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from storage import manifest as mf
+from storage import signing
 from storage.backend import Backend, Entry, hash_object, join, read_at_most, read_hashed
 from storage.errors import CorruptGenerationError
 from storage.limits import Limits
@@ -20,6 +21,7 @@ from storage.limits import Limits
 log = logging.getLogger("trainproof.storage")
 
 COMPLETE, INCOMPLETE, CORRUPT, FOREIGN = "complete", "incomplete", "corrupt", "foreign"
+PLAN = "plan.json"  # the run's identity (written by the job); its digest anchors a signed run's chain
 Check = Callable[[str, bytes], None]
 
 
@@ -36,6 +38,9 @@ class GenerationInfo:
     bytes: int = 0
     mtime: float | None = None
     """Newest modification time among its objects (seconds since the epoch), when the store reports one."""
+    digest: str | None = None
+    """sha256 of its COMPLETE.json bytes, set only when a signing key is configured and the manifest is signed,
+    of this run (anchor) and in chain (``storage.signing``): what a successor names as its predecessor."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class Ctx:
     root: str
     io: Callable  # io(what, fn) -> fn() with bounded retries
     limits: Limits = field(default_factory=Limits)
+    keys: signing.Keyring | None = None
+    """With keys, manifests are signed and chained when committed, and checked when discovered."""
 
     def path(self, *parts: str) -> str:
         return join(self.root, *parts)
@@ -67,10 +74,25 @@ class Scan:
     truncated: bool = False
 
 
+def anchor(ctx: Ctx) -> str | None:
+    """sha256 of the ``plan.json`` bytes at the root (the run a signed generation belongs to), None without one."""
+    try:
+        raw = ctx.io("read plan.json", lambda: read_at_most(ctx.backend, ctx.path(PLAN), ctx.limits.manifest_bytes))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if not _not_a_file(exc):
+            raise
+        return "not-a-file"  # a symlink or pipe in its place: matches no signed generation's anchor
+    return signing.digest(raw)
+
+
 def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None,
-            entry: Entry | None = None) -> GenerationInfo:
+            entry: Entry | None = None, run_anchor: str | None | bool = False) -> GenerationInfo:
     """Classify one generation folder from its listing and manifest (no hashing).  ``entry`` is its entry in
-    the root's listing when the caller has it; without one it is looked up (a symlink is never followed)."""
+    the root's listing when the caller has it; without one it is looked up (a symlink is never followed).
+    With signing keys (``ctx.keys``): an unsigned, wrongly signed or another run's (``run_anchor``, read from
+    the root when not given) manifest is foreign; the chain is checked by ``scan`` (it needs every generation)."""
     step = mf.parse_step_dir(name)
     assert step is not None, name
     if entry is None:
@@ -107,6 +129,15 @@ def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None,
         if not _not_a_file(exc):
             raise
         return GenerationInfo(status=CORRUPT, reason=f"{mf.MARKER} is not a regular file", **base)
+    if ctx.keys is not None:
+        problem = ctx.keys.problem(manifest)
+        if problem is None:
+            expected = anchor(ctx) if run_anchor is False else run_anchor
+            if manifest.get("anchor") != expected:
+                problem = "signed for another run (its anchor is not this run's plan.json)"
+        if problem is not None:
+            return GenerationInfo(status=FOREIGN, manifest=manifest, reason=problem, **base)
+        base["digest"] = signing.digest(raw)
     if contract is not None and manifest["contract"] != contract:
         return GenerationInfo(status=FOREIGN, manifest=manifest, reason=(
             f"contract {manifest['contract'][:12]}… is not this run's {contract[:12]}…"), **base)
@@ -136,7 +167,34 @@ def scan_capped(ctx: Ctx, *, contract: str | None = None, world: int | None = No
                     "generations beyond them are not seen, and retention deletes nothing until this is cleaned up",
                     ctx.root, cap, cap)
     entries = sorted((e for e in listing[:cap] if mf.parse_step_dir(e.name) is not None), key=lambda e: e.name)
-    return Scan([inspect(ctx, e.name, contract=contract, world=world, entry=e) for e in entries], truncated)
+    if ctx.keys is None:
+        return Scan([inspect(ctx, e.name, contract=contract, world=world, entry=e) for e in entries], truncated)
+    run_anchor = anchor(ctx)
+    found = [inspect(ctx, e.name, contract=contract, world=world, entry=e, run_anchor=run_anchor) for e in entries]
+    # Without a plan.json (an export folder) there is no run to chain: bundles are checked by signature alone.
+    return Scan(_chained(found) if run_anchor is not None else found, truncated)
+
+
+def _chained(found: list[GenerationInfo]) -> list[GenerationInfo]:
+    """Apply the chain rule (``storage.signing.chain``) over every signed generation of this run, whatever its
+    contract, world or file status; one out of chain becomes foreign and loses its digest."""
+    verdicts = signing.chain([(g.step, g.digest, g.manifest) for g in found if g.digest is not None])
+    out = []
+    for g in found:
+        problem = verdicts.get(g.step) if g.digest is not None else None
+        out.append(g if problem is None else
+                   GenerationInfo(**{**g.__dict__, "status": FOREIGN, "reason": problem, "digest": None}))
+    return out
+
+
+def in_chain(ctx: Ctx, name: str, *, contract: str | None, world: int | None) -> GenerationInfo:
+    """``inspect``, plus the chain rule when signing (which needs the whole scan)."""
+    if ctx.keys is None:
+        return inspect(ctx, name, contract=contract, world=world)
+    for g in scan(ctx, contract=contract, world=world):
+        if g.name == name:
+            return g
+    return inspect(ctx, name, contract=contract, world=world)  # not listed (missing, or beyond the scan cap)
 
 
 def scan(ctx: Ctx, *, contract: str | None = None, world: int | None = None) -> list[GenerationInfo]:

@@ -1,7 +1,8 @@
 """Store settings: keyword-only dataclasses the CLI fills in; S3 ones default from the standard AWS variables.
 
-Credentials are never held here: botocore finds them itself (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+S3 credentials are never held here: botocore finds them itself (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, IRSA web identity, instance metadata), so nothing secret can end up in a log or a repr.
+The signing key is held here (``signing``), inside a ``Keyring`` whose repr shows key ids only.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from storage.limits import Limits
+from storage.signing import Keyring
 
 _CHECKSUM_MODES = ("auto", "when_supported", "when_required")
 _CREATE_ONLY_MODES = ("require", "weak", "private")
@@ -65,6 +67,9 @@ class StoreOptions:
     seconds (left by writers killed mid-upload; they cost storage).  None disables the sweep."""
     limits: Limits = field(default_factory=Limits)
     """Caps on what is read from the store (manifest size, claimed file size, entries per scan)."""
+    signing: Keyring | None = None
+    """Signing and accepted keys (``storage.signing``); None: generations are neither signed nor checked.
+    Default from ``TRAINPROOF_SIGNING_KEY*``; its repr shows key ids only."""
 
     def __post_init__(self) -> None:
         if self.checksum not in _CHECKSUM_MODES:
@@ -82,6 +87,7 @@ class StoreOptions:
             profile=env.get("AWS_PROFILE") or None,
             checksum=env.get("TRAINPROOF_S3_CHECKSUM", "auto"),
             create_only=env.get("TRAINPROOF_S3_CREATE_ONLY", "require"),
+            signing=Keyring.from_env(env),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 

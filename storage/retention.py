@@ -33,9 +33,11 @@ MIN_GRACE_SECONDS = 60.0
 def plan_retention(
     generations: list[GenerationInfo], *, keep: int, now: float, grace_seconds: float,
     contract: str | None = None, world: int | None = None, i_know_no_writer_is_active: bool = False,
+    protect: frozenset[int] | set[int] = frozenset(),
 ) -> list[GenerationInfo]:
     """The generations to delete, oldest first.  ``contract``/``world``: only complete generations with this
-    contract and world size count (others are left alone).  ``grace_seconds`` below MIN_GRACE_SECONDS is raised
+    contract and world size count (others are left alone).  ``protect``: steps of complete generations to keep
+    anyway (the caller's reasons, e.g. the generation a resume started from, kept until an audit spans it).  ``grace_seconds`` below MIN_GRACE_SECONDS is raised
     to it, with a warning, unless ``i_know_no_writer_is_active``."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the newest complete generation is never deleted), got {keep}")
@@ -59,7 +61,7 @@ def plan_retention(
     ours.sort(key=lambda g: g.step)
     newest = ours[-1].step
     kept = {g.step for g in ours[-keep:]}
-    doomed = [g for g in ours if g.step not in kept and g.step < newest]
+    doomed = [g for g in ours if g.step not in kept and g.step not in protect and g.step < newest]
     doomed += [
         g for g in generations
         if g.status == INCOMPLETE and g.step < newest
@@ -84,7 +86,7 @@ def _matches(manifest: dict, contract: str | None, world: int | None) -> bool:
 
 def apply_retention(ctx: Ctx, *, keep: int, grace_seconds: float, contract: str | None = None,
                     world: int | None = None, dry_run: bool = False, i_know_no_writer_is_active: bool = False,
-                    before_write=lambda: None) -> list[GenerationInfo]:
+                    before_write=lambda: None, protect: frozenset[int] | set[int] = frozenset()) -> list[GenerationInfo]:
     """Delete what ``plan_retention`` selects, after re-verifying the newest generation kept; return it.
 
     A complete generation loses its COMPLETE.json first, so an interrupted delete leaves it incomplete.  On a
@@ -93,7 +95,8 @@ def apply_retention(ctx: Ctx, *, keep: int, grace_seconds: float, contract: str 
     if found.truncated:  # unseen generations could be newer than what we would keep
         return []
     doomed = plan_retention(found.generations, keep=keep, now=time.time(), grace_seconds=grace_seconds,
-                            contract=contract, world=world, i_know_no_writer_is_active=i_know_no_writer_is_active)
+                            contract=contract, world=world, i_know_no_writer_is_active=i_know_no_writer_is_active,
+                            protect=protect)
     if doomed and not _newest_verifies(ctx, found.generations, contract, world):
         return []
     if dry_run or not doomed:

@@ -13,7 +13,7 @@ from storage import manifest as mf
 from storage.backend import FsspecBackend, LocalBackend, join, read_at_most
 from storage.commit import LATEST, commit_generation, mark_usable, write_part
 from storage.errors import CorruptGenerationError, StoreConfigError, StoreError
-from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, inspect, load, scan,
+from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, in_chain, load, scan,
                                  verify_hashes)
 from storage.limits import loads_untrusted, redact_url
 from storage.options import RetryPolicy, StoreOptions
@@ -36,7 +36,7 @@ class GenerationStore:
         self._prepare = _prepare
         self._prepared = _prepare is None
         self._lock = threading.Lock()
-        self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits)
+        self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits, keys=options.signing)
 
     def __repr__(self) -> str:
         return f"GenerationStore({redact_url(self.url)!r})"
@@ -109,13 +109,13 @@ class GenerationStore:
              world: int | None = None) -> Loaded:
         """Generation ``step``, every file read (never more than its manifest's size) and verified;
         CorruptGenerationError if it is not usable."""
-        info = inspect(self._ctx, mf.step_dir(step), contract=contract, world=world)
+        info = in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world)
         return load(self._ctx, info, check)
 
     def verify(self, step: int, *, contract: str | None = None, world: int | None = None) -> str | None:
         """Re-read generation ``step`` streaming every file through sha256 (never a whole file in memory):
         None when it is complete and every file matches its manifest, else why not (for ``ls --verify``)."""
-        return verify_hashes(self._ctx, inspect(self._ctx, mf.step_dir(step), contract=contract, world=world))
+        return verify_hashes(self._ctx, in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world))
 
     def load_latest(self, *, contract: str | None = None, world: int | None = None, check: Check | None = None,
                     quarantine: bool = True) -> Loaded | None:
@@ -151,14 +151,15 @@ class GenerationStore:
 
     def apply_retention(self, keep: int, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False,
                         contract: str | None = None, world: int | None = None,
-                        i_know_no_writer_is_active: bool = False) -> list[GenerationInfo]:
+                        i_know_no_writer_is_active: bool = False,
+                        protect: frozenset[int] | set[int] = frozenset()) -> list[GenerationInfo]:
         """Delete what ``plan_retention`` selects (never the newest complete generation of this ``contract`` and
         ``world``, nor anything newer; never foreign, corrupt or symlinked ones), after re-verifying the newest
         kept generation's sha256s; return what was (or, with ``dry_run``, would be) deleted.  ``grace_seconds``
         below ``MIN_GRACE_SECONDS`` is raised to it unless ``i_know_no_writer_is_active``."""
         return apply_retention(self._ctx, keep=keep, grace_seconds=grace_seconds, contract=contract, world=world,
                                dry_run=dry_run, i_know_no_writer_is_active=i_know_no_writer_is_active,
-                               before_write=self._before_write)
+                               before_write=self._before_write, protect=protect)
 
     def latest_hint(self) -> str | None:
         """What ``LATEST`` says (a hint only) when it names a generation (``step-%08d``), else None."""
@@ -198,6 +199,23 @@ class GenerationStore:
     def exists(self, name: str) -> bool:
         return self._io(f"check {name}", lambda: self.backend.exists(join(self.root, name)))
 
+    # -- folders of run-level data (verification/<id>/...) ------------------------------------------------
+    def list_dir(self, relpath: str = "") -> list:
+        """Direct children (``storage.backend.Entry``: name, size, is_dir, mtime) of ``<run>/<relpath>``, fresh."""
+        path = join(self.root, relpath.strip("/")) if relpath.strip("/") else self.root
+        return self._io(f"list {relpath or '.'}", lambda: self.backend.listdir(path))
+
+    def delete_tree(self, relpath: str) -> None:
+        """Delete ``<run>/<relpath>`` and everything under it (a generation loses its COMPLETE.json first, so an
+        interrupted delete leaves it incomplete, never complete and partial). Never the run's root."""
+        relpath = relpath.strip("/")
+        if not relpath or ".." in relpath.split("/"):
+            raise ValueError(f"invalid path to delete {relpath!r}")
+        self._before_write()
+        path = join(self.root, relpath)
+        self._io(f"delete {relpath}/{mf.MARKER}", lambda: self.backend.delete(join(path, mf.MARKER)))
+        self._io(f"delete {relpath}", lambda: self.backend.delete_tree(path))
+
 
 # ---------------------------------------------------------------------------------------------------------
 def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore:
@@ -215,6 +233,7 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
         root = os.path.abspath(os.path.expanduser(parsed.path if scheme == "file" else url))
         if os.path.exists(root) and not os.path.isdir(root):
             raise StoreConfigError(f"--store {redact_url(url)} is a file, not a folder")
+        _refuse_file_ancestor(url, root)
         return GenerationStore(LocalBackend(), root, url, options)
     if scheme == "memory":
         from fsspec.implementations.memory import MemoryFileSystem
@@ -222,6 +241,16 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
     if scheme in ("s3", "s3a"):
         return _open_s3(url, parsed, options)
     raise StoreConfigError(f"unsupported store URL scheme {scheme!r} in {redact_url(url)}: use s3://, file://, a folder, or memory://")
+
+
+def _refuse_file_ancestor(url: str, root: str) -> None:
+    """A folder under a *file* can never be created: say so now (exit 2), not after every write's retries."""
+    parent = os.path.dirname(root)
+    while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise StoreConfigError(f"--store {redact_url(url)}: {parent} is a file, so no folder can be made under it; "
+                               "choose a path under a folder")
 
 
 def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:

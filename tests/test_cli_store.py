@@ -41,8 +41,9 @@ def test_ls_json_reports_every_status_and_quarantine(tmp_path):
         ("step-00000002", "complete"), ("step-00000003", "incomplete")]
     assert doc["newest_complete_step"] == 2 and doc["latest_hint"] == "step-00000002"
     assert doc["quarantined"][0]["reason"] == "test reason"
-    table = tp("ls", "--store", url)
+    table = tp("ls", "--store", url, env={**os.environ, "COLUMNS": "80"})
     assert "step-00000003" in table.stdout and "incomplete" in table.stdout and "quarantined" in table.stdout
+    assert f"quarantine/{doc['quarantined'][0]['name']}" in table.stdout  # the full name, on one line
 
 
 def test_gc_keeps_the_newest_and_dry_run_deletes_nothing(tmp_path):
@@ -52,10 +53,35 @@ def test_gc_keeps_the_newest_and_dry_run_deletes_nothing(tmp_path):
         commit(store, step)
     dry = tp("gc", "--store", url, "--keep", "2", "--dry-run")
     assert dry.returncode == 0 and "would delete step-00000001" in dry.stdout
+    assert "would keep the 2 newest complete" in dry.stdout and "kept" not in dry.stdout
     assert len(store.scan()) == 4
     real = tp("gc", "--store", url, "--keep", "1")
     assert real.returncode == 0, real.stderr
     assert [g.step for g in store.scan()] == [4]
+
+
+def test_gc_keep_verifications_removes_only_older_verifications(tmp_path):
+    url = str(tmp_path / "run")
+    store = open_store(url)
+    for step in (1, 2):
+        commit(store, step)
+    store.child("exports").commit(2, {"model_bf16.pt": b"m"}, contract="c", world=1, code_version="t")
+    base = store.child("verification")
+    for i, vid in enumerate(("a", "b", "c")):  # oldest first
+        v = base.child(vid)
+        commit(v.child("continuous"), 1)
+        v.write_file("verification.json", json.dumps({"created_at": f"2026-01-0{i + 1}T00:00:00+00:00"}).encode())
+    commit(base.child("running").child("continuous"), 1)  # no report yet: never removed
+    dry = tp("gc", "--store", url, "--keep-verifications", "1", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "would remove verification/a" in dry.stdout and "would remove verification/b" in dry.stdout
+    assert "would keep 1 with a report and 1 without one" in dry.stdout
+    assert {e.name for e in base.list_dir()} == {"a", "b", "c", "running"}
+    real = tp("gc", "--store", url, "--keep-verifications", "1")
+    assert real.returncode == 0, real.stderr
+    assert {e.name for e in base.list_dir()} == {"c", "running"}
+    assert [g.step for g in store.scan()] == [1, 2] and [g.step for g in store.child("exports").scan()] == [2]
+    assert tp("gc", "--store", url).returncode == 2  # neither --keep nor --keep-verifications
 
 
 def test_gc_refuses_keep_zero(tmp_path):

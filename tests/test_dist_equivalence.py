@@ -24,7 +24,7 @@ from tests.test_train_helpers import finish, history_rows, start
 TOLERANCE = 1e-9  # absolute, float64; the observed W=2 vs W=1 differences are ~1e-12 (printed below)
 STEPS = 12  # 37 sequences in global batches of 8: five steps an epoch, the fifth a tail of 5 (crosses an epoch)
 TASK = "tests.test_dist_helpers:tinylm64"  # tinylm in float64: global_token_mean_v1 over padded sequences
-TINY = {"n_sequences": 37, "micro_batch_size": 4, "dropout": 0.0}
+TINY = {"n_sequences": 37, "micro_batch_size": 4, "dropout": 0.0, "input_noise": 0.0}
 REGRESSION = {"rows": 21, "dropout": 0.0, "gain": 0.0, "noise": 0.0}  # mse_mean_v1, tail of 5 rows (3 + 2)
 
 

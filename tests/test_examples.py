@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import re
 import shlex
@@ -34,6 +33,7 @@ from torch.utils.data import TensorDataset
 
 from job.tasks import ConfigError, DatasetTask, TaskContext, dataset_digest, load_task
 from storage import open_store
+from tests.test_train_helpers import differences
 
 ROOT = Path(__file__).resolve().parent.parent
 CHARLM = "examples.charlm:factory"
@@ -74,27 +74,6 @@ def final_state(store: Path | str) -> dict[str, Any]:
 def without_invocation(state: dict[str, Any]) -> dict[str, Any]:
     """Everything a resumed run must reproduce: the state minus the per-invocation trainer settings."""
     return {**state, "meta": {k: v for k, v in state["meta"].items() if k != "trainer"}}
-
-
-def differences(a: Any, b: Any, path: str = "state") -> list[str]:
-    """Every place where two states differ: tensors by dtype, shape and bits, scalars exactly, same keys."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return [f"{path}: a tensor on one side only"]
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
-        return [] if torch.equal(a, b) else [f"{path}: values differ"]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))} differ"]
-        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
-    if isinstance(a, float) and isinstance(b, float) and not (math.isfinite(a) and math.isfinite(b)):
-        return [f"{path}: non-finite {a} / {b}"]
-    return [] if type(a) is type(b) and a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
 def line_task(per_sample_loss, *, targets_per_sample: int = 1, rows: int = 10, **kwargs: Any) -> DatasetTask:

@@ -91,9 +91,12 @@ def _interrupt(proc, mode: str, rnd: random.Random) -> tuple[list[str], dict | N
     return lines, save
 
 
-def _chain(store, modes: list[str], rnd: random.Random, seed: int) -> list[int]:
-    """Start, interrupt and restart one run once per mode; return the step each process stopped at."""
-    args = ("--max-steps", str(TARGET), "--checkpoint-every", "7", "--keep", "2")
+def _chain(store, modes: list[str], rnd: random.Random, seed: int, sync: bool) -> list[int]:
+    """Start, interrupt and restart one run once per mode; return the step each process stopped at.
+
+    ``sync``: --sync-checkpoint (a save blocks training); else asynchronous checkpoints (the default), where
+    training goes on during a save and the boundary after the signal is committed too."""
+    args = ("--max-steps", str(TARGET), "--checkpoint-every", "7", "--keep", "2", *(["--sync-checkpoint"] if sync else []))
     stopped_at = [0]
     for trial, mode in enumerate(modes):
         proc = start(store, *args, env=HOOKS)
@@ -103,8 +106,12 @@ def _chain(store, modes: list[str], rnd: random.Random, seed: int) -> list[int]:
         assert result.code == 75, where
         stopped = result.last("stopped")
         assert stopped["reason"] == "signal" and stopped["exit_code"] == 75, where
-        if save is not None:  # signalled during a save: that save completes, no further step is taken
-            assert stopped["step"] == save["step"], where
+        if save is not None:  # signalled during a save: that save completes...
+            if sync:  # ...and no further step is taken
+                assert stopped["step"] == save["step"], where
+            else:  # ...and so does the commit of the step the loop stopped at
+                assert stopped["step"] >= save["step"], where
+                assert load_state(store, save["step"])["progress"]["step"] == save["step"], where
             assert len(stopped["signals"]) == (2 if mode == "double-in-save" else 1), where
         assert load_state(store)["progress"]["step"] == stopped["step"] >= stopped_at[-1], where
         stopped_at.append(stopped["step"])
@@ -112,13 +119,14 @@ def _chain(store, modes: list[str], rnd: random.Random, seed: int) -> list[int]:
 
 
 def test_sigterm_at_random_moments_loses_nothing_and_resumes_exactly(tmp_path):
-    """10 interrupted processes (two chains of 5 run side by side), then each chain runs to the target."""
+    """10 interrupted processes (two chains of 5 run side by side, one with --sync-checkpoint, one with the
+    default asynchronous checkpoints), then each chain runs to the target."""
     seed = int(os.environ.get("TRAINPROOF_TEST_SEED", time.time_ns() % 10**9))
     reference = start(tmp_path / "reference", "--max-steps", str(TARGET))
     modes = ["random", "in-save", "double-in-save", "random", "in-save"]
     stores = [tmp_path / "chain-a", tmp_path / "chain-b"]
     with ThreadPoolExecutor(2) as pool:
-        chains = list(pool.map(lambda i: _chain(stores[i], modes, random.Random(seed + i), seed), range(2)))
+        chains = list(pool.map(lambda i: _chain(stores[i], modes, random.Random(seed + i), seed, sync=i == 0), range(2)))
     finals = [start(s, "--max-steps", str(TARGET)) for s in stores]
     results = [finish(p) for p in [reference, *finals]]
     assert [r.code for r in results] == [0, 0, 0], [r.stderr for r in results]

@@ -59,7 +59,7 @@ def test_regression_really_draws_from_all_three_generators(generator):
 
 
 def _tinylm_grads(micro: int, ids: list[int]):
-    task = load_task("tinylm", {"dropout": 0.0, "batch_size": 8, "micro_batch_size": micro})
+    task = load_task("tinylm", {"dropout": 0.0, "input_noise": 0.0, "batch_size": 8, "micro_batch_size": micro})
     torch.manual_seed(0)
     model = task.build_model()
     ctx = TaskContext(np_rng=np.random.Generator(np.random.PCG64(0)), device=CPU)
@@ -83,7 +83,7 @@ def test_tinylm_global_token_mean_is_independent_of_the_micro_batch_split():
 
 
 def test_tinylm_counts_real_tokens_and_masks_padding():
-    task = load_task("tinylm", {"dropout": 0.0})
+    task = load_task("tinylm", {"dropout": 0.0, "input_noise": 0.0})
     ctx = TaskContext(np_rng=np.random.Generator(np.random.PCG64(0)), device=CPU)
     lengths = [len(s) for s in task.corpus]
     short, long = int(np.argmin(lengths)), int(np.argmax(lengths))

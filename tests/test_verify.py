@@ -26,7 +26,8 @@ TINYLM_CONFIG = {"n_sequences": 37}  # 5 steps an epoch, the last a tail of 5: c
 def reference(tmp_path_factory):
     """The default protocol (regression, 10 steps, cut at 5) on a local folder, through the entry point."""
     store = str(tmp_path_factory.mktemp("verify") / "run")
-    result = trainproof("verify", "--store", store, "--id", "ref")
+    # --keep-evidence: later tests reuse its continuous and cut paths' generations (--reuse-reference).
+    result = trainproof("verify", "--store", store, "--id", "ref", "--keep-evidence")
     return {"store": store, "result": result, "report": read_report(store, "ref")}
 
 
@@ -124,6 +125,11 @@ def test_tinylm_protocol_passes(cli, tmp_path):
     assert len(report["losses"]["continuous"]) == 8 and report["environment"]["precision"] == "float32"
     assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["resume"])
     assert report["export"]["reload_check"]["metric"] == "heldout_token_loss"
+    # A passed verdict keeps the report, the plot and the export, and removes the paths' generations.
+    root = Path(store) / "verification" / "lm"
+    assert (root / "verification.json").is_file() and (root / "verification.png").is_file()
+    assert not list(root.glob("*/step-*")) and len(report["evidence"]["removed_generations"]) == 8 + 1 + 6 + 6
+    assert open_store(str(root / "resume" / "exports")).scan()[0].status == "complete"
 
 
 # -- it catches what it claims --------------------------------------------------------------------------
@@ -152,6 +158,9 @@ def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sab
     assert checks(report, "resume")[at_once]["first_step"] == 6
     assert "failing checks: resume." in " ".join(result.output.split())
     assert report["paths"]["continuous"]["reused_from"] == "ref"
+    # A failed verdict keeps every generation (the evidence someone will want to look at).
+    assert [g.step for g in open_store(f"{reference['store']}/verification/{vid}/resume").scan()] == [5, 6, 7, 8, 9, 10]
+    assert "evidence" not in report
 
 
 def test_a_crashing_path_is_exit_2_not_1(reference, cli, monkeypatch):
@@ -179,7 +188,7 @@ def test_bad_options_are_exit_2(cli, tmp_path):
 
 
 def test_plot_of_losses_and_parameter_distance(reference, cli):
-    pytest.importorskip("matplotlib")
+    # matplotlib comes with the test extras: no skip, the plot must be there.
     result = cli("verify", "--store", reference["store"], "--reuse-reference", "ref", "--id", "plot", "--no-export")
     assert result.exit_code == 0, result.output + result.stderr
     png = open_store(f"{reference['store']}/verification/plot").read_file("verification.png")

@@ -44,6 +44,7 @@ def test_audit_passes_on_an_untouched_run_and_leaves_it_untouched(runs):
     assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["replay"])
     assert report["paths"]["replay"]["resumed_from"] == 5 and "--steps 5" in report["paths"]["replay"]["command"]
     assert report["audited_generations"]["to"]["generation"] == "step-00000010"
+    assert "step-00000005 -> step-00000010" in " ".join(result.stdout.split())  # the table says what it compared
     assert _fingerprint(runs / "run") == before
     assert not (runs / "run" / "quarantine").exists()
 

@@ -20,7 +20,8 @@ from tests.test_verify_helpers import checks, cli, read_report, trainproof  # no
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("verify-world") / "run")
-    result = trainproof("verify", "--store", store, "--id", "w2", "--world", "2", "--steps", "6", "--cut", "4")
+    result = trainproof("verify", "--store", store, "--id", "w2", "--world", "2", "--steps", "6", "--cut", "4",
+                        "--keep-evidence")  # a test below reads the resume path's generation
     return {"store": store, "result": result, "report": read_report(store, "w2")}
 
 

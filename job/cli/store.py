@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -112,27 +112,52 @@ def _run_contract(run: Any) -> str | None:
 @handled
 def gc_command(
     store: StoreArg,
-    keep: Annotated[int, typer.Option("--keep", min=1, help="Complete generations to keep (the newest is always kept).")],
+    keep: Annotated[Optional[int], typer.Option(
+        "--keep", min=1, help="Complete generations to keep (the newest is always kept).")] = None,
+    keep_verifications: Annotated[Optional[int], typer.Option(
+        "--keep-verifications", min=0, help="Keep the N newest verifications (<run>/verification/<id>/ with a "
+        "report) and remove older ones entirely; one without a report (running) is never removed.")] = None,
     grace_hours: Annotated[float, typer.Option("--grace-hours", min=0.0,
                                                help="Collect partial generations only once this old (never younger than 60 s: a "
                                                     "writer may still be committing).")] = 6.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")] = False,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
-    """Apply retention: keep the K newest complete generations (never the newest complete one, nor newer).
+    """Apply retention: keep the K newest complete generations (never the newest complete one, nor newer), and/or
+    the N newest verifications.
 
     Partial generations older than the grace period are collected; exports, quarantine and other runs'
-    generations are never touched. Exit 0 done, 2 bad usage or nothing complete to keep, 1 a store failure.
+    generations are never touched; --keep-verifications touches only <run>/verification/. Exit 0 done,
+    2 bad usage or nothing complete to keep, 1 a store failure.
     """
     setup_logging()
+    if keep is None and keep_verifications is None:
+        raise UsageError("nothing to do: pass --keep K (generations) and/or --keep-verifications N")
     run = open_run(store, endpoint_url, region, path_style)
-    contract = _run_contract(run)
-    if not any(g.status == COMPLETE for g in run.scan(contract=contract)):
-        raise UsageError(f"{shown(run.url)} has no complete generation of this run: nothing can be collected safely")
-    # Only this run's generations (its plan.json's contract) count as "newest" or "old": a stranger's folder
-    # never pushes ours out. Retention re-verifies the newest kept generation before deleting anything.
-    doomed = run.apply_retention(keep, grace_seconds=grace_hours * 3600, dry_run=dry_run, contract=contract)
-    verb = "would delete" if dry_run else "deleted"
-    for g in doomed:
-        print(f"{verb} {g.name} ({g.status})")
-    print(f"{verb} {len(doomed)} generation(s); kept the {keep} newest complete")
+    contract = _run_contract(run) if keep is not None else None
+    delete_verb, keep_verb = ("would delete", "would keep") if dry_run else ("deleted", "kept")
+    if keep is not None:
+        if not any(g.status == COMPLETE for g in run.scan(contract=contract)):
+            raise UsageError(f"{shown(run.url)} has no complete generation of this run: nothing can be collected safely")
+        # Only this run's generations (its plan.json's contract) count as "newest" or "old": a stranger's folder
+        # never pushes ours out. Retention re-verifies the newest kept generation before deleting anything.
+        doomed = run.apply_retention(keep, grace_seconds=grace_hours * 3600, dry_run=dry_run, contract=contract)
+        for g in doomed:
+            print(f"{delete_verb} {shown(g.name)} ({g.status})")
+        print(f"{delete_verb} {len(doomed)} generation(s); {keep_verb} the {keep} newest complete")
+    if keep_verifications is not None:
+        _gc_verifications(run, keep_verifications, dry_run=dry_run)
+
+
+def _gc_verifications(run, keep: int, *, dry_run: bool) -> None:
+    from job.proof.evidence import plan_verification_gc, remove_verification
+
+    kept, doomed = plan_verification_gc(run, keep)
+    remove_verb, keep_verb = ("would remove", "would keep") if dry_run else ("removed", "kept")
+    for v in doomed:
+        if not dry_run:
+            remove_verification(run, v.vid)
+        print(f"{remove_verb} verification/{v.vid} ({v.created_at})")
+    running = sum(1 for v in kept if not v.created_at)
+    print(f"{remove_verb} {len(doomed)} verification(s); {keep_verb} {len(kept) - running} with a report"
+          + (f" and {running} without one (running or abandoned)" if running else ""))

@@ -7,14 +7,14 @@ import time
 from datetime import datetime, timezone
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
 import job
 
 from job.cli.app import app
-from job.cli.common import EndpointArg, PathStyleArg, RegionArg, StoreArg, fail, handled, open_run, setup_logging
+from job.cli.common import EXIT_PREEMPTED, EndpointArg, PathStyleArg, RegionArg, StoreArg, fail, handled, open_run, setup_logging
 from job.train.config import TrainConfig, load_task_config
 from job.errors import ConfigError, TrainError
 from job.lifecycle.finish import Finisher
@@ -41,7 +41,14 @@ def train_command(
     omit_rng_restore: Annotated[bool, _opt("OMIT_RNG_RESTORE", "Negative control: skip the RNG restore.")] = False,
     negative_control: Annotated[str, typer.Option(
         hidden=True, help="The verifier's own negative control (a wrong objective it must detect): "
-        "per-rank-mean. Never for training; no environment variable sets it.")] = "none",
+        "per-rank-mean, mean-of-microbatch-means. Never for training; no environment variable sets it.")] = "none",
+    objective_check: Annotated[bool, typer.Option(
+        "--objective-check", hidden=True, help="The verifier's objective-equivalence run: the task's deterministic "
+        "variant in float64 (job.proof.objective). Never for training; no environment variable sets it.")] = False,
+    batch_size: Annotated[Optional[int], typer.Option(
+        hidden=True, help="With --objective-check: samples per step and rank.")] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option(
+        hidden=True, help="With --objective-check: samples per forward/backward.")] = None,
     seed: Annotated[int, _opt("SEED", "Seed of every generator (part of the run contract).")] = 1234,
     config: Annotated[Path | None, _opt("CONFIG", "JSON or TOML file of task settings.")] = None,
     deadline: Annotated[str | None, _opt("DEADLINE", "Stop in time to commit, export and reload-check the export "
@@ -65,6 +72,16 @@ def train_command(
     dist_timeout: Annotated[float, _opt("DIST_TIMEOUT", "Seconds any collective may wait for a rank.")] = 600.0,
     allow_world_change: Annotated[
         bool, _opt("ALLOW_WORLD_CHANGE", "Resume on another world size (no longer bitwise comparable).")] = False,
+    allow_code_change: Annotated[
+        bool, _opt("ALLOW_CODE_CHANGE", "Resume a generation written by other code (another source digest of "
+                   "job/ and storage/); recorded in meta.code_changes.")] = False,
+    sync_checkpoint: Annotated[bool, _opt("SYNC_CHECKPOINT", "Commit checkpoints inline, blocking training for "
+                                          "the whole save (default: only a copy to host memory blocks; the "
+                                          "commit runs in the background).")] = False,
+    stop_grace: Annotated[float, _opt("STOP_GRACE", "Seconds between SIGTERM (or a spot notice) and SIGKILL: "
+                                      "the final step is committed only when its measured commit time fits; "
+                                      "else exit 75 from the commit in flight. Kubernetes: match "
+                                      "terminationGracePeriodSeconds (150 in infra/k8s); AWS spot 120.")] = 25.0,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Train; resume from the latest valid generation. Exit 0 done (target reached, or deadline reached with a
@@ -86,6 +103,9 @@ def train_command(
                 deadline=None,  # set below from the run's deadline.json (a restart must not move it)
                 device=device, log_every=log_every, log_format=log_format,
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
+                allow_code_change=allow_code_change, objective_check=objective_check, batch_size=batch_size,
+                micro_batch_size=micro_batch_size,
+                sync_checkpoint=sync_checkpoint, stop_grace_s=stop_grace,
             )
             run_store = open_run(store, endpoint_url, region, path_style)
             cfg.deadline = _run_deadline(run_store, deadline, rental_ends)
@@ -96,6 +116,10 @@ def train_command(
         except TrainError as exc:
             rank = os.environ.get("RANK") if "WORLD_SIZE" in os.environ else None
             raise fail((f"rank {rank}: " if rank else "") + " ".join(str(exc).split()), exc.exit_code) from None
+    if outcome.exit_code == EXIT_PREEMPTED and os.environ.get("RANK", "0") == "0":
+        # The last line a person sees after a SIGTERM/Ctrl-C: what was kept and what to do next (rank 0 only).
+        sys.stderr.write(f"trainproof: stopped ({outcome.reason}) after committing step {outcome.step} of "
+                         f"{outcome.target}; run the same command again to resume\n")
     raise typer.Exit(outcome.exit_code)
 
 

@@ -61,9 +61,15 @@ def verify_command(
     export_bundle: Annotated[bool, typer.Option("--export/--no-export", help="Export the resumed result.")] = True,
     timeout: Annotated[float, typer.Option(help="Seconds each process may run.")] = 7200.0,
     sequential: Annotated[bool, typer.Option("--sequential", help="One process at a time.")] = False,
+    cuts: Annotated[Optional[str], typer.Option(
+        help="Every step to cut and resume at, e.g. 5,6,11 (default: the protocol's cut, the epoch boundary and "
+             "the middle of epoch 1); each resumed path is compared with the continuous one.")] = None,
     world: Annotated[int, typer.Option(
         help="Ranks of every path (train --nproc-per-node W, gloo on the CPU); > 1 adds the world-size "
              "equivalence check (W ranks vs 1 rank, same global batch) and its negative control.")] = 1,
+    keep_evidence: Annotated[bool, typer.Option(
+        "--keep-evidence", help="Keep the paths' step-* generations after a passed verdict (a failed or incomplete "
+                                "one always keeps them; --reuse-reference needs them).")] = False,
     reuse: Annotated[Optional[str], typer.Option(
         "--reuse-reference", hidden=True, help="Reuse an earlier verification's continuous and cut paths.")] = None,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
@@ -75,7 +81,7 @@ def verify_command(
     store_args = store_cli_args(endpoint_url, region, path_style)
     common = dict(store=store, device=device, workdir=workdir, timeout=timeout, store_args=store_args,
                   **({"vid": vid} if vid else {}))
-    protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse)
+    protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse, cuts=cuts)
     try:
         from job.proof.compare import Tolerance  # torch is slow to import: keep `--help` fast
 
@@ -92,7 +98,7 @@ def verify_command(
                                export=export_bundle, parallel=not sequential, world=world)
     except (UsageError, TrainError, StoreError, OSError, ValueError) as exc:
         raise fail(" ".join(str(exc).split()), EXIT_USAGE) from None
-    raise typer.Exit(_run_and_report(runner))
+    raise typer.Exit(_run_and_report(runner, keep_evidence=keep_evidence))
 
 
 def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **steps: Any):
@@ -106,19 +112,23 @@ def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: d
 
 
 def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **more: Any):
+    from job.proof.cuts import parse_cuts
     from job.proof.protocol import Protocol, ProtocolSettings, default_schedule
 
     o = protocol_only
     task = o["task"] or "regression"
     default_steps, default_cut = default_schedule(task)
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
+    chosen = None if o["cuts"] is None else parse_cuts(o["cuts"])
+    # With --cuts and no --cut, the smallest listed cut is the protocol's (the cut and negative paths).
+    protocol_cut = pick(o["cut"], default_cut if chosen is None else chosen[0])
     settings = ProtocolSettings(task=task, config=o["config"], steps=pick(o["steps"], default_steps),
-                                cut=pick(o["cut"], default_cut), seed=pick(o["seed"], 1234),
+                                cut=protocol_cut, seed=pick(o["seed"], 1234), cuts=chosen,
                                 tolerance=tolerance, reuse=o["reuse"], **more, **common)
     return Protocol(settings, opener)
 
 
-def _run_and_report(runner: Any) -> int:
+def _run_and_report(runner: Any, *, keep_evidence: bool = False) -> int:
     """Run, then always try to upload a report (a partial one, with the error, when it could not complete)."""
     from job.proof.paths import VerificationIncomplete
     from job.proof.report import print_summary, upload
@@ -126,6 +136,8 @@ def _run_and_report(runner: Any) -> int:
     error = None
     try:
         runner.run()
+        if hasattr(runner, "record_passed"):
+            runner.record_passed()  # an audit that passed releases the restore point retention protects
     except (VerificationIncomplete, TrainError, StoreError, OSError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # a bug must still end as "could not complete", with its traceback logged
@@ -137,11 +149,29 @@ def _run_and_report(runner: Any) -> int:
     except (StoreError, OSError) as exc:
         error = error or f"could not upload the report: {exc}"
         print(f"trainproof: error: could not upload {runner.root.url}/verification.json: {exc}", file=sys.stderr)
+    if error is None and report["all_checks_passed"] and not keep_evidence:
+        _prune(runner, report)
     print_summary(report)
     if error is not None:
         print(f"trainproof: error: verification incomplete: {error}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OK if report["all_checks_passed"] else EXIT_FAILURE
+
+
+def _prune(runner: Any, report: dict[str, Any]) -> None:
+    """After a passed verdict: remove the paths' generations, then say so in verification.json (re-uploaded).
+    A failure to remove is a warning, never a changed verdict (the audit's identity may not delete)."""
+    from job.proof.evidence import prune_evidence
+    from job.proof.report import upload
+
+    try:
+        removed = prune_evidence(runner.root)
+        report["evidence"] = {"removed_generations": removed, "kept": "verification.json, plot, each path's "
+                              "plan.json and summary.json, the export; --keep-evidence keeps the generations"}
+        upload(runner.root, report, None)
+    except (StoreError, OSError) as exc:
+        log.warning("could not remove the verification's generations under %s (%s); they stay: "
+                    "`trainproof gc --keep-verifications N` removes old verifications", runner.root.url, exc)
 
 
 @app.command("export")

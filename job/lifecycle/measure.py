@@ -37,6 +37,9 @@ def measure(store: str, task: str, *, steps: int = 5, config: Path | None = None
     url, args = scratch_url(store), list(store_args or [])
     argv = job_argv("train", "--store", url, "--task", task, "--max-steps", str(steps), "--checkpoint-every", "1",
                     "--checkpoint-every-seconds", "0", "--keep", "0", "--log-format", "json",
+                    # Inline commits: each is timed whole, and the span less the commits is the steps' time
+                    # (background commits would overlap the steps and the subtraction would mean nothing).
+                    "--sync-checkpoint",
                     *(["--config", str(config)] if config else []), *args)
     t0 = time.perf_counter()
     proc = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=timeout)

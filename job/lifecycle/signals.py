@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from datetime import datetime, timedelta, timezone
 from types import FrameType
 from typing import Any
@@ -32,6 +33,8 @@ class StopRequest:
         self.signals: list[str] = []
         self.notices: list[str] = []
         """Spot interruption notices (job.lifecycle.spot): they stop the loop exactly like a signal."""
+        self.first_at: float | None = None
+        """``time.monotonic()`` of the first stop signal or notice: the platform's grace period runs from it."""
         self._previous: dict[int, Any] = {}
 
     @property
@@ -42,10 +45,14 @@ class StopRequest:
     def notice(self, reason: str) -> None:
         """Ask the loop to stop because the machine is about to be reclaimed (called from the spot watcher's
         thread: a list append is atomic, and the loop only reads the flag at the step boundary)."""
+        if self.first_at is None:
+            self.first_at = time.monotonic()
         self.notices.append(reason)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        # Only append: no I/O, no locks, no exceptions. Everything else happens in the loop.
+        # Only append (and note the time): no I/O, no locks, no exceptions. Everything else happens in the loop.
+        if self.first_at is None:
+            self.first_at = time.monotonic()
         self.signals.append(signal.Signals(signum).name)
 
     def __enter__(self) -> StopRequest:

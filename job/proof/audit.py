@@ -7,6 +7,15 @@ seed the run recorded in ``plan.json``, and compare the replayed step b with the
 the protocol's checks. A generation b produced by another trajectory (a resume that lost its optimizer
 state, re-seeded generators, skipped data ...) does not match.
 
+Across resumes: every generation records the step its process resumed from (``extra.resumed_from`` in its
+COMPLETE.json, ``meta.resumed_from`` in the state). By default ``b`` is the newest generation and ``a`` the newest
+generation *before* the restore point ``r`` that ``b``'s process started from (``r`` itself when nothing older is
+kept; the trainer keeps ``r`` from retention until an audit passed across it, job.train.protect), so the replay
+runs across the restore without one: a resume that lost state makes ``b`` differ. ``verification.json``'s
+``audit_span`` says which generations, which restore points and which code identities the replay spans; a
+replay that crosses a code change (``--allow-code-change``) runs with this process's code and says so. A passed
+audit records its span in ``<run>/verification/audited.json``, which releases the protected restore point.
+
 Read-only towards the run: generations are read with ``load`` (verified, never quarantined or deleted), the
 store is opened without the multipart sweep, and nothing is written among the run's generations; it can run
 as a CronJob while the training Job is still committing. Note: a run with world > 1 needs a launcher for
@@ -31,7 +40,9 @@ from job.proof.protocol import parameter_names, verification_base
 from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv, new_id, read_run_plan,
                              require_success, run_processes, seed_run)
 from job.proof.report import build_report, environment
-from storage import COMPLETE
+from job.train.identity import code_version
+from job.train.protect import AUDITED_FILE
+from storage import COMPLETE, StoreError
 
 
 @dataclass(kw_only=True)
@@ -88,6 +99,8 @@ class Audit:
         self.generations: dict[str, Any] = {}
         self.distance: float | None = None
         self.meta: dict[str, Any] = {}
+        self.span: dict[str, Any] = {}
+        self.audited_record: str | None = None
 
     def run(self) -> None:
         """Select, copy, replay, compare. Raises VerificationIncomplete / ConfigError when it cannot."""
@@ -103,10 +116,13 @@ class Audit:
         self.meta = original["meta"]
 
     def _select(self):
-        steps = [g.step for g in self.run_store.scan(contract=self.plan["contract"]) if g.status == COMPLETE]
+        complete = {g.step: g for g in self.run_store.scan(contract=self.plan["contract"]) if g.status == COMPLETE}
+        steps = sorted(complete)
         b = self.s.to_step if self.s.to_step is not None else (steps[-1] if steps else None)
-        earlier = [s for s in steps if b is not None and s < b]
-        a = self.s.from_step if self.s.from_step is not None else (earlier[-1] if earlier else None)
+        restore = _resumed_from(complete.get(b))
+        a, how = self.s.from_step, "--from"
+        if a is None:
+            a, how = default_from(steps, b, restore)
         if a is None or b is None or not a < b or a not in steps or b not in steps:
             raise ConfigError(f"--audit needs two complete generations a < b of {self.run_store.url}; it has "
                               f"{steps or 'none'} (asked for --from {self.s.from_step} --to {self.s.to_step})")
@@ -117,16 +133,21 @@ class Audit:
         self.a, self.b = a, b
         loaded = [self.run_store.load(step, contract=self.plan["contract"]) for step in (a, b)]
         self.generations = {"from": _describe(loaded[0]), "to": _describe(loaded[1])}
+        self.span = audit_span(a, b, how, restore, {s: complete[s] for s in steps if a <= s <= b},
+                               self.generations, replay_code=code_version())
         return loaded
 
     def _replay(self) -> None:
         with tempfile.TemporaryDirectory(prefix="trainproof-audit-") as tmp:
             config = Path(tmp) / "task_config.json"
             config.write_text(json.dumps(self.plan["task_config"]))
+            # Generation a written by other code: the replay continues it with this code, and says so (audit_span).
+            allow = ["--allow-code-change"] if self.span.get("replay_crosses_code_change") else []
             argv = job_argv("train", "--store", self.replay_url, "--task", self.task_name, "--config", str(config),
                             "--seed", str(self.plan["seed"]), "--steps", str(self.b - self.a),
                             "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
-                            "--resume", "auto", "--device", self.s.device, "--log-format", "json", *self.s.store_args)
+                            "--resume", "auto", "--device", self.s.device, "--log-format", "json", *allow,
+                            *self.s.store_args)
             # The replay writes only under this audit's own verification/<id>/ (no other writer): no create-only
             # probe object there, so the audit writes nothing but its own results.
             private = {"TRAINPROOF_S3_CREATE_ONLY": "private"} if os.environ.get(
@@ -146,6 +167,20 @@ class Audit:
         positive = bool(replay) and all(d.within for d in replay.values())
         return {"all_checks_passed": positive, "positive": positive, "negative_divergence_detected": None}
 
+    def record_passed(self) -> None:
+        """After a passed audit: record its span in ``<run>/verification/audited.json`` (releases the restore point
+        the trainer protects from retention, job.train.protect). Only for the default workdir: with
+        ``--workdir`` the run's store is left alone."""
+        if self.s.workdir is not None or not self.verdicts()["all_checks_passed"] or self.a is None:
+            return
+        record = {"from": self.a, "to": self.b, "passed": True, "id": self.s.vid,
+                  "restore_points": self.span.get("restore_points", [])}
+        try:
+            self.run_store.child("verification").write_file(AUDITED_FILE, (json.dumps(record) + "\n").encode())
+            self.audited_record = f"{self.run_store.url}/verification/{AUDITED_FILE}"
+        except (StoreError, OSError) as exc:
+            self.audited_record = f"not written: {exc}"
+
     def report(self, error: str | None = None) -> dict[str, Any]:
         """verification.json of the audit (partial, with ``error``, when it could not complete)."""
         verdicts = self.verdicts() if error is None else {
@@ -158,8 +193,48 @@ class Audit:
             verdicts=verdicts, failing=[f"replay.{n}" for n, d in self.diffs["replay"].items() if not d.within],
             settings=settings, paths=self.paths, diffs=self.diffs, tol=self.s.tolerance, step_recovered=self.a,
             env=environment(self.task, self.meta), export=None,
-            extra={"audited_generations": self.generations, "parameter_distance": self.distance},
+            extra={"audited_generations": self.generations, "parameter_distance": self.distance,
+                   "audit_span": self.span, "audited_record": self.audited_record},
             error=error)
+
+
+def _resumed_from(info: Any) -> int | None:
+    """The step generation ``info``'s process resumed from (None: a fresh start, or written before it was recorded)."""
+    extra = ((info.manifest or {}).get("extra") or {}) if info is not None else {}
+    value = extra.get("resumed_from")
+    return value if isinstance(value, int) else None
+
+
+def default_from(steps: list[int], b: int | None, restore: int | None) -> tuple[int | None, str]:
+    """Generation a for ``--to b``: the newest one before b's restore point (the point itself when nothing older is
+    kept), so the replay spans the restore; without a restore point (or when it is gone) the newest before b."""
+    if b is None:
+        return None, "no generation"
+    if restore is not None and restore < b:
+        before = [s for s in steps if s < restore]
+        if before:
+            return before[-1], f"the newest generation before the restore point {restore}"
+        if restore in steps:
+            return restore, f"the restore point {restore} itself (no older generation is kept)"
+    earlier = [s for s in steps if s < b]
+    why = "no restore point recorded" if restore is None else f"the restore point {restore} is no longer stored"
+    return (earlier[-1] if earlier else None), f"the newest generation before {b} ({why})"
+
+
+def audit_span(a: int, b: int, how: str, restore: int | None, infos: dict[int, Any], generations: dict[str, Any],
+               *, replay_code: str) -> dict[str, Any]:
+    """What the replay a -> b spans: restore points, code identities, and whether it crosses each."""
+    points = sorted({r for s, info in infos.items() if s > a and (r := _resumed_from(info)) is not None and a <= r < b})
+    code_a, code_b = generations["from"].get("code_version"), generations["to"].get("code_version")
+    crosses = bool(points) or (restore is not None and a <= restore < b)
+    summary = (f"replays {a} -> {b} ({how}); " + (f"spans the restore point(s) {points or [restore]}" if crosses else
+                                                   "spans no restore point")
+               + ("" if code_a == code_b == replay_code else
+                  f"; crosses a code change ({code_a} at {a}, {code_b} at {b}, replayed with {replay_code})"))
+    return {"from": a, "to": b, "chosen": how, "newest_restore_point": restore, "restore_points": points,
+            "spans_restore": crosses, "code_versions": {"from": code_a, "to": code_b, "replay": replay_code},
+            "crosses_code_change": not code_a == code_b == replay_code,
+            "replay_crosses_code_change": code_a != replay_code, "summary": summary}
 
 
 def _describe(loaded: Any) -> dict[str, Any]:

@@ -149,9 +149,10 @@ def _short(value: Any) -> str:
 
 
 # -- what each check looks at ---------------------------------------------------------------------------
-# Trainer settings (max_steps, ...) differ between invocations by design; library versions and the device
-# are reported in verification.json rather than compared.
-_META_NOT_COMPARED = ("trainer", "versions", "device")
+# Trainer settings (max_steps, ..., the step the process resumed from) differ between invocations by design;
+# library versions, the device and the code identity are reported in verification.json rather than compared (an
+# audit that replays across a code change reports it in ``audit_span``; the protocol's paths share one code).
+_META_NOT_COMPARED = ("trainer", "versions", "device", "code_version", "code_changes")
 
 
 def _history(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -177,6 +178,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any], frozenset[str]], Any]] = {
     "next_lr": lambda s, _: s["progress"].get("next_lr"),
     "rng_next_draws": lambda s, _: [r.get("next_draws") for r in s["ranks"]],
     "rng_states": lambda s, _: [r.get("rng") for r in s["ranks"]],
+    "task_state": lambda s, _: s.get("task_state", {}),
     "configuration": lambda s, _: {k: v for k, v in s["meta"].items() if k not in _META_NOT_COMPARED},
 }
 """Check name -> the part of a state it compares (``names``: the model's parameter names)."""

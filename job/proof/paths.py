@@ -24,8 +24,9 @@ from storage import COMPLETE, GenerationStore, redact_url
 Opener = Callable[[str], GenerationStore]
 # Kept for the children: how to reach the store. Every other TRAINPROOF_* variable is a `train` option: an
 # inherited TRAINPROOF_MAX_STEPS would fight the path's own options, so the verifier passes everything
-# explicitly instead.
-_KEPT_PREFIXES = ("TRAINPROOF_S3_", "TRAINPROOF_ENDPOINT_URL", "TRAINPROOF_REGION")
+# explicitly instead. The signing keys (TRAINPROOF_SIGNING_KEY*) are kept too: a path must sign its own
+# generations and accept the run's signed plan.json and generation it is seeded with.
+_KEPT_PREFIXES = ("TRAINPROOF_S3_", "TRAINPROOF_ENDPOINT_URL", "TRAINPROOF_REGION", "TRAINPROOF_SIGNING_KEY")
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 

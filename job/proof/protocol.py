@@ -7,6 +7,9 @@ Layout under ``<store>/verification/<id>/`` (or ``--workdir``)::
     resume/              cut's step-k generation, copied through the store, then N-k more updates
     resume_without_rng/  the same copy, resumed with ``--omit-rng-restore`` (the negative control)
     world_equivalence/   with --world W > 1: one_rank, w_ranks, per_rank_mean (see job.proof.world)
+    cuts/                extra cuts (epoch boundary, middle of a later epoch): resume_at_<c> (and cut_at_<c>),
+                         see job.proof.cuts
+    objective/           the objective-equivalence runs (see job.proof.objective)
     verification.json    verdicts, every check's max |diff| and tolerance, commands, versions, export
     verification.png     loss curves and parameter distance to the continuous path (with matplotlib)
 
@@ -27,7 +30,7 @@ import json
 import logging
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -35,6 +38,10 @@ from urllib.parse import urlparse
 import torch
 
 from job.proof.compare import Diff, Tolerance, compare_cut, compare_states, parameter_distance
+from job.proof.cuts import plan_cuts
+from job.proof.diagnose import diagnose_path
+from job.proof.objective import ObjectiveCheck
+from job.train.data import epoch_plan
 from job.train.config import load_task_config
 from job.train.contract import PLAN_FILE
 from job.errors import ConfigError
@@ -42,7 +49,7 @@ from job.train.export import export
 from job.train.state import History
 from job.tasks import Task, load_task
 from job.proof.reload import check_in_fresh_process, write_record
-from job.proof.paths import (Opener, PathResult, RunReader, VerificationIncomplete, absolute_url, job_argv,
+from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv,
                              load_generation, new_id, read_run_plan, require_success, run_processes, seed_run)
 from job.proof.report import REPORT_FILE, build_report, environment, plot_png
 from job.proof.world import WorldEquivalence
@@ -88,6 +95,11 @@ class ProtocolSettings:
     export: bool = True
     world: int = 1
     """Ranks of every path (> 1: ``train --nproc-per-node W``, gloo on the CPU), plus the world-size equivalence."""
+    cuts: list[int] | None = None
+    """Every cut to resume at (``--cuts``); None: the protocol's cut, the epoch boundary and the middle of epoch 1
+    (job.proof.cuts). Recorded in verification.json's ``cuts`` block, not in ``settings``."""
+    objective: bool = True
+    """Run the objective-equivalence check (job.proof.objective); skipped when reusing a reference."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.cut < self.steps:
@@ -149,6 +161,23 @@ class Protocol:
         self.meta: dict[str, Any] = {}
         self.export: dict[str, Any] | None = None
         self.world_check: WorldEquivalence | None = None
+        self.steps_per_epoch = epoch_plan(self.task.num_samples(), self.task.batch_size, settings.world)["steps"]
+        self.extra_cuts, steps = plan_cuts(protocol_cut=settings.cut, steps=settings.steps,
+                                           steps_per_epoch=self.steps_per_epoch, chosen=settings.cuts)
+        if steps != settings.steps:  # a later cut needs a longer continuous path
+            if settings.reuse:
+                raise ConfigError(f"the cuts {self.extra_cuts} need {steps} continuous steps; the reused reference "
+                                  f"has {settings.steps}")
+            self.s = settings = replace(settings, steps=steps)
+        self.cut_urls = {name: f"{absolute_url(self.root)}/cuts/{name}"
+                         for c in self.extra_cuts for name in (f"resume_at_{c}", f"cut_at_{c}")}
+        self.cut_paths: dict[str, dict[str, Any]] = {}
+        self.diffs.update({f"resume_at_{c}": {} for c in self.extra_cuts})
+        self.restore_failures: dict[str, dict[str, Any]] = {}
+        self.objective = None if (settings.reuse or not settings.objective) else ObjectiveCheck(
+            task=self.task, task_name=settings.task, config=None if settings.config is None else str(settings.config),
+            seed=settings.seed, device=settings.device, world=settings.world,
+            root_url=f"{absolute_url(self.root)}/objective", store_args=settings.store_args)
 
     def run(self) -> None:
         """Run and compare every path; export when the comparisons passed. Raises VerificationIncomplete."""
@@ -182,18 +211,38 @@ class Protocol:
         negative = ["--omit-rng-restore"] if path == NEGATIVE else []
         return job_argv("train", "--store", self.urls[path], *args, *negative)
 
-    def _launch(self, names: tuple[str, ...]) -> list[PathResult]:
-        results = run_processes([(n, self.urls[n], self.train_argv(n)) for n in names],
-                                timeout=self.s.timeout, parallel=self.s.parallel)
-        self.paths.update({r.name: r.to_json() for r in results})
-        require_success(results)
-        return results
-
     def _reference(self) -> None:
+        """The continuous and cut paths, the extra cuts' own cut processes and the objective runs, concurrently."""
+        jobs = [] if self.s.reuse else [(n, self.urls[n], self.train_argv(n)) for n in ("continuous", "cut")]
         if self.s.reuse:
             self._adopt_reference()
-        else:
-            self._launch(("continuous", "cut"))
+        jobs += [(f"cut_at_{c}", self.cut_urls[f"cut_at_{c}"], self.cut_argv(c, resume=False))
+                 for c in self.extra_cuts if not self._continuous_has(c)]
+        jobs += self.objective.jobs() if self.objective else []
+        results = run_processes(jobs, timeout=self.s.timeout, parallel=self.s.parallel) if jobs else []
+        self.paths.update({r.name: r.to_json() for r in results if r.name in PATHS})
+        self.cut_paths.update({r.name: r.to_json() for r in results if r.name.startswith("cut_at_")})
+        require_success([r for r in results if not r.name.startswith("objective/")])
+        if self.objective is not None:
+            self.objective.compare([r for r in results if r.name.startswith("objective/")], self.opener)
+
+    def _continuous_has(self, step: int) -> bool:
+        """Whether the continuous path commits generation ``step`` (then an extra cut resumes from it)."""
+        every = self.s.checkpoint_every
+        return step == self.s.steps or bool(every and step % every == 0)
+
+    def cut_argv(self, c: int, *, resume: bool) -> list[str]:
+        """The command line of an extra cut's own cut process (``resume=False``) or of its resumed path."""
+        s = self.s
+        name = f"resume_at_{c}" if resume else f"cut_at_{c}"
+        args = ["--task", s.task, *(["--config", str(s.config)] if s.config else []), "--seed", str(s.seed),
+                "--steps", str(s.steps - c if resume else c),
+                "--checkpoint-every", str(s.checkpoint_every if resume else 0), "--checkpoint-every-seconds", "0",
+                "--keep", "0", "--resume", "auto" if resume else "never", "--device", s.device, "--log-format", "json",
+                *s.store_args]
+        if s.world > 1:
+            args = ["--nproc-per-node", str(s.world), *args]
+        return job_argv("train", "--store", self.cut_urls[name], *args)
 
     def _adopt_reference(self) -> None:
         """Reuse an earlier verification's continuous and cut paths: same task, settings and seed, or refuse."""
@@ -221,10 +270,30 @@ class Protocol:
         for p in ("resume", NEGATIVE):
             seed_run(self.opener(self.urls[p]), plan, loaded)
         del loaded
-        for r in self._launch(("resume", NEGATIVE)):
+        for c in self.extra_cuts:  # from the continuous path's own generation c, or from cut_at_<c>
+            source = self.opener(self.urls["continuous"] if self._continuous_has(c) else self.cut_urls[f"cut_at_{c}"])
+            seed_run(self.opener(self.cut_urls[f"resume_at_{c}"]), source.read_file(PLAN_FILE),
+                     load_generation(source, c))
+        jobs = [(p, self.urls[p], self.train_argv(p)) for p in ("resume", NEGATIVE)]
+        jobs += [(f"resume_at_{c}", self.cut_urls[f"resume_at_{c}"], self.cut_argv(c, resume=True))
+                 for c in self.extra_cuts]
+        results = run_processes(jobs, timeout=self.s.timeout, parallel=self.s.parallel)
+        self.paths.update({r.name: r.to_json() for r in results if r.name in PATHS})
+        self.cut_paths.update({r.name: r.to_json() for r in results if r.name not in PATHS})
+        for r in results:
+            # A resume whose own restore self-check failed is a failed comparison (the path names the check),
+            # not a verification that could not complete.
+            failed = r.event("restore_check_failed")
+            if r.code != 0 and failed:
+                self.restore_failures[r.name] = failed
+        require_success([r for r in results if r.name not in self.restore_failures])
+        for r in results:
+            if r.name in self.restore_failures:
+                continue
+            at = self.s.cut if r.name in PATHS else int(r.name.rsplit("_", 1)[1])
             event = r.event("resume") or {}
-            if event.get("step") != self.s.cut or event.get("rng_restored") != (r.name != NEGATIVE):
-                raise VerificationIncomplete(f"path {r.name!r} did not resume from step {self.s.cut} as intended "
+            if event.get("step") != at or event.get("rng_restored") != (r.name != NEGATIVE):
+                raise VerificationIncomplete(f"path {r.name!r} did not resume from step {at} as intended "
                                              f"(its resume event: {event or 'none'})")
 
     def _world_equivalence(self) -> None:
@@ -237,21 +306,30 @@ class Protocol:
 
     # -- comparison ---------------------------------------------------------------------------------------
     def _compare(self) -> None:
-        readers = {p: RunReader(p, self.urls[p], self.opener) for p in PATHS}
         s, final = self.s, None
+        resumed = {p: s.cut for p in ("resume", NEGATIVE)} | {f"resume_at_{c}": c for c in self.extra_cuts}
+        for name, event in self.restore_failures.items():
+            self.diffs[name]["rng_restore"] = Diff(exceeded=True, first_step=resumed[name] + 1, detail=str(
+                event.get("detail") or f"generators {event.get('generators')} failed the restore self-check"))
+        resumed = {p: at for p, at in resumed.items() if p not in self.restore_failures}
+        urls = {**self.urls, **self.cut_urls}
+        readers = {p: RunReader(p, urls[p], self.opener) for p in ("continuous", "cut", *resumed)}
         cut_state = readers["cut"].state(s.cut)
-        for p in ("resume", NEGATIVE, "continuous"):
+        for p in (*resumed, "continuous"):
             if s.steps not in readers[p].steps:
                 raise VerificationIncomplete(f"path {p!r} committed no generation at step {s.steps} ({readers[p].url})")
+        for p in resumed:
+            if p != NEGATIVE:
+                self.diffs[p]["rng_restore"] = Diff()  # the resume's own self-check passed (the path ran on)
         for step in readers["continuous"].steps:
             ref = readers["continuous"].state(step)
             if step == s.cut:
                 self._fold("cut", ref, cut_state, step)
-            for p in ("resume", NEGATIVE):
-                if step > s.cut and step in readers[p].steps:
+            for p, at in resumed.items():
+                if step > at and step in readers[p].steps:
                     other = readers[p].state(step)
                     self._fold(p, ref, other, step)
-                    if step == s.steps:
+                    if step == s.steps and p in PATHS:
                         self.losses[p] = history_losses(other)
             if step == s.steps:
                 final = ref
@@ -264,14 +342,16 @@ class Protocol:
         for name, diff in compare_states(ref, other, self.s.tolerance, self.param_names).items():
             self.diffs[path].setdefault(name, Diff()).merge(diff, step)
         distance = parameter_distance(ref, other, self.param_names)
-        if distance is not None:
+        if distance is not None and path in self.distances:
             self.distances[path][step] = distance
 
     def comparisons_passed(self) -> bool:
         """Resume and cut within tolerance, and the negative path diverged."""
         v = self.verdicts()
         world = self.s.world == 1 or (v["world_equivalence_passed"] and v["world_negative_detected"])
-        return v["positive"] and v["cut_checkpoint_ok"] and v["negative_divergence_detected"] and world
+        objective = self.objective is None or (v["objective_equivalence_passed"] and v["objective_negative_detected"])
+        return (v["positive"] and v["cut_checkpoint_ok"] and v["negative_divergence_detected"] and world
+                and v["cuts_passed"] and objective)
 
     def verdicts(self) -> dict[str, Any]:
         """The verdicts of verification.json (false for anything not compared yet)."""
@@ -287,13 +367,22 @@ class Protocol:
             "world_equivalence_passed": w is not None and w.passed,
             "world_negative_detected": w is not None and w.negative_detected}
         world_ok = all(world.values())
-        return {"all_checks_passed": positive and cut_ok and diverged and exported and world_ok,
+        extra = [self.diffs[f"resume_at_{c}"] for c in self.extra_cuts]
+        cuts_ok = all(bool(d) and all(x.within for x in d.values()) for d in extra)
+        o = self.objective
+        objective = {} if o is None else {"objective_equivalence_passed": o.passed,
+                                          "objective_negative_detected": o.negative_detected}
+        objective_ok = all(objective.values())
+        return {"all_checks_passed": (positive and cut_ok and diverged and exported and world_ok and cuts_ok
+                                      and objective_ok),
                 "positive": positive, "negative_divergence_detected": diverged,
-                "cut_checkpoint_ok": cut_ok, "export_reload_ok": export_ok, **world}
+                "cut_checkpoint_ok": cut_ok, "export_reload_ok": export_ok, "cuts_passed": cuts_ok,
+                **world, **objective}
 
     def failing_checks(self) -> list[str]:
         """``path.check`` of every failed check (for the negative path: no divergence, or a structural problem)."""
-        failing = [f"{p}.{n}" for p in ("cut", "resume") for n, d in self.diffs[p].items() if not d.within]
+        failing = [f"{p}.{n}" for p in ("cut", "resume", *(f"resume_at_{c}" for c in self.extra_cuts))
+                   for n, d in self.diffs[p].items() if not d.within]
         negative = self.diffs[NEGATIVE]
         broken = [f"{NEGATIVE}.{n}" for n, d in negative.items() if d.problems]
         if negative and not broken and all(d.within for d in negative.values()):
@@ -303,7 +392,27 @@ class Protocol:
             failing.append("export.reload_check")
         if self.world_check is not None:
             failing += self.world_check.failing()
+        if self.objective is not None:
+            failing += self.objective.failing()
         return failing
+
+    def diagnosis(self) -> list[str]:
+        """Likely causes of the failed checks (job.proof.diagnose, job.proof.objective), for the reader."""
+        out = diagnose_path("resume", self.diffs["resume"], self.s.cut + 1)
+        for c in self.extra_cuts:
+            out += diagnose_path(f"resume_at_{c}", self.diffs[f"resume_at_{c}"], c + 1)
+        return out + (self.objective.diagnosis() if self.objective is not None else [])
+
+    def cuts_json(self) -> dict[str, Any]:
+        """The ``cuts`` block of verification.json: every cut resumed at, and where each extra one came from."""
+        return {"protocol_cut": self.s.cut, "extra": self.extra_cuts, "all": sorted({self.s.cut, *self.extra_cuts}),
+                "chosen": "--cuts" if self.s.cuts is not None else "default (epoch boundary, middle of epoch 1)",
+                "steps": self.s.steps, "steps_per_epoch": self.steps_per_epoch,
+                "resumed_from": {str(c): ("continuous path's generation" if self._continuous_has(c)
+                                          else f"cut_at_{c}") for c in self.extra_cuts},
+                "passed": {str(c): bool(self.diffs[f"resume_at_{c}"])
+                           and all(d.within for d in self.diffs[f"resume_at_{c}"].values()) for c in self.extra_cuts},
+                "paths": self.cut_paths}
 
     # -- export -----------------------------------------------------------------------------------------
     def _export(self) -> None:
@@ -327,6 +436,10 @@ class Protocol:
                  "losses": self.losses}
         if self.s.world > 1:
             extra["world_equivalence"] = None if self.world_check is None else self.world_check.to_json()
+        extra["cuts"] = self.cuts_json()
+        extra["objective_equivalence"] = (self.objective.to_json() if self.objective is not None else
+                                          {"skipped": "reused reference" if self.s.reuse else "not asked for"})
+        extra["diagnosis"] = self.diagnosis()
         return build_report(
             kind="protocol", vid=self.s.vid, location=absolute_url(self.root), store=self.s.store, verdicts=verdicts,
             failing=self.failing_checks(), settings=self.s.to_json(), paths=self.paths, diffs=self.diffs,

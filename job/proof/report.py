@@ -132,7 +132,7 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     """A short table (one row per check, one column per compared path), then the verdicts."""
     console = console or Console(width=120)
     checks = report["checks"]
-    table = Table(title=f"trainproof verify ({report['kind']}) {report['id']}")
+    table = Table(title=f"trainproof verify ({report['kind']}) {report['id']}", caption=_compared(report))
     table.add_column("check")
     for path in checks:
         table.add_column(path, justify="right")
@@ -147,14 +147,34 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     if world:
         console.print(_world_table(world))
         keys += ["world_equivalence_passed", "world_negative_detected"]
+    keys += [k for k in ("cuts_passed", "objective_equivalence_passed", "objective_negative_detected") if k in report]
+    if report.get("cuts"):
+        console.print(f"cuts resumed at: {report['cuts']['all']} (continuous path: {report['cuts']['steps']} steps)")
+    if report.get("audit_span"):
+        console.print(f"audit span: {report['audit_span']['summary']}")
     for key in keys:
         value = report.get(key)
         console.print(f"{key}: [{'green' if value else 'red'}]{str(value).lower()}[/]")
     if report.get("failing_checks"):
         console.print(f"[red]failing checks: {', '.join(report['failing_checks'])}[/]")
+    for line in report.get("diagnosis") or []:
+        console.print(f"[yellow]likely cause: {line}[/]", soft_wrap=True)
     if report.get("export"):
         console.print(f"export: {report['export']['location']}")
     console.print(f"report: {report['location']}/{REPORT_FILE}")
+
+
+def _compared(report: dict[str, Any]) -> str | None:
+    """An audit's table says which generations it compared (from -> to), a protocol's which steps."""
+    settings = report.get("settings") or {}
+    if report.get("kind") == "audit":
+        gens = report.get("audited_generations") or {}
+        a = (gens.get("from") or {}).get("generation") or f"step {settings.get('from')}"
+        b = (gens.get("to") or {}).get("generation") or f"step {settings.get('to')}"
+        return f"replayed {settings.get('run')}: {a} -> {b}, compared with the run's own {b}"
+    if "steps" in settings and "cut" in settings:
+        return f"{settings['steps']} steps, cut at {settings['cut']}; each path compared with continuous"
+    return None
 
 
 def _world_table(world: dict[str, Any]) -> Table:
@@ -202,7 +222,8 @@ def plot_png(losses: dict[str, list[float]], distances: dict[str, dict[int, floa
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.info("matplotlib is not installed: no %s (pip install 'trainproof[plot]')", PLOT_FILE)
+        log.info("matplotlib is not installed: no %s (install matplotlib; the image and the test extra have it)",
+                 PLOT_FILE)
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     for path, values in sorted(losses.items(), key=lambda kv: list(_STYLE).index(kv[0])):

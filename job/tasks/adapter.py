@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -128,6 +129,12 @@ class DatasetTask(Task):
         self.grad_clip, self.eval_metric, self.objective = grad_clip, eval_metric, objective
         self.cpu_threads, self.dtype, self.supports_cuda = cpu_threads, dtype, supports_cuda
         self.default_steps = default_steps
+
+    def deterministic_objective(self) -> DatasetTask:
+        """This task without ``augment`` (the objective check's variant; it switches dropout modules off itself)."""
+        clone = copy.copy(self)
+        clone._augment = None
+        return clone
 
     @property
     def batch_size(self) -> int:

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import typing
 from dataclasses import dataclass
 from typing import Any, Iterator, TypeVar
 
@@ -107,6 +108,31 @@ class Task(abc.ABC):
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Sum (not mean) of the per-target losses of one micro-batch, as a scalar tensor."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """State the task itself keeps between steps and must get back on a resume (a curriculum stage, a
+        counter, a private generator's state), saved in every checkpoint as ``task_state``.
+
+        Only weights-only-safe values: tensors, numbers, strings, booleans, None, and lists/dicts of them
+        (a ``torch.Generator``'s ``get_state()`` is a tensor; a NumPy generator's ``bit_generator.state`` holds
+        ints and strings). Default: ``{}`` (a task that keeps no state, the recommended kind)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned. Called on a resume after the model, optimizer,
+        scheduler, data position and history were loaded and *before* the trainer's generators are restored
+        (the protocol's order, docs/protocol.md). Default: nothing to load (an empty dict is expected)."""
+        if state:
+            raise ConfigError(f"{type(self).__name__} keeps no state, but the checkpoint holds task state "
+                              f"{sorted(state)[:5]}: implement load_state_dict")
+
+    def deterministic_objective(self) -> Task:
+        """This task with every random draw of ``make_batch`` and ``loss_sum`` switched off (augmentation,
+        input noise, dropout the trainer cannot see): what the verifier's objective check trains
+        (job.proof.objective). The check also sets every ``nn.Dropout`` module's p to 0 and trains in
+        float64 itself; a task that draws in ``make_batch`` (or uses functional dropout) must override this,
+        e.g. return the task built from its config with the noise settings at 0. Default: ``self``."""
+        return self
+
     def use_amp(self, device: torch.device) -> bool:
         """Whether to run forward passes under float16 autocast with a GradScaler."""
         return device.type == "cuda"
@@ -143,9 +169,37 @@ def config_from_dict(cls: type[C], overrides: dict[str, Any] | None) -> C:
     if unknown:
         raise ConfigError(f"unknown {cls.__name__} key(s) {unknown}; known keys: {sorted(known)}")
     try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001  (a user's annotation that does not resolve: leave the check to the class)
+        hints = {}
+    for key, value in overrides.items():
+        expected = _type_error(hints.get(key), value)
+        if expected:  # checked before __post_init__, whose comparisons would fail with a TypeError that names no key
+            raise ConfigError(f"{cls.__name__}: {key!r} must be {expected}, got {value!r} "
+                              f"({type(value).__name__}); fix it in the --config file")
+    try:
         return cls(**overrides)
     except TypeError as exc:
         raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def _type_error(hint: Any, value: Any) -> str | None:
+    """What ``value`` should have been for the annotation ``hint`` (None when it fits or the hint is not checked)."""
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        if not isinstance(value, list):
+            return "a list"
+        bad = [v for v in value if _type_error(item, v)]
+        return f"a list of {_type_error(item, bad[0]).removeprefix('a ').removeprefix('an ')}s" if bad else None
+    return None
 
 
 def require(condition: bool, message: str) -> None:

@@ -8,7 +8,11 @@ What makes it a realistic checkpointing workload, at CPU-test size by default:
   comes from :meth:`TinyLMTask.count_targets` before any forward pass, so a distributed run can
   all-reduce it first;
 - gradient accumulation over micro-batches, dropout (PyTorch RNG), AdamW, warm-up schedule,
-  gradient clipping, and on CUDA float16 autocast with a GradScaler (all driven by the trainer).
+  gradient clipping, and on CUDA float16 autocast with a GradScaler (all driven by the trainer);
+- input-token corruption as augmentation, drawing from every generator family the trainer owns: Python
+  ``random`` (each sequence's corruption rate), the run's NumPy generator (which positions, and the
+  replacement tokens) and PyTorch (dropout). So a resume that loses any one of them diverges here too,
+  as it does on ``regression``.
 
 The corpus is generated from ``corpus_seed`` with its own PCG64 (never the run's generators): each
 sequence is BOS, a short random motif repeated with a little noise, EOS. It is learnable, so the loss
@@ -18,6 +22,7 @@ visibly falls. Size it up with ``--config`` (d_model, n_layers, n_sequences, ...
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -68,6 +73,8 @@ class TinyLMConfig:
     """Max global gradient norm (0 disables clipping)."""
     corpus_seed: int = 1234
     """Seed of the corpus generator; independent of the run seed."""
+    input_noise: float = 0.05
+    """Mean rate of input tokens replaced by random ones (augmentation; targets are never corrupted)."""
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 8, "tinylm: vocab_size must be >= 8")
@@ -78,6 +85,7 @@ class TinyLMConfig:
         require(4 <= self.min_len <= self.max_len, "tinylm: need 4 <= min_len <= max_len")
         require(self.n_sequences >= 1, "tinylm: n_sequences must be >= 1")
         require(1 <= self.micro_batch_size <= self.batch_size, "tinylm: need 1 <= micro_batch_size <= batch_size")
+        require(0.0 <= self.input_noise < 0.5, "tinylm: input_noise must be in [0, 0.5)")
         require(self.lr > 0 and self.weight_decay >= 0 and self.warmup_steps >= 1 and self.grad_clip >= 0,
                 "tinylm: lr > 0, weight_decay >= 0, warmup_steps >= 1, grad_clip >= 0")
 
@@ -210,7 +218,23 @@ class TinyLMTask(Task):
         return sum(len(self.corpus[i]) - 1 for i in sample_ids)
 
     def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> dict[str, torch.Tensor]:
-        return _pad([self.corpus[i] for i in sample_ids], ctx.device)
+        seqs = [self.corpus[i] for i in sample_ids]
+        inputs = [self._corrupt(s[:-1], ctx.np_rng) for s in seqs] if self.cfg.input_noise > 0 else None
+        return _pad(seqs, ctx.device, inputs)
+
+    def _corrupt(self, tokens: np.ndarray, np_rng: np.random.Generator) -> np.ndarray:
+        """Replace a few input tokens (never BOS; targets stay clean) by random ones: Python ``random`` jitters
+        this sequence's rate, the run's NumPy generator picks the positions and the replacements. Drawn per
+        sequence, in sample order, so a step's draws do not depend on its split into micro-batches."""
+        rate = self.cfg.input_noise * (0.5 + random.random())
+        hit = np_rng.random(len(tokens)) < rate
+        hit[0] = False
+        replacement = np_rng.integers(3, self.cfg.vocab_size, size=len(tokens))
+        return np.where(hit, replacement, tokens).astype(np.int64)
+
+    def deterministic_objective(self) -> TinyLMTask:
+        """No dropout and no input corruption (the objective check's variant)."""
+        return TinyLMTask(replace(self.cfg, dropout=0.0, input_noise=0.0))
 
     eval_metric = "heldout_token_loss"
 
@@ -242,14 +266,16 @@ class TinyLMTask(Task):
         )
 
 
-def _pad(seqs: list[np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded inputs/targets of a micro-batch; padded targets are IGNORE, ``key_real`` masks them."""
+def _pad(seqs: list[np.ndarray], device: torch.device,
+         inputs_of: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded inputs/targets of a micro-batch; padded targets are IGNORE, ``key_real`` masks them.
+    ``inputs_of``: each sequence's (augmented) inputs instead of ``s[:-1]``."""
     width = max(len(s) for s in seqs) - 1
     inputs = torch.full((len(seqs), width), PAD, dtype=torch.long)
     targets = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
     for row, s in enumerate(seqs):
         n = len(s) - 1
-        inputs[row, :n] = torch.from_numpy(s[:-1])
+        inputs[row, :n] = torch.from_numpy(s[:-1] if inputs_of is None else inputs_of[row])
         targets[row, :n] = torch.from_numpy(s[1:])
     batch = {"inputs": inputs, "targets": targets, "key_real": targets != IGNORE}
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

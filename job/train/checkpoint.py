@@ -71,20 +71,33 @@ class Checkpointer:
         self.last_step = last_step
         """Step of the newest generation known committed (the resume point, then our own commits)."""
         self.records: list[dict[str, Any]] = []
+        self.protect: Callable[[], frozenset[int]] = frozenset
+        """Steps retention must keep besides the newest ones (the generation the newest restore started from,
+        until an audit passed across it: job.train.protect). Called at each retention."""
 
     def commit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any],
-               part: dict[str, Any] | None = None) -> dict[str, Any] | None:
+               part: dict[str, Any] | None = None, encoded: bytes | None = None,
+               blocked_s: float | None = None, blocked_since: float | None = None) -> dict[str, Any] | None:
         """Serialise and commit generation ``step``; then apply retention (rank 0).
 
-        ``state``: the full training state (rank 0; ignored elsewhere). ``part``: this rank's own part
-        (ranks >= 1 of a distributed run). Raises TrainError (exit 1) on every rank when the commit failed:
-        nothing was marked usable, and the previous generation is still the resume point.
+        ``state``: the full training state (rank 0; ignored elsewhere), or ``encoded``: that state already
+        serialised (a background save, job.train.async_save, drops its snapshot once encoded). ``part``: this
+        rank's own part (ranks >= 1 of a distributed run). ``blocked_s``: how long training was blocked for
+        this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it is blocked until this
+        returns; recorded as the record's ``blocked_s``. Raises TrainError (exit 1) on every rank when the
+        commit failed: nothing was marked usable, and the previous generation is still the resume point.
         """
         rank = self.sync.rank if self.sync else 0
         if self.world == 1:
-            record = self._commit_files(step, {STATE_FILE: encode(state)}, extra)
+            record = self._commit_files(step, {STATE_FILE: encoded if encoded is not None else encode(state)}, extra)
         else:
             record = self._commit_world(step, state, part, extra, rank)
+        if record is not None:
+            if blocked_s is None:
+                blocked_s = record["seconds"] if blocked_since is None else time.perf_counter() - blocked_since
+            record["blocked_s"] = blocked_s
+            self.records.append(record)
+            self.reporter.event("checkpoint", **record)
         self.last_step = step
         if rank == 0:
             self._apply_retention()
@@ -149,10 +162,8 @@ class Checkpointer:
             ) from None
         except StoreError as exc:
             raise TrainError(f"checkpoint of step {step} was not committed: {exc}") from None
-        record = {"step": step, "generation": info.name, "bytes": info.bytes, "seconds": time.perf_counter() - t0}
-        self.records.append(record)
-        self.reporter.event("checkpoint", **record)
-        return record
+        # Recorded and reported by commit(), once it knows how long training was blocked.
+        return {"step": step, "generation": info.name, "bytes": info.bytes, "seconds": time.perf_counter() - t0}
 
     def _check(self, name: str, stored: bytes) -> None:
         # The store hands us the bytes it read back: prove they load as a state, weights-only.
@@ -166,7 +177,8 @@ class Checkpointer:
             return
         try:
             # Only this run's generations count (another contract's or world's never make ours "old").
-            removed = self.store.apply_retention(self.keep, contract=self.contract, world=self.world)
+            removed = self.store.apply_retention(self.keep, contract=self.contract, world=self.world,
+                                                 protect=self.protect())
         except (StoreError, OSError) as exc:
             # The new generation is committed; a failed cleanup costs storage, not work.
             self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")

@@ -15,7 +15,7 @@ from job.errors import ConfigError
 RESUME_MODES = ("auto", "never")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("auto", "json", "rich")
-NEGATIVE_CONTROLS = ("none", "per-rank-mean")
+NEGATIVE_CONTROLS = ("none", "per-rank-mean", "mean-of-microbatch-means")
 
 
 @dataclass(kw_only=True)
@@ -44,7 +44,17 @@ class TrainConfig:
     """Negative control: restore everything except the random generators (the run must diverge)."""
     negative_control: str = "none"
     """A deliberately wrong objective the verifier runs to prove its checks detect it (never for training):
-    ``per-rank-mean`` normalises each rank's loss by its own target count (the mean of per-rank means)."""
+    ``per-rank-mean`` normalises each rank's loss by its own target count (the mean of per-rank means);
+    ``mean-of-microbatch-means`` normalises each micro-batch by its own target count and averages the
+    micro-batches of the step (over every rank)."""
+    objective_check: bool = False
+    """The verifier's objective-equivalence runs (job.proof.objective): train the task's
+    ``deterministic_objective()`` variant in float64 with dropout off and the step split as ``batch_size`` /
+    ``micro_batch_size`` say. Never for training."""
+    batch_size: int | None = None
+    """With ``objective_check``: samples per step and rank (default: the task's)."""
+    micro_batch_size: int | None = None
+    """With ``objective_check``: samples per forward/backward (default: the task's)."""
     seed: int = 1234
     """Seed of every random generator at the start of the run; part of the run contract."""
     deadline: datetime | None = None
@@ -60,9 +70,21 @@ class TrainConfig:
     allow_world_change: bool = False
     """Resume a run on another world size (data order carries over, per-rank streams are re-derived; the
     run is then no longer bitwise comparable). Without it such a resume is refused (exit 2)."""
+    allow_code_change: bool = False
+    """Resume a generation written by other code (another job/ or storage/ source digest); recorded in
+    ``meta.code_changes``. Without it such a resume is refused (exit 2)."""
     dist_timeout_s: float = 600.0
     """Timeout of every collective of a distributed run; it must cover rank 0's upload of a generation,
     during which the other ranks wait for the outcome."""
+
+    sync_checkpoint: bool = False
+    """Commit checkpoints inline, blocking training for the whole save (the behaviour before asynchronous
+    checkpoints, job.train.async_save). Distributed runs are always synchronous for now."""
+    stop_grace_s: float = 25.0
+    """Seconds the platform grants between SIGTERM (or a spot notice) and SIGKILL. After a stop request the
+    final step is committed only when the measured commit time fits what is left; otherwise the run exits 75
+    from the commit that was in flight. Kubernetes: terminationGracePeriodSeconds (30 s by default, 150 s in
+    infra/k8s); AWS spot: 120 s; GCP and Azure spot: 30 s."""
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -85,6 +107,14 @@ class TrainConfig:
             raise ConfigError("--log-every must be >= 1")
         if self.dist_timeout_s <= 0:
             raise ConfigError(f"--dist-timeout must be > 0 seconds (got {self.dist_timeout_s})")
+        if (self.batch_size is not None or self.micro_batch_size is not None) and not self.objective_check:
+            raise ConfigError("--batch-size/--micro-batch-size are for the verifier's objective check only")
+        for name in ("batch_size", "micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+        if self.stop_grace_s <= 0:
+            raise ConfigError(f"--stop-grace must be > 0 seconds (got {self.stop_grace_s})")
         if self.deadline is not None and self.deadline <= datetime.now(timezone.utc):
             raise ConfigError(f"--deadline {self.deadline.isoformat()} is already past")
 
@@ -94,6 +124,12 @@ class TrainConfig:
             return start_step + self.steps
         return self.max_steps if self.max_steps is not None else default_steps
 
+    def target_source(self) -> str:
+        """Where :meth:`target_step` took the target from, for the start line (a silent default surprises)."""
+        if self.steps is not None:
+            return "--steps"
+        return "--max-steps" if self.max_steps is not None else "the task's default: no --max-steps given"
+
     def recorded(self) -> dict[str, Any]:
         """Trainer settings recorded in each state (informational; the contract covers what matters)."""
         return {
@@ -102,7 +138,11 @@ class TrainConfig:
             "keep": self.keep, "seed": self.seed, "device": self.device,
             "deadline": None if self.deadline is None else self.deadline.isoformat(),
             "allow_world_change": self.allow_world_change, "dist_timeout_s": self.dist_timeout_s,
-            "negative_control": self.negative_control,
+            "negative_control": self.negative_control, "allow_code_change": self.allow_code_change,
+            "objective_check": self.objective_check, "batch_size": self.batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "negative_control": self.negative_control, "sync_checkpoint": self.sync_checkpoint,
+            "stop_grace_s": self.stop_grace_s,
         }
 
 

@@ -19,12 +19,17 @@ with (it is in the contract hash, which keeps naming the run), but a run may con
 ``--allow-world-change``. So the trainer compares the world with the newest generation's instead (see
 job.train.loop), and records every change in the state (``meta.world_changes``) and in summary.json.
 plan.json also records the epoch plan of the first start (informational, outside the hash).
+
+With a signing key (``TRAINPROOF_SIGNING_KEY``, see storage/signing.py) plan.json also carries a random
+``run_id`` and a ``signature`` (both outside the contract hash), and reading it checks that signature: an
+unsigned or wrongly signed plan.json is a ContractError (exit 2), since the run's identity is in doubt.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlparse
@@ -110,6 +115,11 @@ def ensure_plan(store: Any, plan: dict[str, Any]) -> dict[str, Any]:
     Returns the plan in force (the stored one: its contract names the run even when the world size has
     changed since). Raises ContractError naming the differing field(s); the world is not compared here.
     """
+    keys = _keys(store)
+    if keys is not None:
+        # A random run id makes this plan's digest, the anchor of the run's signed chain, unique to this run even
+        # when another run with the same settings starts in the same second (storage.signing).
+        plan = keys.sign({**plan, "run_id": uuid.uuid4().hex})
     try:
         store.write_file(PLAN_FILE, canonical_json(plan) + b"\n", create_only=True)
         return plan
@@ -142,11 +152,22 @@ def read_plan(store: Any) -> dict[str, Any]:
         raise ContractError(f"{PLAN_FILE} in {redact_url(store.url)} is not a readable plan ({exc})") from None
     if not isinstance(plan, dict) or plan.get("schema") != PLAN_SCHEMA:
         raise ContractError(f"{PLAN_FILE} in {redact_url(store.url)} is not a {PLAN_SCHEMA} plan")
+    keys = _keys(store)
+    problem = keys.problem(plan) if keys is not None else None
+    if problem is not None:  # not skipped like a generation: the run's identity itself is in doubt
+        raise ContractError(f"{PLAN_FILE} in {redact_url(store.url)} is not accepted with the configured signing "
+                            f"key: {problem}. A person must look: restore the run's own {PLAN_FILE}, add its key to "
+                            "TRAINPROOF_SIGNING_KEYS_ACCEPTED, or use a new --store")
     types = {"task": str, "task_config": dict, "seed": int, "world": int, "contract": str}
     wrong = [k for k, t in types.items() if k in plan and not isinstance(plan[k], t)]
     if wrong:
         raise ContractError(f"{PLAN_FILE} in {redact_url(store.url)} has malformed field(s) {wrong}")
     return plan
+
+
+def _keys(store: Any) -> Any:
+    """The store's signing keys (``storage.signing.Keyring``), None when signing is off."""
+    return getattr(getattr(store, "options", None), "signing", None)
 
 
 def _short(value: Any) -> str:

@@ -4,11 +4,16 @@ the store's write -> verify -> mark-usable semantics, then reloaded from its des
 Layout (``<dest>/step-%08d/``, ``<dest>`` defaulting to ``<run>/exports``)::
 
     model_bf16.pt       plain state_dict, floating tensors in bfloat16 (integer buffers kept as they are)
-    model.safetensors   full precision (``model_fp.pt``, a plain state_dict, when safetensors is absent)
-    config.json         task, task settings, dtype, seed, contract, source generation, versions
+    model_bf16.safetensors  the same bf16 weights as safetensors
+    model.safetensors   full precision
+    config.json         task, task settings, dtype, seed, contract, source generation, versions, model_args
     metrics.json        final loss, evaluation metric (full precision and bf16), steps, samples/targets seen
     data.json           data identity, epoch plan and position
-    README.md           loading instructions and a short snippet that works
+    model.py            the architecture and evaluation in plain torch (known tasks: job.train.standalone)
+    eval_data.safetensors  the evaluation's exact batches (with model.py)
+    model.pt2           a torch.export program of the model, when it can be traced
+    loss.png            training loss per step (with matplotlib)
+    README.md           loading instructions and a snippet that needs only torch and safetensors
     SHA256SUMS          ``sha256sum -c`` compatible
     COMPLETE.json       written last by the store: every file's size and sha256, ``export_bytes/_sha256``
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import zipfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterator
@@ -37,6 +43,7 @@ from storage.manifest import step_dir
 
 EXPORT_SCHEMA = "trainproof.export/1"
 BF16_FILE, SUMS_FILE = "model_bf16.pt", "SHA256SUMS"
+BF16_SAFETENSORS, FP_FILE = "model_bf16.safetensors", "model.safetensors"
 BF16_RTOL = 2.0 ** -5
 BF16_WHY = (
     "bfloat16 keeps 8 significant bits, so rounding moves each weight by at most u = 2^-8 (0.39%) of its value; "
@@ -101,11 +108,19 @@ def export(run: GenerationStore, *, step: int | None = None, dest: GenerationSto
 def _load_source(run: GenerationStore, plan: dict[str, Any], step: int | None):
     check = lambda name, data: decode(data) if name == STATE_FILE else None  # noqa: E731
     if step is not None:
+        complete = sorted(g.step for g in run.scan(contract=plan["contract"]) if g.status == COMPLETE)
+        if step not in complete:  # a usage error, not a damaged generation: say what can be exported
+            raise ConfigError(f"--step {step}: {run.url} has no complete generation at step {step}; complete "
+                              f"steps: {_steps_text(complete)}")
         return run.load(step, check, contract=plan["contract"])
     loaded = run.load_latest(contract=plan["contract"], check=check, quarantine=False)
     if loaded is None:
         raise ConfigError(f"{run.url} has no complete generation to export")
     return loaded
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[-20:])) + (f" (and {len(steps) - 20} older)" if len(steps) > 20 else "") or "none"
 
 
 def _existing(dest: GenerationStore, step: int, source: dict[str, Any], task: str) -> Bundle | None:
@@ -129,29 +144,45 @@ def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reuse
 # -- the files --------------------------------------------------------------------------------------------
 def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source: dict[str, Any]) -> dict[str, bytes]:
     """Every file of the bundle, as bytes (SHA256SUMS last, over the others)."""
+    from safetensors.torch import save
+
+    from job.train.bundle_readme import readme
+    from job.train.plot import loss_png
+    from job.train.standalone import (EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, PROGRAM_INPUTS_FILE, export_program,
+                                      standalone)
+
     weights = {k: v.detach().cpu().contiguous() for k, v in state["model"].items()}
     bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
-    fp_name, fp_bytes = _full_precision(weights)
     metric, threads = evaluate_weights(task, weights)
     metric_bf16, _ = evaluate_weights(task, bf16)
+    alone = standalone(plan["task"], task)
+    # torch.export costs seconds (10+ on first use) on every export, verify included: only where no model.py
+    # can rebuild the architecture does the bundle need a program to be loadable without the task's code.
+    program, example, program_note = (None, {}, "not needed: model.py rebuilds it") if alone else \
+        export_program(task, weights)
+    history = History.from_state_dict(state["history"])
+    plot = loss_png(history.column("step"), history.column("loss"), f"{plan['task']}: training loss")
     files = {
         BF16_FILE: _torch_bytes(bf16),
-        fp_name: fp_bytes,
-        "config.json": _json(_config(task, plan, state, source, fp_name)),
+        BF16_SAFETENSORS: save(bf16),
+        FP_FILE: save(weights),
+        "config.json": _json({**_config(task, plan, state, source, FP_FILE),
+                              "model_args": alone.model_args if alone else {},
+                              "standalone": {"model_py": alone is not None, "program": program_note}}),
         "metrics.json": _json(_metrics(task, plan, state, metric, metric_bf16, threads)),
         "data.json": _json(_data(task, plan, state)),
-        "README.md": readme(task, fp_name, metric).encode(),
+        "README.md": readme(metric_name=task.eval_metric, metric=metric, fp_name=FP_FILE,
+                            bf16_names=[BF16_SAFETENSORS, BF16_FILE], has_model_py=alone is not None,
+                            program_note=program_note, has_plot=plot is not None).encode(),
     }
+    if alone is not None:
+        files[MODEL_FILE], files[EVAL_DATA_FILE] = alone.source.encode(), save(alone.eval_data)
+    if program is not None:
+        files[PROGRAM_FILE], files[PROGRAM_INPUTS_FILE] = program, save(example)
+    if plot is not None:
+        files["loss.png"] = plot
     files[SUMS_FILE] = "".join(f"{_sha256(data)}  {name}\n" for name, data in sorted(files.items())).encode()
     return files
-
-
-def _full_precision(weights: dict[str, torch.Tensor]) -> tuple[str, bytes]:
-    try:
-        from safetensors.torch import save
-    except ImportError:  # optional extra: a plain state_dict loads everywhere torch does
-        return "model_fp.pt", _torch_bytes(weights)
-    return "model.safetensors", save(weights)
 
 
 def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> dict[str, Any]:
@@ -161,7 +192,7 @@ def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> 
         "dtype": str(task.dtype).removeprefix("torch."), "seed": plan["seed"], "objective": plan["objective"],
         "contract": plan["contract"], "step": state["progress"]["step"], "code_version": meta.get("code_version"),
         "versions": meta.get("versions"), "trained_on": meta.get("device"), "amp": meta.get("amp"),
-        "weights": {"bf16": BF16_FILE, "full_precision": fp_name}, "source": source,
+        "weights": {"bf16": BF16_FILE, "bf16_safetensors": BF16_SAFETENSORS, "full_precision": fp_name}, "source": source,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -185,49 +216,6 @@ def _data(task: Task, plan: dict, state: dict) -> dict[str, Any]:
     return {"data_identity": plan["data_identity"], "contract": plan["contract"], "num_samples": task.num_samples(),
             "epoch_plan": state["meta"].get("epoch_plan"), "epoch": data.get("epoch"), "cursor": data.get("cursor"),
             "samples_seen": state["progress"]["samples_seen"], "targets_seen": state["progress"]["targets_seen"]}
-
-
-SNIPPET = """\
-import json, torch
-from job.tasks import load_task
-
-cfg = json.load(open("config.json"))
-task = load_task(cfg["task"], cfg["task_config"])
-model = task.build_model().to(getattr(torch, cfg["dtype"]))
-weights = torch.load("model_bf16.pt", map_location="cpu", weights_only=True)
-model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in weights.items()})
-print(task.eval_metric, task.evaluate(model))
-"""
-
-
-def readme(task: Task, fp_name: str, metric: float) -> str:
-    """The bundle's README.md: what is here, how to check it, how to load it."""
-    fp_load = ('from safetensors.torch import load_file; weights = load_file("model.safetensors")'
-               if fp_name.endswith(".safetensors") else
-               'weights = torch.load("model_fp.pt", map_location="cpu", weights_only=True)')
-    return f"""# trainproof export bundle
-
-| file | holds |
-|---|---|
-| `{BF16_FILE}` | model weights, floating tensors in bfloat16 (a plain `state_dict`) |
-| `{fp_name}` | the same weights in full precision |
-| `config.json` | task, task settings, dtype, seed, run contract, source generation, versions |
-| `metrics.json` | final loss, evaluation ({task.eval_metric} {metric:.6g} in full precision), steps, samples seen |
-| `data.json` | data identity (sha256) and data position |
-| `SHA256SUMS` | checksums: `sha256sum -c SHA256SUMS` |
-
-`COMPLETE.json` (written last) lists every file's size and sha256: the bundle is usable iff it exists.
-
-## Load it
-
-With trainproof installed (`pip install trainproof`), from this folder (it prints the evaluation metric,
-within bfloat16 rounding of `metrics.json`):
-
-```python
-{SNIPPET}```
-
-For full precision, load the weights with `{fp_load}` and skip the dtype conversion.
-"""
 
 
 # -- helpers shared with the reload check ---------------------------------------------------------------
@@ -270,6 +258,8 @@ def check_file(name: str, data: bytes) -> None:
         load(data)
     elif name.endswith(".json"):
         json.loads(data)
+    elif name.endswith(".pt2") and not zipfile.is_zipfile(io.BytesIO(data)):
+        raise ValueError(f"{name} is not a torch.export archive")
 
 
 def _torch_bytes(value: Any) -> bytes:

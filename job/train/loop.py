@@ -23,18 +23,20 @@ from typing import Any, Protocol
 
 import torch
 
-import job
-from job.train import dist
+from job.train import dist, identity
+from job.train.async_save import BackgroundSaver
 from job.train.checkpoint import Checkpointer, SaveClock
 from job.train.config import TrainConfig
 from job.train.contract import build_plan
 from job.train.data import epoch_plan
 from job.errors import ConfigError, ContractError
 from job.train.progress import Reporter, make_reporter
-from job.train.resume import agree_plan, check_transition, load_agreed, world_decision
-from job.train.run import Run, build_run, capture_rank_part, capture_state, restore_state, train_step
+from job.train.protect import protected_steps
+from job.train.resume import agree_plan, check_transition, code_decision, load_agreed, world_decision
+from job.train.run import RestoreCheckError, Run, build_run, capture_rank_part, capture_state, restore_state, train_step
 from job.train.state import Expected, check_consistency, runtime_versions
 from job.tasks import Task, load_task
+from job.tasks.objective import ObjectiveCheckTask
 from storage import COMPLETE, INCOMPLETE, GenerationStore, StoreOptions, open_store
 from storage.errors import StoreConfigError, StoreError
 
@@ -43,8 +45,8 @@ SUMMARY_FILE = "summary.json"
 
 
 def code_version() -> str:
-    """The code identity recorded in every state and generation."""
-    return f"trainproof {job.__version__}"
+    """The code identity recorded in every state and generation (job.train.identity: version + source digest)."""
+    return identity.code_version()
 
 
 class StopFlags(Protocol):
@@ -115,9 +117,11 @@ class Outcome:
     reason: str
     """``target``, ``signal``, ``spot-notice`` or ``deadline``."""
     step: int
-    """Step reached (and committed)."""
+    """Step reached (committed, unless a stop left no time: see ``committed_step``)."""
     target: int
     """Step aimed at."""
+    committed_step: int | None = None
+    """Step of the last committed generation (below ``step`` when a stop left no time for the final commit)."""
     export: dict[str, Any] | None = None
     """After a deadline stop: the export and its reload check (``ok``, ``bundle``, or ``why`` not)."""
 
@@ -136,6 +140,8 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
     stop = stop if stop is not None else NoStop()
     env = dist.DistEnv.from_env()
     task = load_task(cfg.task, cfg.task_config)
+    if cfg.objective_check:  # the verifier's objective-equivalence run (job.proof.objective)
+        task = ObjectiveCheckTask(task, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size)
     device = resolve_device(cfg.device, task, env)
     configure_determinism(task, device)
     # Before any collective: a refused epoch plan ends every rank with exit 2 at once, no rendezvous.
@@ -183,7 +189,15 @@ class Trainer:
         self.clock = SaveClock(cfg.checkpoint_every, cfg.checkpoint_every_seconds)
         self.checkpointer = Checkpointer(store, contract=plan["contract"], world=self.world, keep=cfg.keep,
                                          code_version=code_version(), reporter=reporter, sync=self.sync)
+        # Asynchronous checkpoints (job.train.async_save) unless --sync-checkpoint; world > 1 stays synchronous.
+        self.saver = (BackgroundSaver(self.checkpointer, reporter, self._observe_background_save)
+                      if not cfg.sync_checkpoint and self.world == 1 else None)
+        self._stop_seen_at: float | None = None
         self.world_changes: list[dict[str, int]] = []
+        self.code_changes: list[dict[str, Any]] = []
+        """Code identities this run changed between (``--allow-code-change``), as ``{step, from, to}``."""
+        self.resumed_from: int | None = None
+        """Step of the generation this process restored (None: a fresh start); recorded in every generation."""
         self.ranks_signalled = 0
         """How many ranks had received a stop signal at the last agreement (the signal may be another rank's)."""
         self.started_at = datetime.now(timezone.utc)
@@ -191,42 +205,61 @@ class Trainer:
     def run(self) -> Outcome:
         """Build, resume, train to the target or a stop request, commit, summarise."""
         run = build_run(self.task, self.device, self.cfg.seed, env=self.sync.env, sync=self.sync,
-                        per_rank_mean=self.cfg.negative_control == "per-rank-mean")
-        resumed_from = self._resume(run)  # generators are restored here, last, right before the loop
+                        per_rank_mean=self.cfg.negative_control == "per-rank-mean",
+                        microbatch_mean=self.cfg.negative_control == "mean-of-microbatch-means")
+        try:
+            resumed_from = self._resume(run)  # generators are restored here, last, right before the loop
+        except RestoreCheckError as exc:
+            # Named for the verifier: a resume that fails its own check is a failed comparison, not a crash.
+            self.reporter.event("restore_check_failed", check=exc.check, generators=exc.differing, detail=str(exc))
+            raise
+        self.resumed_from = resumed_from
+        self.checkpointer.protect = protected_steps(self.store, resumed_from)  # retention runs on rank 0 only
         target = self.cfg.target_step(run.step, self.task.default_steps)
-        self.reporter.event("start", task=self.cfg.task, step=run.step, target=target, device=str(self.device),
+        self.reporter.event("start", task=self.cfg.task, step=run.step, target=target,
+                            target_from=self.cfg.target_source(), seed=self.cfg.seed, device=str(self.device),
                             world=self.world, contract=self.plan["contract"], store=self.store.url,
                             epoch_plan=self.epoch_plan, world_changes=self.world_changes,
+                            checkpoint="async" if self.saver else "sync",
+                            **({"checkpoint_note": "world > 1: checkpoints are committed synchronously"}
+                               if self.world > 1 and not self.cfg.sync_checkpoint else {}),
                             deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat(),
                             **({"deadline_reserve_s": round(self.deadline.finish_s, 3)} if self.finisher else {}))
         self.reporter.begin(step=run.step, target=target)
         left = self.deadline.seconds_left()
         past = left is not None and left <= 0 and self.finisher is not None
-        reason = "deadline" if past else self._loop(run, target)
-        if run.step > self.checkpointer.last_step:  # the end, or the boundary after a stop request
-            self._save(run)
+        try:
+            reason = "deadline" if past else self._loop(run, target)
+            committed = self._finish_saves(run, reason)  # the end, or the boundary after a stop request
+        except BaseException:
+            self._land_in_flight_save()
+            raise
         finished = self._finish(run, unbounded=past) if reason == "deadline" else None
         exit_code = EXIT_OK if run.step >= target or (finished or {}).get("ok") else EXIT_STOPPED
         if past and exit_code != EXIT_OK:
             # Exit 75 would have a Job restart into the same past deadline forever: a counted failure instead.
             exit_code = EXIT_FAILURE
-        outcome = Outcome(exit_code=exit_code, reason=reason, step=run.step, target=target, export=finished)
+        outcome = Outcome(exit_code=exit_code, reason=reason, step=run.step, target=target, export=finished,
+                          committed_step=committed)
         if self.rank == 0:
             self._write_summary(run, outcome, resumed_from)
         self.reporter.event("done" if exit_code == EXIT_OK else "stopped", step=run.step, target=target,
                             reason=reason, exit_code=exit_code, signals=self.stop.signals,
                             notices=self.stop.notices, ranks_signalled=self.ranks_signalled,
-                            **({"export": finished} if finished else {}))
+                            committed_step=committed, **({"export": finished} if finished else {}))
         return outcome
 
     def _loop(self, run: Run, target: int) -> str:
         """Optimizer steps until the target; stop requests and saves are decided only at step boundaries."""
         while run.step < target:
-            reason, save = self._agree(run, save=run.step > self.checkpointer.last_step and self.clock.due(run.step))
+            if self.saver:
+                self.saver.poll()  # a background save that failed fails the run here, naming its step
+            reason, save = self._agree(run, save=run.step > self._saved_through() and self.clock.due(run.step))
             if save:
                 self._save(run)
                 reason, _ = self._agree(run, save=False)  # a signal may have arrived during the save
             if reason:
+                self._stop_seen_at = time.monotonic()
                 return reason
             t0 = time.perf_counter()
             record = train_step(run)
@@ -280,7 +313,9 @@ class Trainer:
             self.sync.on_rank0("check that the store holds no generation", self._refuse_existing_generations)
             self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
             return None
-        found = load_agreed(self.store, self.plan["contract"], self.sync, code_version=code_version())
+        # Without --allow-code-change a newer generation of other code is passed over for one of this build.
+        found = load_agreed(self.store, self.plan["contract"], self.sync,
+                            code_version=None if self.cfg.allow_code_change else code_version())
         if found is None:
             self.sync.on_rank0("look for unusable generations", self._warn_if_unusable_generations)
             self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
@@ -291,9 +326,10 @@ class Trainer:
                                      source=f"{name} was written by {saved_world} rank(s)")
         if changed:
             check_transition(state["ranks"][0]["data"], self.world, run.global_batch)
+        saved_code = self._decide_code(state, step=step, source=name)
         # The generation's own step (its folder name), not the state's word for it: a state moved under a newer
         # name must be refused, never resumed from.
-        expected = self._expected(int(name.rsplit("-", 1)[1]), saved_world)
+        expected = self._expected(int(name.rsplit("-", 1)[1]), saved_world, saved_code)
         for warning in check_consistency(state, expected) + self._device_warnings(state):
             self.reporter.warn(warning)
         restore_state(run, state, restore_rng=not self.cfg.omit_rng_restore, seed=self.cfg.seed,
@@ -313,29 +349,113 @@ class Trainer:
                                "kept its world size")
         return saved_world != self.world
 
+    def _decide_code(self, state: dict[str, Any], *, step: int, source: str) -> str:
+        """Refuse (exit 2) a resume under other code unless ``--allow-code-change``; record an allowed change.
+
+        Returns the code identity the state must carry (the saved one when the change is allowed)."""
+        saved = state["meta"].get("code_version")
+        self.code_changes = code_decision(saved=saved, now=code_version(), step=step, source=source,
+                                          allow=self.cfg.allow_code_change,
+                                          history=state["meta"].get("code_changes", []))
+        if saved != code_version() and self.rank == 0:
+            self.reporter.warn(f"code changes from {saved} to {code_version()} at step {step} (--allow-code-change): "
+                               "an audit replaying across this step runs the new code")
+        return saved
+
     def _save(self, run: Run) -> None:
-        """Commit this step on every rank together (see job.train.checkpoint for the cross-rank protocol)."""
-        self.reporter.event("checkpoint_begin", step=run.step)
+        """Commit this step: in the background from a host-memory snapshot (job.train.async_save), or inline
+        on every rank together with ``--sync-checkpoint`` and world > 1 (job.train.checkpoint's protocol)."""
         t0 = time.perf_counter()
+        if self.saver:
+            previous = self.saver.in_flight
+            waited = self.saver.wait()  # at most one save in flight; raises if the previous one failed
+            if previous is not None and waited >= 0.001:
+                self.reporter.event("checkpoint_wait", step=run.step, waiting_for=previous, seconds=waited)
+        self.reporter.event("checkpoint_begin", step=run.step)
         state = capture_state(run, self._meta(run)) if self.rank == 0 else None
         extra = {"task": self.cfg.task, "epoch": run.sampler.epoch, "loss": run.history.row(-1)["loss"],
-                 "next_lr": run.lr(), "world": self.world}
-        self.checkpointer.commit(run.step, state, extra=extra, part=capture_rank_part(run) if self.rank else None)
-        self.deadline.observe_save(time.perf_counter() - t0)
-        self._update_finish_estimate()
+                 "next_lr": run.lr(), "world": self.world, "resumed_from": self.resumed_from,
+                 "code_changes": self.code_changes}
+        if self.saver:
+            self.saver.submit(run.step, state, extra=extra, blocked_s=time.perf_counter() - t0)
+        else:
+            self.checkpointer.commit(run.step, state, extra=extra, part=capture_rank_part(run) if self.rank else None,
+                                     blocked_since=t0)
+            self._observe_save(time.perf_counter() - t0)
         self.clock.mark()
+
+    def _saved_through(self) -> int:
+        """The newest step committed or being committed in the background."""
+        pending = self.saver.in_flight if self.saver else None
+        return max(self.checkpointer.last_step, pending or 0)
+
+    def _observe_save(self, seconds: float) -> None:
+        self.deadline.observe_save(seconds)
+        self._update_finish_estimate()
+
+    def _observe_background_save(self, seconds: float) -> None:
+        # The deadline reserve uses the background commit's own measured time (serialise → COMPLETE.json).
+        self._observe_save(seconds)
+
+    def _finish_saves(self, run: Run, reason: str) -> int:
+        """After the loop: land the save in flight, then commit the final step when it is new and fits.
+
+        After a signal or spot notice with asynchronous checkpoints, the final step is committed only when the
+        longest measured background commit (x 1.25, + 1 s) fits in what is left of ``--stop-grace`` since the
+        first stop request; otherwise the in-flight commit is the resume point and the run exits 75 from it.
+        A run that has committed nothing yet always tries. Returns the step of the last commit.
+        """
+        if self.saver:
+            self.saver.wait()
+        if run.step > self.checkpointer.last_step:
+            why_not = self._final_commit_does_not_fit(reason)
+            if why_not:
+                last = self.checkpointer.last_step
+                self.reporter.warn(f"stopped at step {run.step}; the last commit is step {last}; {run.step - last} "
+                                   f"step(s) will be redone ({why_not})")
+                self.reporter.event("checkpoint_skipped", step=run.step, committed_step=last, why=why_not)
+                return last
+            self._save(run)
+            if self.saver:
+                self.saver.wait()
+        return self.checkpointer.last_step
+
+    def _final_commit_does_not_fit(self, reason: str) -> str | None:
+        """Why the final commit is skipped after a stop request (None: commit it)."""
+        if not self.saver or reason not in ("signal", "spot-notice") or not self.checkpointer.last_step:
+            return None
+        if not self.saver.measured_s:
+            return None  # nothing measured in this process: try
+        need = 1.25 * max(self.saver.measured_s) + 1.0
+        since = getattr(self.stop, "first_at", None) or self._stop_seen_at or time.monotonic()
+        left = self.cfg.stop_grace_s - (time.monotonic() - since)
+        if need <= left:
+            return None
+        return (f"a commit takes ~{max(self.saver.measured_s):.1f} s, {max(left, 0.0):.1f} s of the "
+                f"{self.cfg.stop_grace_s:g} s --stop-grace are left")
+
+    def _land_in_flight_save(self) -> None:
+        """On a failure of the training thread: let the commit in flight land (its work is good), then go on failing."""
+        if self.saver and self.saver.in_flight is not None:
+            try:
+                self.saver.wait()
+            except Exception as exc:  # noqa: BLE001 - the original failure is the one reported
+                self.reporter.warn(str(exc))
 
     def _meta(self, run: Run) -> dict[str, Any]:
         return {
             "contract": self.plan["contract"], "world": self.world, "world_changes": self.world_changes,
             "task": self.cfg.task, "task_config": self.task.config(), "seed": self.cfg.seed,
             "objective": self.task.objective, "data_identity": self.plan["data_identity"],
-            "code_version": code_version(), "versions": runtime_versions(), "device": str(self.device),
-            "amp": run.use_amp, "epoch_plan": self.epoch_plan, "trainer": self.cfg.recorded(),
+            "code_version": code_version(), "code_changes": self.code_changes,
+            "versions": runtime_versions(), "device": str(self.device),
+            "amp": run.use_amp, "epoch_plan": self.epoch_plan,
+            # Per invocation, like the trainer's settings: the step this process restored (None: a fresh start).
+            "trainer": {**self.cfg.recorded(), "resumed_from": self.resumed_from},
         }
 
-    def _expected(self, step: int, world: int) -> Expected:
-        return Expected(contract=self.plan["contract"], world=world, code_version=code_version(),
+    def _expected(self, step: int, world: int, code: str | None = None) -> Expected:
+        return Expected(contract=self.plan["contract"], world=world, code_version=code or code_version(),
                         data_identity=self.plan["data_identity"], step=step)
 
     def _device_warnings(self, state: dict[str, Any]) -> list[str]:
@@ -368,12 +488,13 @@ class Trainer:
             "schema": "trainproof.summary/1", "status": "completed" if outcome.exit_code == 0 else "stopped",
             "reason": outcome.reason, "exit_code": outcome.exit_code, "task": self.cfg.task,
             "contract": self.plan["contract"], "step": run.step, "target": outcome.target,
+            "committed_step": outcome.committed_step,
             "resumed_from": resumed_from, "epoch": run.sampler.epoch, "last_loss": last.get("loss"),
             "next_lr": run.lr(), "checkpoints": self.checkpointer.records,
             "save_seconds_max": max(saves) if saves else None, "throughput": self.reporter.throughput(),
             "signals": self.stop.signals, "notices": self.stop.notices, "export": outcome.export, "device": str(self.device), "code_version": code_version(),
             "ranks_signalled": self.ranks_signalled, "world": self.world, "world_changes": self.world_changes,
-            "bitwise_comparable": not self.world_changes,
+            "bitwise_comparable": not self.world_changes, "code_changes": self.code_changes,
             "started_at": self.started_at.isoformat(timespec="seconds"),
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }

@@ -103,6 +103,9 @@ class RichReporter(Reporter):
     def event(self, name: str, **fields: Any) -> None:
         if name == "checkpoint_begin":
             return  # JSON logs keep it (it timestamps the save's start); on a terminal it is noise
+        if name == "start":
+            self.console.print(start_line(fields), highlight=False)
+            return
         details = "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
         self.console.print(f"[cyan]{name}[/cyan] {details}", highlight=False)
 
@@ -110,6 +113,18 @@ class RichReporter(Reporter):
         if self._task_id is not None:
             self._bar.stop()
             self._task_id = None
+
+
+def start_line(f: dict[str, Any]) -> str:
+    """The start event for a person: task, steps and where the target comes from, short contract, key settings."""
+    plan = f.get("epoch_plan") or {}
+    epoch = (f"  epoch {plan['steps']} steps of {plan['global_batch']} samples"
+             if plan.get("steps") and plan.get("global_batch") else "")
+    deadline = f"  deadline {f['deadline']}" if f.get("deadline") else ""
+    world = f"  world {f['world']}" if f.get("world", 1) != 1 else ""
+    return (f"[cyan]start[/cyan] {f.get('task')}: step {f.get('step')} -> {f.get('target')} "
+            f"({f.get('target_from', '--max-steps')})  seed {f.get('seed')}  on {f.get('device')}{world}"
+            f"{epoch}  contract {str(f.get('contract', ''))[:12]}  store {f.get('store')}{deadline}")
 
 
 def make_reporter(fmt: str = "auto", *, log_every: int = 1) -> Reporter:

@@ -170,6 +170,23 @@ def world_decision(*, saved_world: int, world: int, step: int, allow: bool, hist
     return [*history, {"step": step, "from": saved_world, "to": world}]
 
 
+def code_decision(*, saved: str | None, now: str, step: int, allow: bool, history: list[dict[str, Any]],
+                  source: str) -> list[dict[str, Any]]:
+    """The code changes of the run after this start; ContractError (exit 2) for a change not allowed.
+
+    The code identity (job.train.identity) is not part of the run contract, so a new build can still find
+    the run's generations; whether it may *continue* them is decided here, like a world-size change.
+    """
+    if saved == now:
+        return list(history)
+    if not allow:
+        raise ContractError(
+            f"{source} was written by {saved}, this process runs {now}: resume with the code that wrote it, or "
+            "pass --allow-code-change to continue with this code (recorded in the state's meta.code_changes; "
+            "an audit that replays across this step runs the new code)")
+    return [*history, {"step": step, "from": saved, "to": now}]
+
+
 def check_transition(data: dict[str, Any], world: int, global_batch: int) -> None:
     """Refuse a world change whose first, partial epoch would leave a rank without a sample."""
     perm, cursor, total = data.get("permutation"), data.get("cursor", 0), data.get("num_samples", 0)

@@ -57,6 +57,10 @@ class Run:
     """The verifier's negative control (``--negative-control per-rank-mean``): normalise each rank's loss by
     its *own* target count and average the ranks (the mean of per-rank means), the classic mistake the
     global objective avoids. Never on for training."""
+    microbatch_mean: bool = False
+    """The objective check's negative control (``--negative-control mean-of-microbatch-means``): normalise each
+    micro-batch by its *own* target count and average the step's micro-batches (over every rank), the mistake
+    a ``loss_sum`` that returns a mean makes. Never on for training."""
 
     def __post_init__(self) -> None:
         self.sync = self.sync or Collectives(self.env)
@@ -77,7 +81,7 @@ class Run:
 
 
 def build_run(task: Task, device: torch.device, seed: int, *, env: DistEnv | None = None,
-              sync: Collectives | None = None, per_rank_mean: bool = False) -> Run:
+              sync: Collectives | None = None, per_rank_mean: bool = False, microbatch_mean: bool = False) -> Run:
     """Seed every generator, then build model, optimizer, scheduler, scaler and sampler, in that order.
 
     Each rank seeds its own generators from ``rank_seed(seed, rank)``; the data generator is seeded from
@@ -95,7 +99,7 @@ def build_run(task: Task, device: torch.device, seed: int, *, env: DistEnv | Non
     sampler = EpochSampler(task.num_samples(), rng.data_generator(seed))
     return Run(task=task, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
                scaler=scaler, sampler=sampler, np_gen=np_gen, use_amp=use_amp, env=env, sync=sync,
-               ddp=wrap_model(model, env, device), per_rank_mean=per_rank_mean)
+               ddp=wrap_model(model, env, device), per_rank_mean=per_rank_mean, microbatch_mean=microbatch_mean)
 
 
 def train_step(run: Run) -> dict[str, Any]:
@@ -112,14 +116,17 @@ def train_step(run: Run) -> dict[str, Any]:
     ids = run.sampler.next_ids(run.global_batch)
     mine = rank_slice(ids, world, run.env.rank)
     chunks = [mine[i : i + task.micro_batch_size] for i in range(0, len(mine), task.micro_batch_size)]
-    local = sum(task.count_targets(c) for c in chunks)
+    counts = [task.count_targets(c) for c in chunks]
+    local = sum(counts)
     # One all-reduce gives the global count and whether any rank has nothing to train on: every rank then
-    # refuses together, instead of one rank raising while the others wait in DDP's all-reduce.
-    count, empty = run.sync.sum_ints([local, int(local < 1)], "count the step's targets")
+    # refuses together, instead of one rank raising while the others wait in DDP's all-reduce. (The number
+    # of micro-batches only matters to the objective check's negative control.)
+    count, empty, micro = run.sync.sum_ints([local, int(local < 1), len(chunks)], "count the step's targets")
     if empty:
         raise ConfigError(f"{empty} rank(s) count no targets in their samples of step {run.step + 1} "
                           f"(this rank's: {mine[:8]}...)")
-    denominator = local * world if run.per_rank_mean else count
+    denominators = ([max(n, 1) * micro for n in counts] if run.microbatch_mean
+                    else [local * world if run.per_rank_mean else count] * len(chunks))
     lr = run.lr()
     run.optimizer.zero_grad(set_to_none=True)
     loss_total = torch.zeros((), dtype=torch.float64, device=run.device)
@@ -129,7 +136,7 @@ def train_step(run: Run) -> dict[str, Any]:
         with _no_sync_unless(run, last=i == len(chunks) - 1):
             with _autocast(run):
                 loss_sum = task.loss_sum(run.ddp or run.model, batch)
-            run.scaler.scale(loss_sum / denominator).backward()
+            run.scaler.scale(loss_sum / denominators[i]).backward()
         loss_total += loss_sum.detach().to(torch.float64)
     _optimizer_update(run)
     run.step += 1
@@ -195,6 +202,7 @@ def capture_state(run: Run, meta: dict[str, Any]) -> dict[str, Any]:
         "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict(),
         "history": run.history.state_dict(),
+        "task_state": run.task.state_dict(),
         "ranks": [capture_rank_part(run)],
     }
 
@@ -220,6 +228,9 @@ def restore_state(run: Run, state: dict[str, Any], *, restore_rng: bool = True, 
     run.history = History.from_state_dict(state["history"])
     progress = state["progress"]
     run.step, run.samples_seen, run.targets_seen = progress["step"], progress["samples_seen"], progress["targets_seen"]
+    # The task's own state (Task.state_dict) after everything the trainer owns and before the generators;
+    # a state written before task state existed holds none ({}).
+    _load("task", lambda: run.task.load_state_dict(state.get("task_state", {})))
     if not restore_rng:
         return
     if rederive_at is None:
@@ -244,13 +255,25 @@ def restore_generators(run: Run, rank_part: dict[str, Any], data: dict[str, Any]
     saved = rank_part.get("next_draws", {})
     differing = sorted(k for k in observed if k in saved and observed[k] != saved[k])
     if differing:
-        raise StateError(f"restored generators {differing} do not reproduce the draws observed at save time")
+        raise RestoreCheckError("rng_restore", differing,
+                                f"restored generators {differing} do not reproduce the draws observed at save time")
+
+
+class RestoreCheckError(StateError):
+    """A resume's own self-check failed (e.g. a restored generator does not reproduce its recorded next draw).
+
+    The trainer reports it as a ``restore_check_failed`` event naming ``check`` before exiting 2, so the verifier
+    can count it as a failed comparison (exit 1) rather than a verification that could not complete."""
+
+    def __init__(self, check: str, differing: list[str], message: str) -> None:
+        super().__init__(message)
+        self.check, self.differing = check, differing
 
 
 def _load(what: str, load: Any) -> None:
     try:
         load()
-    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError, ConfigError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StateError(f"the saved {what} state does not fit this task's {what}: {first}") from None
 

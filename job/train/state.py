@@ -4,11 +4,15 @@ Layout (``training_state.pt``, a dict saved with ``torch.save``)::
 
     schema     "trainproof.state/1"
     meta       contract, world, world_changes ([{step, from, to}], empty unless --allow-world-change was
-               used), task, task_config, seed, objective, data_identity, code_version, versions
-               (python/torch/numpy), device, epoch_plan, trainer settings
+               used), task, task_config, seed, objective, data_identity, code_version (job.train.identity),
+               code_changes ([{step, from, to}], empty unless --allow-code-change was used), versions
+               (python/torch/numpy), device, epoch_plan, trainer settings (with ``resumed_from``: the step this
+               process restored, None on a fresh start)
     progress   step, epoch, samples_seen, targets_seen, next_lr
     model / optimizer / scheduler / scaler    their state_dicts (scheduler None when the task has none)
     history    per-step columns: step, epoch, loss, lr, targets, sample ids (flat + offsets)
+    task_state the task's own state (``Task.state_dict()``, ``{}`` for tasks that keep none; absent in states
+               written before it existed, which load as ``{}``)
     ranks      [rank 0's part]: {rank, rng, data, next_draws}; ``data`` is the global data position
                (permutation, cursor, epoch, data generator), the same on every rank
 

@@ -19,6 +19,13 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          ``reseed_rng`` re-seed every generator instead of restoring them;
                          ``lose_cursor`` restart the epoch's permutation from its first sample;
                          ``repeat_batch`` step the cursor back one batch;
+                         ``regen_permutation`` re-derive the epoch's permutation (and the data generator)
+                         from (seed, epoch) instead of restoring them: right in epoch 0 only;
+                         ``lose_python_rng`` / ``lose_numpy_rng`` re-seed only Python's ``random`` / only
+                         the run's NumPy generator after the restore (one generator family lost);
+                         ``rng_mismatch`` restore Python's generator from another state, so the resume's
+                         own restore self-check fails (the trainer exits 2 with a
+                         ``restore_check_failed`` event);
                          ``crash`` fail while restoring (the process exits 1)
 =======================  ==================================================================================
 
@@ -34,7 +41,8 @@ import time
 from typing import Any
 
 MODULE = "tests.support.hooked"
-SABOTAGES = ("skip_optimizer", "rebuild_scheduler", "reseed_rng", "lose_cursor", "repeat_batch", "crash")
+SABOTAGES = ("skip_optimizer", "rebuild_scheduler", "reseed_rng", "lose_cursor", "repeat_batch", "regen_permutation",
+             "lose_python_rng", "lose_numpy_rng", "rng_mismatch", "crash")
 
 
 class SabotageCrash(RuntimeError):
@@ -58,6 +66,17 @@ def _state_to_restore(kinds: frozenset[str], state: dict[str, Any]) -> dict[str,
           file=sys.stderr, flush=True)
     if "crash" in kinds:
         raise SabotageCrash("TPHOOK_SABOTAGE=crash: failing the restore on purpose")
+    if "rng_mismatch" in kinds:
+        import random
+
+        saved = random.getstate()
+        random.seed(987654321)  # another state than the one saved: its next draw differs from the recorded one
+        version, internal, gauss = random.getstate()
+        random.setstate(saved)
+        part = {**state["ranks"][0], "rng": {**state["ranks"][0]["rng"],
+                                             "python": {"version": version, "internal": list(internal),
+                                                        "gauss_next": gauss}}}
+        state = {**state, "ranks": [part, *state["ranks"][1:]]}
     if "skip_optimizer" in kinds:
         # Only the hyper-parameters survive: the "continue" looks fine, the moments start from zero.
         state = {**state, "optimizer": {"state": {}, "param_groups": state["optimizer"]["param_groups"]}}
@@ -73,6 +92,22 @@ def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> No
     if "reseed_rng" in kinds:
         fresh = rng.seed_all(state["meta"]["seed"])  # Python, NumPy global, torch: re-seeded in place
         run.np_gen.bit_generator.state = fresh.bit_generator.state  # the sampler holds this very object
+    if "lose_python_rng" in kinds:
+        import random
+
+        random.seed(state["meta"]["seed"])
+    if "lose_numpy_rng" in kinds:
+        import numpy as np
+
+        run.np_gen.bit_generator.state = np.random.Generator(np.random.PCG64(state["meta"]["seed"])).bit_generator.state
+    if "regen_permutation" in kinds and run.sampler.permutation is not None:
+        import numpy as np
+
+        # The plausible bug: one stream per epoch, keyed by (seed, epoch). Epoch 0's coincides with the real
+        # data stream (its first permutation), so it hides until a run is cut after epoch 0.
+        gen = np.random.Generator(np.random.PCG64([state["meta"]["seed"], rng.DATA_STREAM + run.sampler.epoch]))
+        run.sampler.permutation = gen.permutation(run.sampler.num_samples).astype(np.int64)
+        run.sampler.restore_generator({"generator": gen.bit_generator.state})
     if "lose_cursor" in kinds:
         run.sampler.cursor = 0
     if "repeat_batch" in kinds:

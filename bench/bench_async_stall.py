@@ -1,0 +1,240 @@
+"""How long training is blocked by an asynchronous checkpoint, what it costs in throughput and in memory.
+
+Every run is a fresh child process that trains ``bench.bigmodel:factory`` (k x Linear(1024, 1024) with Adam, the
+state sized by ``--sizes``) through the real trainer (``job.train.loop.train``) into a fresh store, with one of:
+
+- ``async``: the default, a checkpoint every ``--every`` steps, committed in the background;
+- ``sync``: the same with ``--sync-checkpoint`` (for comparison);
+- ``none``: no periodic checkpoint (only the final commit, after the timed window).
+
+Reported per size, medians over ``--repeats`` runs of each mode:
+
+- **stall** = training time blocked per checkpoint (the trainer's own ``blocked_s``: waiting for the previous save,
+  capture and the copy to host memory) / time to copy the state to host memory (``tensor.clone()`` of every tensor
+  of the model and optimizer state, measured in the same child after training, median of 5). Goal <= 1.5.
+- **throughput** = steps/s with a checkpoint every ``--every`` steps / steps/s without (between the first and the
+  last step, so the final commit is outside the window). Goal >= 0.9 (reported, the machine decides).
+- **memory** = (peak RSS from a checkpoint's start until its commit is collected - RSS at its start) / state bytes,
+  for the first checkpoint of each run (RSS sampled every 5 ms from /proc/self/statm). Goal <= 1.5.
+
+Writes ``bench/out/async_stall.json`` and ``bench/out/async_stall.md``. Not run by CI.
+
+    .venv/bin/python bench/bench_async_stall.py                               # 64 and 256 MiB, local folder, 5 runs
+    .venv/bin/python bench/bench_async_stall.py --sizes 64,256,1024 --modes async,none
+    .venv/bin/python bench/bench_async_stall.py --store-root s3://bucket/bench  # AWS_ENDPOINT_URL for MinIO/moto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GOALS = {"stall": "<= 1.5", "throughput": ">= 0.9", "memory": "<= 1.5"}
+
+
+class _RssSampler(threading.Thread):
+    """(time, RSS bytes) every ``period`` seconds from /proc/self/statm."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        super().__init__(daemon=True)
+        self.period, self.samples, self._halt = period, [], threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * self._page
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.samples.append((time.perf_counter(), self.rss()))
+            time.sleep(self.period)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One training run in this process; returns its measurements."""
+    import torch
+
+    from job.tasks import load_task
+    from job.train.config import TrainConfig
+    from job.train.loop import train
+    from job.train.progress import Reporter
+    from job.train.run import build_run, train_step
+
+    sampler = _RssSampler()
+
+    class Probe(Reporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.step_times: list[float] = []
+            self.events: list[tuple[float, int, str, dict]] = []
+
+        def step(self, record, *, target):
+            super().step(record, target=target)
+            self.step_times.append(time.perf_counter())
+
+        def event(self, name, **fields):
+            self.events.append((time.perf_counter(), sampler.rss(), name, fields))
+
+    probe = Probe()
+    cfg = TrainConfig(store=f"{spec['root'].rstrip('/')}/run-{uuid.uuid4().hex[:10]}", task="bench.bigmodel:factory",
+                      task_config={"state_mib": spec["mib"]}, max_steps=spec["steps"],
+                      checkpoint_every=spec["every"] if spec["mode"] != "none" else 0, checkpoint_every_seconds=0,
+                      keep=2, sync_checkpoint=spec["mode"] == "sync", log_format="json")
+    sampler.start()
+    outcome = train(cfg, reporter=probe)
+    sampler.stop()
+    assert outcome.exit_code == 0, outcome
+    t = probe.step_times
+    steps_per_s = (len(t) - 1) / (t[-1] - t[0])
+    records = [f for _, _, n, f in probe.events if n == "checkpoint"]
+    periodic = [r for r in records if r["step"] < spec["steps"]]
+    memory = None
+    begins = [(ts, rss) for ts, rss, n, f in probe.events if n == "checkpoint_begin"]
+    ends = [ts for ts, _, n, f in probe.events if n == "checkpoint"]
+    if spec["mode"] != "none" and begins and ends:
+        (t0, rss0), t1 = begins[0], ends[0]
+        peak = max(rss for ts, rss in sampler.samples if t0 <= ts <= t1)
+        memory = (peak - rss0) / records[0]["bytes"]
+    # Baseline: copy the same state (model + optimizer tensors) to host memory, in this process.
+    task = load_task("bench.bigmodel:factory", {"state_mib": spec["mib"]})
+    run = build_run(task, torch.device("cpu"), 1234)
+    train_step(run)
+    tensors = [*run.model.state_dict().values(),
+               *(v for s in run.optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v))]
+    copies = []
+    for _ in range(5):
+        c0 = time.perf_counter()
+        out = [x.clone() for x in tensors]
+        copies.append(time.perf_counter() - c0)
+        del out
+    return {"mode": spec["mode"], "mib": spec["mib"], "steps_per_s": steps_per_s, "store": cfg.store,
+            "blocked_s": [r["blocked_s"] for r in periodic], "save_s": [r["seconds"] for r in periodic],
+            "bytes": records[0]["bytes"] if records else None, "memory_ratio": memory,
+            "copy_s": statistics.median(copies), "waits": sum(1 for _, _, n, _ in probe.events if n == "checkpoint_wait")}
+
+
+def _drop(url: str) -> None:
+    from storage import open_store
+
+    store = open_store(url)
+    store.backend.delete_tree(store.root)
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    import job
+
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {"python": platform.python_version(), "torch": torch.__version__, "trainproof": job.__version__,
+            "git": rev, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, {platform.platform()}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64,256", help="state sizes in MiB")
+    ap.add_argument("--modes", default="async,sync,none")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
+    ap.add_argument("--checkpoints", type=int, default=4, help="checkpoints per run (steps = every x this)")
+    ap.add_argument("--store-root", default=None, help="folder or s3:// prefix (default: a temporary folder)")
+    ap.add_argument("--s3", action="store_true", help="train against a moto S3 server on loopback (tests/support)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--summarise", default=None, metavar="JSON", help="only re-print the table of an earlier run")
+    args = ap.parse_args()
+    if args.summarise:
+        print(summarise(json.loads(Path(args.summarise).read_text())["runs"], args))
+        return
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))), flush=True)
+        return
+    tmp = tempfile.TemporaryDirectory(prefix="tp-async-bench-") if args.store_root is None else None
+    root = args.store_root or tmp.name
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if args.s3:
+        from tests.support.s3server import S3Server, dummy_aws_env
+
+        server = S3Server().start()  # threads of this (parent) process serve the children's requests
+        env.update(dummy_aws_env(), AWS_ENDPOINT_URL=server.endpoint)
+        os.environ.update(dummy_aws_env(), AWS_ENDPOINT_URL=server.endpoint)
+        root = f"s3://{server.create_bucket()}/bench"
+    results: list[dict[str, Any]] = []
+    for mib in [float(s) for s in args.sizes.split(",")]:
+        for rep in range(args.repeats):
+            for mode in args.modes.split(","):  # interleaved, so load changes hit every mode alike
+                spec = {"mode": mode, "mib": mib, "root": root, "every": args.every,
+                        "steps": args.every * args.checkpoints}
+                out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=ROOT,
+                                     capture_output=True, text=True, env=env)
+                if out.returncode:
+                    sys.exit(f"child failed ({spec}):\n{out.stderr[-3000:]}")
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                results.append(res)
+                _drop(res.pop("store"))  # keep the disk (or moto's memory) flat
+                print(f"{mib:g} MiB {mode} #{rep}: {res['steps_per_s']:.2f} step/s, blocked "
+                      f"{[round(b, 3) for b in res['blocked_s']]}, copy {res['copy_s']:.3f} s, "
+                      f"memory {res['memory_ratio']}", file=sys.stderr, flush=True)
+    table = summarise(results, args)
+    out_dir = ROOT / "bench" / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"command": " ".join(["python", "bench/bench_async_stall.py", *sys.argv[1:]]), "store": "S3 (moto server on loopback)" if args.s3 else args.store_root or "local folder (tmp)",
+            **versions()}
+    (out_dir / "async_stall.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
+    (out_dir / "async_stall.md").write_text(table)
+    print(json.dumps(meta, indent=2))
+    print(table)
+
+
+def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    med = statistics.median
+    lines = [f"| state | mode | ratio | value | goal | detail |", "|---|---|---|---:|---|---|"]
+    for mib in sorted({r["mib"] for r in results}):
+        runs = {m: [r for r in results if r["mib"] == mib and r["mode"] == m] for m in args.modes.split(",")}
+        size = next((r["bytes"] for r in results if r["mib"] == mib and r["bytes"]), None)
+        copy = med([r["copy_s"] for r in results if r["mib"] == mib])
+        base = med([r["steps_per_s"] for r in runs.get("none", [])]) if runs.get("none") else None
+        label = f"{size / 2**20:.0f} MiB" if size else f"{mib:g} MiB"
+        for mode in ("async", "sync"):
+            if not runs.get(mode):
+                continue
+            blocked = med([med(r["blocked_s"]) for r in runs[mode] if r["blocked_s"]])
+            steady = [b for r in runs[mode] for b in r["blocked_s"][1:]]  # buffers already allocated
+            save = med([med(r["save_s"]) for r in runs[mode] if r["save_s"]])
+            waits = sum(r["waits"] for r in runs[mode])
+            lines.append(f"| {label} | {mode} | stall | {blocked / copy:.2f} | {GOALS['stall']} | blocked {blocked:.3f} s "
+                         f"per checkpoint vs copy to host {copy:.3f} s"
+                         + (f" (after the first checkpoint: {med(steady):.3f} s, stall {med(steady) / copy:.2f})"
+                            if steady and mode == "async" else "")
+                         + f"; commit {save:.2f} s; {waits} waits |")
+            if base:
+                tput = med([r["steps_per_s"] for r in runs[mode]])
+                lines.append(f"| {label} | {mode} | throughput | {tput / base:.2f} | {GOALS['throughput']} | "
+                             f"{tput:.2f} vs {base:.2f} steps/s, a checkpoint every {args.every} steps |")
+            mem = [r["memory_ratio"] for r in runs[mode] if r["memory_ratio"] is not None]
+            if mem:
+                lines.append(f"| {label} | {mode} | memory | {med(mem):.2f} | {GOALS['memory']} | peak RSS during the "
+                             f"first checkpoint - RSS before, / state bytes (max {max(mem):.2f}) |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

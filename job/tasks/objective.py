@@ -1,0 +1,105 @@
+"""The task the verifier's objective check trains (``train --objective-check``): a deterministic, float64
+view of any task, with the step's split into micro-batches chosen by the check.
+
+The objective check (job.proof.objective) asks whether the trainer really optimises the objective the run
+declares: the global mean over every target of a step, whatever its split into micro-batches and ranks.
+To compare splits to ~1e-12 every random draw must be gone and the arithmetic must be float64, so this
+wrapper takes the task's :meth:`~job.tasks.Task.deterministic_objective` variant, sets every ``nn.Dropout``
+module's p to 0, casts floating batch tensors to float64, and overrides ``batch_size`` and
+``micro_batch_size``. Everything else (data, model, optimizer, scheduler, loss, target counts) is the
+user's own code, unchanged: that is what is being checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from job.tasks.base import Task, TaskContext, require
+
+
+class ObjectiveCheckTask(Task):
+    """``task.deterministic_objective()`` in float64, dropout off, with the given step split."""
+
+    dtype = torch.float64
+    cpu_threads = 1
+
+    def __init__(self, task: Task, *, batch_size: int | None = None, micro_batch_size: int | None = None) -> None:
+        self.inner = task.deterministic_objective()
+        self._batch = batch_size or task.batch_size
+        self._micro = micro_batch_size or min(task.micro_batch_size, self._batch)
+        require(1 <= self._micro <= self._batch, "objective check: need 1 <= micro_batch_size <= batch_size")
+        self.objective, self.grad_clip = self.inner.objective, self.inner.grad_clip
+        self.supports_cuda, self.default_steps = self.inner.supports_cuda, self.inner.default_steps
+        self.eval_metric = self.inner.eval_metric
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self._micro
+
+    def config(self) -> dict[str, Any]:
+        # The split and dtype are part of this run's contract: the check's runs are experiments of their own.
+        return {**self.inner.config(), "objective_check": {"batch_size": self._batch,
+                                                           "micro_batch_size": self._micro, "dtype": "float64"}}
+
+    def num_samples(self) -> int:
+        return self.inner.num_samples()
+
+    def data_identity(self) -> str:
+        return self.inner.data_identity()
+
+    def build_model(self) -> nn.Module:
+        model = self.inner.build_model()
+        for module in model.modules():
+            # The trainer keeps the model in training mode: dropout must be off by value (modules, and the
+            # attention dropout MultiheadAttention applies functionally, e.g. inside nn.TransformerEncoderLayer).
+            if isinstance(module, nn.modules.dropout._DropoutNd):
+                module.p = 0.0
+            elif isinstance(module, nn.MultiheadAttention):
+                module.dropout = 0.0
+        return model
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return self.inner.build_optimizer(model)
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        return self.inner.build_scheduler(optimizer)
+
+    def count_targets(self, sample_ids: list[int]) -> int:
+        return self.inner.count_targets(sample_ids)
+
+    def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> Any:
+        return _float64(self.inner.make_batch(sample_ids, ctx))
+
+    def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.inner.loss_sum(model, batch)
+
+    def use_amp(self, device: torch.device) -> bool:
+        return False  # float64 arithmetic: no autocast
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def evaluate(self, model: nn.Module) -> float:
+        return self.inner.evaluate(model)
+
+
+def _float64(value: Any) -> Any:
+    """Floating tensors (in tuples, lists and dicts too) as float64; everything else unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _float64(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_float64(v) for v in value) if not hasattr(value, "_fields") else type(value)(
+            *(_float64(v) for v in value))
+    return value

@@ -1,0 +1,235 @@
+"""Asynchronous checkpoints: training is blocked only while the state is copied to host memory.
+
+At a step boundary the trainer takes a **snapshot** (:func:`snapshot`): every tensor of the captured state is
+*copied* (on CUDA into pinned host buffers, non-blocking, ordered on the current stream by an event the
+worker waits on), and every container is rebuilt, so the next optimizer step may modify the live tensors,
+lists and dicts freely. A background thread (:class:`BackgroundSaver`) then serialises the snapshot and
+hands it to the ordinary :class:`job.train.checkpoint.Checkpointer`: the commit is exactly today's one
+(every file create-only, read back from the store, sha256 and a weights-only load checked, ``COMPLETE.json``
+written last, create-only; retention after a successful commit), only on another thread. A thread is
+enough: ``torch.save``'s storage writes, sha256 and the store's I/O release the GIL.
+
+Rules, and why:
+
+* **Staging buffers are reused** (:class:`_Snapshotter`): the copy writes into resident memory, so the training
+  thread pays a memcpy, not page faults; one state's worth of host memory stays allocated between checkpoints.
+* **At most one save in flight.** A second snapshot waits for the previous commit first (``checkpoint_wait``
+  event with the seconds waited): two snapshots in memory would double the host memory, and an ordered
+  sequence of commits keeps ``last_step`` and retention simple.
+* **A background failure fails the run at the next step boundary** (:meth:`BackgroundSaver.poll`), with a
+  one-line error naming the step and the cause and the exit code of the underlying error (1, or 2 for a
+  configuration error). Nothing was marked usable: the store writes ``COMPLETE.json`` only after every
+  check passed, so the previous generation stays the resume point.
+* **Events are emitted by the training thread.** The worker's ``checkpoint`` / ``retention`` events are
+  queued and emitted at the next boundary or wait (:class:`DeferredReporter`), so two threads never write
+  the JSON log at once and events keep their order; warnings go to stderr at once as single writes.
+* **The stop path** (SIGTERM, spot notice, deadline) first waits for the commit in flight, then commits the
+  final step (job.train.loop ``Trainer._finish_saves``), keeping the exit-75 promise.
+
+Distributed runs (world > 1) stay synchronous for now: the cross-rank commit (gather of the rank parts, rank 0
+commits, outcome broadcast; job.train.checkpoint) uses the run's control group, and running those collectives
+on a worker thread would interleave them with the training thread's own collectives on that group. A separate
+gloo group for checkpoints (``torch.distributed.new_group(backend="gloo")``) or moving the small collectives to
+the next step boundary would make it safe; until then the trainer notes ``checkpoint: sync`` in its start event.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from job.errors import TrainError
+from job.train.checkpoint import Checkpointer
+from job.train.progress import Reporter
+from job.train.state import encode
+
+
+class DeferredReporter(Reporter):
+    """A reporter for the worker thread: events are queued for the training thread; warnings go out at once."""
+
+    def __init__(self, target: Reporter) -> None:
+        super().__init__()
+        self.target = target
+        self._queue: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
+
+    def event(self, name: str, **fields: Any) -> None:
+        self._queue.append((name, fields))  # deque.append is atomic: no lock needed
+
+    def warn(self, message: str) -> None:
+        # One write call: a line is not interleaved with the training thread's own stderr lines.
+        sys.stderr.write(f"warning: {message}\n")
+        sys.stderr.flush()
+
+    def drain(self) -> None:
+        """Emit the queued events on the calling (training) thread, oldest first."""
+        while self._queue:
+            name, fields = self._queue.popleft()
+            self.target.event(name, **fields)
+
+
+class _Snapshotter:
+    """Copies a captured state into host memory, into staging buffers kept from one snapshot to the next.
+
+    Why keep them: a fresh 256 MiB allocation costs page faults (and zeroing) on the training thread, often more
+    than the copy itself; resident buffers make the blocked time a plain memcpy (pinned on CUDA, so the
+    device → host copies can be non-blocking). Reusing them is safe because at most one save is in flight and the
+    next snapshot is taken only after it was committed. The price: one state's worth of host memory stays
+    allocated between checkpoints.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def copy(self, state: Any) -> tuple[Any, torch.cuda.Event | None]:
+        memo: dict[tuple, torch.Tensor] = {}
+        used: list[int] = [0]
+        cuda_seen = [False]
+
+        def tensor(t: torch.Tensor) -> torch.Tensor:
+            # Tensors that share storage (tied weights) stay shared in the copy, as torch.save would keep them.
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+            if key in memo:
+                return memo[key]
+            cuda = t.device.type == "cuda"
+            cuda_seen[0] |= cuda
+            out = self._buffer_like(t, used, pin=cuda)
+            out.copy_(t.detach(), non_blocking=cuda)
+            memo[key] = out
+            return out
+
+        def walk(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                return tensor(obj)
+            if isinstance(obj, dict):  # keeps OrderedDict (a state_dict) an OrderedDict
+                return type(obj)((k, walk(v)) for k, v in obj.items())
+            if isinstance(obj, list):
+                return [walk(v) for v in obj]
+            if isinstance(obj, tuple):
+                return tuple(walk(v) for v in obj)
+            return obj  # str, int, float, bool, None: immutable
+
+        copied = walk(state)
+        done = None
+        if cuda_seen[0]:
+            done = torch.cuda.Event()
+            done.record()  # the copies are queued on the current stream; the worker waits for this event
+        return copied, done
+
+    def _buffer_like(self, t: torch.Tensor, used: list[int], *, pin: bool) -> torch.Tensor:
+        # The i-th tensor of a state is the same one at every boundary (model, then optimizer, ...): same buffer.
+        i = used[0]
+        used[0] += 1
+        if i < len(self._buffers):
+            buf = self._buffers[i]
+            if buf.shape == t.shape and buf.dtype == t.dtype and buf.is_pinned() == pin:
+                return buf
+        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        if i < len(self._buffers):
+            self._buffers[i] = buf
+        else:
+            self._buffers.append(buf)
+        return buf
+
+
+def snapshot(state: Any) -> Any:
+    """A deep copy of ``state`` in host memory that shares nothing mutable with the live training objects."""
+    copied, done = _Snapshotter().copy(state)
+    if done is not None:
+        done.synchronize()
+    return copied
+
+
+class BackgroundSaver:
+    """Runs :meth:`Checkpointer.commit` of one snapshot at a time on a background thread (see the module doc).
+
+    ``on_saved(seconds)`` is called on the training thread with the worker's measured time (serialise +
+    write + read back + verify + commit) of each successful save: the deadline's save estimate and the
+    stop-grace decision use it.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, reporter: Reporter, on_saved: Callable[[float], None]) -> None:
+        self.checkpointer = checkpointer
+        self.events = DeferredReporter(reporter)
+        checkpointer.reporter = self.events  # the worker reports through the queue
+        self.on_saved = on_saved
+        self._snapshotter = _Snapshotter()
+        self._thread: threading.Thread | None = None
+        self._step: int | None = None
+        self._result: tuple[float, BaseException | None] | None = None
+        self.measured_s: list[float] = []
+        """Total time of every background save of this process (serialise → commit), in order."""
+
+    @property
+    def in_flight(self) -> int | None:
+        """Step of the save not yet collected (running, or finished but not yet :meth:`poll`-ed), or None."""
+        return self._step
+
+    def submit(self, step: int, state: dict[str, Any], *, extra: dict[str, Any], blocked_s: float) -> None:
+        """Snapshot ``state`` (training must not step until this returns) and commit it in the background.
+
+        The caller has already waited (:meth:`wait`): at most one save is in flight.
+        """
+        assert self._step is None, "one save in flight at most: wait() first"
+        t0 = time.perf_counter()
+        copied, done = self._snapshotter.copy(state)
+        del state  # the live references: the worker only ever sees the copy
+        blocked_s += time.perf_counter() - t0
+        holder = [copied]
+        del copied
+        self._step, self._result = step, None
+        self._thread = threading.Thread(target=self._work, args=(step, holder, done, extra, blocked_s),
+                                        name=f"trainproof-save-{step}", daemon=True)
+        self._thread.start()
+
+    def _work(self, step: int, holder: list, done: torch.cuda.Event | None, extra: dict[str, Any],
+              blocked_s: float) -> None:
+        t0 = time.perf_counter()
+        failure: BaseException | None = None
+        try:
+            if done is not None:
+                done.synchronize()  # the non-blocking device → host copies have landed
+            data = encode(holder.pop())  # the snapshot is dropped as soon as it is serialised
+            self.checkpointer.commit(step, None, extra=extra, encoded=data, blocked_s=blocked_s)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which fails the run
+            failure = exc
+        self._result = (time.perf_counter() - t0, failure)
+
+    def poll(self) -> None:
+        """At a step boundary: collect a finished save (events, measured time); raise if it failed."""
+        self.events.drain()
+        if self._thread is not None and not self._thread.is_alive():
+            self._collect()
+
+    def wait(self) -> float:
+        """Block until the save in flight (if any) is committed; return the seconds waited. Raises its failure."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._collect()
+        self.events.drain()
+        return time.perf_counter() - t0
+
+    def _collect(self) -> None:
+        step, (seconds, failure) = self._step, self._result
+        self._thread = self._step = self._result = None
+        self.events.drain()
+        if failure is not None:
+            raise _failed(step, failure)
+        self.measured_s.append(seconds)
+        self.on_saved(seconds)
+
+
+def _failed(step: int, exc: BaseException) -> TrainError:
+    """One line naming the step and the cause, with the cause's exit code (2 for a configuration error)."""
+    cause = " ".join((str(exc) or type(exc).__name__).split())
+    if isinstance(exc, TrainError):
+        err = type(exc)(f"background checkpoint of step {step} failed: {cause}")
+    else:
+        err = TrainError(f"background checkpoint of step {step} failed: {type(exc).__name__}: {cause}")
+    err.__cause__ = exc
+    return err

@@ -1,0 +1,198 @@
+"""Asynchronous checkpoints (the default): only a host-memory snapshot blocks training; the commit runs in the
+background with every guarantee of a synchronous one.
+
+Real ``python -m job train`` processes against a local-folder store, killed with real signals. Slow saves come
+from the test wrapper tests/support/hooked.py (``TPHOOK_SAVE_DELAY`` sleeps after the state was written and read
+back, before ``COMPLETE.json``), which :func:`tests.test_train_helpers.start` uses when a ``TPHOOK_*`` key is set.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from tests.test_train_helpers import differences, finish, history_rows, load_state, parse_events, run, run_all, start, trajectory
+
+FAST = {"TPHOOK_STEP_DELAY": "0.01"}
+
+
+def _read_until(proc, pred, lines: list[dict]) -> dict:
+    """Read JSON events until one satisfies ``pred`` (fails if the process ends first)."""
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"process ended first; last events: {lines[-3:]}; stderr: {proc.stderr.read()}"
+        for event in parse_events(line):
+            lines.append(event)
+            if pred(event):
+                return event
+
+
+def _is(name: str, step: int | None = None):
+    return lambda e: e.get("event") == name and (step is None or e.get("step") == step)
+
+
+def test_snapshot_is_isolated_from_training():
+    """The snapshot taken at a boundary keeps that boundary's values while the live objects train on;
+    the captured state by itself does not (it shares tensors with the model and optimizer)."""
+    import torch
+
+    from job.tasks import load_task
+    from job.train.async_save import snapshot
+    from job.train.run import build_run, capture_state, train_step
+    from job.train.state import decode, encode
+
+    task = load_task("regression", {})
+    run_ = build_run(task, torch.device("cpu"), 1234)
+    for _ in range(3):
+        train_step(run_)
+    reference = decode(encode(capture_state(run_, {"note": "boundary"})))
+    live = capture_state(run_, {"note": "boundary"})
+    snap = snapshot(capture_state(run_, {"note": "boundary"}))
+    assert differences(reference, decode(encode(snap))) == []  # a faithful copy
+    for _ in range(2):
+        train_step(run_)
+    assert differences(reference, decode(encode(snap))) == []  # ...that training does not touch
+    assert differences(reference, decode(encode(live))) != []  # without the copy, the saved state would move on
+
+
+def test_async_and_sync_checkpoints_write_the_same_generations(tmp_path):
+    """Default (async) and --sync-checkpoint: bit-identical generations; events and summary carry blocked_s."""
+    a, s = tmp_path / "async", tmp_path / "sync"
+    common = ("--max-steps", "30", "--checkpoint-every", "10", "--keep", "0")
+    ra, rs = run_all((a, *common), (s, *common, "--sync-checkpoint"))
+    assert (ra.code, rs.code) == (0, 0), (ra.stderr, rs.stderr)
+    assert ra.last("start")["checkpoint"] == "async" and rs.last("start")["checkpoint"] == "sync"
+    for result, store in ((ra, a), (rs, s)):
+        events = [e for e in result.events if e["event"] == "checkpoint"]
+        assert [e["step"] for e in events] == [10, 20, 30]
+        assert all(e["blocked_s"] >= 0 and e["seconds"] > 0 and e["bytes"] > 0 for e in events)
+        summary = json.loads((store / "summary.json").read_text())
+        assert [r["step"] for r in summary["checkpoints"]] == [10, 20, 30]
+        assert all("blocked_s" in r for r in summary["checkpoints"]) and summary["committed_step"] == 30
+    for step in (10, 20, 30):
+        assert differences(trajectory(load_state(s, step)), trajectory(load_state(a, step))) == [], step
+
+
+def test_sigkill_during_an_async_save_leaves_it_unused(tmp_path):
+    """SIGKILL while the step-20 save is in flight (training already past it): that generation is never used,
+    the previous one is, and the run resumes from it to the same result as an uninterrupted run."""
+    store, ref = tmp_path / "run", tmp_path / "ref"
+    reference = start(ref, "--max-steps", "40")
+    proc = start(store, "--max-steps", "100000", "--checkpoint-every", "10", "--keep", "0",
+                 env={**FAST, "TPHOOK_SAVE_DELAY": "5"})
+    events: list[dict] = []
+    _read_until(proc, _is("checkpoint_begin", 20), events)
+    _read_until(proc, _is("step", 22), events)  # training went on while step 20 is being saved
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [10]
+    gen20 = store / "step-00000020"
+    assert (gen20 / "training_state.pt").exists() and not (gen20 / "COMPLETE.json").exists()  # written, not usable
+    assert load_state(store)["progress"]["step"] == 10
+    resumed = run(store, "--max-steps", "40")
+    assert resumed.code == 0, resumed.stderr
+    assert resumed.last("resume")["generation"] == "step-00000010"
+    assert finish(reference).code == 0
+    assert differences(trajectory(load_state(ref)), trajectory(load_state(store))) == []
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_sigterm_during_a_save_commits_it_and_the_final_step(tmp_path, sync):
+    """SIGTERM while the step-10 save is in flight: the in-flight commit lands, the final step is committed too,
+    exit 75; the resume is bitwise equal to an uninterrupted run (also at step 10: the snapshot did not move)."""
+    store, ref = tmp_path / "run", tmp_path / "ref"
+    flags = ("--sync-checkpoint",) if sync else ()
+    reference = start(ref, "--max-steps", "60", "--checkpoint-every", "10", "--keep", "0")
+    proc = start(store, "--max-steps", "60", "--checkpoint-every", "10", "--keep", "0", *flags,
+                 env={**FAST, "TPHOOK_SAVE_DELAY": "1.5"})
+    events: list[dict] = []
+    _read_until(proc, _is("checkpoint_begin", 10), events)
+    if not sync:
+        _read_until(proc, _is("step", 11), events)  # the save is in the background: training goes on
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    result = finish(proc)
+    events += result.events
+    assert result.code == 75, result.stderr
+    stopped = result.last("stopped")
+    final = stopped["step"]
+    assert stopped["reason"] == "signal" and stopped["committed_step"] == final
+    if sync:
+        assert final == 10  # the save blocked training: no further step was taken
+    else:
+        assert final > 10  # ...asynchronous: training went on, and the boundary after the signal is committed
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == sorted({10, final})
+    assert load_state(store, 10)["progress"]["step"] == 10 and load_state(store)["progress"]["step"] == final
+    resumed = run(store, "--max-steps", "60", "--checkpoint-every", "10", "--keep", "0", *flags)
+    assert resumed.code == 0, resumed.stderr
+    assert resumed.last("resume")["step"] == final
+    assert finish(reference).code == 0
+    assert differences(trajectory(load_state(ref, 10)), trajectory(load_state(store, 10))) == []
+    got = load_state(store)
+    assert differences(trajectory(load_state(ref)), trajectory(got)) == []
+    assert [r["step"] for r in history_rows(got)] == list(range(1, 61))
+
+
+def test_a_background_write_failure_fails_the_run_naming_the_step(tmp_path):
+    """The step-30 folder is blocked by a file after the start: the background commit fails, the run fails at
+    the next step boundary (exit 1, one line naming step 30), nothing of step 30 is usable, step 20 is."""
+    store = tmp_path / "run"
+    proc = start(store, "--max-steps", "100000", "--checkpoint-every", "10", "--keep", "0", env=FAST)
+    events: list[dict] = []
+    _read_until(proc, _is("checkpoint_begin", 10), events)
+    (store / "step-00000030").write_bytes(b"not a folder")  # the store can no longer create generation 30
+    result = finish(proc)
+    assert result.code == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "background checkpoint of step 30 failed" in line]
+    assert len(errors) == 1, result.stderr
+    steps = [e["step"] for e in events + result.events if e["event"] == "step"]
+    assert 30 < max(steps) < 100  # failed at a step boundary soon after, not at the end
+    assert not [e for e in result.events if e["event"] == "checkpoint" and e["step"] == 30]
+    (store / "step-00000030").unlink()
+    assert load_state(store)["progress"]["step"] == 20
+
+
+def test_a_final_commit_that_does_not_fit_the_stop_grace_is_skipped(tmp_path):
+    """A commit measured at > 2 s and --stop-grace 2: after SIGTERM the in-flight commit lands, the final step is
+    not attempted, exit 75 says which step is committed and how many steps will be redone; the resume is exact."""
+    store, ref = tmp_path / "run", tmp_path / "ref"
+    reference = start(ref, "--max-steps", "200")
+    proc = start(store, "--max-steps", "200", "--checkpoint-every", "10", "--keep", "0", "--stop-grace", "2",
+                 env={**FAST, "TPHOOK_SAVE_DELAY": "2"})
+    events: list[dict] = []
+    _read_until(proc, _is("checkpoint"), events)  # a commit landed and was measured (> 2 s)...
+    _read_until(proc, _is("step"), events)  # ...and the next one is in flight while training goes on
+    proc.send_signal(signal.SIGTERM)
+    result = finish(proc)
+    assert result.code == 75, result.stderr
+    stopped, skipped = result.last("stopped"), result.last("checkpoint_skipped")
+    committed = stopped["committed_step"]
+    assert committed < stopped["step"] == skipped["step"] and skipped["committed_step"] == committed
+    assert f"stopped at step {stopped['step']}; the last commit is step {committed}; " \
+           f"{stopped['step'] - committed} step(s) will be redone" in result.stderr
+    assert load_state(store)["progress"]["step"] == committed
+    resumed = run(store, "--max-steps", "200")
+    assert resumed.code == 0 and resumed.last("resume")["step"] == committed, resumed.stderr
+    assert finish(reference).code == 0
+    assert differences(trajectory(load_state(ref)), trajectory(load_state(store))) == []
+
+
+def test_a_save_that_waits_for_the_previous_one_reports_the_wait(tmp_path):
+    """Saves every 2 steps that take 0.5 s: each waits for the one in flight and says how long."""
+    result = run(tmp_path / "run", "--max-steps", "8", "--checkpoint-every", "2", "--keep", "0",
+                 env={**FAST, "TPHOOK_SAVE_DELAY": "0.5"})
+    assert result.code == 0, result.stderr
+    waits = [e for e in result.events if e["event"] == "checkpoint_wait"]
+    assert waits and all(w["seconds"] > 0.2 and w["waiting_for"] == w["step"] - 2 for w in waits)
+    blocked = {e["step"]: e["blocked_s"] for e in result.events if e["event"] == "checkpoint"}
+    assert list(blocked) == [2, 4, 6, 8]
+    assert all(blocked[w["step"]] >= w["seconds"] for w in waits)  # the wait counts as blocked time
+
+
+def test_stop_grace_must_be_positive(tmp_path):
+    result = run(tmp_path / "run", "--max-steps", "2", "--stop-grace", "0")
+    assert result.code == 2 and "--stop-grace" in result.stderr

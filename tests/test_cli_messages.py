@@ -1,0 +1,97 @@
+"""What a person reads: exit codes and one-line messages of the rough edges a user hits first, through the real
+entry point (``python -m job``), plus the regression fixture's opt-in learning-rate floor."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from tests.test_train_helpers import ROOT, run, train_env
+
+CONTRACT = re.compile(r"\b[0-9a-f]{64}\b")
+
+
+def job(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, env=train_env(env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _one_error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("trainproof: error:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_export_of_a_step_that_does_not_exist_is_a_usage_error_naming_the_steps(tmp_path):
+    assert run(tmp_path / "run", "--max-steps", "2", "--checkpoint-every", "1").code == 0
+    result = job("export", "--store", str(tmp_path / "run"), "--step", "999")
+    assert result.returncode == 2, result.stderr
+    line = _one_error_line(result)
+    assert "step 999" in line and "complete steps: 1, 2" in line and "Corrupt" not in line
+
+
+def test_a_store_under_a_file_is_exit_2_at_once(tmp_path):
+    (tmp_path / "afile").write_text("not a folder")
+    t0 = time.monotonic()
+    result = job("train", "--store", str(tmp_path / "afile" / "run"), "--max-steps", "1")
+    assert result.returncode == 2 and time.monotonic() - t0 < 10  # no retries of a write that can never work
+    assert "afile is a file" in _one_error_line(result)
+
+
+def test_a_config_value_of_the_wrong_type_names_the_key(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"lr": "fast"}))
+    result = job("train", "--store", str(tmp_path / "run"), "--config", str(tmp_path / "c.json"))
+    assert result.returncode == 2
+    line = _one_error_line(result)
+    assert "'lr' must be a number" in line and "'fast'" in line and "not supported" not in line
+
+
+def test_the_start_line_is_readable_and_says_the_target_is_the_tasks_default(tmp_path):
+    result = job("train", "--store", str(tmp_path / "run"), env={"TRAINPROOF_LOG_FORMAT": "rich", "COLUMNS": "250"})
+    assert result.returncode == 0, result.stderr
+    start = next(ln for ln in result.stdout.splitlines() if ln.startswith("start "))
+    assert "step 0 -> 10 (the task's default: no --max-steps given)" in start
+    assert not CONTRACT.search(start) and re.search(r"contract [0-9a-f]{12}\b", start)
+    assert "{" not in start and "seed 1234" in start  # no raw dicts
+
+
+def test_after_sigterm_the_last_line_says_how_to_resume(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "job", "train", "--store", str(tmp_path / "run"),
+                             "--max-steps", "1000000"], cwd=ROOT, env=train_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in proc.stdout:  # wait until it trains
+        if '"event": "step"' in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert err.strip().splitlines()[-1].endswith("run the same command again to resume")
+
+
+def test_regression_lr_min_is_opt_in_and_leaves_the_fixture_alone():
+    from job.tasks import load_task
+
+    fixture, floored = load_task("regression"), load_task("regression", {"lr_min": 1e-3})
+    assert "lr_min" not in fixture.config() and floored.config()["lr_min"] == 1e-3  # fixture's contract unchanged
+    lrs = {}
+    for name, task in (("fixture", fixture), ("floored", floored)):
+        model = task.build_model()
+        opt = task.build_optimizer(model)
+        sched = task.build_scheduler(opt)
+        seen = []
+        for _ in range(60):
+            opt.step()
+            sched.step()
+            seen.append(opt.param_groups[0]["lr"])
+        lrs[name] = seen
+    assert lrs["fixture"][9] == 0.00375  # the protocol's next learning rate after 10 steps
+    assert lrs["floored"][:9] == lrs["fixture"][:9]  # the same decay until the floor
+    assert min(lrs["floored"]) == 1e-3 and lrs["fixture"][-1] < 1e-7
+    assert isinstance(fixture.build_scheduler(fixture.build_optimizer(fixture.build_model())),
+                      torch.optim.lr_scheduler.StepLR)  # the fixture's own scheduler, not an imitation

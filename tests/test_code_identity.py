@@ -1,0 +1,116 @@
+"""The code identity (version + digest of the job/ and storage/ sources) in every state and generation; a resume
+under other code is refused (exit 2) unless ``--allow-code-change``, which is recorded; plan.json's contract does
+not depend on it; retention keeps the generation the newest restore started from until an audit passed across it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from job.train.contract import build_plan, contract_of
+from job.train.identity import code_version, source_digest
+from job.train.protect import audited_past, protected_steps
+from storage import open_store
+from storage.generations import COMPLETE, GenerationInfo
+from storage.retention import plan_retention
+from tests.test_train_helpers import load_state, run
+from tests.test_verify_helpers import read_report, trainproof
+
+OLD = "trainproof 0.0.9+000000000000"
+
+
+def test_the_identity_is_the_version_plus_a_digest_of_the_sources(tmp_path):
+    assert re.fullmatch(r"trainproof 0\.1\.0\+[0-9a-f]{12}", code_version())
+    root = Path(__file__).resolve().parent.parent
+    for pkg in ("job", "storage"):
+        shutil.copytree(root / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(tmp_path)[:12] == code_version().rsplit("+", 1)[1]
+    (tmp_path / "README.md").write_text("not code")  # outside job/ and storage/: no change
+    assert source_digest(tmp_path)[:12] == code_version().rsplit("+", 1)[1]
+    with (tmp_path / "storage" / "retention.py").open("a") as f:
+        f.write("\n# an edit\n")
+    assert source_digest(tmp_path)[:12] != code_version().rsplit("+", 1)[1]
+
+
+def test_the_contract_does_not_depend_on_the_code_identity():
+    kw = dict(task="regression", task_config={}, data_identity="d" * 64, seed=1, world=1, objective="o")
+    a, b = build_plan(code_version=OLD, **kw), build_plan(code_version=code_version(), **kw)
+    assert a["code_version"] != b["code_version"] and a["contract"] == b["contract"] == contract_of(b)
+
+
+def _rewrite_code_version(src: Path, dst: Path, step: int) -> None:
+    """A copy of run ``src`` whose generation ``step`` was written by other code (state meta and manifest)."""
+    store, copy = open_store(str(src)), open_store(str(dst))
+    copy.write_file("plan.json", store.read_file("plan.json"), create_only=True)
+    plan = json.loads(store.read_file("plan.json"))
+    state = load_state(src, step)
+    state["meta"]["code_version"] = OLD
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    copy.commit(step, {"training_state.pt": buf.getvalue()}, contract=plan["contract"], world=1, code_version=OLD,
+                digests={"state": "training_state.pt"})
+
+
+def test_resuming_under_other_code_is_refused_unless_allowed_and_then_recorded(tmp_path):
+    first = run(tmp_path / "run", "--max-steps", "4", "--log-format", "json")
+    assert first.code == 0, first.stderr
+    state = load_state(tmp_path / "run")
+    assert state["meta"]["code_version"] == code_version() and state["meta"]["code_changes"] == []
+    manifest = open_store(str(tmp_path / "run")).scan()[-1].manifest
+    assert manifest["code_version"] == code_version() and manifest["extra"]["resumed_from"] is None
+    _rewrite_code_version(tmp_path / "run", tmp_path / "old", 4)
+
+    refused = run(tmp_path / "old", "--max-steps", "6", "--log-format", "json")
+    assert refused.code == 2 and "--allow-code-change" in refused.stderr and OLD in refused.stderr
+
+    allowed = run(tmp_path / "old", "--max-steps", "6", "--log-format", "json", "--allow-code-change")
+    assert allowed.code == 0, allowed.stderr
+    after = load_state(tmp_path / "old")
+    change = [{"step": 4, "from": OLD, "to": code_version()}]
+    assert after["meta"]["code_changes"] == change and after["meta"]["code_version"] == code_version()
+    assert after["meta"]["trainer"]["resumed_from"] == 4
+    newest = open_store(str(tmp_path / "old")).scan()[-1].manifest
+    assert newest["extra"]["resumed_from"] == 4 and newest["extra"]["code_changes"] == change
+    summary = json.loads((tmp_path / "old" / "summary.json").read_text())
+    assert summary["code_changes"] == change
+
+    # The default audit replays from the restore point (written by the old code) and says it crosses the change.
+    audit = trainproof("verify", "--store", str(tmp_path / "old"), "--audit", "--id", "a")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    span = read_report(str(tmp_path / "old"), "a")["audit_span"]
+    assert (span["from"], span["to"], span["crosses_code_change"], span["replay_crosses_code_change"]) == (4, 6, True, True)
+    assert span["code_versions"] == {"from": OLD, "to": code_version(), "replay": code_version()}
+    assert "crosses a code change" in span["summary"]
+    assert "--allow-code-change" in read_report(str(tmp_path / "old"), "a")["paths"]["replay"]["command"]
+
+
+def _info(step: int) -> GenerationInfo:
+    return GenerationInfo(step=step, name=f"step-{step:08d}", status=COMPLETE)
+
+
+def test_retention_keeps_protected_steps():
+    gens = [_info(s) for s in range(1, 8)]
+    plain = [g.step for g in plan_retention(gens, keep=2, now=0.0, grace_seconds=0.0)]
+    kept = [g.step for g in plan_retention(gens, keep=2, now=0.0, grace_seconds=0.0, protect={3})]
+    assert plain == [1, 2, 3, 4, 5] and kept == [1, 2, 4, 5]
+
+
+def test_the_restore_point_is_protected_until_an_audit_passed_across_it(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    protect = protected_steps(store, 5)
+    assert protect() == {5}
+    assert protected_steps(store, None)() == frozenset()
+    audits = store.child("verification")
+    audits.write_file("audited.json", json.dumps({"from": 6, "to": 9, "passed": True}).encode())
+    assert protect() == {5}  # an audit that starts after the restore point does not span it
+    audits.write_file("audited.json", json.dumps({"from": 5, "to": 9, "passed": False}).encode())
+    assert protect() == {5}
+    audits.write_file("audited.json", json.dumps({"from": 4, "to": 9, "passed": True}).encode())
+    assert protect() == frozenset()
+    assert audited_past({"from": 5, "to": 6, "passed": True}, 5) and not audited_past({"from": 5, "to": 5}, 5)

@@ -1,0 +1,139 @@
+"""The objective-equivalence check (job.proof.objective): one micro-batch, unequal micro-batches and W ranks
+train the same step within 1e-9 in float64, the mean-of-micro-batch-means negative control is detected (tinylm,
+one rank and two), and a user's ``loss_sum`` that returns a mean fails ``verify`` with the objective check named.
+
+Real ``train`` processes throughout (the W-rank runs through the real launcher); the world-2 case runs the check's
+own processes directly (``ObjectiveCheck.jobs``), without the rest of the protocol, to keep the suite's time.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.test_verify_helpers import clean_env, read_report, trainproof
+
+TINYLM_CONFIG = {"n_sequences": 37}
+
+
+def _run_check(tmp_path: Path, task: str, world: int, config: dict | None = None):
+    """Plan the check for ``task``, run its processes, compare (as the protocol does)."""
+    import os
+
+    from job.proof.objective import ObjectiveCheck
+    from job.proof.paths import run_processes
+    from job.tasks import load_task
+    from storage import open_store
+
+    cfg = None
+    if config is not None:
+        cfg = tmp_path / "config.json"
+        cfg.write_text(json.dumps(config))
+    check = ObjectiveCheck(task=load_task(task, config or {}), task_name=task, config=None if cfg is None else str(cfg),
+                           seed=1234, device="cpu", world=world, root_url=str(tmp_path / "objective"), store_args=[])
+    saved = dict(os.environ)
+    os.environ.update(clean_env())
+    try:
+        results = run_processes(check.jobs(), timeout=600)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    check.compare(results, open_store)
+    return check
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_tinylm_splits_agree_and_the_mean_of_means_control_is_detected(tmp_path, world):
+    check = _run_check(tmp_path, "tinylm", world, TINYLM_CONFIG)
+    report = check.to_json()
+    assert report["global_batch"] == 8 * world
+    names = {"unequal", "mean_of_means"} | ({"w_ranks", "w_mean_of_means"} if world > 1 else set())
+    assert set(report["splits"]) == {"single"} | names
+    assert report["splits"]["unequal"]["micro"] == 8 * world // 2 + 1  # (5, 3) or (9, 7): unequal parts
+    assert check.passed and check.negative_detected, report
+    for name, diffs in report["max_abs_diff"].items():
+        assert all(v <= 1e-9 for v in diffs.values()), (name, diffs)  # measured, recorded
+    for name, diffs in report["negative_control"]["max_abs_diff"].items():
+        assert diffs["optimizer"] > 1e-6, (name, diffs)  # far beyond the tolerance
+    if world > 1:
+        assert "--nproc-per-node 2" in report["paths"]["w_ranks"]["command"]
+        assert "--negative-control mean-of-microbatch-means" in report["paths"]["w_mean_of_means"]["command"]
+    assert check.failing() == [] and check.diagnosis() == []
+
+
+MEAN_LOSS = '''
+    import torch
+    from torch import nn
+
+    from job.tasks import Task, sha256_of
+
+    X = torch.linspace(-1, 1, 12, dtype=torch.float64).unsqueeze(1)
+
+
+    class MeanLoss(Task):
+        objective = "mse_mean_v1"
+        cpu_threads = 1
+        dtype = torch.float64
+
+        def __init__(self, reduce):
+            self.reduce = reduce
+
+        @property
+        def batch_size(self):
+            return 4
+
+        def config(self):
+            return {"reduce": self.reduce}
+
+        def num_samples(self):
+            return len(X)
+
+        def data_identity(self):
+            return sha256_of("meanloss", X)
+
+        def build_model(self):
+            return nn.Linear(1, 1)
+
+        def build_optimizer(self, model):
+            return torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def make_batch(self, sample_ids, ctx):
+            idx = torch.tensor(sample_ids)
+            return X[idx], 3 * X[idx] - 1
+
+        def loss_sum(self, model, batch):
+            x, y = batch
+            err = (model(x) - y) ** 2
+            return err.mean() if self.reduce == "mean" else err.sum()  # "mean": the pitfall
+
+
+    def factory(config):
+        return MeanLoss(config.get("reduce", "sum"))
+'''
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_a_loss_sum_that_returns_a_mean_fails_verify_naming_the_objective_check(tmp_path, reduce):
+    (tmp_path / "meanloss.py").write_text(textwrap.dedent(MEAN_LOSS))
+    (tmp_path / "cfg.json").write_text(json.dumps({"reduce": reduce}))
+    store = str(tmp_path / "run")
+    result = trainproof("verify", "--store", store, "--task", "meanloss:factory", "--config", str(tmp_path / "cfg.json"),
+                        "--id", "m", "--no-export", env={"PYTHONPATH": str(tmp_path)})
+    report = read_report(store, "m")
+    objective = report["objective_equivalence"]
+    assert objective["tolerance"] == {"atol": 1e-9, "rtol": 0.0, "dtype": "float64"}
+    if reduce == "sum":
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert report["objective_equivalence_passed"] is True and report["objective_negative_detected"] is True
+        assert objective["max_abs_diff"]["unequal"]["parameters"] <= 1e-9
+        return
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert report["positive"] is True  # the resume itself is fine: only the objective is wrong
+    assert report["objective_equivalence_passed"] is False
+    assert {"objective.unequal.parameters", "objective.unequal.losses"} <= set(report["failing_checks"])
+    assert objective["max_abs_diff"]["unequal"]["parameters"] > 1e-6
+    assert any("loss_sum must return the SUM" in d for d in report["diagnosis"])
+    assert "objective.unequal" in result.stdout and "loss_sum must return the SUM" in " ".join(result.stdout.split())
