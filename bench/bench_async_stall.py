@@ -227,8 +227,10 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                          + f"; commit {save:.2f} s; {waits} waits |")
             if base:
                 tput = med([r["steps_per_s"] for r in runs[mode]])
-                lines.append(f"| {label} | {mode} | throughput | {tput / base:.2f} | {GOALS['throughput']} | "
-                             f"{tput:.2f} vs {base:.2f} steps/s, a checkpoint every {args.every} steps |")
+                # Paired by repetition (the runs of one repetition ran back to back): load drifts between them less.
+                paired = med([a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[mode], runs["none"])])
+                lines.append(f"| {label} | {mode} | throughput | {paired:.2f} | {GOALS['throughput']} | median of paired "
+                             f"ratios; medians {tput:.2f} vs {base:.2f} steps/s, a checkpoint every {args.every} steps |")
             mem = [r["memory_ratio"] for r in runs[mode] if r["memory_ratio"] is not None]
             if mem:
                 lines.append(f"| {label} | {mode} | memory | {med(mem):.2f} | {GOALS['memory']} | peak RSS during the "
