@@ -81,7 +81,7 @@ def _export(tmp: Path, task: str, *args: str) -> Path:
     from job.train.export import export
     from storage import open_store
 
-    bundle = export(open_store(str(tmp / "run")))
+    bundle = export(open_store(str(tmp / "run")), task=task)  # the task comes from the caller, never plan.json
     return tmp / "run" / "exports" / f"step-{bundle.step:08d}"
 
 
@@ -149,7 +149,7 @@ def test_a_traceable_task_unknown_to_the_exporter_gets_a_program_that_runs_witho
     from job.train.export import export
     from storage import open_store
 
-    export(open_store(str(tmp_path / "run")))
+    export(open_store(str(tmp_path / "run")), task="usertask:factory")
     bundle = tmp_path / "run" / "exports" / "step-00000002"
     assert not (bundle / "model.py").exists() and (bundle / "model.pt2").is_file()
     readme = (bundle / "README.md").read_text()

@@ -91,7 +91,7 @@ def test_resuming_under_other_code_is_refused_unless_allowed_and_then_recorded(t
 
 
 def _info(step: int) -> GenerationInfo:
-    return GenerationInfo(step=step, name=f"step-{step:08d}", status=COMPLETE)
+    return GenerationInfo(step=step, name=f"step-{step:08d}", status=COMPLETE, manifest={"contract": "c", "world": 1})
 
 
 def test_retention_keeps_protected_steps():

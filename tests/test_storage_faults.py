@@ -245,10 +245,11 @@ def test_forbidden_write_fails_fast_without_retrying(s3_server, proxy, bucket, l
 
 
 def test_forbidden_bucket_check_is_a_config_error_at_open(proxy, bucket, logs):
-    proxy.set_faults([Fault("forbidden", methods={"HEAD"})])
+    # The check lists at most one key under the run's prefix (a prefix-scoped IAM policy allows that).
+    proxy.set_faults([Fault("forbidden", methods={"GET"}, path_contains="list-type=2")])
     with pytest.raises(StoreConfigError, match="refused \\(403\\)"):
         store_via(proxy, bucket, attempts=5)
-    assert len(requests(proxy, "HEAD", f"/{bucket}")) == 1
+    assert len(requests(proxy, "GET", "list-type=2")) == 1
     assert retry_lines(logs) == []
 
 

@@ -25,7 +25,7 @@ def test_a_forged_far_generation_does_not_buy_a_huge_replay(cli, tmp_path):
 
 def test_the_audit_writes_only_its_results_no_probe_no_delete(s3_server, s3_env, tmp_path):
     """Run through a proxy that records every request: the audit (a real process) reads the run, writes only under
-    ``<run>/verification/<id>/``, creates no create-only probe object and deletes nothing — what the audit
+    ``<run>/verification/``, creates no create-only probe object and deletes nothing — what the audit
     CronJob's read-mostly credentials (infra/iam/audit-policy.json) allow."""
     import os
     import subprocess
@@ -46,6 +46,9 @@ def test_the_audit_writes_only_its_results_no_probe_no_delete(s3_server, s3_env,
     assert writes, "the proxy saw no write at all: the audit did not go through it"
     assert not [e for e in writes if ".trainproof-probe" in e.target], writes
     assert not [e for e in writes if e.method == "DELETE"], writes
-    outside = [e for e in writes if f"/{s3_env}/runs/audited/verification/a1/" not in e.target]
+    # Its results under verification/a1/, and verification/audited.json (the span it proved, which retention
+    # reads): nothing outside verification/, which is all the audit policy lets it write.
+    outside = [e for e in writes if f"/{s3_env}/runs/audited/verification/a1/" not in e.target
+               and not e.target.endswith(f"/{s3_env}/runs/audited/verification/audited.json")]
     assert not outside, outside
     assert os.environ.get("TRAINPROOF_S3_CREATE_ONLY") is None

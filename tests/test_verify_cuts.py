@@ -26,7 +26,7 @@ TINYLM_CONFIG = {"n_sequences": 37}  # 5 steps an epoch (4 x 8 + a tail of 5): c
 def regression(tmp_path_factory):
     """The default verification of regression (10 steps, cut 5, extra cuts 6 and 9), no export."""
     store = str(tmp_path_factory.mktemp("cuts") / "run")
-    result = trainproof("verify", "--store", store, "--id", "ref", "--no-export")
+    result = trainproof("verify", "--store", store, "--id", "ref", "--no-export", "--keep-evidence")  # reused below
     assert result.returncode == 0, result.stdout + result.stderr
     return {"store": store, "report": read_report(store, "ref")}
 
@@ -39,6 +39,7 @@ def tinylm(tmp_path_factory):
     config.write_text(json.dumps(TINYLM_CONFIG))
     store = str(d / "run")
     result = trainproof("verify", "--store", store, "--task", "tinylm", "--config", str(config), "--id", "ref",
+                        "--keep-evidence",
                         "--no-export")
     assert result.returncode == 0, result.stdout + result.stderr
     return {"store": store, "config": str(config), "report": read_report(store, "ref")}

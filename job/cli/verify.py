@@ -149,7 +149,8 @@ def _run_and_report(runner: Any, *, keep_evidence: bool = False) -> int:
     except (StoreError, OSError) as exc:
         error = error or f"could not upload the report: {exc}"
         print(f"trainproof: error: could not upload {runner.root.url}/verification.json: {exc}", file=sys.stderr)
-    if error is None and report["all_checks_passed"] and not keep_evidence:
+    # An audit deletes nothing (its credentials may not; `gc --keep-verifications` removes old audits).
+    if error is None and report["all_checks_passed"] and not keep_evidence and report.get("kind") != "audit":
         _prune(runner, report)
     print_summary(report)
     if error is not None:
