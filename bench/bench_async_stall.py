@@ -15,7 +15,13 @@ Reported per size, medians over ``--repeats`` runs of each mode:
 - **throughput** = steps/s with a checkpoint every ``--every`` steps / steps/s without (between the first and the
   last step, so the final commit is outside the window). Goal >= 0.9 (reported, the machine decides).
 - **memory** = (peak RSS from a checkpoint's start until its commit is collected - RSS at its start) / state bytes,
-  for the first checkpoint of each run (RSS sampled every 5 ms from /proc/self/statm). Goal <= 1.5.
+  for the first checkpoint of each run (RSS sampled every 5 ms from /proc/self/statm). Goal <= 1.2.
+- **commit** = the checkpoint's write + read-back verify + commit (the trainer's ``seconds``: spool upload,
+  ranged read-back hash, weights-only check, COMPLETE.json) / the baseline write of the same bytes in the same
+  child after training, median of 5: boto3 ``upload_fileobj`` to the same server for S3, a copy + fsync into the
+  same folder for a local store. Goal <= 2.2.
+- **resume** = (process start -> first optimizer step of a fresh ``trainproof`` process resuming the run) /
+  (process start -> state loaded, of a fresh process doing one GET (or open) + ``torch.load``). Goal <= 1.2.
 
 Writes ``bench/out/async_stall.json`` and ``bench/out/async_stall.md``. Not run by CI.
 
@@ -43,7 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-GOALS = {"stall": "<= 1.5", "throughput": ">= 0.9", "memory": "<= 1.5"}
+GOALS = {"stall": "≤ 1.5", "throughput": "≥ 0.98", "memory": "≤ 1.2", "commit": "≤ 2.2", "resume": "≤ 1.2"}
 
 
 class _RssSampler(threading.Thread):
@@ -125,10 +131,100 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         out = [x.clone() for x in tensors]
         copies.append(time.perf_counter() - c0)
         del out
+    base_commit = _baseline_writes(cfg.store, records[-1]["generation"]) if records else []
     return {"mode": spec["mode"], "mib": spec["mib"], "steps_per_s": steps_per_s, "store": cfg.store,
+            "base_commit_s": base_commit, "step": records[-1]["step"] if records else None,
             "blocked_s": [r["blocked_s"] for r in periodic], "save_s": [r["seconds"] for r in periodic],
             "bytes": records[0]["bytes"] if records else None, "memory_ratio": memory,
             "copy_s": statistics.median(copies), "waits": sum(1 for _, _, n, _ in probe.events if n == "checkpoint_wait")}
+
+
+def _baseline_writes(url: str, generation: str, repeats: int = 5) -> list[float]:
+    """Seconds to write the committed state's bytes again the plain way: boto3 ``upload_fileobj`` (S3) or a copy
+    + fsync (folder), from a local file, ``repeats`` times."""
+    import shutil
+
+    from storage import open_store
+    from storage.backend import join
+
+    store = open_store(url)
+    src = join(store.root, generation, "training_state.pt")
+    with tempfile.TemporaryDirectory(prefix="tp-bench-base-") as tmp:
+        local = os.path.join(tmp, "state.pt")
+        with open(local, "wb") as fh:
+            for chunk in store.backend.iter_read(src):
+                fh.write(chunk)
+        out = []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            if url.startswith("s3://"):
+                import boto3
+
+                bucket, _, key = src.partition("/")
+                client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL"))
+                with open(local, "rb") as fh:
+                    client.upload_fileobj(fh, bucket, f"{key}.baseline-{i}")
+            else:
+                dst = os.path.join(os.path.dirname(src), f".baseline-{i}")
+                with open(local, "rb") as a, open(dst, "wb") as b:
+                    shutil.copyfileobj(a, b, 8 * 2**20)
+                    b.flush()
+                    os.fsync(b.fileno())
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def resume_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """A fresh process resuming ``spec['store']`` for one step; the wall time of its first optimizer step."""
+    from job.train.config import TrainConfig
+    from job.train.loop import train
+    from job.train.progress import Reporter
+
+    first: list[float] = []
+
+    class Probe(Reporter):
+        def step(self, record, *, target):
+            first.append(time.time()) if not first else None
+
+    cfg = TrainConfig(store=spec["store"], task="bench.bigmodel:factory", task_config={"state_mib": spec["mib"]},
+                      max_steps=spec["step"] + 1, checkpoint_every=spec["every"], checkpoint_every_seconds=0,
+                      keep=2, log_format="json")
+    outcome = train(cfg, reporter=Probe())
+    assert outcome.exit_code == 0, outcome
+    return {"first_step_wall": first[0]}
+
+
+def load_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """The baseline of resume: a fresh process fetching the state file with one GET (or one open) + torch.load."""
+    import io
+
+    import torch
+
+    from storage import open_store
+    from storage.backend import join
+
+    store = open_store(spec["store"])
+    src = join(store.root, f"step-{spec['step']:08d}", "training_state.pt")
+    if spec["store"].startswith("s3://"):
+        import boto3
+
+        bucket, _, key = src.partition("/")
+        body = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL")).get_object(Bucket=bucket, Key=key)
+        state = torch.load(io.BytesIO(body["Body"].read()), map_location="cpu", weights_only=True)
+    else:
+        state = torch.load(src, map_location="cpu", weights_only=True)
+    assert state["progress"]["step"] == spec["step"]
+    return {"loaded_wall": time.time()}
+
+
+def _spawn(kind: str, spec: dict[str, Any], env: dict[str, str]) -> tuple[float, dict[str, Any]]:
+    """(wall time at spawn, the child's JSON result)."""
+    t0 = time.time()
+    out = subprocess.run([sys.executable, __file__, f"--{kind}", json.dumps(spec)], cwd=ROOT, capture_output=True,
+                         text=True, env=env)
+    if out.returncode:
+        sys.exit(f"{kind} child failed ({spec}):\n{out.stderr[-3000:]}")
+    return t0, json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _drop(url: str) -> None:
@@ -158,15 +254,20 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=4, help="checkpoints per run (steps = every x this)")
     ap.add_argument("--store-root", default=None, help="folder or s3:// prefix (default: a temporary folder)")
     ap.add_argument("--s3", action="store_true", help="train against a moto S3 server on loopback (tests/support)")
+    ap.add_argument("--resume", action="store_true", help="also measure resume: a fresh process resuming each async "
+                    "run vs a fresh process doing one GET + torch.load")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--resume-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--load-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--summarise", default=None, metavar="JSON", help="only re-print the table of an earlier run")
     args = ap.parse_args()
     if args.summarise:
         print(summarise(json.loads(Path(args.summarise).read_text())["runs"], args))
         return
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))), flush=True)
-        return
+    for kind, fn in (("child", child), ("resume_child", resume_child), ("load_child", load_child)):
+        if getattr(args, kind):
+            print(json.dumps(fn(json.loads(getattr(args, kind)))), flush=True)
+            return
     tmp = tempfile.TemporaryDirectory(prefix="tp-async-bench-") if args.store_root is None else None
     root = args.store_root or tmp.name
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -189,6 +290,13 @@ def main() -> None:
                     sys.exit(f"child failed ({spec}):\n{out.stderr[-3000:]}")
                 res = json.loads(out.stdout.strip().splitlines()[-1])
                 results.append(res)
+                if args.resume and mode == "async" and res["step"]:
+                    resumed = {"store": res["store"], "mib": mib, "step": res["step"], "every": args.every}
+                    t_a, a = _spawn("load-child", resumed, env)
+                    t_b, b = _spawn("resume-child", resumed, env)
+                    res["resume_s"], res["base_load_s"] = b["first_step_wall"] - t_b, a["loaded_wall"] - t_a
+                    print(f"  resume {res['resume_s']:.2f} s vs GET + torch.load {res['base_load_s']:.2f} s",
+                          file=sys.stderr, flush=True)
                 _drop(res.pop("store"))  # keep the disk (or moto's memory) flat
                 print(f"{mib:g} MiB {mode} #{rep}: {res['steps_per_s']:.2f} step/s, blocked "
                       f"{[round(b, 3) for b in res['blocked_s']]}, copy {res['copy_s']:.3f} s, "
@@ -231,6 +339,17 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 paired = med([a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[mode], runs["none"])])
                 lines.append(f"| {label} | {mode} | throughput | {paired:.2f} | {GOALS['throughput']} | median of paired "
                              f"ratios; medians {tput:.2f} vs {base:.2f} steps/s, a checkpoint every {args.every} steps |")
+            pairs = [(med(r["save_s"]), med(r["base_commit_s"])) for r in runs[mode] if r["save_s"] and r.get("base_commit_s")]
+            if pairs:
+                base_name = "boto3 upload_fileobj" if any("s3" in str(v) for v in vars(args).values()) else "copy + fsync"
+                lines.append(f"| {label} | {mode} | commit | {med([a / b for a, b in pairs]):.2f} | {GOALS['commit']} | "
+                             f"write + read-back verify + commit {med([a for a, _ in pairs]):.2f} s vs {base_name} of "
+                             f"the same bytes {med([b for _, b in pairs]):.2f} s (median of paired ratios) |")
+            resumes = [(r["resume_s"], r["base_load_s"]) for r in runs[mode] if r.get("resume_s")]
+            if resumes:
+                lines.append(f"| {label} | {mode} | resume | {med([a / b for a, b in resumes]):.2f} | {GOALS['resume']} | "
+                             f"process start → first step {med([a for a, _ in resumes]):.2f} s vs fresh process GET + "
+                             f"torch.load {med([b for _, b in resumes]):.2f} s |")
             mem = [r["memory_ratio"] for r in runs[mode] if r["memory_ratio"] is not None]
             if mem:
                 lines.append(f"| {label} | {mode} | memory | {med(mem):.2f} | {GOALS['memory']} | peak RSS during the "

@@ -19,8 +19,12 @@ import uuid
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Protocol, Union
 
+from storage.spool import Spool
+
 CHUNK = 8 * 2**20
-Source = Union[bytes, bytearray, memoryview, BinaryIO]
+Source = Union[bytes, bytearray, memoryview, BinaryIO, Spool]
+"""What a write takes: bytes, a stream read once, or a :class:`storage.spool.Spool` (a local file re-opened by
+every attempt, never read whole into memory)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,10 @@ class Backend(Protocol):
         """The object's bytes in chunks, from the store; closing the iterator early stops the download, so a
         caller can hash or cap an object without holding all of it."""
 
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of the object (fewer when it ends sooner; ``start`` is below its size), from the
+        store: one ranged GET on S3, so several can run in parallel threads."""
+
     def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
         """Direct children of ``path`` whose name starts with ``prefix`` (fresh listing, never a cache);
         [] when it does not exist.  With ``limit``, at most ``limit + 1`` entries (one more, so the caller
@@ -73,7 +81,11 @@ class Backend(Protocol):
 
 
 def iter_chunks(data: Source) -> Iterator[memoryview | bytes]:
-    """Chunks of ``data`` without copying bytes-like input."""
+    """Chunks of ``data`` without copying bytes-like input (a spool is opened and read chunk by chunk)."""
+    if isinstance(data, Spool):
+        with data.open() as fh:
+            yield from iter_chunks(fh)
+        return
     if isinstance(data, (bytes, bytearray, memoryview)):
         view = memoryview(data)
         for start in range(0, len(view), CHUNK):
@@ -169,6 +181,10 @@ class LocalBackend:
         with _open_regular(path) as fh:
             while block := fh.read(CHUNK):
                 yield block
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        with _open_regular(path) as fh:
+            return os.pread(fh.fileno(), max(0, end - start), start)
 
     def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
         entries = []
@@ -274,6 +290,9 @@ class FsspecBackend:
         self.fs = fs
 
     def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:
+        if isinstance(data, Spool):
+            with data.open() as fh:
+                data = fh.read()  # in-process filesystems (memory://) hold the bytes anyway
         payload = data if isinstance(data, (bytes, bytearray, memoryview)) else data.read()
         payload = bytes(payload)
         size, sha = digest(payload)
@@ -293,6 +312,9 @@ class FsspecBackend:
         with self.fs.open(path, "rb") as fh:
             while block := fh.read(CHUNK):
                 yield block
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        return self.fs.cat_file(path, start=start, end=end)
 
     def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
         # In-process filesystems only (memory://): listing everything costs no requests, so just filter.

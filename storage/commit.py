@@ -8,7 +8,10 @@ Two phases, so that several writers (one per rank) can each write and verify the
    an object of a generation being written: when a name is taken (left by a writer killed mid-save, or a
    concurrent writer), this writer uses ``<stem>.<attempt>.<ext>`` instead and the manifest records it as the
    file's ``object``.  So a concurrent or abandoned writer can never change the bytes a manifest vouches for;
-3. read every object back *from the store* and check size and sha256, then the caller's content check;
+3. read every object back *from the store* and check size and sha256, then the caller's content check.  A file
+   given as a :class:`storage.spool.Spool` is never held in memory: it is uploaded from its local file, read
+   back as parallel ranged reads hashed in order, and the content check reads the spool (bytes the hash just
+   proved identical to the stored ones);
 4. with a signing key, chain and sign the manifest (``storage.signing``); write ``COMPLETE.json`` last,
    create-only; a 412 may be our own write whose response was lost, so read the marker back and compare the
    attempt id before concluding we lost;
@@ -22,16 +25,19 @@ import logging
 import uuid
 
 from storage import manifest as mf
-from storage.backend import hash_object, read_at_most, read_hashed
+from storage.backend import read_at_most, read_hashed
 from storage.errors import CommitConflictError, CorruptGenerationError
 from storage.generations import Check, Ctx, anchor, scan
+from storage.spool import Spool
+
+Data = "bytes | Spool"
 
 log = logging.getLogger("trainproof.storage")
 LATEST = "LATEST"
 
 
 def commit_generation(
-    ctx: Ctx, step: int, files: dict[str, bytes], *, contract: str, world: int, code_version: str,
+    ctx: Ctx, step: int, files: dict[str, Data], *, contract: str, world: int, code_version: str,
     check: Check | None = None, digests: dict[str, str] | None = None, extra: dict | None = None,
 ) -> dict:
     """Commit ``files`` as generation ``step``; return its manifest.  Raises CommitConflictError when another
@@ -43,7 +49,7 @@ def commit_generation(
                        attempt=attempt, digests=digests, extra=extra)
 
 
-def write_part(ctx: Ctx, step: int, files: dict[str, bytes], *, check: Check | None = None,
+def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | None = None,
                attempt: str | None = None) -> dict[str, tuple[int, str, str]]:
     """Phase 1 (any number of writers, e.g. one per rank): write ``files`` into generation ``step`` create-only
     and verify them read back from the store.  Returns name → (bytes, sha256, object) for ``mark_usable``."""
@@ -56,7 +62,7 @@ def write_part(ctx: Ctx, step: int, files: dict[str, bytes], *, check: Check | N
     attempt = attempt or uuid.uuid4().hex
     _refuse_committed(ctx, name)
     written = {fname: _write_file(ctx, name, fname, data, attempt) for fname, data in files.items()}
-    _verify(ctx, name, written, check)
+    _verify(ctx, name, written, check, files)
     return written
 
 
@@ -107,33 +113,45 @@ def _refuse_committed(ctx: Ctx, name: str) -> None:
                                   "refusing to write it again")
 
 
-def _write_file(ctx: Ctx, name: str, fname: str, data: bytes, attempt: str) -> tuple[int, str, str]:
+def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tuple[int, str, str]:
     """Write one file create-only; return (bytes, sha256, object name)."""
     path = ctx.path(name, fname)
+    if isinstance(data, Spool):
+        length, expected = data.size, data.sha256
+    else:
+        length, expected = len(data), hashlib.sha256(data).hexdigest()
     try:
         size, sha = ctx.io(f"write {name}/{fname}", lambda: ctx.backend.write(path, data, create_only=True))
+        _same_as_source(name, fname, (size, sha), (length, expected))
         return size, sha, fname
     except FileExistsError:
         pass
     # Taken: our own PUT whose response was lost (the re-send got 412), a killed writer's leftover, or a
     # concurrent writer.  Identical bytes are ours to claim; anything else stays untouched beside our copy.
-    expected = hashlib.sha256(data).hexdigest()
-    if _same_object(ctx, name, fname, len(data), expected):
-        return len(data), expected, fname
+    if _same_object(ctx, name, fname, length, expected):
+        return length, expected, fname
     obj = mf.attempt_object(fname, attempt)
     log.warning("%s/%s already exists without a %s (left by a killed or concurrent writer); "
                 "writing this attempt's copy %s beside it", name, fname, mf.MARKER, obj)
     try:
         size, sha = ctx.io(f"write {name}/{obj}", lambda: ctx.backend.write(ctx.path(name, obj), data, create_only=True))
+        _same_as_source(name, obj, (size, sha), (length, expected))
     except FileExistsError:  # the attempt id is ours alone: a 412 here is our own re-sent PUT
-        size, sha = len(data), expected  # _verify reads it back before anything is marked usable
+        size, sha = length, expected  # _verify reads it back before anything is marked usable
     return size, sha, obj
+
+
+def _same_as_source(name: str, obj: str, sent: tuple[int, str], source: tuple[int, str]) -> None:
+    """A spool's file must still hold the bytes hashed when it was written (nothing changed it under us)."""
+    if sent != source:
+        raise CorruptGenerationError(name, f"{obj}: the bytes sent ({sent[0]}) differ from the serialised ones "
+                                           f"({source[0]}); the local spool file changed while uploading")
 
 
 def _same_object(ctx: Ctx, name: str, fname: str, size: int, sha: str) -> bool:
     if _sizes(ctx, name).get(fname) != size:  # cheap test first: a leftover of another size is never read
         return False
-    stored = ctx.io(f"read {name}/{fname}", lambda: hash_object(ctx.backend, ctx.path(name, fname), size))
+    stored = ctx.io(f"read {name}/{fname}", lambda: ctx.hashed(ctx.path(name, fname), size))
     return stored == (size, sha)
 
 
@@ -143,16 +161,20 @@ def _sizes(ctx: Ctx, name: str) -> dict[str, int]:
     return {e.name: e.size for e in listing if not e.is_dir and not e.is_special}
 
 
-def _verify(ctx: Ctx, name: str, written: dict, check: Check | None) -> None:
+def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict[str, Data]) -> None:
     sizes = _sizes(ctx, name)
     for fname, (size, sha, obj) in written.items():
         if obj in sizes and sizes[obj] != size:  # the listing's size first: a wrong-sized object is not read
             raise CorruptGenerationError(name, f"{obj} is {sizes[obj]} bytes in the store, {size} were written; "
                                                "not marking it usable")
         path = ctx.path(name, obj)
+        spooled = isinstance(files[fname], Spool)
         try:
-            if check is None:  # stream it through sha256: never more than one chunk in memory
-                data, got = None, ctx.io(f"verify {name}/{obj}", lambda: hash_object(ctx.backend, path, size))
+            if check is None or spooled:
+                # Hash it as parallel ranged reads: never more than the parts in flight in memory.  A spool's
+                # content check then reads the spool, whose bytes this hash proves identical to the stored ones.
+                data = files[fname] if spooled else None
+                got = ctx.io(f"verify {name}/{obj}", lambda: ctx.hashed(path, size))
             else:  # the caller's check needs the bytes: read at most size + 1 of them
                 data, digest = ctx.io(f"verify {name}/{obj}", lambda: read_hashed(ctx.backend, path, size))
                 got = (len(data), digest)

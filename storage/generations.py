@@ -14,15 +14,17 @@ from typing import Callable
 
 from storage import manifest as mf
 from storage import signing
-from storage.backend import Backend, Entry, hash_object, join, read_at_most, read_hashed
+from storage.backend import CHUNK, Backend, Entry, hash_object, join, read_at_most, read_hashed
 from storage.errors import CorruptGenerationError
 from storage.limits import Limits
+from storage.spool import CONCURRENCY, PART_SIZE, Spool, download, hashed_ranges
 
 log = logging.getLogger("trainproof.storage")
 
 COMPLETE, INCOMPLETE, CORRUPT, FOREIGN = "complete", "incomplete", "corrupt", "foreign"
 PLAN = "plan.json"  # the run's identity (written by the job); its digest anchors a signed run's chain
-Check = Callable[[str, bytes], None]
+Check = Callable[[str, "bytes | Spool"], None]
+"""A caller's content check of one file: its bytes, or the :class:`Spool` holding them (large objects)."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,17 @@ class GenerationInfo:
 
 @dataclass(frozen=True)
 class Loaded:
-    """A generation whose every file was read back and verified."""
+    """A generation whose every file was read back and verified: as bytes, or, for a spooled load, as
+    :class:`Spool` files the caller maps and then deletes (:meth:`close`)."""
 
     info: GenerationInfo
-    files: dict[str, bytes] = field(repr=False)
+    files: dict[str, "bytes | Spool"] = field(repr=False)
+
+    def close(self) -> None:
+        """Delete the spool files of a spooled load (tensors already mapped from them stay valid)."""
+        for data in self.files.values():
+            if isinstance(data, Spool):
+                data.unlink()
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,25 @@ class Ctx:
     limits: Limits = field(default_factory=Limits)
     keys: signing.Keyring | None = None
     """With keys, manifests are signed and chained when committed, and checked when discovered."""
+    part_size: int = PART_SIZE
+    """Bytes per ranged read of a large object (read-back verify and spooled loads)."""
+    concurrency: int = CONCURRENCY
+    """Ranged reads in flight at once."""
+
+    def transfer(self) -> dict[str, int]:
+        """Part size and concurrency of ranged reads on this backend (parallel on S3, one chunk at a time on a
+        local disk, where sha256 and not the reads is the bottleneck)."""
+        if getattr(self.backend, "parallel_ranges", False):
+            return {"part_size": self.part_size, "concurrency": self.concurrency}
+        return {"part_size": CHUNK, "concurrency": 1}
+
+    def hashed(self, path: str, size: int, sink=None) -> tuple[int, str]:
+        """(bytes seen, sha256) of the object at ``path``, read as parallel ranges (``storage.spool``): at most
+        ``size + 1`` bytes, ``part_size × (concurrency + 1)`` in memory."""
+        read = lambda a, b: self.backend.read_range(path, a, b)  # noqa: E731
+        if size == 0:  # S3 refuses a ranged read of an empty object (416): one plain read
+            return hash_object(self.backend, path, 0)
+        return hashed_ranges(read, size, sink=sink, **self.transfer())
 
     def path(self, *parts: str) -> str:
         return join(self.root, *parts)
@@ -239,7 +267,7 @@ def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
         obj = mf.object_name(fname, meta)
         try:
             size, sha = ctx.io(f"verify {info.name}/{obj}",
-                               lambda obj=obj: hash_object(ctx.backend, ctx.path(info.name, obj), meta["bytes"]))
+                               lambda obj=obj: ctx.hashed(ctx.path(info.name, obj), meta["bytes"]))
         except FileNotFoundError:
             return f"{obj} is missing"
         except OSError as exc:
@@ -253,17 +281,55 @@ def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
             return f"{obj} sha256 differs from {mf.MARKER}"
     return None
 
-def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None) -> Loaded:
+def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, *, spool_dir: str | None = None,
+         spool_from: int | None = None) -> Loaded:
     """Read every file of a complete generation, verify size and sha256 (re-reading once on a mismatch),
-    then run ``check(name, data)``; raise CorruptGenerationError naming the file and the fault."""
+    then run ``check(name, data)``; raise CorruptGenerationError naming the file and the fault.
+
+    ``spool_dir``: files of ``spool_from`` bytes or more (default: the part size) are downloaded into spools in
+    that folder (parallel ranged reads, hashed in order as they arrive) instead of into memory; the check and
+    the caller get the :class:`Spool`, which the caller deletes with :meth:`Loaded.close`."""
     if info.status != COMPLETE or info.manifest is None:
         raise CorruptGenerationError(info.name, info.reason or f"status {info.status}")
-    files = {}
-    for fname, meta in info.manifest["files"].items():
-        files[fname] = _read_verified(ctx, info.name, fname, meta)
-        if check is not None:
-            try:
-                check(fname, files[fname])
-            except Exception as exc:  # the caller's check (e.g. torch.load) refusing the content
-                raise CorruptGenerationError(info.name, f"{fname} failed the content check: {exc}") from exc
+    threshold = ctx.part_size if spool_from is None else spool_from
+    files: dict = {}
+    try:
+        for fname, meta in info.manifest["files"].items():
+            if spool_dir is not None and meta["bytes"] >= threshold:
+                files[fname] = _spool_verified(ctx, info.name, fname, meta, spool_dir)
+            else:
+                files[fname] = _read_verified(ctx, info.name, fname, meta)
+            if check is not None:
+                try:
+                    check(fname, files[fname])
+                except Exception as exc:  # the caller's check (e.g. torch.load) refusing the content
+                    raise CorruptGenerationError(info.name, f"{fname} failed the content check: {exc}") from exc
+    except BaseException:
+        Loaded(info=info, files=files).close()
+        raise
     return Loaded(info=info, files=files)
+
+
+def _spool_verified(ctx: Ctx, name: str, fname: str, meta: dict, directory: str) -> Spool:
+    """``_read_verified`` into a spool: the object's bytes land in a local file, never whole in memory."""
+    obj = mf.object_name(fname, meta)
+    path, size = ctx.path(name, obj), meta["bytes"]
+    for attempt in (1, 2):
+        try:
+            spool, seen, sha = ctx.io(f"read {name}/{obj}", lambda: download(
+                lambda a, b: ctx.backend.read_range(path, a, b), size, directory, **ctx.transfer()))
+        except FileNotFoundError:
+            raise CorruptGenerationError(name, f"{fname} is missing") from None
+        except OSError as exc:
+            if not _not_a_file(exc):
+                raise
+            raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
+        if seen == size and sha == meta["sha256"]:
+            return spool
+        spool.unlink()
+        if attempt == 1:
+            log.warning("%s/%s did not match its manifest on first read; reading it again", name, fname)
+    if seen != size:
+        shown = f"more than {size}" if seen > size else str(seen)
+        raise CorruptGenerationError(name, f"{fname} is {shown} bytes, {mf.MARKER} says {size}")
+    raise CorruptGenerationError(name, f"{fname} sha256 differs from {mf.MARKER} (changed or damaged after commit)")

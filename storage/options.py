@@ -10,8 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from storage.errors import StoreConfigError
 from storage.limits import Limits
 from storage.signing import Keyring
+from storage.spool import CONCURRENCY, PART_SIZE
+
+MIN_PART_SIZE = 5 * 2**20  # S3's smallest multipart part (all but the last)
 
 _CHECKSUM_MODES = ("auto", "when_supported", "when_required")
 _CREATE_ONLY_MODES = ("require", "weak", "private")
@@ -70,8 +74,19 @@ class StoreOptions:
     signing: Keyring | None = None
     """Signing and accepted keys (``storage.signing``); None: generations are neither signed nor checked.
     Default from ``TRAINPROOF_SIGNING_KEY*``; its repr shows key ids only."""
+    part_size: int = PART_SIZE
+    """Bytes per multipart part and per ranged read of large objects (spools). Default 16 MiB, or
+    ``TRAINPROOF_PART_SIZE_MB``; at least 5 MiB (S3's minimum part)."""
+    concurrency: int = CONCURRENCY
+    """Parts in flight at once per transfer (upload, read-back verify, download). Default 8, or
+    ``TRAINPROOF_IO_CONCURRENCY``. Memory of a transfer is about ``part_size × (concurrency + 1)``."""
 
     def __post_init__(self) -> None:
+        if self.part_size < MIN_PART_SIZE:
+            raise ValueError(f"part size must be at least {MIN_PART_SIZE // 2**20} MiB (S3's smallest multipart "
+                             f"part), got {self.part_size} bytes; set TRAINPROOF_PART_SIZE_MB to 5 or more")
+        if not 1 <= self.concurrency <= 64:
+            raise ValueError(f"I/O concurrency must be 1..64, got {self.concurrency}; set TRAINPROOF_IO_CONCURRENCY")
         if self.checksum not in _CHECKSUM_MODES:
             raise ValueError(f"checksum must be one of {_CHECKSUM_MODES}, got {self.checksum!r}")
         if self.create_only not in _CREATE_ONLY_MODES:
@@ -81,15 +96,20 @@ class StoreOptions:
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "StoreOptions":
         """Options from the standard AWS variables (and ``TRAINPROOF_S3_*``), then ``overrides`` (None values ignored)."""
         env = os.environ if env is None else env
-        base = cls(
-            endpoint_url=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
-            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
-            profile=env.get("AWS_PROFILE") or None,
-            checksum=env.get("TRAINPROOF_S3_CHECKSUM", "auto"),
-            create_only=env.get("TRAINPROOF_S3_CREATE_ONLY", "require"),
-            signing=Keyring.from_env(env),
-        )
-        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        try:
+            base = cls(
+                endpoint_url=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
+                region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+                profile=env.get("AWS_PROFILE") or None,
+                checksum=env.get("TRAINPROOF_S3_CHECKSUM", "auto"),
+                create_only=env.get("TRAINPROOF_S3_CREATE_ONLY", "require"),
+                signing=Keyring.from_env(env),
+                part_size=_env_int(env, "TRAINPROOF_PART_SIZE_MB", PART_SIZE // 2**20) * 2**20,
+                concurrency=_env_int(env, "TRAINPROOF_IO_CONCURRENCY", CONCURRENCY),
+            )
+            return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        except ValueError as exc:  # a bad environment variable: exit 2 with its message, not a traceback
+            raise StoreConfigError(str(exc)) from None
 
     def checksum_mode(self) -> str:
         """The botocore setting to use for this endpoint."""
@@ -99,3 +119,13 @@ class StoreOptions:
 
     def use_path_style(self) -> bool:
         return self.endpoint_url is not None if self.path_style is None else self.path_style
+
+
+def _env_int(env, name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, got {raw!r}") from None

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from storage.backend import CHUNK, Entry, FsspecBackend, Source, iter_chunks
+from storage.spool import Spool
 from storage.errors import StoreConfigError
 from storage.limits import redact_url
 from storage.options import StoreOptions
@@ -27,9 +28,6 @@ from storage.retry import RetryStats, is_transient, retry_or_unavailable
 
 log = logging.getLogger("trainproof.storage")
 
-# Files of 2 × _PART or more go up as a concurrent multipart upload.
-_PART = 16 * 2**20
-_CONCURRENCY = 8
 
 
 def _is_precondition_failed(exc: BaseException) -> bool:
@@ -46,6 +44,9 @@ def _is_precondition_failed(exc: BaseException) -> bool:
 
 class S3Backend(FsspecBackend):
     """One s3fs client per store; paths are ``bucket/key`` without the scheme."""
+
+    parallel_ranges = True
+    """Large objects are read back and downloaded as parallel ranged GETs (``storage.spool``)."""
 
     def __init__(self, options: StoreOptions, stats: RetryStats | None = None) -> None:
         import s3fs  # lazy: only S3 runs pay for aiobotocore
@@ -68,7 +69,7 @@ class S3Backend(FsspecBackend):
             config_kwargs=config,
             skip_instance_cache=True,  # one client per store, never shared across threads' stores
             use_listings_cache=False,  # another process writes the same prefix: never trust a cached listing
-            max_concurrency=_CONCURRENCY,
+            max_concurrency=options.concurrency,
         )
         fs.retries = 1  # s3fs would otherwise retry 5× on top of botocore and tenacity
         super().__init__(fs)
@@ -82,21 +83,29 @@ class S3Backend(FsspecBackend):
 
     # -- primitives -------------------------------------------------------------------------------------
     def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:
+        part = self.options.part_size
         try:
+            if isinstance(data, Spool):
+                if data.size >= 2 * part:  # parts read from the file in parallel: never the whole object in memory
+                    return self._write_multipart(path, data.size, data.read_range, create_only, sha=data.sha256)
+                data = data.read_range(0, data.size)
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 return self._write_stream(path, data, create_only)
             data = bytes(data) if not isinstance(data, bytes) else data
-            if len(data) < 2 * _PART:
+            if len(data) < 2 * part:
                 size, sha = len(data), hashlib.sha256(data).hexdigest()
                 self.fs.pipe_file(path, data, mode="create" if create_only else "overwrite")
                 return size, sha
-            return self._write_multipart(path, data, create_only)
+            view = memoryview(data)
+            return self._write_multipart(path, len(data), lambda a, b: bytes(view[a:b]), create_only)
         except FileNotFoundError:
             # s3fs reports a CompleteMultipartUpload whose response was lost as NoSuchUpload (its re-send finds the
             # upload already completed): the object may well be there.  The caller's read-back verify checks its
             # bytes, so claiming it here is safe.
             if self.exists(path):
                 log.warning("the write of %s reported a lost completion but the object exists; verify will check it", path)
+                if isinstance(data, Spool):
+                    return data.size, data.sha256
                 return len(data), hashlib.sha256(data).hexdigest()
             raise
         except OSError as exc:
@@ -104,26 +113,36 @@ class S3Backend(FsspecBackend):
                 raise FileExistsError(f"{path} already exists (412 Precondition Failed)") from exc
             raise
 
-    def _write_multipart(self, path: str, data: bytes, create_only: bool) -> tuple[int, str]:
-        """Concurrent multipart upload with each part retried on its own (UploadPart is idempotent), the sha256
-        computed in parallel with the upload, and the upload aborted on failure so no object appears."""
+    def _write_multipart(self, path: str, size: int, read_range, create_only: bool, *,
+                         sha: str | None = None) -> tuple[int, str]:
+        """Concurrent multipart upload of ``size`` bytes read by ``read_range(start, end)`` (a slice of bytes in
+        memory, or ``os.pread`` of a spool: at most ``concurrency`` parts are read at a time), each part retried on
+        its own (UploadPart is idempotent), and the upload aborted on failure so no object appears. ``sha``: the
+        bytes' sha256 when known (a spool's); otherwise computed in parallel with the upload."""
         bucket, key, _ = self.fs.split_path(path)
         upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-        view = memoryview(data)
-        spans = [(n + 1, off, min(off + _PART, len(data))) for n, off in enumerate(range(0, len(data), _PART))]
+        part = self.options.part_size
+        spans = [(n + 1, off, min(off + part, size)) for n, off in enumerate(range(0, size, part))]
 
         def put(span):
             number, start, end = span
-            body = bytes(view[start:end])
+            body = read_range(start, end)  # one part in memory per worker thread
             out = self._part_retry(f"upload part {number}/{len(spans)} of {key}", lambda: self.fs.call_s3(
                 "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
             return {"PartNumber": number, "ETag": out["ETag"]}
 
+        def whole_sha() -> str:
+            digest = hashlib.sha256()
+            for start, end in ((s, min(s + part, size)) for s in range(0, size, part)):
+                digest.update(read_range(start, end))  # hashlib releases the GIL
+            return digest.hexdigest()
+
         try:
-            with ThreadPoolExecutor(max_workers=_CONCURRENCY + 1) as pool:
-                sha = pool.submit(lambda: hashlib.sha256(data).hexdigest())  # hashlib releases the GIL
+            with ThreadPoolExecutor(max_workers=self.options.concurrency + 1) as pool:
+                digest = pool.submit(whole_sha) if sha is None else None
                 parts = list(pool.map(put, spans))
-            self._complete(path, bucket, key, upload_id, parts, len(data), create_only)
+            sha = sha if digest is None else digest.result()
+            self._complete(path, bucket, key, upload_id, parts, size, create_only)
         except BaseException:
             try:
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
@@ -131,7 +150,7 @@ class S3Backend(FsspecBackend):
                 pass
             raise
         self.fs.invalidate_cache(path)
-        return len(data), sha.result()
+        return size, sha
 
     def _complete(self, path, bucket, key, upload_id, parts, size, create_only) -> None:
         match = {"IfNoneMatch": "*"} if create_only else {}
@@ -154,7 +173,7 @@ class S3Backend(FsspecBackend):
 
     def _write_stream(self, path: str, data, create_only: bool) -> tuple[int, str]:
         # Not `with fs.open(...)`: s3fs commits a partial object when the block exits on an exception.
-        fh = self.fs.open(path, "xb" if create_only else "wb", block_size=_PART)
+        fh = self.fs.open(path, "xb" if create_only else "wb", block_size=self.options.part_size)
         sha, size = hashlib.sha256(), 0
         try:
             for chunk in iter_chunks(data):

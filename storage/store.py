@@ -36,7 +36,8 @@ class GenerationStore:
         self._prepare = _prepare
         self._prepared = _prepare is None
         self._lock = threading.Lock()
-        self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits, keys=options.signing)
+        self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits, keys=options.signing,
+                        part_size=options.part_size, concurrency=options.concurrency)
 
     def __repr__(self) -> str:
         return f"GenerationStore({redact_url(self.url)!r})"
@@ -106,11 +107,12 @@ class GenerationStore:
         return scan(self._ctx, contract=contract, world=world)
 
     def load(self, step: int, check: Check | None = None, *, contract: str | None = None,
-             world: int | None = None) -> Loaded:
+             world: int | None = None, spool_dir: str | None = None, spool_from: int | None = None) -> Loaded:
         """Generation ``step``, every file read (never more than its manifest's size) and verified;
-        CorruptGenerationError if it is not usable."""
+        CorruptGenerationError if it is not usable. ``spool_dir``: large files are downloaded into spool files
+        there instead of memory (``storage.generations.load``); the caller deletes them with ``Loaded.close()``."""
         info = in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world)
-        return load(self._ctx, info, check)
+        return load(self._ctx, info, check, spool_dir=spool_dir, spool_from=spool_from)
 
     def verify(self, step: int, *, contract: str | None = None, world: int | None = None) -> str | None:
         """Re-read generation ``step`` streaming every file through sha256 (never a whole file in memory):
@@ -118,14 +120,15 @@ class GenerationStore:
         return verify_hashes(self._ctx, in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world))
 
     def load_latest(self, *, contract: str | None = None, world: int | None = None, check: Check | None = None,
-                    quarantine: bool = True) -> Loaded | None:
+                    quarantine: bool = True, spool_dir: str | None = None,
+                    spool_from: int | None = None) -> Loaded | None:
         """The newest usable generation, or None.  Newer ones that are partial, corrupt or foreign are skipped
         with one warning line each; corrupt ones are moved to quarantine when ``quarantine`` (a read-only
-        caller such as an audit passes False)."""
+        caller such as an audit passes False). ``spool_dir``/``spool_from``: as for :meth:`load`."""
         for info in reversed(self.scan(contract=contract, world=world)):
             if info.status == COMPLETE:
                 try:
-                    return load(self._ctx, info, check)
+                    return load(self._ctx, info, check, spool_dir=spool_dir, spool_from=spool_from)
                 except CorruptGenerationError as exc:
                     info = GenerationInfo(**{**info.__dict__, "status": CORRUPT, "reason": exc.reason})
             self._skip(info, quarantine)

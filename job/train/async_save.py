@@ -4,7 +4,8 @@ At a step boundary the trainer takes a **snapshot** (:func:`snapshot`): every te
 *copied* (on CUDA into pinned host buffers, non-blocking, ordered on the current stream by an event the
 worker waits on), and every container is rebuilt, so the next optimizer step may modify the live tensors,
 lists and dicts freely. A background thread (:class:`BackgroundSaver`) then serialises the snapshot and
-hands it to the ordinary :class:`job.train.checkpoint.Checkpointer`: the commit is exactly today's one
+hands it to the ordinary :class:`job.train.checkpoint.Checkpointer` (serialised into a local spool file, then
+uploaded from it: the only in-memory copy of the state is the snapshot itself): the commit is exactly today's one
 (every file create-only, read back from the store, sha256 and a weights-only load checked, ``COMPLETE.json``
 written last, create-only; retention after a successful commit), only on another thread. A thread is
 enough: ``torch.save``'s storage writes, sha256 and the store's I/O release the GIL.
@@ -46,7 +47,7 @@ import torch
 from job.errors import TrainError
 from job.train.checkpoint import Checkpointer
 from job.train.progress import Reporter
-from job.train.state import encode
+from job.train.state import encode_spool
 
 
 class DeferredReporter(Reporter):
@@ -193,8 +194,9 @@ class BackgroundSaver:
         try:
             if done is not None:
                 done.synchronize()  # the non-blocking device → host copies have landed
-            data = encode(holder.pop())  # the snapshot is dropped as soon as it is serialised
-            self.checkpointer.commit(step, None, extra=extra, encoded=data, blocked_s=blocked_s)
+            # Serialised into a spool file (no in-memory copy); the snapshot is dropped as soon as it is written.
+            spool = encode_spool(holder.pop(), self.checkpointer.spool_dir)
+            self.checkpointer.commit(step, None, extra=extra, encoded=spool, blocked_s=blocked_s)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which fails the run
             failure = exc
         self._result = (time.perf_counter() - t0, failure)

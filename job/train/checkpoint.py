@@ -1,6 +1,8 @@
 """Checkpoints: *when* to save (:class:`SaveClock`) and *how* a save becomes usable (:class:`Checkpointer`).
 
-A save is: serialise the state, hand the bytes to the generation store, which writes them under a new
+A save is: serialise the state into a spool file (``storage.spool``: ``torch.save`` streams it to local disk
+while it is hashed, so no second in-memory copy of the state exists), hand it to the generation store, which
+uploads it (parallel multipart parts read from the file) under a new
 ``step-%08d`` name, reads every object back, checks size and sha256, runs our ``check`` on the stored
 bytes (a real weights-only load), and only then writes ``COMPLETE.json`` create-only and moves the
 LATEST hint. Retention runs after that commit, never before, and never deletes the newest generation.
@@ -31,9 +33,10 @@ from typing import Any
 from job.train.dist import Collectives
 from job.errors import TrainError
 from job.train.progress import Reporter
-from job.train.state import STATE_FILE, decode, decode_rank_part, encode, encode_rank_part, rank_file
+from job.train.state import STATE_FILE, decode, decode_rank_part, encode_rank_part, encode_spool, rank_file
 from storage import GenerationStore
 from storage.errors import CommitConflictError, StoreError
+from storage.spool import Spool
 
 class SaveClock:
     """Step and/or wall-clock cadence of periodic checkpoints."""
@@ -61,9 +64,11 @@ class Checkpointer:
 
     def __init__(
         self, store: GenerationStore, *, contract: str, world: int, code_version: str, keep: int,
-        reporter: Reporter, last_step: int = 0, sync: Collectives | None = None,
+        reporter: Reporter, last_step: int = 0, sync: Collectives | None = None, spool_dir: str | None = None,
     ) -> None:
         self.store = store
+        self.spool_dir = spool_dir
+        """Where states are serialised before upload (``storage.spool.spool_dir``: TRAINPROOF_SPOOL_DIR or /tmp)."""
         self.contract, self.world, self.code_version = contract, world, code_version
         self.keep = keep
         self.reporter = reporter
@@ -76,22 +81,28 @@ class Checkpointer:
         until an audit passed across it: job.train.protect). Called at each retention."""
 
     def commit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any],
-               part: dict[str, Any] | None = None, encoded: bytes | None = None,
+               part: dict[str, Any] | None = None, encoded: Spool | None = None,
                blocked_s: float | None = None, blocked_since: float | None = None) -> dict[str, Any] | None:
         """Serialise and commit generation ``step``; then apply retention (rank 0).
 
         ``state``: the full training state (rank 0; ignored elsewhere), or ``encoded``: that state already
-        serialised (a background save, job.train.async_save, drops its snapshot once encoded). ``part``: this
+        serialised into a spool (a background save, job.train.async_save, drops its snapshot once encoded); the
+        spool file is deleted once the commit is over, whatever its outcome. ``part``: this
         rank's own part (ranks >= 1 of a distributed run). ``blocked_s``: how long training was blocked for
         this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it is blocked until this
         returns; recorded as the record's ``blocked_s``. Raises TrainError (exit 1) on every rank when the
         commit failed: nothing was marked usable, and the previous generation is still the resume point.
         """
         rank = self.sync.rank if self.sync else 0
-        if self.world == 1:
-            record = self._commit_files(step, {STATE_FILE: encoded if encoded is not None else encode(state)}, extra)
-        else:
-            record = self._commit_world(step, state, part, extra, rank)
+        try:
+            if self.world == 1:
+                spool = encoded if encoded is not None else encode_spool(state, self.spool_dir)
+                record = self._commit_files(step, {STATE_FILE: spool}, extra)
+            else:
+                record = self._commit_world(step, state, part, extra, rank)
+        finally:
+            if encoded is not None:
+                encoded.unlink()
         if record is not None:
             if blocked_s is None:
                 blocked_s = record["seconds"] if blocked_since is None else time.perf_counter() - blocked_since
@@ -109,10 +120,15 @@ class Checkpointer:
         frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
         record, failure, raised = None, b"", None
         if rank == 0:
+            spool = None
             try:
-                record = self._commit_generation(step, {STATE_FILE: encode(state)}, extra, self._rank_entries(step, frames))
+                spool = encode_spool(state, self.spool_dir)
+                record = self._commit_generation(step, {STATE_FILE: spool}, extra, self._rank_entries(step, frames))
             except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
                 failure, raised = (str(exc) or type(exc).__name__).encode(), exc
+            finally:
+                if spool is not None:
+                    spool.unlink()
         failure = self.sync.broadcast_bytes(failure, f"share the outcome of step {step}'s commit")
         if raised is not None:
             raise raised
@@ -140,10 +156,14 @@ class Checkpointer:
             entries.update(json.loads(body))
         return entries
 
-    def _commit_files(self, step: int, files: dict[str, bytes], extra: dict[str, Any]) -> dict[str, Any]:
-        return self._commit_generation(step, files, extra, None)
+    def _commit_files(self, step: int, files: dict[str, Spool], extra: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._commit_generation(step, files, extra, None)
+        finally:
+            for spool in files.values():
+                spool.unlink()
 
-    def _commit_generation(self, step: int, files: dict[str, bytes], extra: dict[str, Any],
+    def _commit_generation(self, step: int, files: dict[str, Spool], extra: dict[str, Any],
                            rank_entries: dict[str, list] | None) -> dict[str, Any]:
         """Commit ``files`` (rank 0's) plus, in a distributed run, the other ranks' already-written entries."""
         t0 = time.perf_counter()
@@ -165,8 +185,9 @@ class Checkpointer:
         # Recorded and reported by commit(), once it knows how long training was blocked.
         return {"step": step, "generation": info.name, "bytes": info.bytes, "seconds": time.perf_counter() - t0}
 
-    def _check(self, name: str, stored: bytes) -> None:
-        # The store hands us the bytes it read back: prove they load as a state, weights-only.
+    def _check(self, name: str, stored: bytes | Spool) -> None:
+        # The store hands us the bytes it read back, or the spool the read-back hash proved identical to the
+        # stored object: prove they load as a state, weights-only (a spool is mapped, not read whole).
         if name == STATE_FILE:
             decode(stored)
         else:

@@ -32,10 +32,17 @@ from job.train.contract import PLAN_FILE, canonical_json, check_plan, ensure_pla
 from job.train.dist import Collectives, PeerError
 from job.errors import ContractError, StateError, TrainError
 from job.train.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
-from storage import COMPLETE, GenerationStore
+from storage import COMPLETE, GenerationStore, Loaded
 from storage.errors import CorruptGenerationError, StoreError
+from storage.spool import Spool, spool_dir
 
 log = logging.getLogger("trainproof.resume")
+
+
+def _spooled() -> dict[str, Any]:
+    """Resume loads every file into a spool file (parallel ranged reads, hashed as they arrive) and maps it, so a
+    state of any size is never held twice in memory (``storage.spool``)."""
+    return {"spool_dir": spool_dir(), "spool_from": 0}
 
 
 def agree_plan(store: GenerationStore, plan: dict[str, Any], sync: Collectives) -> dict[str, Any]:
@@ -78,11 +85,11 @@ def _latest(store: GenerationStore, contract: str, code_version: str | None) -> 
     below: int | None = None
     while True:
         decoded: dict[int, Any] = {}
-        found = (store.load_latest(contract=contract, check=_checker(decoded)) if below is None
+        found = (store.load_latest(contract=contract, check=_checker(decoded), **_spooled()) if below is None
                  else _load_below(store, contract, below, _checker(decoded)))
         if found is None:
             break
-        step, state = found.info.step, _joined(found.files, decoded)
+        step, state = found.info.step, _joined(found, decoded)
         problem = _inconsistency(state, step, contract)
         if problem is not None:
             log.warning("skipping %s (inconsistent): %s", found.info.name, problem)
@@ -116,7 +123,7 @@ def _load_below(store: GenerationStore, contract: str, below: int, check: Any):
         if info.step >= below or info.status != COMPLETE:
             continue
         try:
-            return store.load(info.step, check, contract=contract)
+            return store.load(info.step, check, contract=contract, **_spooled())
         except CorruptGenerationError as exc:
             log.warning("skipping %s (corrupt): %s", info.name, exc)
             _quarantine(store, info.step, str(exc))
@@ -132,12 +139,12 @@ def _quarantine(store: GenerationStore, step: int, reason: str) -> None:
 
 def _load(store: GenerationStore, contract: str, step: int) -> tuple[int, dict[str, Any]]:
     decoded: dict[int, Any] = {}
-    found = store.load(step, _checker(decoded), contract=contract)
-    return step, _joined(found.files, decoded)
+    found = store.load(step, _checker(decoded), contract=contract, **_spooled())
+    return step, _joined(found, decoded)
 
 
 def _checker(decoded: dict[int, Any]):
-    def check(name: str, data: bytes) -> None:
+    def check(name: str, data: bytes | Spool) -> None:
         if name == STATE_FILE:
             decoded.clear()  # hold at most one decoded candidate in memory
             decoded[id(data)] = (data, decode(data))  # keeps `data` alive, so its id stays unique
@@ -147,10 +154,16 @@ def _checker(decoded: dict[int, Any]):
     return check
 
 
-def _joined(files: dict[str, bytes], decoded: dict[int, Any]) -> dict[str, Any]:
-    data = files[STATE_FILE]
-    state = decoded[id(data)][1] if id(data) in decoded else None
-    return decode_generation(files, state=state)
+def _joined(found: Loaded, decoded: dict[int, Any]) -> dict[str, Any]:
+    """The generation's state, rank parts joined. A large state was downloaded into a spool file and is
+    memory-mapped (its tensors page in from the file as the model loads them: no second copy in memory); the
+    spool files are deleted here, which leaves the mapping valid."""
+    try:
+        data = found.files[STATE_FILE]
+        state = decoded[id(data)][1] if id(data) in decoded else None
+        return decode_generation(found.files, state=state)
+    finally:
+        found.close()
 
 
 def world_decision(*, saved_world: int, world: int, step: int, allow: bool, history: list[dict[str, int]],

@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 import torch
 
 from job.errors import StateError
+from storage.spool import Spool, SpoolWriter
 
 STATE_SCHEMA = "trainproof.state/1"
 STATE_FILE = "training_state.pt"
@@ -140,8 +141,18 @@ def encode(state: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def decode(data: bytes) -> dict[str, Any]:
-    """Load a state safely (weights_only=True, CPU) and check its structure.
+def encode_spool(state: dict[str, Any], directory: str | None = None) -> Spool:
+    """:func:`encode` into a spool file (``storage.spool``): ``torch.save`` streams each tensor into the file
+    while it is hashed, so serialising never holds a second copy of the state in memory."""
+    check_types(state)
+    with SpoolWriter(directory) as out:
+        torch.save(state, out)
+    return out.finish()
+
+
+def decode(data: bytes | Spool) -> dict[str, Any]:
+    """Load a state safely (weights_only=True, CPU) and check its structure. A :class:`Spool` is memory-mapped
+    (``torch.load(mmap=True)``): its tensors are read from the file when used, never copied up front.
 
     A pickled object (class instance, callable, NumPy array) is refused with StateError; so is a file
     that is not a training state at all.
@@ -161,7 +172,7 @@ def encode_rank_part(part: dict[str, Any], *, step: int, world: int) -> bytes:
     return encode({"schema": RANK_SCHEMA, "step": step, "world": world, **part})
 
 
-def decode_rank_part(data: bytes) -> dict[str, Any]:
+def decode_rank_part(data: bytes | Spool) -> dict[str, Any]:
     """Load a ``rank-%05d.pt`` safely and check its structure."""
     part = _load_weights_only(data)
     if not isinstance(part, dict) or part.get("schema") != RANK_SCHEMA:
@@ -210,23 +221,27 @@ so the sum of member sizes is the file size less the archive's own headers. Anyt
 (a deflated member, a zip bomb) is refused before torch reads it."""
 
 
-def check_archive(data: bytes) -> None:
+def check_archive(data: bytes | Spool) -> None:
     """Refuse a checkpoint archive whose members would expand past :data:`MAX_EXPANSION` times its size."""
+    spooled = isinstance(data, Spool)
+    size = data.size if spooled else len(data)
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        with zipfile.ZipFile(data.path if spooled else io.BytesIO(data)) as archive:
             members = archive.infolist()
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
         raise StateError(f"the state file is not a torch checkpoint archive ({type(exc).__name__}: {exc})") from None
     expanded = sum(m.file_size for m in members)
     compressed = [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]
-    if compressed or expanded > MAX_EXPANSION * len(data):
-        raise StateError(f"refused: the state file ({len(data):,} bytes) would expand to {expanded:,} bytes "
+    if compressed or expanded > MAX_EXPANSION * size:
+        raise StateError(f"refused: the state file ({size:,} bytes) would expand to {expanded:,} bytes "
                          f"({len(compressed)} compressed member(s)); torch.save writes stored members only")
 
 
-def _load_weights_only(data: bytes) -> Any:
+def _load_weights_only(data: bytes | Spool) -> Any:
     check_archive(data)
     try:
+        if isinstance(data, Spool):  # mapped, not read: the tensors page in from the file when used
+            return torch.load(data.path, map_location="cpu", weights_only=True, mmap=True)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         # torch's message is a long how-to-bypass text; keep the line naming the forbidden global.

@@ -14,7 +14,7 @@ from storage import GenerationStore
 class TamperingBackend:
     """Delegates everything to ``inner``, except what the hooks change.
 
-    ``alter_read(path, data) -> data``: applied to what ``read``/``iter_read`` return for every path.
+    ``alter_read(path, data) -> data``: applied to what ``read``/``iter_read``/``read_range`` (its first range) return for every path.
     ``on_write(path, create_only, write)``: called instead of the write; ``write()`` performs the real one.
     Counts the bytes handed out by reads per path in ``bytes_read``."""
 
@@ -45,6 +45,12 @@ class TamperingBackend:
                 yield self._count(path, chunk)
         finally:
             chunks.close()
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        data = self.inner.read_range(path, start, end)
+        if self.alter_read and start == 0:  # the first range, as iter_read alters the first chunk
+            data = self.alter_read(path, bytes(data))
+        return self._count(path, data)
 
     def write(self, path: str, data, *, create_only: bool = False):
         if self.on_write is None:
