@@ -253,13 +253,16 @@ def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
             return f"{obj} sha256 differs from {mf.MARKER}"
     return None
 
-def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None) -> Loaded:
-    """Read every file of a complete generation, verify size and sha256 (re-reading once on a mismatch),
-    then run ``check(name, data)``; raise CorruptGenerationError naming the file and the fault."""
+def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, names: list[str] | None = None) -> Loaded:
+    """Read every file (or only ``names``) of a complete generation, verify size and sha256 (re-reading once on
+    a mismatch), then run ``check(name, data)``; raise CorruptGenerationError naming the file and the fault."""
     if info.status != COMPLETE or info.manifest is None:
         raise CorruptGenerationError(info.name, info.reason or f"status {info.status}")
+    listed = info.manifest["files"]
+    if names is not None and [n for n in names if n not in listed]:
+        raise CorruptGenerationError(info.name, f"{[n for n in names if n not in listed][0]!r} is not in {mf.MARKER}")
     files = {}
-    for fname, meta in info.manifest["files"].items():
+    for fname, meta in (listed.items() if names is None else ((n, listed[n]) for n in names)):
         files[fname] = _read_verified(ctx, info.name, fname, meta)
         if check is not None:
             try:
