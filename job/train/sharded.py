@@ -2,8 +2,8 @@
 
 A sharded generation ``step-%08d`` holds one ``shard-%05d.distcp`` per rank (the raw bytes of that rank's chunks
 of sharded tensors), ``values-%05d.distcp`` from the ranks DCP gave plain tensors or values to write (replicated
-and small: raw tensor bytes, and ``torch.save``d plain values), DCP's metadata as ``dcp.metadata``, and one ``COMPLETE.json``
-listing all of them with their size and sha256. No rank ever holds more than its own chunks.
+and small: raw tensor bytes, and ``torch.save``d plain values), DCP's metadata as ``dcp.metadata``, and one
+``COMPLETE.json`` listing all of them with their size and sha256. No rank ever holds more than its own chunks.
 
 Saving (:func:`save_sharded`, every rank; DCP's protocol, :class:`GenerationWriter` its storage):
 
@@ -143,7 +143,8 @@ class GenerationWriter(StorageWriter):
                  if item.type == WriteItemType.BYTE_IO}  # small pickled values, resolved first
         layout, end = [], 0
         for i, item in enumerate(items):
-            size = len(blobs[i]) if i in blobs else _nbytes(item.tensor_data.size, item.tensor_data.properties.dtype)
+            size = len(blobs[i]) if i in blobs else \
+                _nbytes(item.tensor_data.chunk.sizes, item.tensor_data.properties.dtype)
             layout.append((end, size))
             end = _aligned(end + size)
         buf = bytearray(end)  # the file, allocated once: never more than this rank's own chunks
@@ -155,7 +156,7 @@ class GenerationWriter(StorageWriter):
                 tensor = planner.resolve_data(item)
                 if _nbytes(tensor.shape, tensor.dtype) != size:
                     raise ShardedSaveError(f"{item.index.fqn}: the planner resolved {tuple(tensor.shape)} "
-                                           f"{tensor.dtype}, the plan says {tuple(item.tensor_data.size)}")
+                                           f"{tensor.dtype}, the plan says {tuple(item.tensor_data.chunk.sizes)}")
                 _view(buf, tensor.dtype, offset, tensor.shape).copy_(tensor.detach())  # any device, any strides
                 del tensor
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=(fname, offset, size)))
