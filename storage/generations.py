@@ -281,20 +281,23 @@ def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
             return f"{obj} sha256 differs from {mf.MARKER}"
     return None
 
-def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, *, spool_dir: str | None = None,
-         spool_from: int | None = None) -> Loaded:
-    """Read every file of a complete generation, verify size and sha256 (re-reading once on a mismatch),
-    then run ``check(name, data)``; raise CorruptGenerationError naming the file and the fault.
+def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, names: list[str] | None = None, *,
+         spool_dir: str | None = None, spool_from: int | None = None) -> Loaded:
+    """Read every file (or only ``names``) of a complete generation, verify size and sha256 (re-reading once on
+    a mismatch), then run ``check(name, data)``; raise CorruptGenerationError naming the file and the fault.
 
     ``spool_dir``: files of ``spool_from`` bytes or more (default: the part size) are downloaded into spools in
     that folder (parallel ranged reads, hashed in order as they arrive) instead of into memory; the check and
     the caller get the :class:`Spool`, which the caller deletes with :meth:`Loaded.close`."""
     if info.status != COMPLETE or info.manifest is None:
         raise CorruptGenerationError(info.name, info.reason or f"status {info.status}")
+    listed = info.manifest["files"]
+    if names is not None and [n for n in names if n not in listed]:
+        raise CorruptGenerationError(info.name, f"{[n for n in names if n not in listed][0]!r} is not in {mf.MARKER}")
     threshold = ctx.part_size if spool_from is None else spool_from
     files: dict = {}
     try:
-        for fname, meta in info.manifest["files"].items():
+        for fname, meta in (listed.items() if names is None else ((n, listed[n]) for n in names)):
             if spool_dir is not None and meta["bytes"] >= threshold:
                 files[fname] = _spool_verified(ctx, info.name, fname, meta, spool_dir)
             else:

@@ -114,6 +114,15 @@ class GenerationStore:
         info = in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world)
         return load(self._ctx, info, check, spool_dir=spool_dir, spool_from=spool_from)
 
+    def generation(self, step: int, *, contract: str | None = None, world: int | None = None) -> GenerationInfo:
+        """What discovery says about generation ``step`` (no hashing): its status and, when usable, its manifest."""
+        return in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world)
+
+    def load_files(self, info: GenerationInfo, names: list[str], check: Check | None = None) -> Loaded:
+        """Only ``names`` of the complete generation ``info`` (as ``generation`` returned it: that manifest, read
+        once, vouches for every file), each read and verified like ``load``; CorruptGenerationError otherwise."""
+        return load(self._ctx, info, check, names=list(names))
+
     def verify(self, step: int, *, contract: str | None = None, world: int | None = None) -> str | None:
         """Re-read generation ``step`` streaming every file through sha256 (never a whole file in memory):
         None when it is complete and every file matches its manifest, else why not (for ``ls --verify``)."""

@@ -1,0 +1,198 @@
+"""Sharded save/load through the generation store vs DCP's own FileSystemWriter/Reader, same state, same disk.
+
+``.venv/bin/python bench/bench_sharded.py [--mib 300] [--reps 5] [--dir DIR]`` starts 2 ranks (gloo, CPU). Each
+wraps an MLP of ``--mib`` MiB of model + Adam state in total (parameters ~1/3, Adam's two moments ~2/3) with FSDP2,
+takes one Adam step, then per repetition (order alternated):
+
+- ours: ``job.train.sharded.save_sharded`` into a run folder (create-only writes with fsync, read back, sha256,
+  one COMPLETE.json) and ``load_sharded`` (manifest, verified metadata, verified shard files);
+- DCP: ``dcp.save`` / ``dcp.load`` with ``FileSystemWriter``/``FileSystemReader`` (fsync on, its default) into a
+  folder beside it.
+
+Times are rank 0's wall time from a barrier to a barrier. Peak memory is each rank's resident set sampled every
+2 ms during the call, minus the resident set just before it, against that rank's shard (its local tensor bytes).
+Prints the medians and the ratio lines ``sharded save`` / ``sharded load`` (goal <= 1.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Resident-set high-water mark above the level at entry, sampled every 2 ms by a thread."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._poll, daemon=True)
+        self._t.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+        self.extra = self.peak - self.base
+
+
+def rank_main(args) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    sys.path.insert(0, str(ROOT))
+    from job.train.sharded import load_sharded, save_sharded
+    from storage import open_store
+    from tests.support.sharded_worker import build, shard, train_step
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    # params P floats, Adam 2P more: 12 P bytes = mib MiB; hidden h with 4 layers of h*h
+    layers = 4
+    hidden = int((args.mib * 2**20 / 12 / layers) ** 0.5)
+    model = shard(build(hidden, layers + 1, seed=0), world)  # build() makes layers - 1 of hidden x hidden
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train_step(model, opt, 0)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    shard_bytes = 0
+    for v in [*msd.values(), *(x for s in osd["state"].values() for x in s.values())]:
+        if isinstance(v, DTensor):
+            shard_bytes += v.to_local().numel() * v.to_local().element_size()
+    base = Path(args.dir)
+    store = open_store(str(base / "run"))
+    rows = []
+
+    def timed(fn):
+        dist.barrier()
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            seconds = time.perf_counter() - t0
+        return seconds, mem.extra
+
+    for rep in range(args.reps):
+        step = rep + 1
+        folder = base / "dcp" / f"rep{rep}"
+
+        def ours_save():
+            save_sharded(store, step, state, contract="b" * 64, world=world, code_version="bench")
+
+        def dcp_save():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)))
+
+        def ours_load():
+            load_sharded(store, step, state, world=world)
+
+        def dcp_load():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
+
+        order = [("ours", ours_save, ours_load), ("dcp", dcp_save, dcp_load)]
+        if rep % 2:
+            order.reverse()
+        row = {"rep": rep}
+        for name, save, load in order:
+            row[f"{name}_save_s"], row[f"{name}_save_mem"] = timed(save)
+            row[f"{name}_load_s"], row[f"{name}_load_mem"] = timed(load)
+        rows.append(row)
+        dist.barrier()
+        if rank == 0:  # keep the disk small: drop this repetition's copies
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(base / "run" / f"step-{step:08d}", ignore_errors=True)
+        dist.barrier()
+    with open(base / f"rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "hidden": hidden, "shard_bytes": shard_bytes, "rows": rows}, f)
+    dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=float, default=300.0, help="model + Adam state in total, MiB (default 300)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="folder for both sides (default: a temporary one)")
+    ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank_main:
+        rank_main(args)
+        return 0
+    tmp = None
+    if args.dir is None:
+        tmp = tempfile.mkdtemp(prefix="bench-sharded-")
+        args.dir = tmp
+    try:
+        port = str(_port())
+        procs = []
+        for rank in range(args.world):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.world), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": port, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", "--mib", str(args.mib),
+                                           "--reps", str(args.reps), "--dir", args.dir], env=env, cwd=ROOT))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            print(f"ranks exited {codes}", file=sys.stderr)
+            return 1
+        ranks = [json.loads((Path(args.dir) / f"rank{r}.json").read_text()) for r in range(args.world)]
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    rows = ranks[0]["rows"]
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.endswith("_s")}
+    total = sum(r["shard_bytes"] for r in ranks)
+    print(f"state: {total / 2**20:.0f} MiB of sharded tensors over {args.world} ranks (hidden {ranks[0]['hidden']}), "
+          f"{len(rows)} repetitions, medians")
+    print(f"{'':14}{'ours s':>9}{'DCP s':>9}{'ratio':>8}  (goal <= 1.3)")
+    for op in ("save", "load"):
+        ratio = med[f"ours_{op}_s"] / med[f"dcp_{op}_s"]
+        per_rep = [r[f"ours_{op}_s"] / r[f"dcp_{op}_s"] for r in rows]
+        print(f"sharded {op:6}{med[f'ours_{op}_s']:9.3f}{med[f'dcp_{op}_s']:9.3f}{ratio:8.2f}  "
+              f"per repetition {', '.join(f'{x:.2f}' for x in per_rep)}")
+    print("peak resident memory above the level before the call, per rank, median (x its shard):")
+    for r in ranks:
+        sb = r["shard_bytes"]
+        cells = []
+        for side in ("ours", "dcp"):
+            for op in ("save", "load"):
+                extra = statistics.median(x[f"{side}_{op}_mem"] for x in r["rows"])
+                cells.append(f"{side} {op} {extra / 2**20:.0f} MiB ({extra / sb:.2f}x)")
+        print(f"  rank {r['rank']} (shard {sb / 2**20:.0f} MiB): " + "; ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

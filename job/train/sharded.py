@@ -1,0 +1,428 @@
+"""Sharded generations: ``torch.distributed.checkpoint`` (DCP) writing into and reading from the generation store.
+
+A sharded generation ``step-%08d`` holds one ``shard-%05d.distcp`` per rank (the raw bytes of that rank's chunks
+of sharded tensors), ``values-%05d.distcp`` from the ranks DCP gave plain tensors or values to write (replicated
+and small: raw tensor bytes, and ``torch.save``d plain values), DCP's metadata as ``dcp.metadata``, and one
+``COMPLETE.json`` listing all of them with their size and sha256. No rank ever holds more than its own chunks.
+
+Saving (:func:`save_sharded`, every rank; DCP's protocol, :class:`GenerationWriter` its storage):
+
+1. DCP plans which rank writes which chunk (replicated values once, by the lowest rank);
+2. every rank copies its chunks into one buffer and hands it to ``store.write_part`` (create-only write, read
+   back from the store, size + sha256), then sends rank 0 only its entry (name, bytes, sha256, object) inside
+   DCP's own write results, over the process group;
+3. rank 0 writes ``dcp.metadata`` the same way and commits the generation (``store.commit_parts``: every listed
+   object must be in the store with its size, then ``COMPLETE.json`` create-only). DCP shares the outcome, so
+   every rank raises :class:`ShardedSaveError` when any rank failed or died: no ``COMPLETE.json``, and the
+   previous generation stays the resume point.
+
+Loading (:func:`load_sharded`, every rank; :class:`GenerationReader`): the manifest is read once; the metadata
+is read and verified against it (size, sha256) *before* it is unpickled, and then only by an unpickler that
+admits DCP's own metadata classes and nothing else (DCP's ``FileSystemReader`` uses a bare ``pickle.load``).
+Each rank then reads only the shard files its read plan names, each verified against the manifest before a
+single byte is used; tensors are taken straight from the verified bytes (no ``torch.load``), and non-tensor
+values must load with ``torch.load(weights_only=True)`` before DCP's planner sees them. DCP reshards: a
+generation saved by W ranks loads into any other world when the caller allows it (``allow_world_change``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from job.errors import ConfigError, TrainError
+from storage import GenerationInfo, GenerationStore
+from storage.errors import StoreError
+
+METADATA_FILE = "dcp.metadata"
+FORMAT = "trainproof.dcp/1"
+ALIGN = 64  # every chunk starts at a multiple of this in its shard file (any dtype can view it in place)
+_ENTRY = "__trainproof_entry__"  # the write result that carries a rank's file entry to rank 0
+
+
+def shard_file(rank: int) -> str:
+    """The file of rank ``rank``'s chunks of sharded tensors (every rank writes one)."""
+    return f"shard-{rank:05d}.distcp"
+
+
+def values_file(rank: int) -> str:
+    """The file of the plain tensors and values rank ``rank`` was given to write (when it was given any)."""
+    return f"values-{rank:05d}.distcp"
+
+
+class ShardedSaveError(TrainError):
+    """A sharded generation was not committed (exit 1): a rank failed or died; the previous one still stands."""
+
+
+class ShardedLoadError(TrainError):
+    """A sharded generation could not be loaded (exit 1): it is not usable, or its bytes disagree with its
+    manifest (``corrupt`` is then True and the caller may fall back to an older generation)."""
+
+    def __init__(self, message: str, corrupt: bool = False) -> None:
+        super().__init__(message)
+        self.corrupt = corrupt
+
+    def __reduce__(self):  # DCP pickles a rank's exception to rank 0: keep both fields
+        return (type(self), (str(self), self.corrupt))
+
+
+# -- saving ------------------------------------------------------------------------------------------------
+class GenerationWriter(StorageWriter):
+    """DCP storage writer: one verified file per rank in generation ``step``; rank 0 commits (module doc)."""
+
+    def __init__(self, store: GenerationStore, step: int, *, contract: str, world: int, code_version: str,
+                 extra: dict | None = None, keep: int | None = None) -> None:
+        super().__init__()
+        self.store, self.step = store, step
+        self.contract, self.world, self.code_version = contract, world, code_version
+        self.extra, self.keep = dict(extra or {}), keep
+        self.rank = 0
+        self.committed: GenerationInfo | None = None
+        """The committed generation (rank 0, after a successful save)."""
+
+    def reset(self, checkpoint_id=None) -> None:
+        self.committed = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False  # never picked by DCP from a path: only ever passed explicitly
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = int(kwargs.get("rank") or 0)
+        if not kwargs.get("use_collectives", True):
+            raise ShardedSaveError("a sharded generation needs DCP's collectives (rank 0 commits every rank's file)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [replace(plan, storage_data=shard_file(r)) for r, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            results = self._write(plan, planner)
+        except TrainError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - travels to rank 0 pickled: a plain message, not the object
+            raise ShardedSaveError(f"rank {self.rank} could not write its shard of step {self.step}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        # Chunks of sharded tensors go into this rank's shard file; plain tensors and values (replicated, small:
+        # an optimizer's step, its param groups) into a separate values file, so that a rank loading them never
+        # has to read another rank's shard file.
+        shard = plan.storage_data if isinstance(plan.storage_data, str) else shard_file(self.rank)
+        files: dict[str, list] = {shard: [], values_file(self.rank): []}
+        for item in plan.items:
+            files[shard if item.type == WriteItemType.SHARD else values_file(self.rank)].append(item)
+        results, entries = [], {}
+        for fname, items in files.items():
+            if items or fname == shard:  # every rank writes its shard file, empty or not
+                entries.update(self._write_file(fname, items, planner, results))
+        results.append(WriteResult(index=MetadataIndex(f"{_ENTRY}{self.rank}"), size_in_bytes=0, storage_data=entries))
+        return results
+
+    def _write_file(self, fname: str, items: list, planner: SavePlanner, results: list) -> dict[str, list]:
+        blobs = {i: planner.resolve_data(item).getbuffer() for i, item in enumerate(items)
+                 if item.type == WriteItemType.BYTE_IO}  # small pickled values, resolved first
+        layout, end = [], 0
+        for i, item in enumerate(items):
+            size = len(blobs[i]) if i in blobs else \
+                _nbytes(item.tensor_data.chunk.sizes, item.tensor_data.properties.dtype)
+            layout.append((end, size))
+            end = _aligned(end + size)
+        buf = bytearray(end)  # the file, allocated once: never more than this rank's own chunks
+        for i, item in enumerate(items):
+            offset, size = layout[i]
+            if i in blobs:
+                buf[offset:offset + size] = blobs.pop(i)
+            elif size:
+                tensor = planner.resolve_data(item)
+                if _nbytes(tensor.shape, tensor.dtype) != size:
+                    raise ShardedSaveError(f"{item.index.fqn}: the planner resolved {tuple(tensor.shape)} "
+                                           f"{tensor.dtype}, the plan says {tuple(item.tensor_data.chunk.sizes)}")
+                _view(buf, tensor.dtype, offset, tensor.shape).copy_(tensor.detach())  # any device, any strides
+                del tensor
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=(fname, offset, size)))
+        entry = self.store.write_part(self.step, {fname: buf})
+        del buf
+        return entry
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._commit(metadata, results)
+        except TrainError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - see write_data
+            raise ShardedSaveError(f"step {self.step} was not committed: {type(exc).__name__}: {exc}") from exc
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        entries, storage = {}, {}
+        for rank_results in results:
+            for wr in rank_results:
+                if wr.index.fqn.startswith(_ENTRY):
+                    entries.update(wr.storage_data)
+                else:
+                    storage[wr.index] = wr.storage_data
+        shards = sorted(n for n in entries if n.startswith("shard-"))
+        if len(shards) != len(results):
+            raise ShardedSaveError(f"{len(results)} ranks saved but {len(shards)} shard files were reported")
+        metadata.storage_data = storage
+        metadata.storage_meta = None  # nothing host-specific in the generation
+        raw = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        entries.update(self.store.write_part(self.step, {METADATA_FILE: raw}, check=lambda _n, b: _unpickle(b)))
+        extra = {**self.extra, "sharded": {"format": FORMAT, "metadata": METADATA_FILE, "shards": shards,
+                                           "dcp_version": metadata.version}}
+        self.committed = self.store.commit_parts(
+            self.step, entries, contract=self.contract, world=self.world, code_version=self.code_version,
+            extra=extra, digests={"dcp_metadata": METADATA_FILE}, keep=self.keep)
+
+
+def save_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], *, contract: str, world: int,
+                 code_version: str, extra: dict | None = None, keep: int | None = None,
+                 process_group=None) -> GenerationInfo | None:
+    """Save ``state_dict`` (e.g. ``{"model": ..., "optim": ...}`` from ``get_state_dict``: DTensors, tensors,
+    plain values) as sharded generation ``step``, on every rank. Returns the committed generation on rank 0,
+    None elsewhere; raises ShardedSaveError on every rank when it was not committed."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = GenerationWriter(store, step, contract=contract, world=world, code_version=code_version,
+                              extra=extra, keep=keep)
+    try:
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group)
+    except CheckpointException as exc:
+        raise ShardedSaveError(f"step {step} was not committed: {_failures(exc)}") from None
+    except (RuntimeError, ValueError) as exc:  # a collective failed: a rank died or stopped responding
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ShardedSaveError(f"step {step} was not committed: a collective failed (a rank died, failed or "
+                               f"stopped responding): {first}") from None
+    return writer.committed
+
+
+# -- loading -----------------------------------------------------------------------------------------------
+class GenerationReader(StorageReader):
+    """DCP storage reader over one committed sharded generation (module doc): verified before it is used."""
+
+    def __init__(self, store: GenerationStore, step: int, *, contract: str | None = None) -> None:
+        super().__init__()
+        self.store, self.step, self.contract = store, step, contract
+        self.info: GenerationInfo | None = None
+        self.storage_data: dict = {}
+        self.chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.metadata: Metadata | None = None
+        self.files_read: list[str] = []
+        """Shard files this rank read (tests and the bench check that a rank reads only what it needs)."""
+
+    def reset(self, checkpoint_id=None) -> None:
+        self.files_read = []
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False
+
+    def generation(self) -> GenerationInfo:
+        """The generation's manifest, read once: every file is verified against this one."""
+        if self.info is None:
+            info = self.store.generation(self.step, contract=self.contract)
+            if info.status != "complete" or info.manifest is None:
+                raise ShardedLoadError(f"{info.name} is not usable ({info.status}): {info.reason}")
+            sharded = (info.manifest.get("extra") or {}).get("sharded")
+            if not isinstance(sharded, dict) or sharded.get("format") != FORMAT \
+                    or METADATA_FILE not in info.manifest["files"]:
+                raise ShardedLoadError(f"{info.name} is not a sharded generation ({FORMAT})")
+            self.info = info
+        return self.info
+
+    def read_metadata(self) -> Metadata:
+        if self.metadata is not None:
+            return self.metadata
+        info = self.generation()
+        raw = self._read(METADATA_FILE)
+        try:
+            metadata = _unpickle(raw)
+        except Exception as exc:  # noqa: BLE001
+            raise ShardedLoadError(f"{info.name}/{METADATA_FILE} is not DCP metadata: {exc}", corrupt=True) from None
+        self._check(metadata, info)
+        self.metadata = metadata
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self.chunks = {(fqn, tuple(c.offsets)): (md.properties.dtype, tuple(c.sizes))
+                       for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+                       for c in md.chunks}
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index][0], []).append(req)
+        for fname, reqs in sorted(per_file.items()):
+            data = memoryview(self._read(fname))  # verified against the manifest before any byte is used
+            self.files_read.append(fname)
+            for req in reqs:
+                _f, offset, size = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO:
+                    blob = bytes(data[offset:offset + size])
+                    try:  # only plain values: refuse anything that needs more than the weights-only loader
+                        torch.load(io.BytesIO(blob), weights_only=True)
+                    except Exception as exc:  # noqa: BLE001
+                        raise ShardedLoadError(f"{self.generation().name}/{fname}: the value of "
+                                               f"{req.storage_index.fqn!r} is not a plain value: {exc}") from None
+                    planner.load_bytes(req, io.BytesIO(blob))
+                    continue
+                dtype, shape = self.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+                stored = _view(data, dtype, offset, shape)
+                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    stored = stored.narrow(dim, start, length)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != stored.size():
+                    raise ShardedLoadError(f"{req.storage_index.fqn}: the plan wants {tuple(target.size())}, "
+                                           f"the generation holds {tuple(stored.size())}")
+                target.copy_(stored)
+                planner.commit_tensor(req, target)
+            del data
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read(self, fname: str) -> bytes:
+        info = self.generation()
+        try:
+            return self.store.load_files(info, [fname]).files[fname]
+        except StoreError as exc:  # CorruptGenerationError: size or sha256 differ from the manifest, or missing
+            raise ShardedLoadError(f"{exc}; refusing to load it", corrupt=True) from None
+
+    def _check(self, metadata: Metadata, info: GenerationInfo) -> None:
+        """Every chunk the metadata places must lie inside a shard file the manifest lists."""
+        files = info.manifest["files"]
+        if not isinstance(metadata.storage_data, dict):
+            raise ShardedLoadError(f"{info.name}/{METADATA_FILE} has no chunk locations", corrupt=True)
+        for index, where in metadata.storage_data.items():
+            ok = (isinstance(where, tuple) and len(where) == 3 and isinstance(where[0], str) and where[0] in files
+                  and where[0] != METADATA_FILE and all(isinstance(v, int) and v >= 0 for v in where[1:])
+                  and where[1] + where[2] <= files[where[0]]["bytes"])
+            if not ok:
+                raise ShardedLoadError(f"{info.name}/{METADATA_FILE} places {getattr(index, 'fqn', index)!r} "
+                                       f"outside the generation's files: {str(where)[:80]}", corrupt=True)
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for c in md.chunks:
+                    where = metadata.storage_data.get(MetadataIndex(fqn, c.offsets))
+                    if where is None or where[2] != _nbytes(c.sizes, md.properties.dtype):
+                        raise ShardedLoadError(f"{info.name}/{METADATA_FILE}: chunk {tuple(c.offsets)} of {fqn!r} "
+                                               "has no place of its size", corrupt=True)
+
+
+def load_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], *, world: int,
+                 contract: str | None = None, allow_world_change: bool = False,
+                 process_group=None) -> GenerationInfo:
+    """Load sharded generation ``step`` into ``state_dict`` in place (every rank; DCP reshards to this world).
+
+    ConfigError (exit 2) when the generation was saved by another world size and ``allow_world_change`` is
+    not given; ShardedLoadError on every rank when it cannot be loaded (``corrupt`` when its bytes disagree
+    with its manifest: the caller may fall back to an older generation)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = GenerationReader(store, step, contract=contract)
+    saved = reader.generation().manifest["world"]
+    if saved != world and not allow_world_change:
+        raise ConfigError(f"{reader.generation().name} was saved by {saved} ranks and this run has {world}; "
+                          "pass --allow-world-change to reshard it")
+    reader.read_metadata()  # here, so that a bad one raises its own error (inside DCP it becomes "metadata is None")
+    try:
+        dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+    except CheckpointException as exc:
+        errors = [f[0] for f in exc.failures.values() if isinstance(f[0], ShardedLoadError)]
+        raise ShardedLoadError(f"step {step} could not be loaded: {_failures(exc)}",
+                               corrupt=any(e.corrupt for e in errors)) from None
+    except (RuntimeError, ValueError) as exc:  # a collective failed: a rank died or stopped responding
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ShardedLoadError(f"step {step} could not be loaded: a collective failed: {first}") from None
+    return reader.generation()
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+def _failures(exc) -> str:
+    """One line per failed rank of a DCP CheckpointException: its own message, not DCP's traceback dump."""
+    parts = []
+    for rank, failure in sorted(exc.failures.items()):
+        err = failure[0] if isinstance(failure, tuple) and failure else failure
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        parts.append(f"rank {rank}: {text}")
+    return "; ".join(parts)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch._utils._element_size(dtype)
+
+
+def _view(buf, dtype: torch.dtype, offset: int, shape) -> torch.Tensor:
+    """A tensor of ``shape`` over ``buf[offset:]`` (no copy)."""
+    count = math.prod(shape)
+    if count == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    with warnings.catch_warnings():  # a read-only buffer (verified bytes) is only ever read from
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(tuple(shape))
+
+
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+_METADATA_CLASSES = {"Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                     "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, ``torch.Size`` and torch's dtype/layout constants (and the lookup of a layout
+    by name); nothing else."""
+
+    def find_class(self, module: str, name: str):
+        if module == dcp_metadata.__name__ and name in _METADATA_CLASSES:
+            return getattr(dcp_metadata, name)
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":  # how a torch.layout pickles: a lookup by name
+            from torch.serialization import _get_layout
+            return _get_layout
+        if module == "collections" and name == "OrderedDict":
+            import collections
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"DCP metadata may not name {module}.{name}")
+
+
+def _unpickle(raw: bytes) -> Metadata:
+    metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"not DCP metadata but a {type(metadata).__name__}")
+    return metadata
+
+
+__all__ = ["GenerationWriter", "GenerationReader", "save_sharded", "load_sharded", "shard_file", "METADATA_FILE",
+           "ShardedSaveError", "ShardedLoadError", "values_file"]
