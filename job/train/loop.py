@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -535,7 +536,24 @@ def configure_determinism(task: Task, device: torch.device) -> None:
         torch.backends.cudnn.benchmark = False
     elif task.cpu_threads:
         torch.set_num_threads(task.cpu_threads)
-    torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
+    use_deterministic_algorithms(warn_only=device.type == "cuda")
+
+
+def use_deterministic_algorithms(*, warn_only: bool) -> None:
+    """``torch.use_deterministic_algorithms(True)`` without its import of ``torch._inductor`` (which pulls in
+    dynamo: 1.5 s of every process start on a small CPU, paid by every resume). The two things it does are done
+    here: the kernels' flag, and inductor's ``deterministic`` setting — through its environment variable when
+    inductor is not imported yet (it reads the variable on import), on the config when it is."""
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None:  # another torch: the public call
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        return
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.deterministic = True
+    else:
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    setter(True, warn_only=warn_only)
 
 
 def _open_store(url: str) -> GenerationStore:
