@@ -341,7 +341,8 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                              f"ratios; medians {tput:.2f} vs {base:.2f} steps/s, a checkpoint every {args.every} steps |")
             pairs = [(med(r["save_s"]), med(r["base_commit_s"])) for r in runs[mode] if r["save_s"] and r.get("base_commit_s")]
             if pairs:
-                base_name = "boto3 upload_fileobj" if any("s3" in str(v) for v in vars(args).values()) else "copy + fsync"
+                s3 = args.s3 or str(args.store_root or "").startswith("s3://")
+                base_name = "boto3 upload_fileobj" if s3 else "copy + fsync"
                 lines.append(f"| {label} | {mode} | commit | {med([a / b for a, b in pairs]):.2f} | {GOALS['commit']} | "
                              f"write + read-back verify + commit {med([a for a, _ in pairs]):.2f} s vs {base_name} of "
                              f"the same bytes {med([b for _, b in pairs]):.2f} s (median of paired ratios) |")

@@ -75,7 +75,7 @@ class StoreOptions:
     """Signing and accepted keys (``storage.signing``); None: generations are neither signed nor checked.
     Default from ``TRAINPROOF_SIGNING_KEY*``; its repr shows key ids only."""
     part_size: int = PART_SIZE
-    """Bytes per multipart part and per ranged read of large objects (spools). Default 16 MiB, or
+    """Bytes per multipart part and per ranged read of large objects (spools). Default 8 MiB, or
     ``TRAINPROOF_PART_SIZE_MB``; at least 5 MiB (S3's minimum part)."""
     concurrency: int = CONCURRENCY
     """Parts in flight at once per transfer (upload, read-back verify, download). Default 8, or

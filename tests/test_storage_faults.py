@@ -34,7 +34,7 @@ pytestmark = pytest.mark.s3
 MiB = 2**20
 C = "contract-faults"
 LOGGER = "trainproof.storage"
-# s3fs's pipe_file switches to a multipart upload at 2 x the store's 16 MiB part size (storage/s3.py: _PART).
+# Objects of 2 x the store's part size (8 MiB: storage/spool.py PART_SIZE) or more go up as a multipart upload.
 BIG = 33 * MiB
 ATTEMPT_COPY = re.compile(r"\.[0-9a-f]{12}\.pt$")  # storage.manifest.attempt_object names
 
@@ -42,7 +42,7 @@ ATTEMPT_COPY = re.compile(r"\.[0-9a-f]{12}\.pt$")  # storage.manifest.attempt_ob
 # -- fixtures and helpers ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def big_payload():
-    """One random payload big enough for the multipart path (3 parts: 16 + 16 + 1 MiB), made once."""
+    """One random payload big enough for the multipart path (5 parts: 4 x 8 + 1 MiB), made once."""
     return os.urandom(BIG)
 
 
