@@ -58,6 +58,41 @@ def test_snapshot_is_isolated_from_training():
     assert differences(reference, decode(encode(live))) != []  # without the copy, the saved state would move on
 
 
+def test_the_background_save_runs_at_low_cpu_priority_and_spools_the_state(tmp_path):
+    """The save thread (and the I/O threads it starts) yields the CPU to training; the training thread keeps its
+    priority; the state reaches the checkpointer as a spool file, deleted after the commit."""
+    import os
+    import threading
+
+    import torch
+
+    from job.train.async_save import SAVE_NICE, BackgroundSaver
+    from job.train.progress import Reporter
+
+    seen = {}
+
+    class Recorder:
+        spool_dir = str(tmp_path)
+        reporter = None
+
+        def commit(self, step, state, *, extra, encoded, blocked_s):
+            seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            child = threading.Thread(target=lambda: seen.setdefault(
+                "child", os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+            child.start()
+            child.join()
+            seen["state"] = torch.load(encoded.path, weights_only=True)["w"]
+            encoded.unlink()
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    saver = BackgroundSaver(Recorder(), Reporter(), on_saved=lambda s: None)
+    saver.submit(3, {"w": torch.arange(4.0)}, extra={}, blocked_s=0.0)
+    saver.wait()
+    assert seen["nice"] == seen["child"] == min(19, before + SAVE_NICE) and seen["nice"] > before
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before, "training keeps its priority"
+    assert torch.equal(seen["state"], torch.arange(4.0)) and os.listdir(tmp_path) == []
+
+
 def test_async_and_sync_checkpoints_write_the_same_generations(tmp_path):
     """Default (async) and --sync-checkpoint: bit-identical generations; events and summary carry blocked_s."""
     a, s = tmp_path / "async", tmp_path / "sync"

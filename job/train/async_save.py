@@ -37,6 +37,7 @@ the next step boundary would make it safe; until then the trainer notes ``checkp
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 import time
@@ -191,6 +192,7 @@ class BackgroundSaver:
               blocked_s: float) -> None:
         t0 = time.perf_counter()
         failure: BaseException | None = None
+        _lower_priority()
         try:
             if done is not None:
                 done.synchronize()  # the non-blocking device → host copies have landed
@@ -224,6 +226,22 @@ class BackgroundSaver:
             raise _failed(step, failure)
         self.measured_s.append(seconds)
         self.on_saved(seconds)
+
+
+SAVE_NICE = 10
+"""Niceness of the save thread (and of the I/O threads it starts, which inherit it): when training keeps every
+CPU core busy (CPU training, or a data pipeline on the host), serialising, hashing and uploading take the cores'
+idle time first instead of slowing the steps. A stop waits for the commit with the training thread idle, so the
+commit then gets the cores all the same."""
+
+
+def _lower_priority() -> None:
+    """Best effort: lower this thread's CPU priority (Linux: ``setpriority`` on the thread id affects that thread
+    only); elsewhere, or when not permitted, nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def _failed(step: int, exc: BaseException) -> TrainError:
