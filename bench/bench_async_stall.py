@@ -20,8 +20,9 @@ Reported per size, medians over ``--repeats`` runs of each mode:
   ranged read-back hash, weights-only check, COMPLETE.json) / the baseline write of the same bytes in the same
   child after training, median of 5: boto3 ``upload_fileobj`` to the same server for S3, a copy + fsync into the
   same folder for a local store. Goal <= 2.2.
-- **resume** = (process start -> first optimizer step of a fresh ``trainproof`` process resuming the run) /
-  (process start -> state loaded, of a fresh process doing one GET (or open) + ``torch.load``). Goal <= 1.2.
+- **resume** = (process start -> ready to take the first step, i.e. the ``start`` event after the restore, of a
+  fresh ``trainproof`` process resuming the run) / (process start -> state loaded, of a fresh process doing one GET
+  (or open) + ``torch.load``). Goal <= 1.2. The time until the first step is *done* is shown beside it.
 
 Writes ``bench/out/async_stall.json`` and ``bench/out/async_stall.md``. Not run by CI.
 
@@ -181,17 +182,22 @@ def resume_child(spec: dict[str, Any]) -> dict[str, Any]:
     from job.train.progress import Reporter
 
     first: list[float] = []
+    ready: list[float] = []
 
     class Probe(Reporter):
         def step(self, record, *, target):
             first.append(time.time()) if not first else None
+
+        def event(self, name, **fields):
+            if name == "start":  # state restored, about to take the first step
+                ready.append(time.time())
 
     cfg = TrainConfig(store=spec["store"], task="bench.bigmodel:factory", task_config={"state_mib": spec["mib"]},
                       max_steps=spec["step"] + 1, checkpoint_every=spec["every"], checkpoint_every_seconds=0,
                       keep=2, log_format="json")
     outcome = train(cfg, reporter=Probe())
     assert outcome.exit_code == 0, outcome
-    return {"first_step_wall": first[0]}
+    return {"first_step_wall": first[0], "ready_wall": ready[0]}
 
 
 def load_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -294,8 +300,10 @@ def main() -> None:
                     resumed = {"store": res["store"], "mib": mib, "step": res["step"], "every": args.every}
                     t_a, a = _spawn("load-child", resumed, env)
                     t_b, b = _spawn("resume-child", resumed, env)
-                    res["resume_s"], res["base_load_s"] = b["first_step_wall"] - t_b, a["loaded_wall"] - t_a
-                    print(f"  resume {res['resume_s']:.2f} s vs GET + torch.load {res['base_load_s']:.2f} s",
+                    res["resume_s"], res["base_load_s"] = b["ready_wall"] - t_b, a["loaded_wall"] - t_a
+                    res["first_step_s"] = b["first_step_wall"] - t_b
+                    print(f"  resume {res['resume_s']:.2f} s (first step done {res['first_step_s']:.2f} s) vs "
+                          f"GET + torch.load {res['base_load_s']:.2f} s",
                           file=sys.stderr, flush=True)
                 _drop(res.pop("store"))  # keep the disk (or moto's memory) flat
                 print(f"{mib:g} MiB {mode} #{rep}: {res['steps_per_s']:.2f} step/s, blocked "
@@ -346,11 +354,12 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 lines.append(f"| {label} | {mode} | commit | {med([a / b for a, b in pairs]):.2f} | {GOALS['commit']} | "
                              f"write + read-back verify + commit {med([a for a, _ in pairs]):.2f} s vs {base_name} of "
                              f"the same bytes {med([b for _, b in pairs]):.2f} s (median of paired ratios) |")
-            resumes = [(r["resume_s"], r["base_load_s"]) for r in runs[mode] if r.get("resume_s")]
+            resumes = [(r["resume_s"], r["base_load_s"], r.get("first_step_s", 0.0)) for r in runs[mode] if r.get("resume_s")]
             if resumes:
-                lines.append(f"| {label} | {mode} | resume | {med([a / b for a, b in resumes]):.2f} | {GOALS['resume']} | "
-                             f"process start → first step {med([a for a, _ in resumes]):.2f} s vs fresh process GET + "
-                             f"torch.load {med([b for _, b in resumes]):.2f} s |")
+                lines.append(f"| {label} | {mode} | resume | {med([a / b for a, b, _ in resumes]):.2f} | {GOALS['resume']} | "
+                             f"process start → ready {med([a for a, _, _ in resumes]):.2f} s (first step done "
+                             f"{med([c for _, _, c in resumes]):.2f} s) vs fresh process GET + torch.load "
+                             f"{med([b for _, b, _ in resumes]):.2f} s |")
             mem = [r["memory_ratio"] for r in runs[mode] if r["memory_ratio"] is not None]
             if mem:
                 lines.append(f"| {label} | {mode} | memory | {med(mem):.2f} | {GOALS['memory']} | peak RSS during the "

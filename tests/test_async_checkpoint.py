@@ -231,3 +231,31 @@ def test_a_save_that_waits_for_the_previous_one_reports_the_wait(tmp_path):
 def test_stop_grace_must_be_positive(tmp_path):
     result = run(tmp_path / "run", "--max-steps", "2", "--stop-grace", "0")
     assert result.code == 2 and "--stop-grace" in result.stderr
+
+
+@pytest.mark.s3
+def test_a_background_upload_failure_on_s3_fails_the_run_and_leaves_nothing_usable(tmp_path, s3_env, s3_server):
+    """S3 through a fault proxy: once step 10 is committed, every PUT of step 20 is refused (403). The background
+    commit fails, the run stops at a step boundary with one line naming step 20 and a non-zero exit, step 20 has
+    no COMPLETE.json, and step 10 stays the resume point."""
+    from storage import open_store
+    from tests.support.faultproxy import Fault, FaultProxy
+
+    url = f"s3://{s3_env}/run"
+    with FaultProxy(s3_server.endpoint) as proxy:
+        proc = start(url, "--max-steps", "100000", "--checkpoint-every", "10", "--keep", "0",
+                     env={**FAST, "AWS_ENDPOINT_URL": proxy.endpoint})
+        events: list[dict] = []
+        _read_until(proc, _is("checkpoint", 10), events)
+        proxy.set_faults([Fault("forbidden", methods={"PUT"}, path_contains="step-00000020")])
+        result = finish(proc)
+        refused = proxy.stats.injected.get("forbidden", 0)
+    assert result.code not in (0, 75), result.stderr
+    assert refused >= 1
+    errors = [line for line in result.stderr.splitlines() if "background checkpoint of step 20 failed" in line]
+    assert len(errors) == 1, result.stderr
+    steps = [e["step"] for e in events + result.events if e["event"] == "step"]
+    assert 20 < max(steps) < 100  # failed at a step boundary soon after
+    store = open_store(url)
+    assert not store.exists("step-00000020/COMPLETE.json")
+    assert store.load_latest(quarantine=False).info.step == 10
