@@ -114,7 +114,10 @@ def test_protocol_passes_on_s3(s3_env):
     assert json.loads(bundle.read_file("step-00000010.reload-check.json"))["passed"] is True
 
 
-def test_tinylm_protocol_passes(cli, tmp_path):
+def test_tinylm_protocol_passes(cli, tmp_path, monkeypatch):
+    # Checkpoints committed inline in every path (TRAINPROOF_SYNC_CHECKPOINT, inherited by the path processes);
+    # the regression reference above uses the default asynchronous ones: the protocol passes with both.
+    monkeypatch.setenv("TRAINPROOF_SYNC_CHECKPOINT", "1")
     config = tmp_path / "tinylm.json"
     config.write_text(json.dumps(TINYLM_CONFIG))
     store = str(tmp_path / "run")
