@@ -45,3 +45,21 @@ def store_url(request, tmp_path):
         return str(tmp_path / "run")
     bucket = request.getfixturevalue("s3_env")
     return f"s3://{bucket}/prefix/run"
+
+
+def pytest_collection_modifyitems(config, items):
+    """``slow`` tests (longer real-process variants of behaviour a faster test already covers) run only with
+    ``TRAINPROOF_SLOW=1``; the default run deselects them and says how many it left out."""
+    if os.environ.get("TRAINPROOF_SLOW") == "1":
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+        config._trainproof_slow = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    left_out = getattr(config, "_trainproof_slow", 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} slow test(s) left out; TRAINPROOF_SLOW=1 runs them too")

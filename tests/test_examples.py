@@ -336,6 +336,7 @@ def test_the_readme_section_runs_as_written_and_its_verify_passes(tmp_path):
     assert record["passed"] is True and record["metric"] == "heldout_char_loss"
 
 
+@pytest.mark.slow  # test_verify_cuts covers a lost generator family
 def test_verify_catches_a_task_that_draws_from_a_private_generator(tmp_path):
     """docs/tasks.md's pitfall: a generator the trainer does not own restarts with every process, so the
     resumed path replays the first draws instead of continuing them, and the comparison fails (exit 1)."""

@@ -49,7 +49,8 @@ def _chain_like(store, planted: dict, *, signature: bool) -> dict:
     return {**forged, "signature": genuine["signature"]} if signature else forged
 
 
-@pytest.mark.parametrize("case", ["unsigned", "forged", "other-key", "out-of-chain"])
+@pytest.mark.parametrize("case", ["unsigned", "forged", pytest.param("other-key", marks=pytest.mark.slow),
+                                  pytest.param("out-of-chain", marks=pytest.mark.slow)])
 def test_a_planted_generation_is_skipped_and_the_run_reaches_the_untouched_state(tmp_path, untouched, case):
     store, copy = tmp_path / "run", tmp_path / "copy"
     assert run(store, "--max-steps", "10", "--checkpoint-every", "5", env=SIGNED).code == 0
@@ -84,6 +85,7 @@ def _job(*args: str, env: dict) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_verify_audit_and_export_on_a_signed_s3_run_leak_no_secret(s3_env, s3_server, tmp_path):
     access, secret = "AKIATESTSECRET123456", "tpSecretAccessKey/Zq8wX3vB7nM2kL5pR9tY1uI4oE6a"
     env = {**SIGNED, "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret,

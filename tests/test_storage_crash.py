@@ -23,6 +23,7 @@ def test_sigkill_during_commits_on_a_local_folder(tmp_path):
     assert report.partials_seen > 0, "no kill landed inside a commit"
 
 
+@pytest.mark.slow  # the local-folder variant runs by default
 def test_sigkill_during_commits_on_s3(s3_env):
     report = run(f"s3://{s3_env}/crash/run", KILLS, seed=2, max_delay=0.6, env=dict(os.environ))
     assert report.failures == []

@@ -70,6 +70,7 @@ def test_default_verify_resumes_at_the_epoch_boundary_and_mid_epoch_1(regression
         assert {"sample_ids", "data_position", "parameters", "rng_restore"} <= set(resumed)
 
 
+@pytest.mark.slow
 def test_cuts_option_chooses_them_and_lengthens_the_continuous_path(cli, tmp_path):  # noqa: F811
     store = str(tmp_path / "run")
     result = cli("verify", "--store", store, "--cuts", "5,6,11", "--id", "c", "--no-export", "--sequential")
@@ -90,8 +91,10 @@ def test_a_permutation_bug_after_epoch_0_fails_the_default_verify(regression, cl
     assert "resume_at_9.sample_ids" in report["failing_checks"]
 
 
-@pytest.mark.parametrize("sabotage", ["lose_python_rng", "lose_numpy_rng"])
-@pytest.mark.parametrize("task", ["regression", "tinylm"])
+@pytest.mark.parametrize(("task", "sabotage"), [
+    ("regression", "lose_numpy_rng"), ("tinylm", "lose_python_rng"),
+    pytest.param("regression", "lose_python_rng", marks=pytest.mark.slow),
+    pytest.param("tinylm", "lose_numpy_rng", marks=pytest.mark.slow)])
 def test_losing_one_generator_family_diverges_on_both_tasks(request, cli, monkeypatch, task, sabotage):  # noqa: F811
     ref = request.getfixturevalue(task)
     result, report = _sabotaged(cli, monkeypatch, ref, sabotage, "--cuts", str(ref["report"]["cuts"]["protocol_cut"]))
@@ -151,7 +154,7 @@ HIDDEN = '''
 '''
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("checkpointed", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_hidden_task_state_is_caught_and_named_and_task_state_dict_fixes_it(tmp_path, checkpointed):
     (tmp_path / "hiddenstate.py").write_text(textwrap.dedent(HIDDEN))
     (tmp_path / "cfg.json").write_text(json.dumps({"checkpointed": checkpointed}))

@@ -45,7 +45,7 @@ def _run_check(tmp_path: Path, task: str, world: int, config: dict | None = None
     return check
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_tinylm_splits_agree_and_the_mean_of_means_control_is_detected(tmp_path, world):
     check = _run_check(tmp_path, "tinylm", world, TINYLM_CONFIG)
     report = check.to_json()
@@ -115,7 +115,7 @@ MEAN_LOSS = '''
 '''
 
 
-@pytest.mark.parametrize("reduce", ["mean", "sum"])
+@pytest.mark.parametrize("reduce", [pytest.param("mean", marks=pytest.mark.slow), "sum"])
 def test_a_loss_sum_that_returns_a_mean_fails_verify_naming_the_objective_check(tmp_path, reduce):
     (tmp_path / "meanloss.py").write_text(textwrap.dedent(MEAN_LOSS))
     (tmp_path / "cfg.json").write_text(json.dumps({"reduce": reduce}))

@@ -97,6 +97,7 @@ def test_world_option_is_validated(cli, tmp_path):
     assert result.exit_code == 2
 
 
+@pytest.mark.slow  # 4 two-rank paths; the verdict logic is covered by test_verdicts_fail_on_a_difference...
 def test_a_per_rank_normalisation_fails_the_equivalence_with_exit_1(tmp_path):
     """The sabotage the check exists for: every W-rank run normalises per rank (the hook inherited by every
     process). The protocol still passes (every path is equally wrong), the equivalence does not: exit 1."""
