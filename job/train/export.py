@@ -36,6 +36,7 @@ import torch
 
 from job.errors import ConfigError
 from job.train.state import STATE_FILE, History, decode
+from storage.spool import spool_dir
 from job.tasks import Task, load_task, trusted_task
 from job.train.contract import PLAN_FILE, absolute_url, read_run_plan
 from storage import COMPLETE, GenerationStore
@@ -91,7 +92,15 @@ def export(run: GenerationStore, *, step: int | None = None, dest: GenerationSto
     plan = read_run_plan(run)
     task_name = trusted_task(plan.get("task"), task, f"{PLAN_FILE} of {run.url}")
     loaded = _load_source(run, plan, step)
-    state = decode(loaded.files[STATE_FILE])
+    try:
+        return _export_loaded(run, plan, task_name, loaded, dest)
+    finally:
+        loaded.close()  # the spool file (the mapped state stays readable until it is dropped)
+
+
+def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, loaded: Any,
+                   dest: GenerationStore | None) -> Bundle:
+    state = decode(loaded.files[STATE_FILE])  # mapped from the spool, not copied
     dest = dest or run.child("exports")
     source = {"run": run.url, "generation": loaded.info.name,
               "state_sha256": loaded.info.manifest["files"][STATE_FILE]["sha256"]}
@@ -106,14 +115,16 @@ def export(run: GenerationStore, *, step: int | None = None, dest: GenerationSto
 
 
 def _load_source(run: GenerationStore, plan: dict[str, Any], step: int | None):
+    """The generation to export, downloaded into spool files (never whole in memory; ``storage.spool``)."""
     check = lambda name, data: decode(data) if name == STATE_FILE else None  # noqa: E731
+    spooled = {"spool_dir": spool_dir(), "spool_from": 0}
     if step is not None:
         complete = sorted(g.step for g in run.scan(contract=plan["contract"]) if g.status == COMPLETE)
         if step not in complete:  # a usage error, not a damaged generation: say what can be exported
             raise ConfigError(f"--step {step}: {run.url} has no complete generation at step {step}; complete "
                               f"steps: {_steps_text(complete)}")
-        return run.load(step, check, contract=plan["contract"])
-    loaded = run.load_latest(contract=plan["contract"], check=check, quarantine=False)
+        return run.load(step, check, contract=plan["contract"], **spooled)
+    loaded = run.load_latest(contract=plan["contract"], check=check, quarantine=False, **spooled)
     if loaded is None:
         raise ConfigError(f"{run.url} has no complete generation to export")
     return loaded
