@@ -181,6 +181,7 @@ def test_a_replicated_run_keeps_its_contract():
 def test_train_help_names_the_flag():
     from typer.testing import CliRunner
 
+    import job.cli.train  # noqa: F401 - registers the command
     from job.cli.app import app
 
     result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
