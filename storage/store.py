@@ -107,12 +107,14 @@ class GenerationStore:
         return scan(self._ctx, contract=contract, world=world)
 
     def load(self, step: int, check: Check | None = None, *, contract: str | None = None,
-             world: int | None = None, spool_dir: str | None = None, spool_from: int | None = None) -> Loaded:
+             world: int | None = None, spool_dir: str | None = None, spool_from: int | None = None,
+             skip: Callable[[str], bool] | None = None) -> Loaded:
         """Generation ``step``, every file read (never more than its manifest's size) and verified;
         CorruptGenerationError if it is not usable. ``spool_dir``: large files are downloaded into spool files
-        there instead of memory (``storage.generations.load``); the caller deletes them with ``Loaded.close()``."""
+        there instead of memory (``storage.generations.load``); the caller deletes them with ``Loaded.close()``.
+        ``skip``: files (by name) not to read here, e.g. shards that each process reads and verifies itself."""
         info = in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world)
-        return load(self._ctx, info, check, spool_dir=spool_dir, spool_from=spool_from)
+        return load(self._ctx, info, check, _names(info, skip), spool_dir=spool_dir, spool_from=spool_from)
 
     def generation(self, step: int, *, contract: str | None = None, world: int | None = None) -> GenerationInfo:
         """What discovery says about generation ``step`` (no hashing): its status and, when usable, its manifest."""
@@ -129,15 +131,15 @@ class GenerationStore:
         return verify_hashes(self._ctx, in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world))
 
     def load_latest(self, *, contract: str | None = None, world: int | None = None, check: Check | None = None,
-                    quarantine: bool = True, spool_dir: str | None = None,
-                    spool_from: int | None = None) -> Loaded | None:
+                    quarantine: bool = True, spool_dir: str | None = None, spool_from: int | None = None,
+                    skip: Callable[[str], bool] | None = None) -> Loaded | None:
         """The newest usable generation, or None.  Newer ones that are partial, corrupt or foreign are skipped
         with one warning line each; corrupt ones are moved to quarantine when ``quarantine`` (a read-only
-        caller such as an audit passes False). ``spool_dir``/``spool_from``: as for :meth:`load`."""
+        caller such as an audit passes False). ``spool_dir``/``spool_from``/``skip``: as for :meth:`load`."""
         for info in reversed(self.scan(contract=contract, world=world)):
             if info.status == COMPLETE:
                 try:
-                    return load(self._ctx, info, check, spool_dir=spool_dir, spool_from=spool_from)
+                    return load(self._ctx, info, check, _names(info, skip), spool_dir=spool_dir, spool_from=spool_from)
                 except CorruptGenerationError as exc:
                     info = GenerationInfo(**{**info.__dict__, "status": CORRUPT, "reason": exc.reason})
             self._skip(info, quarantine)
@@ -230,6 +232,13 @@ class GenerationStore:
 
 
 # ---------------------------------------------------------------------------------------------------------
+def _names(info: GenerationInfo, skip: Callable[[str], bool] | None) -> list[str] | None:
+    """The files of ``info`` to read when ``skip`` leaves some out (None: every file)."""
+    if skip is None or info.manifest is None:
+        return None
+    return [n for n in info.manifest["files"] if not skip(n)]
+
+
 def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore:
     """Open the run at ``url``: ``s3://bucket/prefix/run``, ``file:///abs/path``, a plain path, ``memory://name``.
 

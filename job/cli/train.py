@@ -64,7 +64,7 @@ def train_command(
     device: Annotated[str, _opt("DEVICE", "auto, cpu or cuda.")] = "auto",
     log_every: Annotated[int, _opt("LOG_EVERY", "Log every N steps.")] = 1,
     log_format: Annotated[str, _opt("LOG_FORMAT", "auto (rich on a terminal), rich or json.")] = "auto",
-    nproc_per_node: Annotated[int, _opt("NPROC_PER_NODE", "Ranks on this node (> 1: launch them, DDP).")] = 1,
+    nproc_per_node: Annotated[int, _opt("NPROC_PER_NODE", "Ranks on this node (> 1: launch them; DDP, or FSDP2 with --fsdp).")] = 1,
     nnodes: Annotated[int, _opt("NNODES", "Nodes of a multi-node launch (each runs this command).")] = 1,
     node_rank: Annotated[int, _opt("NODE_RANK", "This node's index in a multi-node launch.")] = 0,
     master_addr: Annotated[str, _opt("MASTER_ADDR", "Host of node 0 (rendezvous).")] = "127.0.0.1",
@@ -75,6 +75,10 @@ def train_command(
     allow_code_change: Annotated[
         bool, _opt("ALLOW_CODE_CHANGE", "Resume a generation written by other code (another source digest of "
                    "job/ and storage/); recorded in meta.code_changes.")] = False,
+    fsdp: Annotated[bool, _opt("FSDP", "Shard the model and optimizer over the ranks with FSDP2 instead of DDP; "
+                               "checkpoints are sharded (each rank writes its own shards, none holds the whole "
+                               "state) and synchronous. Part of the run's plan: give it on every start. Resume on "
+                               "another world size with --allow-world-change (DCP reshards).")] = False,
     sync_checkpoint: Annotated[bool, _opt("SYNC_CHECKPOINT", "Commit checkpoints inline, blocking training for "
                                           "the whole save (default: only a copy to host memory blocks; the "
                                           "commit runs in the background).")] = False,
@@ -105,7 +109,7 @@ def train_command(
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
                 allow_code_change=allow_code_change, objective_check=objective_check, batch_size=batch_size,
                 micro_batch_size=micro_batch_size,
-                sync_checkpoint=sync_checkpoint, stop_grace_s=stop_grace,
+                sync_checkpoint=sync_checkpoint, stop_grace_s=stop_grace, fsdp=fsdp,
             )
             run_store = open_run(store, endpoint_url, region, path_style)
             cfg.deadline = _run_deadline(run_store, deadline, rental_ends)

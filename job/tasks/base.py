@@ -61,6 +61,9 @@ class Task(abc.ABC):
     """Target when neither ``--max-steps`` nor ``--steps`` is given."""
     grad_clip: float | None = None
     """Max global gradient norm, or None for no clipping."""
+    fsdp: bool = False
+    """True: always train sharded with FSDP2, as ``train --fsdp`` asks (a model too large for one device). It
+    enters the run's plan: a run cannot change between sharded and replicated training."""
 
     @property
     @abc.abstractmethod
@@ -107,6 +110,17 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Sum (not mean) of the per-target losses of one micro-batch, as a scalar tensor."""
+
+    def fsdp_modules(self, model: nn.Module) -> list[nn.Module]:
+        """With ``--fsdp``: the submodules of ``model`` that each become one FSDP unit (their parameters are
+        gathered together for their forward and backward, then freed); the root is always one too and holds the
+        rest. Default: the children of every ``nn.ModuleList`` (transformer blocks), and the children with
+        parameters of a root ``nn.Sequential``. Override for another split (shared parameters must stay in one
+        unit)."""
+        units = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+        if isinstance(model, nn.Sequential):
+            units += [child for child in model if any(True for _ in child.parameters())]
+        return units
 
     def state_dict(self) -> dict[str, Any]:
         """State the task itself keeps between steps and must get back on a resume (a curriculum stage, a

@@ -33,7 +33,7 @@ class ObjectiveCheckTask(Task):
         require(1 <= self._micro <= self._batch, "objective check: need 1 <= micro_batch_size <= batch_size")
         self.objective, self.grad_clip = self.inner.objective, self.inner.grad_clip
         self.supports_cuda, self.default_steps = self.inner.supports_cuda, self.inner.default_steps
-        self.eval_metric = self.inner.eval_metric
+        self.eval_metric, self.fsdp = self.inner.eval_metric, task.fsdp
 
     @property
     def batch_size(self) -> int:
@@ -67,6 +67,9 @@ class ObjectiveCheckTask(Task):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return self.inner.build_optimizer(model)
+
+    def fsdp_modules(self, model: nn.Module) -> list[nn.Module]:
+        return self.inner.fsdp_modules(model)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
         return self.inner.build_scheduler(optimizer)

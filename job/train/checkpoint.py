@@ -21,6 +21,12 @@ With world > 1 a generation is ``training_state.pt`` (rank 0's view, its own par
 A rank that dies or hangs makes the gather or the outcome broadcast fail (at once, or at the group's
 timeout): no ``COMPLETE.json`` is written for that step unless every rank had already reported its file
 written and verified.  Only digests travel between ranks, so the same protocol carries sharded state.
+
+A sharded run (``--fsdp``, job.train.fsdp) adds its model and optimizer shards to the same generation: first
+every rank writes and verifies its shard file through DCP and rank 0 writes DCP's metadata
+(``job.train.sharded.write_sharded``; a rank that fails makes every rank fail here); rank 0 then commits those
+entries with ``training_state.pt`` and the rank files in one ``COMPLETE.json`` (with the ``sharded`` section and
+the metadata's digest).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 from job.train.dist import Collectives
 from job.errors import TrainError
 from job.train.progress import Reporter
+from job.train.sharded import METADATA_FILE, write_sharded
 from job.train.state import STATE_FILE, decode, decode_rank_part, encode_rank_part, encode_spool, rank_file
 from storage import GenerationStore
 from storage.errors import CommitConflictError, StoreError
@@ -82,7 +89,8 @@ class Checkpointer:
 
     def commit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any],
                part: dict[str, Any] | None = None, encoded: Spool | None = None,
-               blocked_s: float | None = None, blocked_since: float | None = None) -> dict[str, Any] | None:
+               blocked_s: float | None = None, blocked_since: float | None = None,
+               sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Serialise and commit generation ``step``; then apply retention (rank 0).
 
         ``state``: the full training state (rank 0; ignored elsewhere), or ``encoded``: that state already
@@ -90,16 +98,18 @@ class Checkpointer:
         spool file is deleted once the commit is over, whatever its outcome. ``part``: this
         rank's own part (ranks >= 1 of a distributed run). ``blocked_s``: how long training was blocked for
         this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it is blocked until this
-        returns; recorded as the record's ``blocked_s``. Raises TrainError (exit 1) on every rank when the
+        returns; recorded as the record's ``blocked_s``. ``sharded``: this rank's shards of the model and
+        optimizer (job.train.fsdp ``sharded_state``; every rank of a sharded run passes them, and the ``state``
+        then holds neither). Raises TrainError (exit 1) on every rank when the
         commit failed: nothing was marked usable, and the previous generation is still the resume point.
         """
         rank = self.sync.rank if self.sync else 0
         try:
-            if self.world == 1:
+            if self.world == 1 and sharded is None:
                 spool = encoded if encoded is not None else encode_spool(state, self.spool_dir)
                 record = self._commit_files(step, {STATE_FILE: spool}, extra)
             else:
-                record = self._commit_world(step, state, part, extra, rank)
+                record = self._commit_world(step, state, part, extra, rank, sharded)
         finally:
             if encoded is not None:
                 encoded.unlink()
@@ -115,7 +125,10 @@ class Checkpointer:
         return record
 
     def _commit_world(self, step: int, state: dict[str, Any] | None, part: dict[str, Any] | None,
-                      extra: dict[str, Any], rank: int) -> dict[str, Any] | None:
+                      extra: dict[str, Any], rank: int, sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        shards: tuple[dict[str, list], dict] | None = None
+        if sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
+            shards = write_sharded(self.store, step, sharded)
         frame = self._write_own_part(step, part, rank) if rank else b""
         frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
         record, failure, raised = None, b"", None
@@ -123,7 +136,10 @@ class Checkpointer:
             spool = None
             try:
                 spool = encode_spool(state, self.spool_dir)
-                record = self._commit_generation(step, {STATE_FILE: spool}, extra, self._rank_entries(step, frames))
+                entries = self._rank_entries(step, frames)
+                if shards is not None:
+                    entries, extra = {**entries, **shards[0]}, {**extra, "sharded": shards[1]}
+                record = self._commit_generation(step, {STATE_FILE: spool}, extra, entries)
             except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
                 failure, raised = (str(exc) or type(exc).__name__).encode(), exc
             finally:
@@ -167,8 +183,9 @@ class Checkpointer:
                            rank_entries: dict[str, list] | None) -> dict[str, Any]:
         """Commit ``files`` (rank 0's) plus, in a distributed run, the other ranks' already-written entries."""
         t0 = time.perf_counter()
+        digests = {"state": STATE_FILE, **({"dcp_metadata": METADATA_FILE} if "sharded" in extra else {})}
         common = dict(contract=self.contract, world=self.world, code_version=self.code_version, extra=extra,
-                      digests={"state": STATE_FILE})
+                      digests=digests)
         try:
             if rank_entries is None:
                 info = self.store.commit(step, files, check=self._check, **common)

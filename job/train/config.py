@@ -77,6 +77,10 @@ class TrainConfig:
     """Timeout of every collective of a distributed run; it must cover rank 0's upload of a generation,
     during which the other ranks wait for the outcome."""
 
+    fsdp: bool = False
+    """Shard the model and optimizer with FSDP2 over the ranks (job.train.fsdp) instead of replicating them with
+    DDP; checkpoints are then sharded generations (each rank writes its own shards). Part of the run's plan: a
+    run cannot switch. A task can ask for it itself (``Task.fsdp``)."""
     sync_checkpoint: bool = False
     """Commit checkpoints inline, blocking training for the whole save (the behaviour before asynchronous
     checkpoints, job.train.async_save). Distributed runs are always synchronous for now."""
@@ -142,7 +146,7 @@ class TrainConfig:
             "objective_check": self.objective_check, "batch_size": self.batch_size,
             "micro_batch_size": self.micro_batch_size,
             "negative_control": self.negative_control, "sync_checkpoint": self.sync_checkpoint,
-            "stop_grace_s": self.stop_grace_s,
+            "stop_grace_s": self.stop_grace_s, "fsdp": self.fsdp,
         }
 
 

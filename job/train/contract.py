@@ -7,7 +7,9 @@ The contract (docs/protocol.md) is sha256 over:
 - the data identity (sha256 of the exact data / data manifest),
 - the world size,
 - the objective name (``global_token_mean_v1`` for tinylm, ``mse_mean_v1`` for regression),
-- the seed.
+- the seed,
+- ``fsdp: true`` when the run trains sharded (``train --fsdp``; absent otherwise, so a replicated run's
+  contract is what it always was): its generations hold shards, not one state, so a run cannot switch.
 
 ``plan.json`` is written once, create-only, on the first start. Every later start recomputes the fields
 from its own options and compares them with the stored plan: a different task config, data, seed or
@@ -41,7 +43,7 @@ from job.train.state import STATE_SCHEMA
 PLAN_SCHEMA = "trainproof.plan/1"
 PLAN_FILE = "plan.json"
 # Compared in this order on restart; the first difference is reported (with the others listed).
-CONTRACT_FIELDS = ("task", "task_config", "data_identity", "seed", "world", "objective", "state_schema")
+CONTRACT_FIELDS = ("task", "task_config", "data_identity", "seed", "world", "objective", "state_schema", "fsdp")
 
 
 def canonical_json(value: Any) -> bytes:
@@ -56,7 +58,7 @@ def sha256_hex(data: bytes) -> str:
 
 def build_plan(
     *, task: str, task_config: dict[str, Any], data_identity: str, seed: int, world: int, objective: str,
-    code_version: str, epoch_plan: dict[str, Any] | None = None,
+    code_version: str, epoch_plan: dict[str, Any] | None = None, fsdp: bool = False,
 ) -> dict[str, Any]:
     """The run's plan: its identity fields, the derived contract hash, and when/what wrote it."""
     plan: dict[str, Any] = {
@@ -69,6 +71,8 @@ def build_plan(
         "objective": objective,
         "state_schema": STATE_SCHEMA,
     }
+    if fsdp:
+        plan["fsdp"] = True
     plan["config_sha256"] = sha256_hex(canonical_json({"task": task, "task_config": task_config}))
     plan["contract"] = contract_of(plan)
     plan["code_version"] = code_version
@@ -88,6 +92,8 @@ def contract_of(plan: dict[str, Any]) -> str:
         "objective": plan["objective"],
         "seed": plan["seed"],
     }
+    if plan.get("fsdp"):
+        fields["fsdp"] = True
     return sha256_hex(canonical_json(fields))
 
 
@@ -96,6 +102,8 @@ def differences(stored: dict[str, Any], new: dict[str, Any], *, ignore: tuple[st
     out = []
     for field in (f for f in CONTRACT_FIELDS if f not in ignore):
         a, b = stored.get(field), new.get(field)
+        if field == "fsdp":  # absent means replicated (DDP)
+            a, b = bool(a), bool(b)
         if a == b:
             continue
         if field == "task_config" and stored.get("task") != new.get("task"):

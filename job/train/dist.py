@@ -198,22 +198,26 @@ def _to_tensor(data: bytes | None) -> torch.Tensor:
 
 
 @contextmanager
-def session(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Collectives]:
-    """The process group for this run (none when world is 1), torn down on a normal exit.
+def session(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+            group_of_one: bool = False) -> Iterator[Collectives]:
+    """The process group for this run (none when world is 1, unless ``group_of_one``: FSDP needs one even
+    then, a one-process group without a rendezvous), torn down on a normal exit.
 
     Note: after a failure the group is *not* destroyed: tearing down a group whose peer died can block;
     the process is about to exit anyway, which releases everything.
     """
-    if env.world == 1:
+    if env.world == 1 and not group_of_one:
         yield Collectives(env, timeout_s=timeout_s)
         return
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # One process: an in-memory store instead of MASTER_ADDR/MASTER_PORT (nothing to meet).
+    alone = {"store": dist.HashStore()} if env.world == 1 else {}
     try:
         dist.init_process_group(backend, rank=env.rank, world_size=env.world, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None, **alone)
     except (RuntimeError, ValueError) as exc:
         raise PeerError(f"could not join the process group of {env.world} ranks within "
                         f"{timeout_s:g} s: {str(exc).strip().splitlines()[0][:300]}") from None

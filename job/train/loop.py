@@ -148,10 +148,12 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
     # Before any collective: a refused epoch plan ends every rank with exit 2 at once, no rendezvous.
     plan_of_epoch = epoch_plan(task.num_samples(), task.batch_size, env.world)
     store = store or _open_store(cfg.store)
-    with dist.session(env, device, cfg.dist_timeout_s) as sync:
+    fsdp = cfg.fsdp or task.fsdp
+    with dist.session(env, device, cfg.dist_timeout_s, group_of_one=fsdp) as sync:
         plan = agree_plan(store, build_plan(
             task=cfg.task, task_config=task.config(), data_identity=task.data_identity(), seed=cfg.seed,
             world=env.world, objective=task.objective, code_version=code_version(), epoch_plan=plan_of_epoch,
+            fsdp=fsdp,
         ), sync)
         rep = reporter or (make_reporter(cfg.log_format, log_every=cfg.log_every) if env.rank == 0
                            else RankReporter(env.rank))
@@ -187,12 +189,15 @@ class Trainer:
         # A deadline also reserves the export and its reload check.
         self.finisher = finisher
         self._update_finish_estimate()
+        self.fsdp = cfg.fsdp or task.fsdp
+        """Sharded training (job.train.fsdp): sharded generations, saved synchronously by every rank."""
         self.clock = SaveClock(cfg.checkpoint_every, cfg.checkpoint_every_seconds)
         self.checkpointer = Checkpointer(store, contract=plan["contract"], world=self.world, keep=cfg.keep,
                                          code_version=code_version(), reporter=reporter, sync=self.sync)
-        # Asynchronous checkpoints (job.train.async_save) unless --sync-checkpoint; world > 1 stays synchronous.
+        # Asynchronous checkpoints (job.train.async_save) unless --sync-checkpoint; world > 1 and sharded runs
+        # stay synchronous.
         self.saver = (BackgroundSaver(self.checkpointer, reporter, self._observe_background_save)
-                      if not cfg.sync_checkpoint and self.world == 1 else None)
+                      if not cfg.sync_checkpoint and self.world == 1 and not self.fsdp else None)
         self._stop_seen_at: float | None = None
         self.world_changes: list[dict[str, int]] = []
         self.code_changes: list[dict[str, Any]] = []
@@ -207,7 +212,7 @@ class Trainer:
         """Build, resume, train to the target or a stop request, commit, summarise."""
         run = build_run(self.task, self.device, self.cfg.seed, env=self.sync.env, sync=self.sync,
                         per_rank_mean=self.cfg.negative_control == "per-rank-mean",
-                        microbatch_mean=self.cfg.negative_control == "mean-of-microbatch-means")
+                        microbatch_mean=self.cfg.negative_control == "mean-of-microbatch-means", fsdp=self.fsdp)
         try:
             resumed_from = self._resume(run)  # generators are restored here, last, right before the loop
         except RestoreCheckError as exc:
@@ -221,9 +226,9 @@ class Trainer:
                             target_from=self.cfg.target_source(), seed=self.cfg.seed, device=str(self.device),
                             world=self.world, contract=self.plan["contract"], store=self.store.url,
                             epoch_plan=self.epoch_plan, world_changes=self.world_changes,
-                            checkpoint="async" if self.saver else "sync",
-                            **({"checkpoint_note": "world > 1: checkpoints are committed synchronously"}
-                               if self.world > 1 and not self.cfg.sync_checkpoint else {}),
+                            checkpoint="async" if self.saver else "sync", fsdp=self.fsdp,
+                            **({"checkpoint_note": "world > 1 or --fsdp: checkpoints are committed synchronously"}
+                               if (self.world > 1 or self.fsdp) and not self.cfg.sync_checkpoint else {}),
                             deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat(),
                             **({"deadline_reserve_s": round(self.deadline.finish_s, 3)} if self.finisher else {}))
         self.reporter.begin(step=run.step, target=target)
@@ -333,12 +338,27 @@ class Trainer:
         expected = self._expected(int(name.rsplit("-", 1)[1]), saved_world, saved_code)
         for warning in check_consistency(state, expected) + self._device_warnings(state):
             self.reporter.warn(warning)
+        self._load_shards(run, state, name, changed)
         restore_state(run, state, restore_rng=not self.cfg.omit_rng_restore, seed=self.cfg.seed,
                       rederive_at=step if changed else None)
         self.checkpointer.last_step = run.step
         self.reporter.event("resume", step=run.step, generation=name, rng_restored=not self.cfg.omit_rng_restore,
                             **({"world_change": self.world_changes[-1]} if changed else {}))
         return run.step
+
+    def _load_shards(self, run: Run, state: dict[str, Any], name: str, changed: bool) -> None:
+        """A sharded run loads its model and optimizer from the generation's shards (every rank: only the chunks
+        it needs; DCP reshards after an allowed world change) before the rest of the state is restored."""
+        saved = bool(state["meta"].get("fsdp"))
+        if saved != self.fsdp:  # plan.json refuses this first; a generation must agree too
+            raise ContractError(f"{name} was written by a {'sharded (--fsdp)' if saved else 'replicated (DDP)'} run "
+                                f"and this run trains {'sharded' if self.fsdp else 'replicated'}: resume it "
+                                f"{'with' if saved else 'without'} --fsdp")
+        if self.fsdp:
+            from job.train.fsdp import load_generation
+
+            load_generation(run.model, run.optimizer, self.store, int(name.rsplit("-", 1)[1]), world=self.world,
+                            contract=self.plan["contract"], allow_world_change=changed)
 
     def _decide_world(self, saved_world: int, *, step: int, history: list[dict[str, int]], source: str) -> bool:
         """Record the run's world changes; refuse (exit 2) a change not allowed. True when this start changes it."""
@@ -380,8 +400,13 @@ class Trainer:
         if self.saver:
             self.saver.submit(run.step, state, extra=extra, blocked_s=time.perf_counter() - t0)
         else:
+            shards = None
+            if self.fsdp:
+                from job.train.fsdp import sharded_state
+
+                shards = sharded_state(run.model, run.optimizer)
             self.checkpointer.commit(run.step, state, extra=extra, part=capture_rank_part(run) if self.rank else None,
-                                     blocked_since=t0)
+                                     blocked_since=t0, sharded=shards)
             self._observe_save(time.perf_counter() - t0)
         self.clock.mark()
 
@@ -450,7 +475,7 @@ class Trainer:
             "objective": self.task.objective, "data_identity": self.plan["data_identity"],
             "code_version": code_version(), "code_changes": self.code_changes,
             "versions": runtime_versions(), "device": str(self.device),
-            "amp": run.use_amp, "epoch_plan": self.epoch_plan,
+            "amp": run.use_amp, "epoch_plan": self.epoch_plan, **({"fsdp": True} if self.fsdp else {}),
             # Per invocation, like the trainer's settings: the step this process restored (None: a fresh start).
             "trainer": {**self.cfg.recorded(), "resumed_from": self.resumed_from},
         }

@@ -31,6 +31,7 @@ from typing import Any
 from job.train.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
 from job.train.dist import Collectives, PeerError
 from job.errors import ContractError, StateError, TrainError
+from job.train.sharded import is_sharded_file
 from job.train.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
 from storage import COMPLETE, GenerationStore, Loaded
 from storage.errors import CorruptGenerationError, StoreError
@@ -42,7 +43,8 @@ log = logging.getLogger("trainproof.resume")
 def _spooled() -> dict[str, Any]:
     """Resume loads every file into a spool file (parallel ranged reads, hashed as they arrive) and maps it, so a
     state of any size is never held twice in memory (``storage.spool``)."""
-    return {"spool_dir": spool_dir(), "spool_from": 0}
+    # A sharded generation's DCP files are read by each rank itself, only those it needs (job.train.sharded).
+    return {"spool_dir": spool_dir(), "spool_from": 0, "skip": is_sharded_file}
 
 
 def agree_plan(store: GenerationStore, plan: dict[str, Any], sync: Collectives) -> dict[str, Any]:

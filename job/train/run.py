@@ -52,7 +52,9 @@ class Run:
     sync: Collectives | None = None
     """Collectives over the run's process group (local when world is 1)."""
     ddp: nn.Module | None = None
-    """The DistributedDataParallel wrapper the forward passes go through (None when world is 1)."""
+    """The DistributedDataParallel wrapper the forward passes go through (None when world is 1, or sharded)."""
+    fsdp: bool = False
+    """``model`` is sharded with FSDP2 (job.train.fsdp); its state is saved and loaded as shards, not inline."""
     per_rank_mean: bool = False
     """The verifier's negative control (``--negative-control per-rank-mean``): normalise each rank's loss by
     its *own* target count and average the ranks (the mean of per-rank means), the classic mistake the
@@ -81,25 +83,33 @@ class Run:
 
 
 def build_run(task: Task, device: torch.device, seed: int, *, env: DistEnv | None = None,
-              sync: Collectives | None = None, per_rank_mean: bool = False, microbatch_mean: bool = False) -> Run:
+              sync: Collectives | None = None, per_rank_mean: bool = False, microbatch_mean: bool = False,
+              fsdp: bool = False) -> Run:
     """Seed every generator, then build model, optimizer, scheduler, scaler and sampler, in that order.
 
     Each rank seeds its own generators from ``rank_seed(seed, rank)``; the data generator is seeded from
     ``seed`` alone (one global data order). With world > 1 the model is wrapped in DDP here, which
-    broadcasts rank 0's initial weights to every rank.
+    broadcasts rank 0's initial weights to every rank; with ``fsdp`` it is sharded with FSDP2 instead (any world;
+    job.train.fsdp), after the same broadcast, before the optimizer is built over its sharded parameters.
     """
     env = env or DistEnv()
     np_gen = rng.seed_all(rank_seed(seed, env.rank))
     model = task.build_model().to(device=device, dtype=task.dtype)
     model.train()
+    if fsdp:
+        from job.train import fsdp as sharding
+
+        sharding.wrap(model, task.fsdp_modules(model), env, device)
     optimizer = task.build_optimizer(model)
     scheduler = task.build_scheduler(optimizer)
     use_amp = task.use_amp(device)
-    scaler = torch.amp.GradScaler(device.type, enabled=use_amp)
+    scaler = (sharding.grad_scaler(device, use_amp) if fsdp and use_amp
+              else torch.amp.GradScaler(device.type, enabled=use_amp))
     sampler = EpochSampler(task.num_samples(), rng.data_generator(seed))
     return Run(task=task, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
                scaler=scaler, sampler=sampler, np_gen=np_gen, use_amp=use_amp, env=env, sync=sync,
-               ddp=wrap_model(model, env, device), per_rank_mean=per_rank_mean, microbatch_mean=microbatch_mean)
+               ddp=None if fsdp else wrap_model(model, env, device), fsdp=fsdp, per_rank_mean=per_rank_mean,
+               microbatch_mean=microbatch_mean)
 
 
 def train_step(run: Run) -> dict[str, Any]:
@@ -151,6 +161,11 @@ def train_step(run: Run) -> dict[str, Any]:
 def _no_sync_unless(run: Run, *, last: bool) -> contextlib.AbstractContextManager[Any]:
     # Gradients are all-reduced once per step, on the last micro-batch's backward; the earlier ones only
     # accumulate locally (DDP's no_sync, which must cover the forward pass: that is where DDP decides).
+    if run.fsdp:
+        from job.train.fsdp import set_gradient_sync
+
+        set_gradient_sync(run.model, last)  # FSDP2 decides in the backward: a flag, set before it
+        return contextlib.nullcontext()
     if run.ddp is None or last:
         return contextlib.nullcontext()
     return run.ddp.no_sync()
@@ -197,8 +212,9 @@ def capture_state(run: Run, meta: dict[str, Any]) -> dict[str, Any]:
         "meta": meta,
         "progress": {"step": run.step, "epoch": run.sampler.epoch, "samples_seen": run.samples_seen,
                      "targets_seen": run.targets_seen, "next_lr": run.lr()},
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+        # Sharded (FSDP): the model and optimizer are saved as shards beside this state (job.train.fsdp).
+        "model": {} if run.fsdp else run.model.state_dict(),
+        "optimizer": {} if run.fsdp else run.optimizer.state_dict(),
         "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict(),
         "history": run.history.state_dict(),
@@ -217,12 +233,14 @@ def restore_state(run: Run, state: dict[str, Any], *, restore_rng: bool = True, 
     generator (global) carries over.
     """
     data = state["ranks"][0]["data"]
-    _load("model", lambda: run.model.load_state_dict(state["model"]))
+    if not run.fsdp:  # sharded: the model and optimizer were loaded from their shards (job.train.fsdp) already
+        _load("model", lambda: run.model.load_state_dict(state["model"]))
     if (run.scheduler is None) != (state["scheduler"] is None):
         raise StateError("the state and the task disagree on whether a learning-rate scheduler exists")
     if run.scheduler is not None:
         _load("scheduler", lambda: run.scheduler.load_state_dict(state["scheduler"]))
-    _load("optimizer", lambda: run.optimizer.load_state_dict(state["optimizer"]))
+    if not run.fsdp:
+        _load("optimizer", lambda: run.optimizer.load_state_dict(state["optimizer"]))
     _load_scaler(run, state["scaler"])
     run.sampler.load_state_dict(data)
     run.history = History.from_state_dict(state["history"])

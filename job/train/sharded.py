@@ -84,14 +84,19 @@ class GenerationWriter(StorageWriter):
     """DCP storage writer: one verified file per rank in generation ``step``; rank 0 commits (module doc)."""
 
     def __init__(self, store: GenerationStore, step: int, *, contract: str, world: int, code_version: str,
-                 extra: dict | None = None, keep: int | None = None) -> None:
+                 extra: dict | None = None, keep: int | None = None, defer_commit: bool = False) -> None:
         super().__init__()
         self.store, self.step = store, step
         self.contract, self.world, self.code_version = contract, world, code_version
         self.extra, self.keep = dict(extra or {}), keep
+        self.defer_commit = defer_commit
+        """Write every file (the metadata too) but leave the commit to the caller (:func:`write_sharded`)."""
         self.rank = 0
         self.committed: GenerationInfo | None = None
         """The committed generation (rank 0, after a successful save)."""
+        self.written: tuple[dict[str, list], dict] | None = None
+        """With ``defer_commit``, on rank 0 after a successful write: (every file's entry, the manifest's
+        ``sharded`` section)."""
 
     def reset(self, checkpoint_id=None) -> None:
         self.committed = None
@@ -187,8 +192,11 @@ class GenerationWriter(StorageWriter):
         metadata.storage_meta = None  # nothing host-specific in the generation
         raw = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         entries.update(self.store.write_part(self.step, {METADATA_FILE: raw}, check=lambda _n, b: _unpickle(b)))
-        extra = {**self.extra, "sharded": {"format": FORMAT, "metadata": METADATA_FILE, "shards": shards,
-                                           "dcp_version": metadata.version}}
+        section = {"format": FORMAT, "metadata": METADATA_FILE, "shards": shards, "dcp_version": metadata.version}
+        if self.defer_commit:
+            self.written = (entries, section)
+            return
+        extra = {**self.extra, "sharded": section}
         self.committed = self.store.commit_parts(
             self.step, entries, contract=self.contract, world=self.world, code_version=self.code_version,
             extra=extra, digests={"dcp_metadata": METADATA_FILE}, keep=self.keep)
@@ -213,6 +221,31 @@ def save_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], 
         raise ShardedSaveError(f"step {step} was not committed: a collective failed (a rank died, failed or "
                                f"stopped responding): {first}") from None
     return writer.committed
+
+
+def write_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any],
+                  process_group=None) -> tuple[dict[str, list], dict] | None:
+    """Like :func:`save_sharded` but without the commit: every rank writes and verifies its files of generation
+    ``step`` and rank 0 writes ``dcp.metadata``; rank 0 gets (every file's entry, the manifest's ``sharded``
+    section) to commit together with files of its own (``Checkpointer``: the training state and the rank files,
+    in one ``COMPLETE.json``), None elsewhere. ShardedSaveError on every rank when any rank failed."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = GenerationWriter(store, step, contract="", world=0, code_version="", defer_commit=True)
+    try:
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group)
+    except CheckpointException as exc:
+        raise ShardedSaveError(f"the shards of step {step} were not written: {_failures(exc)}") from None
+    except (RuntimeError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ShardedSaveError(f"the shards of step {step} were not written: a collective failed (a rank died, "
+                               f"failed or stopped responding): {first}") from None
+    return writer.written
+
+
+def is_sharded_file(name: str) -> bool:
+    """Whether ``name`` is one of a sharded generation's DCP files (read through :func:`load_sharded` only)."""
+    return name == METADATA_FILE or name.endswith(".distcp")
 
 
 # -- loading -----------------------------------------------------------------------------------------------
@@ -424,5 +457,5 @@ def _unpickle(raw: bytes) -> Metadata:
     return metadata
 
 
-__all__ = ["GenerationWriter", "GenerationReader", "save_sharded", "load_sharded", "shard_file", "METADATA_FILE",
-           "ShardedSaveError", "ShardedLoadError", "values_file"]
+__all__ = ["GenerationWriter", "GenerationReader", "save_sharded", "write_sharded", "load_sharded", "is_sharded_file",
+           "shard_file", "METADATA_FILE", "ShardedSaveError", "ShardedLoadError", "values_file"]

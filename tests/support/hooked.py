@@ -27,6 +27,10 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          own restore self-check fails (the trainer exits 2 with a
                          ``restore_check_failed`` event);
                          ``crash`` fail while restoring (the process exits 1)
+``TPHOOK_DUMP_LOADED``   a path: right after a sharded run (``--fsdp``) loaded its model and optimizer shards,
+                         gather them whole (every rank) and ``torch.save`` them there (rank 0), flattened to
+                         ``model.<fqn>`` / ``optim.state.<fqn>.<key>`` / ``optim.param_groups``: a test compares
+                         them with the generation (the product never gathers the full state)
 =======================  ==================================================================================
 
 Tests in the same process as the verifier (CliRunner) set the variables and monkeypatch ``ENTRY_MODULE``.
@@ -114,6 +118,26 @@ def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> No
         run.sampler.cursor = max(0, run.sampler.cursor - run.global_batch)
 
 
+def _dump_full(model: Any, optimizer: Any, path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    def flat(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                flat(v, f"{prefix}.{k}", out)
+        else:
+            out[prefix] = value.full_tensor() if isinstance(value, DTensor) else value  # collective: every rank
+        return out
+
+    msd, osd = get_state_dict(model, optimizer)
+    full = flat({"model": msd, "optim": osd}, "", {})
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save({k.lstrip("."): v for k, v in full.items()}, path)
+
+
 def install() -> None:
     """Patch the trainer in this process as the ``TPHOOK_*`` variables say, and wrap the processes it starts."""
     from job.train import checkpoint, launch, loop
@@ -148,6 +172,19 @@ def install() -> None:
     if os.environ.get("TPHOOK_PER_RANK_MEAN") == "1":
         build = loop.build_run
         loop.build_run = functools.wraps(build)(lambda *a, **kw: build(*a, **{**kw, "per_rank_mean": True}))
+    dump = os.environ.get("TPHOOK_DUMP_LOADED")
+    if dump:
+        from job.train import fsdp
+
+        load = fsdp.load_generation
+
+        @functools.wraps(load)
+        def dumping_load(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            info = load(model, optimizer, *args, **kwargs)
+            _dump_full(model, optimizer, dump)
+            return info
+
+        fsdp.load_generation = dumping_load
     kinds = _sabotages()
     if kinds:
         restore = loop.restore_state

@@ -1,0 +1,188 @@
+"""``train --fsdp``: FSDP2 on two gloo ranks (CPU), real launches. A run cut and resumed, and a run stopped by a
+SIGTERM to one rank, end bit for bit equal to an uninterrupted one (the sharded model and optimizer gathered
+whole here, in the test; the training state and rank files compared as for DDP); the sharded run equals the DDP
+run step for step; a 2-rank generation resharded into one process loads exactly the saved state; a run cannot
+switch between sharded and replicated training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import warnings
+
+import pytest
+import torch
+
+from job.errors import ContractError
+from job.train.contract import build_plan, check_plan
+from job.train.sharded import GenerationReader
+from job.train.state import STATE_FILE, rank_file
+from storage import open_store
+from tests.test_dist_helpers import load_world_state, rank_pids, read_until, start_world
+from tests.test_train_helpers import differences, finish, history_rows, run, trajectory
+
+TARGET, CUT = 9, 4  # 21 rows in global batches of 8: 3 steps an epoch; step 4 is mid-epoch (cursor 8)
+CONFIG = {"rows": 21}  # the regression fixture otherwise: dropout, noise and gain draw from every generator
+FSDP = ("--fsdp",)
+
+
+def full_state(store, step: int | None = None) -> dict:
+    """The sharded model and optimizer of generation ``step`` (default: the newest), gathered whole from every
+    shard in this process (DCP reads through the generation reader: verified bytes), flattened to
+    ``model.<fqn>``, ``optim.state.<fqn>.<key>``, ``optim.param_groups``."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    s = open_store(str(store))
+    step = step if step is not None else [g.step for g in s.scan() if g.status == "complete"][-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+        nested = _load_state_dict_from_keys(storage_reader=GenerationReader(s, step))
+    out: dict = {}
+
+    def flat(value, prefix):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                flat(v, f"{prefix}.{k}" if prefix else k)
+        else:
+            out[prefix] = value
+
+    flat(nested, "")
+    return out
+
+
+def shard_digests(store, step: int) -> dict[str, str]:
+    files = open_store(str(store)).generation(step).manifest["files"]
+    return {n: f["sha256"] for n, f in files.items() if n.endswith(".distcp")}
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    """A continuous sharded run, the same run under DDP, and a sharded run cut at CUT then resumed."""
+    d = tmp_path_factory.mktemp("fsdp2")
+    (d / "cfg.json").write_text(json.dumps(CONFIG))
+    common = ("--config", str(d / "cfg.json"))
+    procs = {"cont": start_world(d / "cont", *FSDP, *common, "--max-steps", str(TARGET), "--checkpoint-every", "3"),
+             "ddp": start_world(d / "ddp", *common, "--max-steps", str(TARGET)),
+             "cut": start_world(d / "cut", *FSDP, *common, "--max-steps", str(CUT))}
+    results = {k: finish(p, timeout=300) for k, p in procs.items()}
+    assert [r.code for r in results.values()] == [0, 0, 0], [r.stderr[-2000:] for r in results.values()]
+    results["resume"] = finish(start_world(d / "cut", *FSDP, *common, "--max-steps", str(TARGET)), timeout=300)
+    assert results["resume"].code == 0, results["resume"].stderr
+    return {"dir": d, "common": common, "results": results, "reference": trajectory(load_world_state(d / "cont")),
+            "reference_shards": full_state(d / "cont")}
+
+
+def test_a_sharded_generation_lists_every_shard_beside_the_state_in_one_manifest(fsdp2):
+    info = open_store(str(fsdp2["dir"] / "cont")).generation(TARGET)
+    files = set(info.manifest["files"])
+    assert {STATE_FILE, rank_file(1), "dcp.metadata", "shard-00000.distcp", "shard-00001.distcp"} <= files
+    assert files - {STATE_FILE, rank_file(1), "dcp.metadata", "shard-00000.distcp", "shard-00001.distcp"} <= {
+        "values-00000.distcp", "values-00001.distcp"}
+    assert info.manifest["extra"]["sharded"]["shards"] == ["shard-00000.distcp", "shard-00001.distcp"]
+    assert info.manifest["dcp_metadata_sha256"] == info.manifest["files"]["dcp.metadata"]["sha256"]
+    state = load_world_state(fsdp2["dir"] / "cont")
+    assert state["model"] == {} and state["optimizer"] == {} and state["meta"]["fsdp"] is True  # only in shards
+    plan = json.loads((fsdp2["dir"] / "cont" / "plan.json").read_text())
+    assert plan["fsdp"] is True and fsdp2["results"]["cont"].last("start")["fsdp"] is True
+
+
+def test_the_sharded_run_equals_the_ddp_run_step_for_step(fsdp2):
+    ddp = load_world_state(fsdp2["dir"] / "ddp")
+    ref = fsdp2["reference"]
+    assert [r["loss"] for r in history_rows(ddp)] == [r["loss"] for r in history_rows(ref)]  # exactly
+    assert differences({k: v for k, v in ddp.items() if k not in ("meta", "model", "optimizer")},
+                       {k: v for k, v in ref.items() if k not in ("meta", "model", "optimizer")}) == []
+    shards, names = fsdp2["reference_shards"], list(ddp["model"])
+    assert differences(ddp["model"], {n: shards[f"model.{n}"] for n in names}) == []
+    for i, name in enumerate(names):  # DDP's optimizer state is keyed by index, DCP's by parameter name
+        assert differences(ddp["optimizer"]["state"][i],
+                           {k: shards[f"optim.state.{name}.{k}"] for k in ddp["optimizer"]["state"][i]}) == [], name
+    assert shards["optim.param_groups"][0]["lr"] == ddp["optimizer"]["param_groups"][0]["lr"]
+
+
+def test_a_cut_sharded_run_resumes_bitwise(fsdp2):
+    cut = fsdp2["dir"] / "cut"
+    assert fsdp2["results"]["resume"].last("resume")["step"] == CUT
+    assert differences(fsdp2["reference"], trajectory(load_world_state(cut))) == []
+    assert differences(fsdp2["reference_shards"], full_state(cut)) == []
+    assert shard_digests(cut, TARGET) == shard_digests(fsdp2["dir"] / "cont", TARGET)  # the very same bytes
+
+
+def test_sigterm_to_one_rank_commits_once_exits_75_and_resumes_bitwise(fsdp2, tmp_path):
+    store = tmp_path / "chain"
+    proc = start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET),
+                       env={"TPHOOK_STEP_DELAY": "0.3"})  # test-only: lets the signal land mid-run
+    lines: list[str] = []
+    pids = rank_pids(proc, lines)
+    read_until(proc, lambda e: e.get("event") == "step" and e["step"] >= 2, lines)
+    os.kill(pids[1], signal.SIGTERM)  # a single worker
+    result = finish(proc, timeout=120)
+    assert result.code == 75, result.stderr
+    assert result.last("world_exit")["codes"] == [75, 75]
+    stopped = result.last("stopped")
+    assert stopped["reason"] == "signal" and stopped["ranks_signalled"] == 1 and stopped["step"] < TARGET
+    commits = [e for e in result.events if e.get("event") == "checkpoint"]
+    assert [c["step"] for c in commits] == [stopped["step"]]  # one commit, of the step every rank agreed on
+    assert [g.step for g in open_store(str(store)).scan() if g.status == "complete"] == [stopped["step"]]
+    final = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=300)
+    assert final.code == 0 and final.last("resume")["step"] == stopped["step"], final.stderr
+    assert differences(fsdp2["reference"], trajectory(load_world_state(store))) == []
+    assert differences(fsdp2["reference_shards"], full_state(store)) == []
+
+
+def test_two_rank_shards_reshard_into_one_process_exactly(fsdp2, tmp_path):
+    store = tmp_path / "one"
+    shutil.copytree(fsdp2["dir"] / "cont", store)
+    dumped = tmp_path / "loaded.pt"
+    result = run(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET + 2), "--allow-world-change",
+                 env={"TPHOOK_DUMP_LOADED": str(dumped)})
+    assert result.code == 0, result.stderr
+    assert result.last("resume")["world_change"] == {"step": TARGET, "from": 2, "to": 1}
+    loaded = torch.load(dumped, weights_only=True)  # what the one process held right after loading the shards
+    assert differences(fsdp2["reference_shards"], loaded) == []
+    assert len([k for k, v in loaded.items() if isinstance(v, torch.Tensor)]) == 16  # 4 params, 3 Adam tensors each
+    state = load_world_state(store)
+    assert state["meta"]["world"] == 1 and state["meta"]["world_changes"] == [{"step": TARGET, "from": 2, "to": 1}]
+    assert [r["step"] for r in history_rows(state)] == list(range(1, TARGET + 3))
+    info = open_store(str(store)).generation(TARGET + 2)
+    assert info.manifest["world"] == 1 and info.manifest["extra"]["sharded"]["shards"] == ["shard-00000.distcp"]
+
+
+# -- cheap checks --------------------------------------------------------------------------------------------
+
+def _plan(**kw):
+    return build_plan(task="regression", task_config={}, data_identity="d" * 64, seed=1, world=2,
+                      objective="mse_mean_v1", code_version="test", **kw)
+
+
+def test_fsdp_is_part_of_the_plan_and_a_switch_is_refused_by_name():
+    ddp, sharded = _plan(), _plan(fsdp=True)
+    assert "fsdp" not in ddp and sharded["fsdp"] is True
+    assert ddp["contract"] != sharded["contract"]
+    for stored, now, words in ((sharded, ddp, "fsdp (stored True, now False)"),
+                               (ddp, sharded, "fsdp (stored False, now True)")):
+        with pytest.raises(ContractError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            check_plan(stored, now, where="memory://run")
+    check_plan(sharded, _plan(fsdp=True), where="memory://run")  # the same run: accepted
+
+
+def test_a_replicated_run_keeps_its_contract():
+    # The field enters the hash only when set: every existing (DDP) run's contract is unchanged.
+    from job.train.contract import canonical_json, sha256_hex
+
+    plan = _plan()
+    fields = {k: plan[k] for k in ("config_sha256", "state_schema", "data_identity", "world", "objective", "seed")}
+    assert plan["contract"] == sha256_hex(canonical_json(fields))
+
+
+def test_train_help_names_the_flag():
+    from typer.testing import CliRunner
+
+    import job.cli.train  # noqa: F401 - registers the command
+    from job.cli.app import app
+
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "--fsdp" in result.output and "FSDP2" in result.output
