@@ -116,18 +116,18 @@ def _refuse_committed(ctx: Ctx, name: str) -> None:
 def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tuple[int, str, str]:
     """Write one file create-only; return (bytes, sha256, object name)."""
     path = ctx.path(name, fname)
-    if isinstance(data, Spool):
-        length, expected = data.size, data.sha256
-    else:
-        length, expected = len(data), hashlib.sha256(data).hexdigest()
+    spooled = isinstance(data, Spool)
     try:
         size, sha = ctx.io(f"write {name}/{fname}", lambda: ctx.backend.write(path, data, create_only=True))
-        _same_as_source(name, fname, (size, sha), (length, expected))
+        if spooled:
+            _same_as_source(name, fname, (size, sha), (data.size, data.sha256))
         return size, sha, fname
     except FileExistsError:
         pass
     # Taken: our own PUT whose response was lost (the re-send got 412), a killed writer's leftover, or a
     # concurrent writer.  Identical bytes are ours to claim; anything else stays untouched beside our copy.
+    # (Bytes are hashed here only: the backend hashed them while writing on the common path.)
+    length, expected = (data.size, data.sha256) if spooled else (len(data), hashlib.sha256(data).hexdigest())
     if _same_object(ctx, name, fname, length, expected):
         return length, expected, fname
     obj = mf.attempt_object(fname, attempt)
@@ -135,7 +135,8 @@ def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tu
                 "writing this attempt's copy %s beside it", name, fname, mf.MARKER, obj)
     try:
         size, sha = ctx.io(f"write {name}/{obj}", lambda: ctx.backend.write(ctx.path(name, obj), data, create_only=True))
-        _same_as_source(name, obj, (size, sha), (length, expected))
+        if spooled:
+            _same_as_source(name, obj, (size, sha), (length, expected))
     except FileExistsError:  # the attempt id is ours alone: a 412 here is our own re-sent PUT
         size, sha = length, expected  # _verify reads it back before anything is marked usable
     return size, sha, obj
