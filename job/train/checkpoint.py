@@ -39,7 +39,7 @@ from typing import Any
 from job.train.dist import Collectives
 from job.errors import TrainError
 from job.train.progress import Reporter
-from job.train.sharded import METADATA_FILE, write_sharded
+from job.train.shard_files import METADATA_FILE
 from job.train.state import STATE_FILE, decode, decode_rank_part, encode_rank_part, encode_spool, rank_file
 from storage import GenerationStore
 from storage.errors import CommitConflictError, StoreError
@@ -128,6 +128,8 @@ class Checkpointer:
                       extra: dict[str, Any], rank: int, sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
         shards: tuple[dict[str, list], dict] | None = None
         if sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
+            from job.train.sharded import write_sharded  # only sharded runs import DCP
+
             shards = write_sharded(self.store, step, sharded)
         frame = self._write_own_part(step, part, rank) if rank else b""
         frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")

@@ -31,7 +31,7 @@ from typing import Any
 from job.train.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
 from job.train.dist import Collectives, PeerError
 from job.errors import ContractError, StateError, TrainError
-from job.train.sharded import is_sharded_file
+from job.train.shard_files import is_sharded_file
 from job.train.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
 from storage import COMPLETE, GenerationStore, Loaded
 from storage.errors import CorruptGenerationError, StoreError

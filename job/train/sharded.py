@@ -44,23 +44,13 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from job.errors import ConfigError, TrainError
+from job.train.shard_files import METADATA_FILE, is_sharded_file, shard_file, values_file  # noqa: F401 (re-exported)
 from storage import GenerationInfo, GenerationStore
 from storage.errors import StoreError
 
-METADATA_FILE = "dcp.metadata"
 FORMAT = "trainproof.dcp/1"
 ALIGN = 64  # every chunk starts at a multiple of this in its shard file (any dtype can view it in place)
 _ENTRY = "__trainproof_entry__"  # the write result that carries a rank's file entry to rank 0
-
-
-def shard_file(rank: int) -> str:
-    """The file of rank ``rank``'s chunks of sharded tensors (every rank writes one)."""
-    return f"shard-{rank:05d}.distcp"
-
-
-def values_file(rank: int) -> str:
-    """The file of the plain tensors and values rank ``rank`` was given to write (when it was given any)."""
-    return f"values-{rank:05d}.distcp"
 
 
 class ShardedSaveError(TrainError):
@@ -241,11 +231,6 @@ def write_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any],
         raise ShardedSaveError(f"the shards of step {step} were not written: a collective failed (a rank died, "
                                f"failed or stopped responding): {first}") from None
     return writer.written
-
-
-def is_sharded_file(name: str) -> bool:
-    """Whether ``name`` is one of a sharded generation's DCP files (read through :func:`load_sharded` only)."""
-    return name == METADATA_FILE or name.endswith(".distcp")
 
 
 # -- loading -----------------------------------------------------------------------------------------------
