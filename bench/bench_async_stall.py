@@ -156,22 +156,28 @@ def _baseline_writes(url: str, generation: str, repeats: int = 5) -> list[float]
             for chunk in store.backend.iter_read(src):
                 fh.write(chunk)
         out = []
-        for i in range(repeats):
-            t0 = time.perf_counter()
-            if url.startswith("s3://"):
-                import boto3
+        client = None
+        if url.startswith("s3://"):
+            import boto3
 
+            client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL"))
+        for i in range(repeats):
+            if client is not None:
                 bucket, _, key = src.partition("/")
-                client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL"))
+                t0 = time.perf_counter()
                 with open(local, "rb") as fh:
                     client.upload_fileobj(fh, bucket, f"{key}.baseline-{i}")
+                out.append(time.perf_counter() - t0)
+                client.delete_object(Bucket=bucket, Key=f"{key}.baseline-{i}")  # keep moto's memory flat
             else:
                 dst = os.path.join(os.path.dirname(src), f".baseline-{i}")
+                t0 = time.perf_counter()
                 with open(local, "rb") as a, open(dst, "wb") as b:
                     shutil.copyfileobj(a, b, 8 * 2**20)
                     b.flush()
                     os.fsync(b.fileno())
-            out.append(time.perf_counter() - t0)
+                out.append(time.perf_counter() - t0)
+                os.unlink(dst)
     return out
 
 
