@@ -84,15 +84,21 @@ def run(store: Path | str, *args: str, env: dict[str, str] | None = None) -> Res
     return finish(start(store, *args, env=env))
 
 
-def load_state(store: Path | str, step: int | None = None) -> dict[str, Any]:
-    """The decoded training state of generation ``step`` (default: the newest usable one)."""
+def load_state(store: Path | str, step: int | None = None, *, history: str = "full") -> dict[str, Any]:
+    """The decoded training state of generation ``step`` (default: the newest usable one).
+
+    ``history``: ``full`` reassembles every step's history row from the run's generations (job.train.history,
+    chain checked; fails when retention deleted some), ``kept`` as far back as the kept generations reach, ``own``
+    leaves the generation's own rows (those since the previous generation) as stored."""
+    from job.train.history import from_store
     from job.train.state import STATE_FILE, decode
     from storage import open_store
 
     s = open_store(str(store))
     loaded = s.load(step) if step is not None else s.load_latest(quarantine=False)
     assert loaded is not None, f"no usable generation in {store}"
-    return decode(loaded.files[STATE_FILE])
+    state = decode(loaded.files[STATE_FILE])
+    return state if history == "own" else from_store(s, state, partial=history == "kept").state
 
 
 def differences(a: Any, b: Any, path: str = "state") -> list[str]:

@@ -33,7 +33,8 @@ from typing import Any
 
 from job.proof.compare import Diff, Tolerance, compare_states, parameter_distance
 from job.train.contract import PLAN_FILE
-from job.errors import ConfigError
+from job.errors import ConfigError, StateError
+from job.train import history
 from job.train.state import decode_generation
 from job.tasks import load_task, trusted_task
 from job.proof.protocol import parameter_names, verification_base
@@ -101,19 +102,36 @@ class Audit:
         self.meta: dict[str, Any] = {}
         self.span: dict[str, Any] = {}
         self.audited_record: str | None = None
+        self.history: dict[str, Any] = {}
+        """Which steps' history rows (sample ids, losses, learning rates) were compared: ``first_step``..``last_step``."""
 
     def run(self) -> None:
         """Select, copy, replay, compare. Raises VerificationIncomplete / ConfigError when it cannot."""
         loaded_a, loaded_b = self._select()
         seed_run(self.opener(self.replay_url), self.run_store.read_file(PLAN_FILE), loaded_a)
-        original = decode_generation(loaded_b.files)
+        original = self._original_history(decode_generation(loaded_b.files))
         del loaded_a, loaded_b  # hold one state in memory, not three
         self._replay()
-        replayed = RunReader("replay", self.replay_url, self.opener).state(self.b)
+        # The replay holds the rows a+1..b itself (its generation b chains from the copied generation a).
+        replayed = RunReader("replay", self.replay_url, self.opener).state(self.b, since=self.history["first_step"])
         for name, diff in compare_states(original, replayed, self.s.tolerance, self.param_names).items():
             self.diffs["replay"].setdefault(name, Diff()).merge(diff, self.b)
         self.distance = parameter_distance(original, replayed, self.param_names)
         self.meta = original["meta"]
+
+    def _original_history(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Generation b with its history rows a+1..b reassembled from the run's generations (chain checked), or from
+        the first step retention left contiguous back from b: the per-step comparison covers that span (recorded
+        in ``history_compared``)."""
+        try:
+            found = history.from_store(self.run_store, state, contract=self.plan["contract"], since=self.a + 1,
+                                       partial=True)
+        except StateError as exc:
+            raise VerificationIncomplete(f"the history of generation {self.b} of {self.run_store.url} cannot be "
+                                         f"reassembled: {exc}") from None
+        self.history = {**found.to_json(), "replayed_from": self.a + 1, "covers_replay": found.first == self.a + 1}
+        self.history.pop("complete")
+        return found.state
 
     def _select(self):
         complete = {g.step: g for g in self.run_store.scan(contract=self.plan["contract"]) if g.status == COMPLETE}
@@ -194,7 +212,7 @@ class Audit:
             settings=settings, paths=self.paths, diffs=self.diffs, tol=self.s.tolerance, step_recovered=self.a,
             env=environment(self.task, self.meta), export=None,
             extra={"audited_generations": self.generations, "parameter_distance": self.distance,
-                   "audit_span": self.span, "audited_record": self.audited_record},
+                   "audit_span": self.span, "audited_record": self.audited_record, "history_compared": self.history},
             error=error)
 
 
