@@ -133,6 +133,18 @@ def trajectory(state: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in state.items() if k != "meta"}, "meta": meta}
 
 
+def from_step(state: dict[str, Any], first: int) -> dict[str, Any]:
+    """``state`` (with its full history) as a store that kept only the generations from step ``first`` on shows it:
+    history rows ``first``.. and the chain value before them. Comparing that with ``load_state(..., history="kept")``
+    of another run still compares every step: equal ``history_chain.before`` values mean equal rows before ``first``
+    (sha256 chain), equal rows and digest the rest."""
+    from job.train.state import History
+
+    kept = History.from_state_dict(state["history"]).since(first)
+    chain = {**state["history_chain"], "first": kept.first, "before": kept.before}
+    return {**state, "history": kept.state_dict(), "history_chain": chain}
+
+
 def history_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
     """Per-step history as rows (step, epoch, loss, lr, targets, sample_ids)."""
     from job.train.state import History
