@@ -111,9 +111,9 @@ def _chain(store, modes: list[str], rnd: random.Random, seed: int, sync: bool) -
                 assert stopped["step"] == save["step"], where
             else:  # ...and so does the commit of the step the loop stopped at
                 assert stopped["step"] >= save["step"], where
-                assert load_state(store, save["step"])["progress"]["step"] == save["step"], where
+                assert load_state(store, save["step"], history="own")["progress"]["step"] == save["step"], where
             assert len(stopped["signals"]) == (2 if mode == "double-in-save" else 1), where
-        assert load_state(store)["progress"]["step"] == stopped["step"] >= stopped_at[-1], where
+        assert load_state(store, history="own")["progress"]["step"] == stopped["step"] >= stopped_at[-1], where
         stopped_at.append(stopped["step"])
     return stopped_at
 
@@ -148,6 +148,6 @@ def test_deadline_stops_in_time_after_committing(tmp_path):
     assert result.code == 75, result.stderr
     stopped = result.last("stopped")
     assert stopped["reason"] == "deadline" and stopped["step"] > 0 and not stopped["export"]["ok"]
-    assert load_state(tmp_path / "run")["progress"]["step"] == stopped["step"]
+    assert load_state(tmp_path / "run", history="own")["progress"]["step"] == stopped["step"]
     deadline = datetime.fromisoformat(result.last("start")["deadline"])
     assert datetime.fromisoformat(stopped["time"]) < deadline
