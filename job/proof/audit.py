@@ -103,7 +103,9 @@ class Audit:
         self.span: dict[str, Any] = {}
         self.audited_record: str | None = None
         self.history: dict[str, Any] = {}
-        """Which steps' history rows (sample ids, losses, learning rates) were compared: ``first_step``..``last_step``."""
+        """Which steps' history rows (sample ids, losses, learning rates) were compared: ``first_step``..``last_step``
+        (from a+1 unless retention deleted generations in between), and ``chain_digest_equal``: whether the replay's
+        history chain value equals the run's (bitwise the same rows over the whole replay)."""
 
     def run(self) -> None:
         """Select, copy, replay, compare. Raises VerificationIncomplete / ConfigError when it cannot."""
@@ -114,6 +116,9 @@ class Audit:
         self._replay()
         # The replay holds the rows a+1..b itself (its generation b chains from the copied generation a).
         replayed = RunReader("replay", self.replay_url, self.opener).state(self.b, since=self.history["first_step"])
+        # Both chain values cover every row since step 1 (the replay chains from the copy of generation a): equal means
+        # the replayed rows a+1..b are bitwise the run's, even those whose generations retention deleted.
+        self.history["chain_digest_equal"] = replayed["history_chain"]["digest"] == original["history_chain"]["digest"]
         for name, diff in compare_states(original, replayed, self.s.tolerance, self.param_names).items():
             self.diffs["replay"].setdefault(name, Diff()).merge(diff, self.b)
         self.distance = parameter_distance(original, replayed, self.param_names)
