@@ -16,6 +16,12 @@ runs across the restore without one: a resume that lost state makes ``b`` differ
 replay that crosses a code change (``--allow-code-change``) runs with this process's code and says so. A passed
 audit records its span in ``<run>/verification/audited.json``, which releases the protected restore point.
 
+Per-step history: a generation holds only the rows since the previous one (job.train.state), so the run's rows
+a+1..b are reassembled from its generations (job.train.history, chain checked; a changed row is refused) and compared
+with the replay's row by row. Where retention deleted generations between a and b, the comparison covers the steps
+still held (``history_compared``: ``first_step``..``last_step``, ``covers_replay``), and ``chain_digest_equal`` says
+whether the replay's chain value, which covers every step, equals the run's (bitwise the same rows throughout).
+
 Read-only towards the run: generations are read with ``load`` (verified, never quarantined or deleted), the
 store is opened without the multipart sweep, and nothing is written among the run's generations; it can run
 as a CronJob while the training Job is still committing. Note: a run with world > 1 needs a launcher for
