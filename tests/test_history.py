@@ -173,3 +173,33 @@ def test_an_export_after_retention_says_which_steps_its_history_covers(kept_run,
     assert metrics["history"]["first_step"] == 7 and metrics["history"]["last_step"] == 12
     assert metrics["history"]["complete"] is False and "step-00000006" in metrics["history"]["stopped"]
     assert metrics["step"] == 12 and metrics["final_loss"] == load_state(kept_run / "run")["history"]["loss"][-1].item()
+
+
+def test_only_a_commit_that_landed_drops_history_rows():
+    """A background save that fails leaves every row in memory: the next generation (after a restart, the resume
+    point's successor) still holds the rows since the last *committed* generation."""
+    from job.errors import TrainError
+    from job.train.async_save import BackgroundSaver
+    from job.train.progress import Reporter
+
+    class Flaky:
+        reporter = None
+        fail = True
+
+        def commit(self, step, state, **kw):
+            if self.fail:
+                raise OSError("the store went away")
+
+    h = History()
+    for step in (1, 2, 3):
+        h.append(step=step, epoch=0, loss=0.5, lr=0.1, targets=1, sample_ids=[step])
+    flaky = Flaky()
+    saver = BackgroundSaver(flaky, Reporter(), lambda s: None, h.committed)
+    saver.submit(2, {"x": 1}, extra={}, blocked_s=0.0)
+    with pytest.raises(TrainError, match="step 2"):
+        saver.wait()
+    assert (h.first, h.column("step")) == (1, [1, 2, 3])  # nothing dropped
+    flaky.fail = False
+    saver.submit(3, {"x": 1}, extra={}, blocked_s=0.0)
+    saver.wait()
+    assert (h.first, len(h), h.last_row["step"]) == (4, 0, 3)
