@@ -140,9 +140,18 @@ def from_step(state: dict[str, Any], first: int) -> dict[str, Any]:
     (sha256 chain), equal rows and digest the rest."""
     from job.train.state import History
 
-    kept = History.from_state_dict(state["history"]).since(first)
-    chain = {**state["history_chain"], "first": kept.first, "before": kept.before}
+    chain = state["history_chain"]
+    assert first >= chain["first"], f"the state's history starts at step {chain['first']}, after {first}"
+    kept = History.from_state_dict(state["history"], first=chain["first"], before=chain["before"]).since(first)
+    chain = {**chain, "first": kept.first, "before": kept.before}
     return {**state, "history": kept.state_dict(), "history_chain": chain}
+
+
+def kept_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """``differences`` of two runs' trajectories whose histories reach back only as far as their kept generations
+    (``load_state(..., history="kept")``): compared from the later first step on (:func:`from_step`)."""
+    first = max(a["history_chain"]["first"], b["history_chain"]["first"])
+    return differences(trajectory(from_step(a, first)), trajectory(from_step(b, first)))
 
 
 def history_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
