@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from job.errors import StateError
 from job.tasks import load_task
@@ -19,8 +20,6 @@ from job.train.state import HISTORY_GENESIS, STATE_FILE, History, check_history,
 from storage import open_store
 from tests.test_train_helpers import differences, history_rows, load_state, run
 from tests.test_verify_helpers import trainproof
-
-import torch
 
 CPU = torch.device("cpu")
 
