@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from storage import open_store
 from tests.support.faultproxy import Fault, FaultProxy

@@ -55,14 +55,16 @@ def rank_pids(proc: subprocess.Popen, lines: list[str]) -> list[int]:
 
 
 def load_world_state(store: Path | str, step: int | None = None) -> dict[str, Any]:
-    """The joined state (every rank's part) of generation ``step`` (default: the newest usable one)."""
+    """The joined state (every rank's part) of generation ``step`` (default: the newest usable one), with its full
+    history reassembled from the run's generations (job.train.history)."""
+    from job.train.history import from_store
     from job.train.state import decode_generation
     from storage import open_store
 
     s = open_store(str(store))
     loaded = s.load(step) if step is not None else s.load_latest(quarantine=False)
     assert loaded is not None, f"no usable generation in {store}"
-    return decode_generation(loaded.files)
+    return from_store(s, decode_generation(loaded.files)).state
 
 
 class TinyLM64(TinyLMTask):

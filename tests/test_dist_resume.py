@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from job.train.data import epoch_plan
+from job.train.data import epoch_plan, permutation_of
 from job.train.dist import rank_seed, rank_slice
 from job.errors import ConfigError, StateError
 from job.train.launch import world_exit_code
@@ -153,7 +153,8 @@ def test_another_world_size_is_refused_unless_allowed_then_recorded(world2, tmp_
     # The global data order carried over: step 41 takes the next 4 ids of the saved permutation.
     saved = world2["reference"]["ranks"][0]["data"]
     cursor = saved["cursor"]
-    assert history_rows(sa)[TARGET]["sample_ids"] == saved["permutation"][cursor : cursor + 4].tolist()
+    permutation = permutation_of(saved, saved["num_samples"])  # redrawn from the saved generator pair
+    assert history_rows(sa)[TARGET]["sample_ids"] == permutation[cursor : cursor + 4].tolist()
 
 
 # -- cheap unit checks ---------------------------------------------------------------------------------------

@@ -65,10 +65,15 @@ def events(stdout: str) -> list[dict[str, Any]]:
 
 
 def final_state(store: Path | str) -> dict[str, Any]:
-    """The newest usable generation's training state: read and verified by the store, decoded weights-only."""
-    loaded = open_store(str(store)).load_latest(quarantine=False)
+    """The newest usable generation's training state: read and verified by the store, decoded weights-only, with its
+    full history reassembled from the run's generations (each holds only the rows since the previous one)."""
+    from job.train.history import from_store
+
+    run = open_store(str(store))
+    loaded = run.load_latest(quarantine=False)
     assert loaded is not None, f"no usable generation in {store}"
-    return torch.load(io.BytesIO(loaded.files["training_state.pt"]), map_location="cpu", weights_only=True)
+    state = torch.load(io.BytesIO(loaded.files["training_state.pt"]), map_location="cpu", weights_only=True)
+    return from_store(run, state).state
 
 
 def without_invocation(state: dict[str, Any]) -> dict[str, Any]:

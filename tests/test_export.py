@@ -10,7 +10,6 @@ import io
 import json
 import os
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest

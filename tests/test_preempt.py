@@ -14,7 +14,7 @@ import pytest
 
 from job.errors import ConfigError
 from job.lifecycle.signals import Deadline, StopRequest, parse_deadline
-from tests.test_train_helpers import differences, finish, history_rows, load_state, parse_events, run, start, trajectory
+from tests.test_train_helpers import differences, finish, from_step, history_rows, load_state, parse_events, run, start, trajectory
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 TARGET = 400
@@ -111,9 +111,9 @@ def _chain(store, modes: list[str], rnd: random.Random, seed: int, sync: bool) -
                 assert stopped["step"] == save["step"], where
             else:  # ...and so does the commit of the step the loop stopped at
                 assert stopped["step"] >= save["step"], where
-                assert load_state(store, save["step"])["progress"]["step"] == save["step"], where
+                assert load_state(store, save["step"], history="own")["progress"]["step"] == save["step"], where
             assert len(stopped["signals"]) == (2 if mode == "double-in-save" else 1), where
-        assert load_state(store)["progress"]["step"] == stopped["step"] >= stopped_at[-1], where
+        assert load_state(store, history="own")["progress"]["step"] == stopped["step"] >= stopped_at[-1], where
         stopped_at.append(stopped["step"])
     return stopped_at
 
@@ -130,12 +130,14 @@ def test_sigterm_at_random_moments_loses_nothing_and_resumes_exactly(tmp_path):
     finals = [start(s, "--max-steps", str(TARGET)) for s in stores]
     results = [finish(p) for p in [reference, *finals]]
     assert [r.code for r in results] == [0, 0, 0], [r.stderr for r in results]
-    expected = trajectory(load_state(tmp_path / "reference"))
+    reference = load_state(tmp_path / "reference")
     for store, stopped_at in zip(stores, chains):
         assert stopped_at[-1] > stopped_at[1] > 0, stopped_at  # the chain made progress across restarts
-        got = load_state(store)
-        assert differences(expected, trajectory(got)) == []
-        assert [r["step"] for r in history_rows(got)] == list(range(1, TARGET + 1))  # none repeated or skipped
+        # --keep 2 deleted the older generations and, with them, the history rows before the kept ones: the rows
+        # kept and the chain value before them (which covers every older row) are compared.
+        got = load_state(store, history="kept")
+        assert differences(trajectory(from_step(reference, got["history_chain"]["first"])), trajectory(got)) == []
+        assert [r["step"] for r in history_rows(got)] == list(range(got["history_chain"]["first"], TARGET + 1))
 
 
 def test_deadline_stops_in_time_after_committing(tmp_path):
@@ -146,6 +148,6 @@ def test_deadline_stops_in_time_after_committing(tmp_path):
     assert result.code == 75, result.stderr
     stopped = result.last("stopped")
     assert stopped["reason"] == "deadline" and stopped["step"] > 0 and not stopped["export"]["ok"]
-    assert load_state(tmp_path / "run")["progress"]["step"] == stopped["step"]
+    assert load_state(tmp_path / "run", history="own")["progress"]["step"] == stopped["step"]
     deadline = datetime.fromisoformat(result.last("start")["deadline"])
     assert datetime.fromisoformat(stopped["time"]) < deadline

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from storage.signing import key_id
-from tests.test_train_helpers import ROOT, differences, load_state, run, train_env, trajectory
+from tests.test_train_helpers import ROOT, kept_differences, load_state, run, train_env
 
 KEY = "tp-signing-key-9f1c2e7d5b3a"
 OTHER = "tp-other-key-0a1b2c3d4e5f"
@@ -34,8 +34,9 @@ def untouched(tmp_path_factory):
 
 
 def _state(store):
-    # Loaded without a key: the state itself, whatever the signature (the tests check signing elsewhere).
-    return load_state(store)
+    # Loaded without a key: the state itself, whatever the signature (the tests check signing elsewhere); the default
+    # --keep 3 deleted the oldest generations, so its history reaches back as far as the kept ones.
+    return load_state(store, history="kept")
 
 
 def _chain_like(store, planted: dict, *, signature: bool) -> dict:
@@ -69,7 +70,7 @@ def test_a_planted_generation_is_skipped_and_the_run_reaches_the_untouched_state
     assert result.code == 0, result.stderr
     assert result.last("resume")["step"] == 15, result.events
     assert len([l for l in result.stderr.splitlines() if "step-00000018" in l and "foreign" in l]) >= 1, result.stderr
-    assert differences(trajectory(untouched), trajectory(_state(store))) == []
+    assert kept_differences(untouched, _state(store)) == []
     assert (store / "step-00000018" / "COMPLETE.json").exists()  # evidence: never deleted
 
 
@@ -130,7 +131,7 @@ def test_key_rotation_in_a_real_run(tmp_path, untouched):
                   env={"TRAINPROOF_SIGNING_KEY": KEY, "TRAINPROOF_SIGNING_KEYS_ACCEPTED": OTHER})
     assert rotated.code == 0, rotated.stderr
     assert rotated.last("resume")["step"] == 10
-    assert differences(trajectory(untouched), trajectory(_state(store))) == []
+    assert kept_differences(untouched, _state(store)) == []
     signers = {step: json.loads((store / f"step-{step:08d}" / "COMPLETE.json").read_text())["signature"]["key_id"]
                for step in (5, 10, 15, 20) if (store / f"step-{step:08d}").exists()}
     assert signers[20] == key_id(KEY.encode()) and signers.get(10, key_id(OTHER.encode())) == key_id(OTHER.encode())

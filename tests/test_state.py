@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import random
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from job.train import rng
 from job.train.data import EpochSampler, epoch_plan
 from job.errors import ConfigError, StateError
+from job.train.history import assemble
 from job.train.run import build_run, capture_state, restore_state, train_step
 from job.train.state import STATE_SCHEMA, Expected, History, check_consistency, decode, encode, runtime_versions
 from job.tasks import load_task
@@ -214,13 +216,50 @@ def test_sampler_draws_each_epoch_lazily_and_resumes_at_the_boundary():
     assert a.next_ids(4) == b.next_ids(4) and b.epoch == 1
 
 
-def test_a_data_position_that_is_not_a_permutation_is_refused():
+@pytest.mark.parametrize("tamper", ["epoch_generator", "generator", "both-from-another-epoch", "drawn"])
+def test_a_tampered_data_generator_pair_is_refused(tamper):
+    """The saved position holds no permutation: it is redrawn from ``epoch_generator``, which must then land on
+    ``generator`` exactly. Any other pair (even one that is internally valid, of another epoch) is refused."""
     s = EpochSampler(4, np.random.Generator(np.random.PCG64(1)))
     s.next_ids(2)
     state = s.state_dict()
-    state["permutation"] = torch.tensor([0, 0, 1, 2])
-    with pytest.raises(StateError, match="not a permutation"):
-        s.load_state_dict(state)
+    EpochSampler(4, np.random.Generator(np.random.PCG64(9))).load_state_dict(state)  # untouched: loads
+    later = EpochSampler(4, np.random.Generator(np.random.PCG64(1)))
+    for _ in range(3):
+        later.next_ids(2)  # epoch 1: its own (valid) pair
+    if tamper == "epoch_generator":
+        state["epoch_generator"] = later.state_dict()["epoch_generator"]
+    elif tamper == "generator":
+        state["generator"] = later.state_dict()["generator"]
+    elif tamper == "both-from-another-epoch":  # a consistent pair, but not the one this cursor was drawn from:
+        pair = later.state_dict()  # loads (the pair proves itself, not which epoch it is), so the
+        state.update(epoch_generator=pair["epoch_generator"], generator=pair["generator"])  # sample ids differ
+        restored = EpochSampler(4, np.random.Generator(np.random.PCG64(9)))
+        restored.load_state_dict(state)
+        assert restored.permutation.tolist() == later.permutation.tolist() != s.permutation.tolist()
+        return
+    else:
+        state["drawn"] = False
+    with pytest.raises(StateError, match="generator|permutation"):
+        EpochSampler(4, np.random.Generator(np.random.PCG64(9))).load_state_dict(state)
+
+
+def test_the_data_position_is_the_same_size_for_a_million_samples():
+    """O(1): no permutation is stored, whatever the dataset size (it was 8 bytes a sample: 8 MB here)."""
+    sizes = {}
+    for n in (10, 1_000_000):
+        s = EpochSampler(n, np.random.Generator(np.random.PCG64(1)))
+        s.next_ids(4)
+        state = s.state_dict()
+        assert not any(isinstance(v, torch.Tensor) for v in state.values())
+        sizes[n] = len(pickle.dumps(state, protocol=2))  # the protocol torch.save pickles with
+        restored = EpochSampler(n, np.random.Generator(np.random.PCG64(5)))
+        restored.load_state_dict(decode_rng(state))
+        assert restored.permutation.tolist() == s.permutation.tolist()
+    # Only integer widths differ: num_samples 10 -> 1,000,000 pickles as BININT1 (1 byte) -> BININT (4 bytes), +3;
+    # the four 128-bit PCG64 words (state, inc of each generator) pickle as LONG1 with 16 or 17 bytes (17 when the
+    # top bit is set), +-1 each.
+    assert abs(sizes[1_000_000] - sizes[10] - 3) <= 4, sizes
 
 
 def test_epoch_plan_keeps_the_tail_and_refuses_a_tail_smaller_than_world():
@@ -241,7 +280,13 @@ def test_resume_at_an_epoch_boundary_is_bitwise_equal(task, total, cut):
     restore_state(resumed, decode(saved))
     for _ in range(total - cut):
         train_step(resumed)
-    assert differences(reference, capture_state(resumed, _meta())) == []
+    assert differences(reference, _reassembled(capture_state(resumed, _meta()), decode(saved))) == []
+
+
+def _reassembled(state: dict, *earlier: dict) -> dict:
+    """``state`` with its full history: a resumed run holds only the rows since the state it resumed from, the
+    rest is in that (earlier) generation (job.train.history, chain checked)."""
+    return assemble(state, {e["progress"]["step"]: e for e in earlier}.get).state
 
 
 def test_tampered_rng_state_is_caught_by_the_next_draw_check():
@@ -282,7 +327,7 @@ def test_the_amp_gradscaler_path_checkpoints_and_resumes_exactly():
     restore_state(resumed, saved)
     for _ in range(4):
         train_step(resumed)
-    assert differences(capture_state(reference, _meta()), capture_state(resumed, _meta())) == []
+    assert differences(capture_state(reference, _meta()), _reassembled(capture_state(resumed, _meta()), saved)) == []
     saved["scaler"] = {}
     with pytest.raises(StateError, match="GradScaler"):
         restore_state(amp_run(), saved)

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from storage import (COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, CommitConflictError, CorruptGenerationError,
+from storage import (COMPLETE, FOREIGN, INCOMPLETE, CommitConflictError, CorruptGenerationError,
                      open_store)
 from storage.manifest import MARKER, SCHEMA
 from storage.backend import join

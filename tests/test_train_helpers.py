@@ -84,15 +84,21 @@ def run(store: Path | str, *args: str, env: dict[str, str] | None = None) -> Res
     return finish(start(store, *args, env=env))
 
 
-def load_state(store: Path | str, step: int | None = None) -> dict[str, Any]:
-    """The decoded training state of generation ``step`` (default: the newest usable one)."""
+def load_state(store: Path | str, step: int | None = None, *, history: str = "full") -> dict[str, Any]:
+    """The decoded training state of generation ``step`` (default: the newest usable one).
+
+    ``history``: ``full`` reassembles every step's history row from the run's generations (job.train.history,
+    chain checked; fails when retention deleted some), ``kept`` as far back as the kept generations reach, ``own``
+    leaves the generation's own rows (those since the previous generation) as stored."""
+    from job.train.history import from_store
     from job.train.state import STATE_FILE, decode
     from storage import open_store
 
     s = open_store(str(store))
     loaded = s.load(step) if step is not None else s.load_latest(quarantine=False)
     assert loaded is not None, f"no usable generation in {store}"
-    return decode(loaded.files[STATE_FILE])
+    state = decode(loaded.files[STATE_FILE])
+    return state if history == "own" else from_store(s, state, partial=history == "kept").state
 
 
 def differences(a: Any, b: Any, path: str = "state") -> list[str]:
@@ -125,6 +131,27 @@ def trajectory(state: dict[str, Any]) -> dict[str, Any]:
     """Everything a resumed run must reproduce: all sections but the per-invocation trainer settings."""
     meta = {k: v for k, v in state["meta"].items() if k != "trainer"}
     return {**{k: v for k, v in state.items() if k != "meta"}, "meta": meta}
+
+
+def from_step(state: dict[str, Any], first: int) -> dict[str, Any]:
+    """``state`` (with its full history) as a store that kept only the generations from step ``first`` on shows it:
+    history rows ``first``.. and the chain value before them. Comparing that with ``load_state(..., history="kept")``
+    of another run still compares every step: equal ``history_chain.before`` values mean equal rows before ``first``
+    (sha256 chain), equal rows and digest the rest."""
+    from job.train.state import History
+
+    chain = state["history_chain"]
+    assert first >= chain["first"], f"the state's history starts at step {chain['first']}, after {first}"
+    kept = History.from_state_dict(state["history"], first=chain["first"], before=chain["before"]).since(first)
+    chain = {**chain, "first": kept.first, "before": kept.before}
+    return {**state, "history": kept.state_dict(), "history_chain": chain}
+
+
+def kept_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """``differences`` of two runs' trajectories whose histories reach back only as far as their kept generations
+    (``load_state(..., history="kept")``): compared from the later first step on (:func:`from_step`)."""
+    first = max(a["history_chain"]["first"], b["history_chain"]["first"])
+    return differences(trajectory(from_step(a, first)), trajectory(from_step(b, first)))
 
 
 def history_rows(state: dict[str, Any]) -> list[dict[str, Any]]:

@@ -44,6 +44,10 @@ def test_audit_passes_on_an_untouched_run_and_leaves_it_untouched(runs):
     assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["replay"])
     assert report["paths"]["replay"]["resumed_from"] == 5 and "--steps 5" in report["paths"]["replay"]["command"]
     assert report["audited_generations"]["to"]["generation"] == "step-00000010"
+    compared = report["history_compared"]  # every replayed step's sample ids, loss and learning rate
+    assert (compared["first_step"], compared["last_step"], compared["covers_replay"]) == (6, 10, True)
+    assert compared["chain_digest_equal"] is True
+    assert {"sample_ids", "losses", "learning_rates"} <= {c["name"] for c in report["checks"]["replay"]}
     assert "step-00000005 -> step-00000010" in " ".join(result.stdout.split())  # the table says what it compared
     assert _fingerprint(runs / "run") == before
     assert not (runs / "run" / "quarantine").exists()
@@ -56,6 +60,7 @@ def test_audit_fails_when_the_newer_generation_followed_another_trajectory(runs,
     assert report["completed"] and report["all_checks_passed"] is False
     assert {"replay.rng_next_draws", "replay.parameters", "replay.losses"} <= set(report["failing_checks"])
     assert checks(report, "replay")["learning_rates"]["within_tolerance"]  # only the generators were broken
+    assert report["history_compared"]["chain_digest_equal"] is False
 
 
 @pytest.mark.parametrize("args", [

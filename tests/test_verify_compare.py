@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from job.proof.compare import Diff, Tolerance, compare_cut, diff_tree, expected_at_cut
+from job.train.data import EpochSampler
 from job.train.state import History
 
 TOL = Tolerance(atol=1e-12, rtol=0.0)
@@ -62,8 +64,21 @@ def test_merge_keeps_the_first_failing_step_and_the_largest_difference():
     assert (total.first_step, total.max_abs, total.detail, total.within) == (7, 0.5, "at 7", False)
 
 
-def _state(rows: list[tuple[int, list[int]]], perm: list[int], cursor: int) -> dict:
-    """A minimal state: history rows (epoch, sample ids), a data position, and progress."""
+def _sampled(steps: int, *, epoch1_seed: int | None = None) -> tuple[list[tuple[int, list[int]]], dict]:
+    """``steps`` batches of 2 of 4 samples (2 steps an epoch) from a real sampler: (epoch, ids) rows and the data
+    position after them. ``epoch1_seed``: epoch 1's permutation drawn from another stream (a re-derived data order)."""
+    sampler = EpochSampler(4, np.random.Generator(np.random.PCG64(5)))
+    rows = []
+    for i in range(steps):
+        if i == 2 and epoch1_seed is not None:
+            sampler._gen.bit_generator.state = np.random.Generator(np.random.PCG64(epoch1_seed)).bit_generator.state
+        ids = sampler.next_ids(2)
+        rows.append((sampler.epoch, ids))
+    return rows, sampler.state_dict()
+
+
+def _state(rows: list[tuple[int, list[int]]], data: dict, **position: int) -> dict:
+    """A minimal state: history rows (epoch, sample ids), a data position (``position`` overrides), and progress."""
     hist = History()
     for i, (epoch, ids) in enumerate(rows):
         hist.append(step=i + 1, epoch=epoch, loss=0.5 / (i + 1), lr=0.1 if i < 3 else 0.05, targets=len(ids),
@@ -71,20 +86,22 @@ def _state(rows: list[tuple[int, list[int]]], perm: list[int], cursor: int) -> d
     n = len(rows)
     progress = {"step": n, "epoch": rows[-1][0], "samples_seen": sum(len(r[1]) for r in rows),
                 "targets_seen": sum(len(r[1]) for r in rows), "next_lr": 0.1 if n < 3 else 0.05}
-    return {"history": hist.state_dict(), "progress": progress,
-            "ranks": [{"data": {"permutation": torch.tensor(perm), "cursor": cursor}}]}
+    return {"history": hist.state_dict(), "progress": progress, "ranks": [{"data": {**data, **position}}]}
 
 
 def test_a_cut_is_checked_against_the_reference_history_prefix():
-    rows = [(0, [2, 0]), (0, [1, 3]), (1, [3, 1]), (1, [0, 2])]  # 4 samples, batches of 2: 2 steps an epoch
-    reference = _state(rows, perm=[3, 1, 0, 2], cursor=4)
+    rows, data = _sampled(4)
+    reference = _state(rows, data)
     expected = expected_at_cut(reference, 3)
     assert expected["progress"] == {"step": 3, "epoch": 1, "samples_seen": 6, "targets_seen": 6, "next_lr": 0.05}
-    assert expected["consumed_in_epoch"].tolist() == [3, 1]
-    good = _state(rows[:3], perm=[3, 1, 0, 2], cursor=2)
+    assert expected["consumed_in_epoch"].tolist() == rows[2][1]
+    good = _state(*_sampled(3))
     assert all(d.within for d in compare_cut(good, reference, 3, TOL).values())
-    lost_cursor = _state(rows[:3], perm=[3, 1, 0, 2], cursor=0)
+    lost_cursor = _state(*_sampled(3), cursor=0)
     assert not compare_cut(lost_cursor, reference, 3, TOL)["data_position"].within
-    other_data = _state([rows[0], rows[1], (1, [1, 3])], perm=[1, 3, 0, 2], cursor=2)
-    failed = {n for n, d in compare_cut(other_data, reference, 3, TOL).items() if not d.within}
+    other_rows, other_position = _sampled(3, epoch1_seed=11)
+    assert other_rows[:2] == rows[:2] and other_rows[2] != rows[2]
+    failed = {n for n, d in compare_cut(_state(other_rows, other_position), reference, 3, TOL).items() if not d.within}
     assert {"sample_ids", "data_position"} <= failed
+    forged = _state(*_sampled(3), generator=other_position["generator"])  # a generator pair that does not chain
+    assert compare_cut(forged, reference, 3, TOL)["data_position"].problems

@@ -16,6 +16,12 @@ runs across the restore without one: a resume that lost state makes ``b`` differ
 replay that crosses a code change (``--allow-code-change``) runs with this process's code and says so. A passed
 audit records its span in ``<run>/verification/audited.json``, which releases the protected restore point.
 
+Per-step history: a generation holds only the rows since the previous one (job.train.state), so the run's rows
+a+1..b are reassembled from its generations (job.train.history, chain checked; a changed row is refused) and compared
+with the replay's row by row. Where retention deleted generations between a and b, the comparison covers the steps
+still held (``history_compared``: ``first_step``..``last_step``, ``covers_replay``), and ``chain_digest_equal`` says
+whether the replay's chain value, which covers every step, equals the run's (bitwise the same rows throughout).
+
 Read-only towards the run: generations are read with ``load`` (verified, never quarantined or deleted), the
 store is opened without the multipart sweep, and nothing is written among the run's generations; it can run
 as a CronJob while the training Job is still committing. Note: a run with world > 1 needs a launcher for
@@ -33,7 +39,8 @@ from typing import Any
 
 from job.proof.compare import Diff, Tolerance, compare_states, parameter_distance
 from job.train.contract import PLAN_FILE
-from job.errors import ConfigError
+from job.errors import ConfigError, StateError
+from job.train import history
 from job.train.state import decode_generation
 from job.tasks import load_task, trusted_task
 from job.proof.protocol import parameter_names, verification_base
@@ -101,19 +108,41 @@ class Audit:
         self.meta: dict[str, Any] = {}
         self.span: dict[str, Any] = {}
         self.audited_record: str | None = None
+        self.history: dict[str, Any] = {}
+        """Which steps' history rows (sample ids, losses, learning rates) were compared: ``first_step``..``last_step``
+        (from a+1 unless retention deleted generations in between), and ``chain_digest_equal``: whether the replay's
+        history chain value equals the run's (bitwise the same rows over the whole replay)."""
 
     def run(self) -> None:
         """Select, copy, replay, compare. Raises VerificationIncomplete / ConfigError when it cannot."""
         loaded_a, loaded_b = self._select()
         seed_run(self.opener(self.replay_url), self.run_store.read_file(PLAN_FILE), loaded_a)
-        original = decode_generation(loaded_b.files)
+        original = self._original_history(decode_generation(loaded_b.files))
         del loaded_a, loaded_b  # hold one state in memory, not three
         self._replay()
-        replayed = RunReader("replay", self.replay_url, self.opener).state(self.b)
+        # The replay holds the rows a+1..b itself (its generation b chains from the copied generation a).
+        replayed = RunReader("replay", self.replay_url, self.opener).state(self.b, since=self.history["first_step"])
+        # Both chain values cover every row since step 1 (the replay chains from the copy of generation a): equal means
+        # the replayed rows a+1..b are bitwise the run's, even those whose generations retention deleted.
+        self.history["chain_digest_equal"] = replayed["history_chain"]["digest"] == original["history_chain"]["digest"]
         for name, diff in compare_states(original, replayed, self.s.tolerance, self.param_names).items():
             self.diffs["replay"].setdefault(name, Diff()).merge(diff, self.b)
         self.distance = parameter_distance(original, replayed, self.param_names)
         self.meta = original["meta"]
+
+    def _original_history(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Generation b with its history rows a+1..b reassembled from the run's generations (chain checked), or from
+        the first step retention left contiguous back from b: the per-step comparison covers that span (recorded
+        in ``history_compared``)."""
+        try:
+            found = history.from_store(self.run_store, state, contract=self.plan["contract"], since=self.a + 1,
+                                       partial=True)
+        except StateError as exc:
+            raise VerificationIncomplete(f"the history of generation {self.b} of {self.run_store.url} cannot be "
+                                         f"reassembled: {exc}") from None
+        self.history = {**found.to_json(), "replayed_from": self.a + 1, "covers_replay": found.first == self.a + 1}
+        self.history.pop("complete")
+        return found.state
 
     def _select(self):
         complete = {g.step: g for g in self.run_store.scan(contract=self.plan["contract"]) if g.status == COMPLETE}
@@ -194,7 +223,7 @@ class Audit:
             settings=settings, paths=self.paths, diffs=self.diffs, tol=self.s.tolerance, step_recovered=self.a,
             env=environment(self.task, self.meta), export=None,
             extra={"audited_generations": self.generations, "parameter_distance": self.distance,
-                   "audit_span": self.span, "audited_record": self.audited_record},
+                   "audit_span": self.span, "audited_record": self.audited_record, "history_compared": self.history},
             error=error)
 
 

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from job.errors import StateError
+from job.train.data import permutation_of
 from job.train.state import History
 
 
@@ -254,9 +256,13 @@ def compare_cut(cut_state: dict[str, Any], reference: dict[str, Any], cut: int, 
 
 def _consumed_prefix(cut_state: dict[str, Any], consumed: torch.Tensor, tol: Tolerance) -> Diff:
     data = cut_state["ranks"][0].get("data") or {}
-    perm, cursor = data.get("permutation"), data.get("cursor")
-    if not isinstance(perm, torch.Tensor) or not isinstance(cursor, int):
-        return Diff(problems=["data_position: the cut state has no permutation or cursor"])
+    try:  # the permutation is not stored: it is redrawn from the position's generator pair (and checked)
+        perm = permutation_of(data, data.get("num_samples"))
+    except StateError as exc:
+        return Diff(problems=[f"data_position: {exc}"])
+    cursor = data["cursor"]
+    if perm is None:
+        perm = torch.zeros(0, dtype=torch.int64)
     return diff_tree(consumed, perm[:cursor], tol, "data_position.consumed")
 
 

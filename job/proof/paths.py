@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 from job.train.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F401 - re-exported
 from job.train.launch import entry_argv
+from job.errors import StateError
+from job.train.history import assemble
 from job.train.state import STATE_FILE, decode, decode_generation
 from storage import COMPLETE, GenerationStore, redact_url
 
@@ -137,24 +139,64 @@ class RunReader:
         self.name, self.url = name, url
         self.store = opener(url)
         self.steps = [g.step for g in self.store.scan() if g.status == COMPLETE]
+        self._sections: dict[int, dict[str, Any]] = {}  # each generation's own history rows, read once
 
-    def state(self, step: int) -> dict[str, Any]:
-        """Generation ``step``, read back and verified (size, sha256), then decoded weights-only."""
+    def state(self, step: int, *, since: int = 1) -> dict[str, Any]:
+        """Generation ``step``, read back and verified (size, sha256), then decoded weights-only, with its history
+        reassembled from the path's generations (steps ``since``..``step``) and its chain checked end to end
+        (job.train.history; every path keeps all its generations: ``--keep 0``)."""
         if step not in self.steps:
             raise VerificationIncomplete(f"path {self.name!r} has no complete generation at step {step} "
                                          f"(it has {self.steps or 'none'}) in {self.url}")
-        return decode_generation(self.store.load(step).files)  # rank files joined when world > 1
+        state = decode_generation(self.store.load(step).files)  # rank files joined when world > 1
+        self._sections[step] = _history_section(state)
+        try:
+            return assemble(state, self._section, since=since).state
+        except StateError as exc:
+            raise VerificationIncomplete(f"path {self.name!r}: the history of step {step} cannot be reassembled "
+                                         f"from {self.url}: {exc}") from None
+
+    def _section(self, step: int) -> dict[str, Any] | None:
+        if step not in self._sections:
+            if step not in self.steps:
+                return None
+            self._sections[step] = _history_section(decode(self.store.load(step).files[STATE_FILE]))
+        return self._sections[step]
 
 
-def seed_run(dst: GenerationStore, plan: bytes, loaded: Any) -> None:
+def _history_section(state: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`job.train.history.assemble` needs of an older generation (not its model or optimizer)."""
+    return {"progress": state["progress"], "history": state["history"], "history_chain": state.get("history_chain")}
+
+
+def seed_run(dst: GenerationStore, plan: bytes, loaded: Any, *, lineage: GenerationStore | None = None) -> None:
     """Start run ``dst`` from a generation of another run: its plan.json, then the generation (``storage.Loaded``)
     committed under its own step.
 
     The copy goes through write -> verify -> mark usable like any commit, so the run it seeds resumes from
     bytes proven equal to the source's, and ``train`` needs no option to start from a given step.
+    ``lineage``: the source run; the older generations holding the history rows before the seeded one are
+    copied first (each generation holds only the rows since the previous one), so the seeded run's full history
+    can be reassembled from its own store.
     """
     dst.write_file(PLAN_FILE, plan, create_only=True)
+    for older in ([] if lineage is None else history_lineage(lineage, loaded)):
+        commit_copy(dst, older)
     commit_copy(dst, loaded)
+
+
+def history_lineage(src: GenerationStore, loaded: Any) -> list[Any]:
+    """The generations of ``src`` below ``loaded`` that hold the rest of its history, oldest first."""
+    out: list[Any] = []
+    first = decode(loaded.files[STATE_FILE])["history_chain"]["first"]
+    while first > 1:
+        older = load_generation(src, first - 1)
+        out.append(older)
+        below = decode(older.files[STATE_FILE])["history_chain"]["first"]
+        if not below < first:  # a generation without rows of its own: the walk would not move
+            raise VerificationIncomplete(f"{src.url}: generation step {first - 1} holds no history rows of its own")
+        first = below
+    return out[::-1]
 
 
 def load_generation(src: GenerationStore, step: int) -> Any:

@@ -268,12 +268,12 @@ class Protocol:
         cut_store = self.opener(self.urls["cut"])
         plan, loaded = cut_store.read_file(PLAN_FILE), load_generation(cut_store, self.s.cut)
         for p in ("resume", NEGATIVE):
-            seed_run(self.opener(self.urls[p]), plan, loaded)
+            seed_run(self.opener(self.urls[p]), plan, loaded, lineage=cut_store)
         del loaded
         for c in self.extra_cuts:  # from the continuous path's own generation c, or from cut_at_<c>
             source = self.opener(self.urls["continuous"] if self._continuous_has(c) else self.cut_urls[f"cut_at_{c}"])
             seed_run(self.opener(self.cut_urls[f"resume_at_{c}"]), source.read_file(PLAN_FILE),
-                     load_generation(source, c))
+                     load_generation(source, c), lineage=source)
         jobs = [(p, self.urls[p], self.train_argv(p)) for p in ("resume", NEGATIVE)]
         jobs += [(f"resume_at_{c}", self.cut_urls[f"resume_at_{c}"], self.cut_argv(c, resume=True))
                  for c in self.extra_cuts]

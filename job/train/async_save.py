@@ -151,11 +151,16 @@ class BackgroundSaver:
 
     ``on_saved(seconds)`` is called on the training thread with the worker's measured time (serialise +
     write + read back + verify + commit) of each successful save: the deadline's save estimate and the
-    stop-grace decision use it.
+    stop-grace decision use it. ``on_committed(step)`` too, first: only a commit that landed lets the trainer
+    drop the history rows it holds, so a failed save never loses a row.
     """
 
-    def __init__(self, checkpointer: Checkpointer, reporter: Reporter, on_saved: Callable[[float], None]) -> None:
+    def __init__(self, checkpointer: Checkpointer, reporter: Reporter, on_saved: Callable[[float], None],
+                 on_committed: Callable[[int], None] | None = None) -> None:
         self.checkpointer = checkpointer
+        self.on_committed = on_committed
+        """Called on the training thread with the step of each commit collected (the trainer then drops the history
+        rows that generation holds); never for a failed one."""
         self.events = DeferredReporter(reporter)
         checkpointer.reporter = self.events  # the worker reports through the queue
         self.on_saved = on_saved
@@ -225,6 +230,8 @@ class BackgroundSaver:
         if failure is not None:
             raise _failed(step, failure)
         self.measured_s.append(seconds)
+        if self.on_committed is not None:
+            self.on_committed(step)
         self.on_saved(seconds)
 
 

@@ -5,10 +5,18 @@ order is the same on every rank and for every world size), *lazily* when the fir
 is requested. Drawing lazily matters: a run cut exactly at an epoch boundary and a continuous run then
 draw the next permutation at the same point of the generator's sequence (right before that epoch's first
 batch), so neither skips nor repeats data.
+
+The saved position is O(1), whatever the dataset size: not the permutation (8 bytes a sample) but the data
+generator's state right *before* this epoch's permutation was drawn (``epoch_generator``), the cursor, and the
+generator's current state. Loading redraws the permutation from ``epoch_generator`` exactly as
+:meth:`EpochSampler.next_ids` drew it, and refuses the position unless the generator then stands exactly at the
+saved ``generator``: the pair proves itself (a tampered or mismatched pair, another NumPy, another dataset
+size would all land elsewhere).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -18,7 +26,7 @@ import torch
 from job.train import rng
 from job.errors import ConfigError, StateError
 
-DATA_SCHEMA = "trainproof.data/2"  # /2: the data generator travels with the position
+DATA_SCHEMA = "trainproof.data/3"  # /3: O(1): the generator before the epoch's draw replaces the permutation
 
 
 def epoch_plan(samples: int, per_rank: int, world: int = 1) -> dict[str, Any]:
@@ -71,38 +79,41 @@ class EpochSampler:
         self.epoch = 0
         self.cursor = 0
         self.permutation: np.ndarray | None = None  # None until the first batch is requested
+        self._epoch_gen: dict[str, Any] | None = None  # the data generator right before this epoch's draw
 
     def next_ids(self, batch_size: int) -> list[int]:
         """Sample ids for the next optimizer step (fewer than ``batch_size`` at the end of an epoch)."""
         if self.permutation is None or self.cursor >= self.num_samples:
             if self.permutation is not None:
                 self.epoch += 1
-            self.permutation = self._gen.permutation(self.num_samples).astype(np.int64)
+            self._epoch_gen = rng.generator_state(self._gen)
+            self.permutation = draw_permutation(self._gen, self.num_samples)
             self.cursor = 0
         ids = self.permutation[self.cursor : self.cursor + batch_size]
         self.cursor += len(ids)
         return [int(i) for i in ids]
 
     def state_dict(self) -> dict[str, Any]:
-        """Position and generator as weights-only-loadable values (the permutation as an int64 tensor)."""
-        perm = None if self.permutation is None else torch.from_numpy(self.permutation.copy())
+        """The position as weights-only-loadable builtins, O(1) in the dataset size (see the module doc)."""
+        drawn = self.permutation is not None
         return {
             "schema": DATA_SCHEMA,
             "num_samples": self.num_samples,
             "epoch": self.epoch,
             "cursor": self.cursor,
-            "permutation": perm,
+            "drawn": drawn,
+            "epoch_generator": copy.deepcopy(self._epoch_gen) if drawn else None,
             "generator": rng.generator_state(self._gen),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the position after checking it describes a real permutation of this dataset.
+        """Restore the position: redraw this epoch's permutation and check it lands on the saved generator.
 
-        The generator is restored separately, by :meth:`restore_generator`, with the other generators: last.
+        The generator itself is restored separately, by :meth:`restore_generator`, with the other generators: last.
         """
-        check_state(state, self.num_samples)
-        perm = state["permutation"]
-        self.permutation = None if perm is None else perm.numpy().astype(np.int64).copy()
+        perm = permutation_of(state, self.num_samples)
+        self.permutation = None if perm is None else perm.numpy().copy()
+        self._epoch_gen = copy.deepcopy(state["epoch_generator"]) if state["drawn"] else None
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
 
@@ -119,25 +130,46 @@ class EpochSampler:
             self._gen.bit_generator.state = saved
 
 
+def draw_permutation(gen: np.random.Generator, num_samples: int) -> np.ndarray:
+    """One epoch's permutation, drawn from ``gen`` (which it advances): the only place the sampler draws."""
+    return gen.permutation(num_samples).astype(np.int64)
+
+
+def permutation_of(state: Any, num_samples: int) -> torch.Tensor | None:
+    """The epoch permutation a data position stands in (None before the first draw), redrawn from its
+    ``epoch_generator``; StateError unless the position fits the dataset and the redraw ends exactly on the
+    saved ``generator`` state."""
+    check_state(state, num_samples)
+    if not state["drawn"]:
+        return None
+    gen = np.random.Generator(np.random.PCG64())
+    try:
+        gen.bit_generator.state = state["epoch_generator"]
+    except (TypeError, ValueError, KeyError) as exc:
+        raise StateError(f"data position's epoch_generator is not a PCG64 state ({type(exc).__name__}: {exc})") from None
+    perm = draw_permutation(gen, num_samples)
+    if rng.generator_state(gen) != state["generator"]:
+        raise StateError("data position refused: redrawing the epoch's permutation from its epoch_generator does "
+                          "not end on the saved generator state (a tampered or mismatched generator pair)")
+    return torch.from_numpy(perm)
+
+
 def check_state(state: Any, num_samples: int) -> None:
     """Refuse a data position that does not fit a dataset of ``num_samples`` samples."""
     if not isinstance(state, dict) or state.get("schema") != DATA_SCHEMA:
         raise StateError(f"data position has an unknown schema (expected {DATA_SCHEMA!r})")
-    if state.get("num_samples") != num_samples:
+    if type(num_samples) is not int or state.get("num_samples") != num_samples:
         raise StateError(
             f"data position is for {state.get('num_samples')} samples, the dataset has {num_samples}"
         )
-    epoch, cursor, perm = state.get("epoch"), state.get("cursor"), state.get("permutation")
+    epoch, cursor, drawn = state.get("epoch"), state.get("cursor"), state.get("drawn")
     if not (isinstance(epoch, int) and epoch >= 0 and isinstance(cursor, int) and 0 <= cursor <= num_samples):
         raise StateError(f"data position epoch={epoch!r} cursor={cursor!r} is out of range")
-    if perm is None:
-        if cursor != 0 or epoch != 0:
-            raise StateError("data position has a cursor but no permutation")
-        perm = torch.arange(num_samples)  # nothing drawn yet: only the generator remains to check
-    if not isinstance(perm, torch.Tensor) or perm.dtype != torch.int64 or perm.shape != (num_samples,):
-        raise StateError("data permutation must be an int64 tensor with one entry per sample")
-    if not torch.equal(torch.sort(perm).values, torch.arange(num_samples)):
-        raise StateError("data permutation is not a permutation of the dataset (a sample repeated or missing)")
-    gen = state.get("generator")
-    if not isinstance(gen, dict) or gen.get("bit_generator") != "PCG64":
-        raise StateError("data position lacks its PCG64 data generator state")
+    if type(drawn) is not bool:
+        raise StateError(f"data position 'drawn' is {drawn!r}, not a bool")
+    if not drawn and (cursor != 0 or epoch != 0):
+        raise StateError("data position has a cursor but no permutation drawn")
+    for key in ("generator", *(("epoch_generator",) if drawn else ())):
+        gen = state.get(key)
+        if not isinstance(gen, dict) or gen.get("bit_generator") != "PCG64":
+            raise StateError(f"data position lacks its PCG64 {key.replace('_', ' ')} state")

@@ -7,12 +7,14 @@ Layout (``<dest>/step-%08d/``, ``<dest>`` defaulting to ``<run>/exports``)::
     model_bf16.safetensors  the same bf16 weights as safetensors
     model.safetensors   full precision
     config.json         task, task settings, dtype, seed, contract, source generation, versions, model_args
-    metrics.json        final loss, evaluation metric (full precision and bf16), steps, samples/targets seen
+    metrics.json        final loss, evaluation metric (full precision and bf16), steps, samples/targets seen, and
+                        ``history``: the steps the loss curve covers (``first_step``..``last_step``; reassembled from
+                        the run's generations, job.train.history: later than 1 when retention deleted older ones)
     data.json           data identity, epoch plan and position
     model.py            the architecture and evaluation in plain torch (known tasks: job.train.standalone)
     eval_data.safetensors  the evaluation's exact batches (with model.py)
     model.pt2           a torch.export program of the model, when it can be traced
-    loss.png            training loss per step (with matplotlib)
+    loss.png            training loss per step (with matplotlib), over metrics.json's ``history`` steps
     README.md           loading instructions and a snippet that needs only torch and safetensors
     SHA256SUMS          ``sha256sum -c`` compatible
     COMPLETE.json       written last by the store: every file's size and sha256, ``export_bytes/_sha256``
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import zipfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -35,6 +38,7 @@ from typing import Any, Iterator
 import torch
 
 from job.errors import ConfigError
+from job.train import history
 from job.train.state import STATE_FILE, History, decode
 from storage.spool import spool_dir
 from job.tasks import Task, load_task, trusted_task
@@ -42,6 +46,7 @@ from job.train.contract import PLAN_FILE, absolute_url, read_run_plan
 from storage import COMPLETE, GenerationStore
 from storage.manifest import step_dir
 
+log = logging.getLogger("trainproof.export")
 EXPORT_SCHEMA = "trainproof.export/1"
 BF16_FILE, SUMS_FILE = "model_bf16.pt", "SHA256SUMS"
 BF16_SAFETENSORS, FP_FILE = "model_bf16.safetensors", "model.safetensors"
@@ -103,13 +108,19 @@ def export(run: GenerationStore, *, step: int | None = None, dest: GenerationSto
 def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, loaded: Any,
                    dest: GenerationStore | None) -> Bundle:
     state = decode(loaded.files[STATE_FILE])  # mapped from the spool, not copied
+    # Each generation holds only its own steps' history: the loss curve and the last row need the rows before it.
+    assembled = history.from_store(run, state, contract=plan["contract"], partial=True)
+    if assembled.stopped:
+        log.warning("export of %s: the history covers steps %d..%d only (%s)", loaded.info.name, assembled.first,
+                    assembled.step, assembled.stopped)
+    state = assembled.state
     dest = dest or run.child("exports")
     source = {"run": run.url, "generation": loaded.info.name,
               "state_sha256": loaded.info.manifest["files"][STATE_FILE]["sha256"]}
     existing = _existing(dest, loaded.info.step, source, task_name)
     if existing is not None:
         return existing
-    files = build_files(load_task(task_name, plan["task_config"]), plan, state, source)
+    files = build_files(load_task(task_name, plan["task_config"]), plan, state, source, assembled.to_json())
     info = dest.commit(loaded.info.step, files, contract=plan["contract"], world=plan.get("world", 1),
                        code_version=state["meta"].get("code_version", ""), check=check_file,
                        digests={"export": BF16_FILE}, extra={"kind": "export", "source": source})
@@ -155,8 +166,12 @@ def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reuse
 
 
 # -- the files --------------------------------------------------------------------------------------------
-def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source: dict[str, Any]) -> dict[str, bytes]:
-    """Every file of the bundle, as bytes (SHA256SUMS last, over the others)."""
+def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source: dict[str, Any],
+                history_covered: dict[str, Any] | None = None) -> dict[str, bytes]:
+    """Every file of the bundle, as bytes (SHA256SUMS last, over the others).
+
+    ``history_covered``: which steps ``state``'s history holds (job.train.history ``Assembled.to_json``), recorded in
+    metrics.json; retention may have deleted the generations holding the oldest rows."""
     from safetensors.torch import save
 
     from job.train.bundle_readme import readme
@@ -173,8 +188,12 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
     # can rebuild the architecture does the bundle need a program to be loadable without the task's code.
     program, example, program_note = (None, {}, "not needed: model.py rebuilds it") if alone else \
         export_program(task, weights)
-    history = History.from_state_dict(state["history"])
-    plot = loss_png(history.column("step"), history.column("loss"), f"{plan['task']}: training loss")
+    rows = History.from_state_dict(state["history"])
+    covered = history_covered or {"first_step": state["history_chain"]["first"], "last_step": state["progress"]["step"]}
+    title = f"{plan['task']}: training loss" + ("" if covered["first_step"] == 1 else
+                                                f" (steps {covered['first_step']}..{covered['last_step']}: older "
+                                                "generations are no longer kept)")
+    plot = loss_png(rows.column("step"), rows.column("loss"), title)
     files = {
         BF16_FILE: _torch_bytes(bf16),
         BF16_SAFETENSORS: save(bf16),
@@ -182,7 +201,7 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
         "config.json": _json({**_config(task, plan, state, source, FP_FILE),
                               "model_args": alone.model_args if alone else {},
                               "standalone": {"model_py": alone is not None, "program": program_note}}),
-        "metrics.json": _json(_metrics(task, plan, state, metric, metric_bf16, threads)),
+        "metrics.json": _json({**_metrics(task, plan, state, metric, metric_bf16, threads), "history": covered}),
         "data.json": _json(_data(task, plan, state)),
         "README.md": readme(metric_name=task.eval_metric, metric=metric, fp_name=FP_FILE,
                             bf16_names=[BF16_SAFETENSORS, BF16_FILE], has_model_py=alone is not None,
@@ -211,8 +230,8 @@ def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> 
 
 
 def _metrics(task: Task, plan: dict, state: dict, metric: float, metric_bf16: float, threads: int) -> dict[str, Any]:
-    history, progress = History.from_state_dict(state["history"]), state["progress"]
-    last = history.row(-1) if len(history) else {}
+    rows, progress = History.from_state_dict(state["history"]), state["progress"]
+    last = rows.row(-1) if len(rows) else {}
     return {
         "step": progress["step"], "epoch": progress["epoch"], "final_loss": last.get("loss"),
         "final_lr": last.get("lr"), "next_lr": progress.get("next_lr"), "samples_seen": progress["samples_seen"],

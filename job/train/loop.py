@@ -196,8 +196,10 @@ class Trainer:
                                          code_version=code_version(), reporter=reporter, sync=self.sync)
         # Asynchronous checkpoints (job.train.async_save) unless --sync-checkpoint; world > 1 and sharded runs
         # stay synchronous.
-        self.saver = (BackgroundSaver(self.checkpointer, reporter, self._observe_background_save)
+        self.saver = (BackgroundSaver(self.checkpointer, reporter, self._observe_background_save, self._committed)
                       if not cfg.sync_checkpoint and self.world == 1 and not self.fsdp else None)
+        self._live: Run | None = None
+        """The run being trained (its history drops the rows of each committed generation: :meth:`_committed`)."""
         self._stop_seen_at: float | None = None
         self.world_changes: list[dict[str, int]] = []
         self.code_changes: list[dict[str, Any]] = []
@@ -213,6 +215,7 @@ class Trainer:
         run = build_run(self.task, self.device, self.cfg.seed, env=self.sync.env, sync=self.sync,
                         per_rank_mean=self.cfg.negative_control == "per-rank-mean",
                         microbatch_mean=self.cfg.negative_control == "mean-of-microbatch-means", fsdp=self.fsdp)
+        self._live = run
         try:
             resumed_from = self._resume(run)  # generators are restored here, last, right before the loop
         except RestoreCheckError as exc:
@@ -394,7 +397,7 @@ class Trainer:
                 self.reporter.event("checkpoint_wait", step=run.step, waiting_for=previous, seconds=waited)
         self.reporter.event("checkpoint_begin", step=run.step)
         state = capture_state(run, self._meta(run)) if self.rank == 0 else None
-        extra = {"task": self.cfg.task, "epoch": run.sampler.epoch, "loss": run.history.row(-1)["loss"],
+        extra = {"task": self.cfg.task, "epoch": run.sampler.epoch, "loss": run.history.last_row["loss"],
                  "next_lr": run.lr(), "world": self.world, "resumed_from": self.resumed_from,
                  "code_changes": self.code_changes}
         if self.saver:
@@ -407,8 +410,16 @@ class Trainer:
                 shards = sharded_state(run.model, run.optimizer)
             self.checkpointer.commit(run.step, state, extra=extra, part=capture_rank_part(run) if self.rank else None,
                                      blocked_since=t0, sharded=shards)
+            self._committed(run.step)
             self._observe_save(time.perf_counter() - t0)
         self.clock.mark()
+
+    def _committed(self, step: int) -> None:
+        """Generation ``step`` is committed (on every rank): its history rows live in the store now, so the run's
+        history keeps only the later ones and the next generation holds the rows since this one. Called only
+        after a commit landed: after a failed or skipped save the rows stay for the next generation."""
+        if self._live is not None:
+            self._live.history.committed(step)
 
     def _saved_through(self) -> int:
         """The newest step committed or being committed in the background."""
@@ -508,7 +519,7 @@ class Trainer:
 
     def _write_summary(self, run: Run, outcome: Outcome, resumed_from: int | None) -> None:
         """Run-level ``summary.json`` (overwritten by each process; a failure costs no work)."""
-        last = run.history.row(-1) if len(run.history) else {}
+        last = run.history.last_row or {}
         saves = [r["seconds"] for r in self.checkpointer.records]
         summary = {
             "schema": "trainproof.summary/1", "status": "completed" if outcome.exit_code == 0 else "stopped",

@@ -204,8 +204,8 @@ def code_decision(*, saved: str | None, now: str, step: int, allow: bool, histor
 
 def check_transition(data: dict[str, Any], world: int, global_batch: int) -> None:
     """Refuse a world change whose first, partial epoch would leave a rank without a sample."""
-    perm, cursor, total = data.get("permutation"), data.get("cursor", 0), data.get("num_samples", 0)
-    left = total - cursor if perm is not None and cursor < total else 0
+    drawn, cursor, total = data.get("drawn"), data.get("cursor", 0), data.get("num_samples", 0)
+    left = total - cursor if drawn and cursor < total else 0
     tail = left % global_batch or (global_batch if left else 0)
     if 0 < tail < world:
         raise ContractError(

@@ -191,7 +191,7 @@ def _optimizer_update(run: Run) -> None:
 def capture_rank_part(run: Run) -> dict[str, Any]:
     """This rank's part of the state: its generators, the data position and the next draws.
 
-    Rank 0's ``data`` is the global data position (permutation, cursor, epoch, data generator); other
+    Rank 0's ``data`` is the global data position (epoch, cursor, data generator pair); other
     ranks keep only epoch and cursor, which prove their file belongs to the same moment.
     """
     data = run.sampler.state_dict()
@@ -217,7 +217,8 @@ def capture_state(run: Run, meta: dict[str, Any]) -> dict[str, Any]:
         "optimizer": {} if run.fsdp else run.optimizer.state_dict(),
         "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict(),
-        "history": run.history.state_dict(),
+        "history": run.history.state_dict(),  # the rows since the last committed generation
+        "history_chain": run.history.chain(),
         "task_state": run.task.state_dict(),
         "ranks": [capture_rank_part(run)],
     }
@@ -243,8 +244,11 @@ def restore_state(run: Run, state: dict[str, Any], *, restore_rng: bool = True, 
         _load("optimizer", lambda: run.optimizer.load_state_dict(state["optimizer"]))
     _load_scaler(run, state["scaler"])
     run.sampler.load_state_dict(data)
-    run.history = History.from_state_dict(state["history"])
     progress = state["progress"]
+    # The rows up to the restored step live in the store's generations; this process records from the next step
+    # on, chaining from the restored state's digest (job.train.state.History).
+    saved = History.from_state_dict(state["history"])
+    run.history = History(first=progress["step"] + 1, before=state["history_chain"]["digest"], last=saved.last_row)
     run.step, run.samples_seen, run.targets_seen = progress["step"], progress["samples_seen"], progress["targets_seen"]
     # The task's own state (Task.state_dict) after everything the trainer owns and before the generators;
     # a state written before task state existed holds none ({}).

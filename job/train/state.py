@@ -2,7 +2,7 @@
 
 Layout (``training_state.pt``, a dict saved with ``torch.save``)::
 
-    schema     "trainproof.state/1"
+    schema     "trainproof.state/2"
     meta       contract, world, world_changes ([{step, from, to}], empty unless --allow-world-change was
                used), task, task_config, seed, objective, data_identity, code_version (job.train.identity),
                code_changes ([{step, from, to}], empty unless --allow-code-change was used), versions
@@ -10,11 +10,20 @@ Layout (``training_state.pt``, a dict saved with ``torch.save``)::
                process restored, None on a fresh start)
     progress   step, epoch, samples_seen, targets_seen, next_lr
     model / optimizer / scheduler / scaler    their state_dicts (scheduler None when the task has none)
-    history    per-step columns: step, epoch, loss, lr, targets, sample ids (flat + offsets)
+    history    per-step columns: step, epoch, loss, lr, targets, sample ids (flat + offsets), for the steps
+               since the previous committed generation of this run only (``history_chain.first``..step)
+    history_chain  {first, before, digest}: the first step held, the hash chain's value before it (the previous
+               generation's ``digest``; ``HISTORY_GENESIS`` when first is 1) and after the last row. The chain
+               covers every row since step 1 (see :class:`History`): job.train.history reassembles a full
+               history from the run's generations and checks it end to end against ``digest``
     task_state the task's own state (``Task.state_dict()``, ``{}`` for tasks that keep none; absent in states
                written before it existed, which load as ``{}``)
     ranks      [rank 0's part]: {rank, rng, data, next_draws}; ``data`` is the global data position
-               (permutation, cursor, epoch, data generator), the same on every rank
+               (epoch, cursor, the data generator before this epoch's permutation and now: O(1), the
+               permutation is redrawn on load, job.train.data), the same on every rank
+
+So a checkpoint's size is the model, optimizer and task state plus O(1) bookkeeping (for a fixed checkpoint
+interval): it grows neither with the number of steps trained nor with the dataset size.
 
 With world > 1, rank r >= 1 keeps its own part in ``rank-%05d.pt`` beside the state (schema, step, world,
 rank, rng, next_draws, and a ``data`` copy of epoch and cursor that proves it belongs to the same moment);
@@ -29,10 +38,13 @@ can never write a state that its own loader would refuse.
 
 from __future__ import annotations
 
+import hashlib
 import io
-import zipfile
 import pickle
 import re
+import struct
+import sys
+import zipfile
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -44,11 +56,12 @@ import torch
 from job.errors import StateError
 from storage.spool import Spool, SpoolWriter
 
-STATE_SCHEMA = "trainproof.state/1"
+STATE_SCHEMA = "trainproof.state/2"  # /2: bounded history + history_chain, O(1) data position
 STATE_FILE = "training_state.pt"
 RANK_SCHEMA = "trainproof.rank/1"
 RANK_KEYS = ("rank", "step", "world", "rng", "data", "next_draws")
-TOP_KEYS = ("schema", "meta", "progress", "model", "optimizer", "scheduler", "scaler", "history", "ranks")
+TOP_KEYS = ("schema", "meta", "progress", "model", "optimizer", "scheduler", "scaler", "history", "history_chain",
+            "ranks")
 # Exact types, not isinstance: subclasses such as torch's TorchVersion (a str) or np.float64 (a float)
 # pickle as their own class, which weights-only loading refuses.
 _SCALARS = (str, int, float, bool, type(None))
@@ -56,19 +69,35 @@ _MAPPINGS = (dict, OrderedDict)
 _SEQUENCES = (list, tuple)
 
 
+HISTORY_GENESIS = hashlib.sha256(b"trainproof.history/1").hexdigest()
+"""The chain value before step 1: ``d_0``. Row k then chains as ``d_k = sha256(d_{k-1} || row_k)``."""
+_ROW = struct.Struct("<qqddqq")  # step, epoch, loss, lr, targets, number of sample ids; then the ids, int64 LE
+
+
 class History:
     """Per-step record of what each update consumed and produced (for the verifier's comparison).
 
-    Kept as typed arrays (8 bytes a value), not Python objects: a long run's history (a million steps,
-    tens of sample ids each) stays small in memory and converts to tensors without a Python loop.
+    Kept as typed arrays (8 bytes a value), not Python objects, and bounded: a state holds only the rows since
+    the previous committed generation (``first``..step), so a checkpoint's size does not grow with the run.
+    What ties the rows of successive generations together is a **hash chain** over every row since step 1:
+    ``d_0 = HISTORY_GENESIS``, ``d_k = sha256(d_{k-1} || canonical bytes of row k)`` (:data:`_ROW`, then the
+    sample ids; floats by their IEEE-754 bits). ``before`` is the chain value before ``first`` (the previous
+    generation's ``digest``), :attr:`digest` the value after the last row. A full history reassembled from
+    generations (:mod:`job.train.history`) is checked end to end against the newest state's digest.
+    Digests are computed lazily (at a save or a check), never per training step.
     """
 
     COLUMNS: ClassVar[dict[str, str]] = {"step": "q", "epoch": "q", "loss": "d", "lr": "d", "targets": "q"}
 
-    def __init__(self) -> None:
+    def __init__(self, *, first: int = 1, before: str = HISTORY_GENESIS, last: dict[str, Any] | None = None) -> None:
         self._cols = {name: array(code) for name, code in self.COLUMNS.items()}
         self._ids = array("q")
         self._offsets = array("q", [0])
+        self.first = first
+        """The step of the first row held (the row after the previous committed generation)."""
+        self._before = bytes.fromhex(before)
+        self._digests = bytearray()  # 32 bytes per row, the chain value after it; filled lazily
+        self._last = last  # the newest row, kept when the rows themselves were committed and dropped
 
     def append(self, *, step: int, epoch: int, loss: float, lr: float, targets: int, sample_ids: list[int]) -> None:
         """Record one completed optimizer step."""
@@ -85,17 +114,90 @@ class History:
         return self._cols[name].tolist()
 
     def row(self, i: int) -> dict[str, Any]:
-        """Step ``i`` (0-based; negative counts from the end) as a dict, sample ids included."""
+        """Row ``i`` held (0-based; negative counts from the end) as a dict, sample ids included."""
         i = range(len(self))[i]
         out = {name: col[i] for name, col in self._cols.items()}
         out["sample_ids"] = self._ids[self._offsets[i] : self._offsets[i + 1]].tolist()
         return out
 
     @property
+    def last_row(self) -> dict[str, Any] | None:
+        """The newest step's row, even when it was already committed and dropped (None before any step)."""
+        return self.row(-1) if len(self) else self._last
+
+    @property
     def rows(self) -> list[dict[str, Any]]:
         """Every step as a dict (convenient for comparisons; builds Python objects, so not for hot paths)."""
         return [self.row(i) for i in range(len(self))]
 
+    # -- the chain ------------------------------------------------------------------------------------------
+    def _chain_after(self, n: int) -> bytes:
+        """The chain value after the first ``n`` rows held (``before`` for 0)."""
+        have = len(self._digests) // 32
+        d = self._before if have == 0 else bytes(self._digests[-32:])
+        for i in range(have, n):
+            h = hashlib.sha256(d)
+            c = self._cols
+            ids = self._ids[self._offsets[i] : self._offsets[i + 1]]
+            h.update(_ROW.pack(c["step"][i], c["epoch"][i], c["loss"][i], c["lr"][i], c["targets"][i], len(ids)))
+            h.update(_le_bytes(ids))
+            d = h.digest()
+            self._digests += d
+        return self._before if n == 0 else bytes(self._digests[32 * (n - 1) : 32 * n])
+
+    @property
+    def before(self) -> str:
+        """The chain value before the first row held (hex)."""
+        return self._before.hex()
+
+    @property
+    def digest(self) -> str:
+        """The chain value after the last row held (hex): the digest of every step since step 1."""
+        return self._chain_after(len(self)).hex()
+
+    def chain(self) -> dict[str, Any]:
+        """The state's ``history_chain`` section: ``first`` step held, chain value ``before`` it, ``digest`` after."""
+        return {"first": self.first, "before": self.before, "digest": self.digest}
+
+    def committed(self, step: int) -> None:
+        """Generation ``step`` is committed: drop the rows through ``step`` (the store holds them now); the chain
+        carries on from the digest after ``step``. Rows after ``step`` (training went on meanwhile) stay."""
+        n = step - self.first + 1
+        if n <= 0:
+            return
+        if n > len(self):
+            raise ValueError(f"history holds steps {self.first}..{self.first + len(self) - 1}, not {step}")
+        if n == len(self):
+            self._last = self.row(-1)
+        self._before = self._chain_after(n)
+        cut = self._offsets[n]
+        self._cols = {name: col[n:] for name, col in self._cols.items()}
+        self._ids = self._ids[cut:]
+        self._offsets = array("q", [o - cut for o in self._offsets[n:]])
+        self._digests = self._digests[32 * n :]
+        self.first = step + 1
+
+    def since(self, step: int) -> History:
+        """A copy holding only the rows from ``step`` on (the chain value before it computed)."""
+        out = History.join([self])
+        out.committed(step - 1)
+        return out
+
+    @classmethod
+    def join(cls, parts: list[History]) -> History:
+        """Consecutive parts (each one's ``first`` right after the previous one's last step) as one history.
+
+        The caller checks that each part's ``before`` is the previous part's ``digest`` (job.train.history)."""
+        out = cls(first=parts[0].first, before=parts[0].before, last=parts[-1].last_row)
+        for part in parts:
+            for name in cls.COLUMNS:
+                out._cols[name].extend(part._cols[name])
+            base = len(out._ids)
+            out._ids.extend(part._ids)
+            out._offsets.extend(o + base for o in part._offsets[1:])
+        return out
+
+    # -- (de)serialisation ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Columnar tensors: exact (float64 for loss and lr), compact, fast to (de)serialise."""
         out = {name: _tensor(col) for name, col in self._cols.items()}
@@ -104,8 +206,10 @@ class History:
         return out
 
     @classmethod
-    def from_state_dict(cls, state: Any) -> History:
-        """Rebuild from :meth:`state_dict` output, refusing wrong types or ragged columns."""
+    def from_state_dict(cls, state: Any, *, first: int = 1, before: str = HISTORY_GENESIS) -> History:
+        """Rebuild from :meth:`state_dict` output, refusing wrong types or ragged columns.
+
+        ``first``/``before``: where these rows sit in the run's chain (a state's ``history_chain``)."""
         if not isinstance(state, dict):
             raise StateError("history is not a dict of columns")
         arrays = {}
@@ -115,7 +219,7 @@ class History:
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
                 raise StateError(f"history column {name!r} must be a 1-D {dtype} tensor")
             arrays[name] = array(code, t.contiguous().numpy().tobytes())
-        hist = cls()
+        hist = cls(first=first, before=before)
         hist._cols = {name: arrays[name] for name in cls.COLUMNS}
         hist._ids, hist._offsets = arrays["sample_ids"], arrays["sample_offsets"]
         n, offsets = len(hist), hist._offsets
@@ -124,6 +228,50 @@ class History:
         if offsets[0] != 0 or offsets[-1] != len(hist._ids) or any(a > b for a, b in pairwise(offsets)):
             raise StateError("history sample offsets are not a valid index")
         return hist
+
+
+def _le_bytes(values: array) -> bytes:
+    if sys.byteorder == "little":
+        return values.tobytes()
+    swapped = array(values.typecode, values)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def check_chain(chain: Any) -> dict[str, Any]:
+    """Refuse a ``history_chain`` section of the wrong shape; return it."""
+    ok = (isinstance(chain, dict) and type(chain.get("first")) is int and chain["first"] >= 1
+          and all(isinstance(chain.get(k), str) and len(chain[k]) == 64 and _is_hex(chain[k]) for k in ("before", "digest")))
+    if not ok:
+        raise StateError(f"the state's history_chain is malformed: {chain!r:.200}")
+    if chain["first"] == 1 and chain["before"] != HISTORY_GENESIS:
+        raise StateError("history_chain starts at step 1 but not from the chain's genesis value")
+    return chain
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_history(state: dict[str, Any]) -> History:
+    """The state's own rows (``first``..its step, each exactly once), proven to chain from ``before`` to ``digest``.
+
+    What a single state can prove; that ``before`` is the previous generation's digest is checked when a full
+    history is reassembled (job.train.history)."""
+    own = state["progress"]["step"]
+    chain = check_chain(state.get("history_chain"))
+    history = History.from_state_dict(state["history"], first=chain["first"], before=chain["before"])
+    if history.column("step") != list(range(chain["first"], own + 1)):
+        raise StateError(f"history does not record steps {chain['first']}..{own} exactly once each "
+                         "(a step repeated or skipped)")
+    if history.digest != chain["digest"]:
+        raise StateError(f"history rows {chain['first']}..{own} do not hash to the state's chain digest "
+                         f"(a row was changed after it was recorded)")
+    return history
 
 
 def _tensor(values: array) -> torch.Tensor:
@@ -333,9 +481,7 @@ def check_self_consistent(state: dict[str, Any], *, step: int | None, contract: 
         raise StateError(f"state progress.step is {own!r}, not a step count")
     if step is not None:
         _same("progress.step", own, step, "the generation's name and its content disagree")
-    history = History.from_state_dict(state["history"])
-    if history.column("step") != list(range(1, own + 1)):
-        raise StateError(f"history does not record steps 1..{own} exactly once each (a step repeated or skipped)")
+    check_history(state)
     sched = state["scheduler"]
     if sched is not None and sched.get("last_epoch") != own:
         raise StateError(f"scheduler has taken {sched.get('last_epoch')} steps but progress says {own}")
