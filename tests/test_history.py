@@ -183,9 +183,11 @@ def test_only_a_commit_that_landed_drops_history_rows():
 
     class Flaky:
         reporter = None
+        spool_dir = None
         fail = True
 
-        def commit(self, step, state, **kw):
+        def commit(self, step, state, *, encoded, **kw):
+            encoded.unlink()  # the serialised state (a spool file), as the real checkpointer deletes it
             if self.fail:
                 raise OSError("the store went away")
 
