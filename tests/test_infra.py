@@ -210,14 +210,16 @@ def test_multinode_rendezvous(rendered):
     assert svc["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
     assert spec["completionMode"] == "Indexed" and spec["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
     c = _train_container(job)
-    assert c["command"] == ["tini", "--", "torchrun"]
+    assert "command" not in c  # the image's entrypoint: trainproof, whose launcher runs the node's ranks
     opts = dict(a.split("=", 1) for a in c["args"] if a.startswith("--") and "=" in a)
-    assert opts["--rdzv-backend"] == "c10d"
-    assert opts["--rdzv-endpoint"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}:29500"
+    assert c["args"][0] == "train" and "--fsdp" in c["args"]
+    assert opts["--master-addr"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    assert opts["--master-port"] == "29500" and opts["--node-rank"] == "$(JOB_COMPLETION_INDEX)"
+    index = next(e for e in c["env"] if e["name"] == "JOB_COMPLETION_INDEX")
+    assert index["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     assert int(opts["--nnodes"]) == spec["completions"] == spec["parallelism"]
     gpus = c["resources"]["limits"]["nvidia.com/gpu"]
     assert int(opts["--nproc-per-node"]) == gpus == c["resources"]["requests"]["nvidia.com/gpu"]
-    assert c["args"][c["args"].index("-m") + 1:][:2] == ["job", "train"]
 
 
 def test_local_minio(rendered):
