@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 from job.train.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F401 - re-exported
 from job.train.launch import entry_argv
+from job.train.fsdp import complete_state, sharded_digests
+from job.train.sharded import is_sharded_file
 from job.train.state import STATE_FILE, decode, decode_generation
 from storage import COMPLETE, GenerationStore, redact_url
 
@@ -143,7 +145,8 @@ class RunReader:
         if step not in self.steps:
             raise VerificationIncomplete(f"path {self.name!r} has no complete generation at step {step} "
                                          f"(it has {self.steps or 'none'}) in {self.url}")
-        return decode_generation(self.store.load(step).files)  # rank files joined when world > 1
+        state = decode_generation(self.store.load(step, skip=is_sharded_file).files)  # rank files joined (world > 1)
+        return complete_state(self.store, step, state)  # sharded (--fsdp): model and optimizer read from its shards
 
 
 def seed_run(dst: GenerationStore, plan: bytes, loaded: Any) -> None:
@@ -167,7 +170,8 @@ def commit_copy(dst: GenerationStore, loaded: Any) -> dict[str, Any]:
     manifest = loaded.info.manifest
     dst.commit(loaded.info.step, loaded.files, contract=manifest["contract"], world=manifest["world"],
                code_version=manifest.get("code_version", ""), check=_state_check, extra=manifest.get("extra"),
-               digests={"state": STATE_FILE} if STATE_FILE in loaded.files else None)
+               digests=({"state": STATE_FILE} if STATE_FILE in loaded.files else {})
+               | sharded_digests(loaded.files) or None)
     return manifest
 
 
