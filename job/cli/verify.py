@@ -67,6 +67,9 @@ def verify_command(
     world: Annotated[int, typer.Option(
         help="Ranks of every path (train --nproc-per-node W, gloo on the CPU); > 1 adds the world-size "
              "equivalence check (W ranks vs 1 rank, same global batch) and its negative control.")] = 1,
+    fsdp: Annotated[bool, typer.Option(
+        "--fsdp", help="Every path trains sharded (train --fsdp, FSDP2); each state is read whole from its "
+                       "verified shards before it is compared or exported.")] = False,
     keep_evidence: Annotated[bool, typer.Option(
         "--keep-evidence", help="Keep the paths' step-* generations after a passed verdict (a failed or incomplete "
                                 "one always keeps them; --reuse-reference needs them).")] = False,
@@ -87,15 +90,16 @@ def verify_command(
 
         tolerance = Tolerance(atol=atol, rtol=rtol)
         if audit:
-            if world != 1:
-                raise UsageError("--world is for the protocol; --audit replays with the run's own plan.json")
+            if world != 1 or fsdp:
+                raise UsageError(f"{'--world' if world != 1 else '--fsdp'} is for the protocol; --audit replays "
+                                 "with the run's own plan.json")
             runner = _audit(common, opener, tolerance, protocol_only, from_step=from_step, to_step=to_step,
                             max_replay_steps=max_replay_steps)
         else:
             if from_step is not None or to_step is not None:
                 raise UsageError("--from/--to select generations for --audit")
             runner = _protocol(common, opener, tolerance, protocol_only, checkpoint_every=checkpoint_every,
-                               export=export_bundle, parallel=not sequential, world=world)
+                               export=export_bundle, parallel=not sequential, world=world, fsdp=fsdp)
     except (UsageError, TrainError, StoreError, OSError, ValueError) as exc:
         raise fail(" ".join(str(exc).split()), EXIT_USAGE) from None
     raise typer.Exit(_run_and_report(runner, keep_evidence=keep_evidence))

@@ -57,7 +57,7 @@ class ObjectiveCheck:
     """Plan, then compare, the objective-equivalence runs (the protocol launches them with its own paths)."""
 
     def __init__(self, *, task: Task, task_name: str, config: str | None, seed: int, device: str, world: int,
-                 root_url: str, store_args: list[str]) -> None:
+                 root_url: str, store_args: list[str], fsdp: bool = False) -> None:
         self.world, self.root_url = world, root_url.rstrip("/")
         self.global_batch = task.batch_size * world
         per_rank = self.global_batch // world
@@ -73,7 +73,8 @@ class ObjectiveCheck:
             self.splits["w_mean_of_means"] = {**self.splits["w_ranks"], "negative": True}
         self.common = ["--task", task_name, *(["--config", config] if config else []), "--seed", str(seed),
                        "--steps", str(STEPS), "--checkpoint-every", "0", "--checkpoint-every-seconds", "0",
-                       "--keep", "0", "--resume", "never", "--device", device, "--log-format", "json", *store_args]
+                       "--keep", "0", "--resume", "never", "--device", device, "--log-format", "json", *store_args,
+                       *(["--fsdp"] if fsdp else [])]
         self.urls = {name: f"{self.root_url}/{name}" for name in self.splits}
         self.paths: dict[str, dict[str, Any]] = {}
         self.diffs: dict[str, dict[str, float]] = {}

@@ -20,6 +20,7 @@ from job.train.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F
 from job.train.launch import entry_argv
 from job.errors import StateError
 from job.train.history import assemble
+from job.train.shard_files import METADATA_FILE, is_sharded_file
 from job.train.state import STATE_FILE, decode, decode_generation
 from storage import COMPLETE, GenerationStore, redact_url
 
@@ -148,7 +149,8 @@ class RunReader:
         if step not in self.steps:
             raise VerificationIncomplete(f"path {self.name!r} has no complete generation at step {step} "
                                          f"(it has {self.steps or 'none'}) in {self.url}")
-        state = decode_generation(self.store.load(step).files)  # rank files joined when world > 1
+        state = decode_generation(self.store.load(step, skip=is_sharded_file).files)  # rank files joined (world > 1)
+        state = _complete(self.store, step, state)  # sharded (--fsdp): model and optimizer read from its shards
         self._sections[step] = _history_section(state)
         try:
             return assemble(state, self._section, since=since).state
@@ -160,7 +162,8 @@ class RunReader:
         if step not in self._sections:
             if step not in self.steps:
                 return None
-            self._sections[step] = _history_section(decode(self.store.load(step).files[STATE_FILE]))
+            loaded = self.store.load(step, skip=is_sharded_file)
+            self._sections[step] = _history_section(decode(loaded.files[STATE_FILE]))
         return self._sections[step]
 
 
@@ -209,7 +212,8 @@ def commit_copy(dst: GenerationStore, loaded: Any) -> dict[str, Any]:
     manifest = loaded.info.manifest
     dst.commit(loaded.info.step, loaded.files, contract=manifest["contract"], world=manifest["world"],
                code_version=manifest.get("code_version", ""), check=_state_check, extra=manifest.get("extra"),
-               digests={"state": STATE_FILE} if STATE_FILE in loaded.files else None)
+               digests=({"state": STATE_FILE} if STATE_FILE in loaded.files else {})
+               | ({"dcp_metadata": METADATA_FILE} if METADATA_FILE in loaded.files else {}) or None)
     return manifest
 
 
@@ -222,3 +226,12 @@ def new_id() -> str:
     """A verification id: UTC time (sortable) and a random suffix (two verifiers started the same second)."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
 
+
+def _complete(store: GenerationStore, step: int, state: dict[str, Any]) -> dict[str, Any]:
+    """A sharded run's state (``meta.fsdp``) with its model and optimizer read whole from the shards
+    (``job.train.fsdp.complete_state``); any other state as it is, without importing torch.distributed."""
+    if not (state.get("meta") or {}).get("fsdp"):
+        return state
+    from job.train.fsdp import complete_state
+
+    return complete_state(store, step, state)

@@ -95,6 +95,8 @@ class ProtocolSettings:
     export: bool = True
     world: int = 1
     """Ranks of every path (> 1: ``train --nproc-per-node W``, gloo on the CPU), plus the world-size equivalence."""
+    fsdp: bool = False
+    """Every path trains sharded (``train --fsdp``); their states are read whole from the shards (job.train.fsdp)."""
     cuts: list[int] | None = None
     """Every cut to resume at (``--cuts``); None: the protocol's cut, the epoch boundary and the middle of epoch 1
     (job.proof.cuts). Recorded in verification.json's ``cuts`` block, not in ``settings``."""
@@ -117,7 +119,7 @@ class ProtocolSettings:
         return {"task": self.task, "config": None if self.config is None else str(self.config), "steps": self.steps,
                 "cut": self.cut, "seed": self.seed, "atol": self.tolerance.atol, "rtol": self.tolerance.rtol,
                 "device": self.device, "checkpoint_every": self.checkpoint_every, "reused_reference": self.reuse,
-                "world": self.world}
+                "world": self.world, "fsdp": self.fsdp}
 
 
 def default_schedule(task: str) -> tuple[int, int]:
@@ -177,7 +179,7 @@ class Protocol:
         self.objective = None if (settings.reuse or not settings.objective) else ObjectiveCheck(
             task=self.task, task_name=settings.task, config=None if settings.config is None else str(settings.config),
             seed=settings.seed, device=settings.device, world=settings.world,
-            root_url=f"{absolute_url(self.root)}/objective", store_args=settings.store_args)
+            root_url=f"{absolute_url(self.root)}/objective", store_args=settings.store_args, fsdp=settings.fsdp)
 
     def run(self) -> None:
         """Run and compare every path; export when the comparisons passed. Raises VerificationIncomplete."""
@@ -208,6 +210,7 @@ class Protocol:
                 "--device", s.device, "--log-format", "json", *s.store_args]
         if s.world > 1:
             args = ["--nproc-per-node", str(s.world), *args]
+        args += ["--fsdp"] if s.fsdp else []
         negative = ["--omit-rng-restore"] if path == NEGATIVE else []
         return job_argv("train", "--store", self.urls[path], *args, *negative)
 
@@ -242,6 +245,7 @@ class Protocol:
                 *s.store_args]
         if s.world > 1:
             args = ["--nproc-per-node", str(s.world), *args]
+        args += ["--fsdp"] if s.fsdp else []
         return job_argv("train", "--store", self.cut_urls[name], *args)
 
     def _adopt_reference(self) -> None:
@@ -301,7 +305,7 @@ class Protocol:
             self.world_check = WorldEquivalence(
                 world=self.s.world, root_url=f"{absolute_url(self.root)}/world_equivalence", workdir=Path(tmp),
                 seed=self.s.seed, device=self.s.device, timeout=self.s.timeout, parallel=self.s.parallel,
-                store_args=self.s.store_args, opener=self.opener)
+                store_args=self.s.store_args, opener=self.opener, fsdp=self.s.fsdp)
             self.world_check.run()
 
     # -- comparison ---------------------------------------------------------------------------------------

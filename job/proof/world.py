@@ -64,10 +64,12 @@ class WorldEquivalence:
     """Run and compare the three world-equivalence runs under ``root_url``."""
 
     def __init__(self, *, world: int, root_url: str, workdir: Path, seed: int, device: str, timeout: float,
-                 parallel: bool, store_args: list[str], opener: Opener) -> None:
+                 parallel: bool, store_args: list[str], opener: Opener, fsdp: bool = False) -> None:
         self.world, self.root_url, self.seed, self.device = world, root_url.rstrip("/"), seed, device
         self.timeout, self.parallel, self.store_args, self.opener = timeout, parallel, store_args, opener
         self.workdir = workdir
+        self.fsdp = fsdp
+        """Every run sharded (``train --fsdp``), the one-rank reference too: the same state format on both sides."""
         self.urls = {r: f"{self.root_url}/{r}" for r in RUNS}
         self.paths: dict[str, dict[str, Any]] = {}
         self.diffs: dict[str, dict[str, float]] = {}
@@ -89,7 +91,8 @@ class WorldEquivalence:
         return job_argv("train", "--store", self.urls[run], *world, *negative, "--task", EQUIVALENCE_TASK, "--config", cfg,
                         "--seed", str(self.seed), "--steps", str(equivalence_steps(self.world)),
                         "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
-                        "--resume", "never", "--device", self.device, "--log-format", "json", *self.store_args)
+                        "--resume", "never", "--device", self.device, "--log-format", "json", *self.store_args,
+                        *(["--fsdp"] if self.fsdp else []))
 
     def run(self) -> None:
         """Launch the three runs (the negative one with ``--negative-control per-rank-mean``), read back, compare."""

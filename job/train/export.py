@@ -39,6 +39,7 @@ import torch
 
 from job.errors import ConfigError
 from job.train import history
+from job.train.shard_files import is_sharded_file
 from job.train.state import STATE_FILE, History, decode
 from storage.spool import spool_dir
 from job.tasks import Task, load_task, trusted_task
@@ -95,8 +96,6 @@ def export(run: GenerationStore, *, step: int | None = None, dest: GenerationSto
     export, the task is not given, or it cannot evaluate.
     """
     plan = read_run_plan(run)
-    if plan.get("fsdp"):  # its states hold no model: the weights are in the shards (job.train.fsdp)
-        raise ConfigError(f"{run.url} is a sharded run (--fsdp): exporting one is not implemented yet (docs/fsdp.md)")
     task_name = trusted_task(plan.get("task"), task, f"{PLAN_FILE} of {run.url}")
     loaded = _load_source(run, plan, step)
     try:
@@ -108,6 +107,11 @@ def export(run: GenerationStore, *, step: int | None = None, dest: GenerationSto
 def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, loaded: Any,
                    dest: GenerationStore | None) -> Bundle:
     state = decode(loaded.files[STATE_FILE])  # mapped from the spool, not copied
+    if state["meta"].get("fsdp"):
+        # A sharded run (--fsdp): the model and optimizer gathered whole in this process from the verified shards.
+        from job.train.fsdp import complete_state  # only sharded runs import torch.distributed.checkpoint
+
+        state = complete_state(run, loaded.info.step, state, contract=plan["contract"])
     # Each generation holds only its own steps' history: the loss curve and the last row need the rows before it.
     assembled = history.from_store(run, state, contract=plan["contract"], partial=True)
     if assembled.stopped:
@@ -130,7 +134,7 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
 def _load_source(run: GenerationStore, plan: dict[str, Any], step: int | None):
     """The generation to export, downloaded into spool files (never whole in memory; ``storage.spool``)."""
     check = lambda name, data: decode(data) if name == STATE_FILE else None  # noqa: E731
-    spooled = {"spool_dir": spool_dir(), "spool_from": 0}
+    spooled = {"spool_dir": spool_dir(), "spool_from": 0, "skip": is_sharded_file}  # shards: read by complete_state
     if step is not None:
         complete = sorted(g.step for g in run.scan(contract=plan["contract"]) if g.status == COMPLETE)
         if step not in complete:  # a usage error, not a damaged generation: say what can be exported

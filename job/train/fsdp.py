@@ -29,13 +29,16 @@ place; the rest of the restore follows as without FSDP (job.train.run ``restore_
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from job.train.dist import DistEnv
-from job.train.sharded import load_sharded
+from job.train.sharded import METADATA_FILE, GenerationReader, ShardedLoadError, load_sharded
 from storage import GenerationInfo, GenerationStore
 
 
@@ -96,4 +99,110 @@ def load_generation(model: nn.Module, optimizer: torch.optim.Optimizer, store: G
     return info
 
 
-__all__ = ["wrap", "set_gradient_sync", "grad_scaler", "sharded_state", "load_generation"]
+def full_state(store: GenerationStore, step: int, state: dict[str, Any], *,
+               contract: str | None = None) -> dict[str, Any]:
+    """``state`` (generation ``step``'s decoded training state, whose ``model`` and ``optimizer`` are empty in a
+    sharded run) with ``model`` and ``optimizer`` filled from the generation's shards, as full CPU tensors.
+
+    One process, no process group: the target of every tensor is allocated whole from the *verified* metadata's
+    sizes and dtypes (after checking that its chunks tile it exactly: no byte of it is left unread), and DCP
+    (``no_dist``) fills it through the verified reader (:class:`job.train.sharded.GenerationReader`: every file
+    checked against ``COMPLETE.json`` before a byte is used, plain values loaded weights-only). ``model`` is
+    ``{fqn: tensor}``; ``optimizer`` is ``{"state": {fqn: {...}}, "param_groups": [...]}`` keyed by parameter
+    name as ``get_state_dict`` gives it (not by index as a replicated run's), the same in every sharded run, which
+    is all a comparison or an export needs. Raises ShardedLoadError (``corrupt`` when a byte disagrees with the
+    manifest).
+
+    Memory: this materialises the whole model and optimizer in this process (fine for verifying or exporting
+    small and medium models; DCP reads one shard file at a time on top of it). Bounded memory would need the
+    consumers to take the state one tensor (or one chunk) at a time: a per-tensor streaming read (DCP plans per
+    key; ranged reads of the shard files, not implemented), a comparison that walks two generations key by key,
+    and an export that writes safetensors incrementally.
+    """
+    reader = GenerationReader(store, step, contract=contract)
+    metadata = reader.read_metadata()  # verified against the manifest, allowlisted unpickling
+    name = reader.generation().name
+    flat: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            _check_tiling(name, fqn, tuple(md.size), md.chunks)
+            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        else:
+            flat[fqn] = None  # a plain value (param_groups' entries): loaded weights-only by the planner below
+    load_sharded(store, step, flat, world=1, contract=contract, allow_world_change=True, planner=_FullLoadPlanner(),
+                 no_dist=True, reader=reader)
+    nested = _unflatten(name, flat, metadata.planner_data)
+    if not set(nested) <= {"model", "optim"}:
+        raise ShardedLoadError(f"{name}: unexpected sections {sorted(set(nested) - {'model', 'optim'})} in the shards")
+    return {**state, "model": nested.get("model", {}), "optimizer": nested.get("optim", {})}
+
+
+def complete_state(store: GenerationStore, step: int, state: dict[str, Any], *,
+                   contract: str | None = None) -> dict[str, Any]:
+    """``state`` itself, or for a sharded run's state (``meta.fsdp``) :func:`full_state` (what the verifier and
+    the export compare and write: the same sections as a replicated run's state)."""
+    if not (state.get("meta") or {}).get("fsdp"):
+        return state
+    return full_state(store, step, state, contract=contract)
+
+
+def sharded_digests(files: dict[str, Any]) -> dict[str, str]:
+    """The manifest digests of a sharded generation's files (``dcp_metadata_sha256``), for a copy of it."""
+    return {"dcp_metadata": METADATA_FILE} if METADATA_FILE in files else {}
+
+
+class _FullLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner over a flat state dict (keys: the metadata's flattened names); plain values are
+    loaded weights-only (the reader has already refused any other)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item, value) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _check_tiling(name: str, fqn: str, size: tuple[int, ...], chunks: list) -> None:
+    """The chunks of a tensor lie inside it, do not overlap and cover it: every element is read exactly once."""
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
+    ok = all(len(o) == len(size) == len(s) and all(0 <= a and 0 <= b and a + b <= n for a, b, n in zip(o, s, size))
+             for o, s in boxes)
+    ok = ok and sum(math.prod(s) for _, s in boxes) == math.prod(size)
+    for i, (o1, s1) in enumerate(boxes if ok else []):
+        for o2, s2 in boxes[i + 1:]:
+            if all(s1) and all(s2) and all(a < c + d and c < a + b for a, b, c, d in zip(o1, s1, o2, s2)):
+                ok = False
+    if not ok:
+        raise ShardedLoadError(f"{name}/{METADATA_FILE}: the chunks of {fqn!r} do not tile its {size}", corrupt=True)
+
+
+def _unflatten(name: str, flat: dict[str, Any], mapping: Any) -> dict[str, Any]:
+    """The nested state DCP flattened (``metadata.planner_data``: flattened name -> path of keys and list indices)."""
+    root: dict[str, Any] = {}
+    if not isinstance(mapping, dict) or set(mapping) != set(flat):
+        raise ShardedLoadError(f"{name}/{METADATA_FILE}: no nesting for every entry", corrupt=True)
+    for fqn in flat:
+        path = mapping[fqn]
+        if not (isinstance(path, tuple) and path and isinstance(path[0], str)
+                and all(isinstance(p, str) or (type(p) is int and 0 <= p < len(flat)) for p in path)):
+            raise ShardedLoadError(f"{name}/{METADATA_FILE}: bad path for {fqn!r}", corrupt=True)
+        node: Any = root
+        try:
+            for key, nxt in zip(path, path[1:]):
+                if isinstance(node, list):
+                    node.extend([None] * (key + 1 - len(node)))
+                    if node[key] is None:
+                        node[key] = [] if isinstance(nxt, int) else {}
+                    node = node[key]
+                else:
+                    node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+            if isinstance(node, list):
+                node.extend([None] * (path[-1] + 1 - len(node)))
+            node[path[-1]] = flat[fqn]
+        except (TypeError, AttributeError):
+            raise ShardedLoadError(f"{name}/{METADATA_FILE}: paths that do not nest ({fqn!r})", corrupt=True) from None
+    return root
+
+
+__all__ = ["wrap", "set_gradient_sync", "grad_scaler", "sharded_state", "load_generation", "full_state",
+           "complete_state", "sharded_digests"]

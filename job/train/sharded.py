@@ -355,22 +355,28 @@ class GenerationReader(StorageReader):
 
 def load_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], *, world: int,
                  contract: str | None = None, allow_world_change: bool = False,
-                 process_group=None) -> GenerationInfo:
+                 process_group=None, planner=None, no_dist: bool = False,
+                 reader: GenerationReader | None = None) -> GenerationInfo:
     """Load sharded generation ``step`` into ``state_dict`` in place (every rank; DCP reshards to this world).
 
     ConfigError (exit 2) when the generation was saved by another world size and ``allow_world_change`` is
     not given; ShardedLoadError on every rank when it cannot be loaded (``corrupt`` when its bytes disagree
-    with its manifest: the caller may fall back to an older generation)."""
+    with its manifest: the caller may fall back to an older generation). ``planner``, ``no_dist``: DCP's (one
+    process reading a whole generation without a process group: job.train.fsdp ``full_state``); ``reader``:
+    one already set up for ``step`` (its verified metadata is reused)."""
     import torch.distributed.checkpoint as dcp
 
-    reader = GenerationReader(store, step, contract=contract)
+    reader = reader or GenerationReader(store, step, contract=contract)
     saved = reader.generation().manifest["world"]
     if saved != world and not allow_world_change:
         raise ConfigError(f"{reader.generation().name} was saved by {saved} ranks and this run has {world}; "
                           "pass --allow-world-change to reshard it")
     reader.read_metadata()  # here, so that a bad one raises its own error (inside DCP it becomes "metadata is None")
     try:
-        dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+        with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a single process" (it is)
+            if no_dist:
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state_dict, storage_reader=reader, process_group=process_group, planner=planner, no_dist=no_dist)
     except CheckpointException as exc:
         errors = [f[0] for f in exc.failures.values() if isinstance(f[0], ShardedLoadError)]
         raise ShardedLoadError(f"step {step} could not be loaded: {_failures(exc)}",

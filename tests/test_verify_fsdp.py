@@ -1,0 +1,191 @@
+"""``trainproof verify --fsdp`` and ``trainproof export`` of a sharded run: the sharded model and optimizer read whole
+in one process from the verified shards (``job.train.fsdp.full_state``), then compared or exported like a replicated
+run's state.
+
+Real processes: the protocol with ``--fsdp --world 2`` (every path, the world-size equivalence runs and the objective
+runs sharded over 2 gloo ranks; ``--steps 6 --cut 4`` as in tests/test_verify_world.py) must pass with the resume
+bitwise and every negative control detected; a 2-rank sharded run exports the same weights as the same run under DDP
+(bit for bit, as tests/test_train_fsdp.py shows for the states); a changed byte in a shard makes the verifier's read
+and the export fail, naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+from job.errors import TrainError
+from job.proof.paths import RunReader
+from job.train.export import FP_FILE, export
+from job.train.fsdp import _check_tiling, _unflatten, complete_state, full_state
+from job.train.sharded import ShardedLoadError
+from job.train.state import decode_generation
+from storage import open_store
+from tests.test_dist_helpers import load_world_state, start_world
+from tests.test_train_helpers import differences, finish
+from tests.test_verify_helpers import checks, read_report, trainproof
+
+STEPS = 5
+CONFIG = {"rows": 21}  # the regression fixture otherwise (dropout, noise, gain): 3 steps an epoch of global batch 8
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("verify-fsdp") / "run")
+    result = trainproof("verify", "--store", store, "--id", "f2", "--fsdp", "--world", "2", "--steps", "6",
+                        "--cut", "4", "--keep-evidence")
+    return {"store": store, "result": result, "report": read_report(store, "f2")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 2-rank run sharded (--fsdp) and replicated (DDP), side by side."""
+    d = tmp_path_factory.mktemp("export-fsdp")
+    (d / "cfg.json").write_text(json.dumps(CONFIG))
+    common = ("--config", str(d / "cfg.json"), "--max-steps", str(STEPS), "--checkpoint-every", "0")
+    procs = {"fsdp": start_world(d / "fsdp", "--fsdp", *common), "ddp": start_world(d / "ddp", *common)}
+    results = {k: finish(p, timeout=300) for k, p in procs.items()}
+    assert [r.code for r in results.values()] == [0, 0], [r.stderr[-2000:] for r in results.values()]
+    return d
+
+
+def test_verify_fsdp_world2_passes_with_the_resume_bitwise_and_every_negative_detected(verified):
+    result, report = verified["result"], verified["report"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["completed"] and report["failing_checks"] == [], report["failing_checks"]
+    assert all(report[k] is True for k in (
+        "all_checks_passed", "positive", "negative_divergence_detected", "cut_checkpoint_ok", "export_reload_ok",
+        "world_equivalence_passed", "world_negative_detected", "cuts_passed", "objective_equivalence_passed",
+        "objective_negative_detected")), {k: v for k, v in report.items() if isinstance(v, bool)}
+    assert report["settings"]["fsdp"] is True and report["settings"]["world"] == 2
+    resume = checks(report, "resume")
+    assert all(c["max_abs_diff"] == 0.0 and c["within_tolerance"] for c in resume.values())
+    # the sharded sections were really compared: the negative control moves the parameters and Adam's moments
+    negative = checks(report, "resume_without_rng")
+    assert negative["parameters"]["max_abs_diff"] > 1e-6 and negative["optimizer"]["max_abs_diff"] > 1e-6
+
+
+def test_every_process_the_verifier_starts_trains_sharded(verified):
+    report = verified["report"]
+    commands = {**{f"protocol/{k}": v["command"] for k, v in report["paths"].items()},
+                **{f"world/{k}": v["command"] for k, v in report["world_equivalence"]["paths"].items()},
+                **{f"objective/{k}": v["command"] for k, v in report["objective_equivalence"]["paths"].items()},
+                **{f"cuts/{k}": v["command"] for k, v in report["cuts"]["paths"].items()}}
+    assert len(commands) >= 12
+    assert [k for k, c in commands.items() if "--fsdp" not in c.split()] == []
+    # the one-rank reference of the world-size check is sharded too (same state format as the 2-rank run)
+    assert "--nproc-per-node" not in report["world_equivalence"]["paths"]["one_rank"]["command"]
+
+
+def test_the_resumed_path_is_sharded_and_read_whole_from_its_shards(verified):
+    url = f"{verified['store']}/verification/f2/resume"
+    store = open_store(url)
+    info = store.generation(6)
+    assert info.manifest["extra"]["sharded"]["shards"] == ["shard-00000.distcp", "shard-00001.distcp"]
+    state = RunReader("resume", url, open_store).state(6)
+    assert state["meta"]["fsdp"] is True
+    assert set(state["model"]) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    assert set(state["optimizer"]["state"]) == set(state["model"])  # keyed by parameter name
+    assert state["optimizer"]["param_groups"][0]["params"] == list(state["model"])
+    # the cut's generation was copied into the resume path with its metadata digest
+    seeded = store.generation(4).manifest
+    assert seeded["dcp_metadata_sha256"] == seeded["files"]["dcp.metadata"]["sha256"]
+    # the exported bundle holds exactly the gathered weights
+    from safetensors.torch import load
+
+    bundle = open_store(verified["report"]["export"]["location"].rsplit("/", 1)[0]).load(6)
+    assert differences(load(bundle.files[FP_FILE]), state["model"]) == []
+
+
+def test_a_sharded_run_exports_the_weights_of_the_same_run_under_ddp(runs):
+    result = trainproof("export", "--store", str(runs / "fsdp"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "reload check (mse)" in result.stdout and "passed" in result.stdout
+    ddp_bundle = export(open_store(str(runs / "ddp")), task="regression")  # in this process: the same function
+    from safetensors.torch import load
+
+    sharded = open_store(str(runs / "fsdp" / "exports")).load(STEPS).files
+    replicated = ddp_bundle.dest.load(STEPS).files
+    weights = load(sharded[FP_FILE])
+    assert differences(weights, load(replicated[FP_FILE])) == []  # bit for bit
+    assert differences(weights, load_world_state(runs / "ddp")["model"]) == []
+    gathered = full_state(open_store(str(runs / "fsdp")), STEPS, load_world_state(runs / "fsdp"))
+    assert differences(weights, gathered["model"]) == []
+    metrics = [json.loads(files["metrics.json"])["eval"] for files in (sharded, replicated)]
+    assert metrics[0]["value"] == metrics[1]["value"] and metrics[0]["value_bf16"] == metrics[1]["value_bf16"]
+    # and the Adam state gathered from the shards is the DDP run's (keyed by name there, by index under DDP)
+    ddp = load_world_state(runs / "ddp")
+    for i, name in enumerate(gathered["model"]):
+        assert differences(gathered["optimizer"]["state"][name], ddp["optimizer"]["state"][i]) == [], name
+
+
+def _tamper(src: Path, dst: Path, name: str) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("exports"))  # a bundle an earlier test made
+    path = dst / f"step-{STEPS:08d}" / name
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("name", ["shard-00001.distcp", "dcp.metadata"])
+def test_a_changed_byte_in_a_shard_fails_the_verifiers_read_naming_the_file(runs, tmp_path, name):
+    store = _tamper(runs / "fsdp", tmp_path / "run", name)
+    with pytest.raises(ShardedLoadError) as caught:
+        RunReader("tampered", str(store), open_store).state(STEPS)
+    assert caught.value.corrupt and name in str(caught.value)
+    assert isinstance(caught.value, TrainError)  # verify: "verification incomplete", exit 2; never a pass
+
+
+def test_export_of_a_tampered_sharded_run_fails_and_commits_nothing(runs, tmp_path):
+    store = _tamper(runs / "fsdp", tmp_path / "run", "shard-00000.distcp")
+    result = trainproof("export", "--store", str(store))
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "shard-00000.distcp" in result.stderr
+    assert not (store / "exports").exists() or not any((store / "exports").glob("step-*/COMPLETE.json"))
+
+
+def test_a_replicated_state_is_returned_as_it_is(runs):
+    s = open_store(str(runs / "ddp"))
+    state = decode_generation(s.load(STEPS).files)
+    assert complete_state(s, STEPS, state) is state
+
+
+def test_verify_audit_refuses_fsdp():
+    result = trainproof("verify", "--store", "/nonexistent", "--audit", "--fsdp")
+    assert result.returncode == 2 and "--fsdp is for the protocol" in result.stderr
+
+
+def _chunks(*boxes):
+    return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in boxes]
+
+
+def test_chunks_must_tile_the_tensor_exactly():
+    _check_tiling("g", "w", (4, 2), _chunks(((0, 0), (2, 2)), ((2, 0), (2, 2))))
+    _check_tiling("g", "step", (), _chunks(((), ())))
+    for bad in (_chunks(((0, 0), (2, 2))),                                      # a gap
+                _chunks(((0, 0), (3, 2)), ((2, 0), (1, 2))),                    # an overlap (sizes add up)
+                _chunks(((0, 0), (2, 2)), ((3, 0), (2, 2))),                    # outside the tensor
+                _chunks(((0,), (8,)))):                                         # another rank
+        with pytest.raises(ShardedLoadError, match="do not tile"):
+            _check_tiling("g", "w", (4, 2), bad)
+
+
+def test_unflatten_nests_by_the_metadata_and_refuses_what_does_not_nest():
+    flat = {"model.a": 1, "optim.state.a.step": 2, "optim.param_groups.0.lr": 0.1, "optim.param_groups.0.params": ["a"]}
+    mapping = {"model.a": ("model", "a"), "optim.state.a.step": ("optim", "state", "a", "step"),
+               "optim.param_groups.0.lr": ("optim", "param_groups", 0, "lr"),
+               "optim.param_groups.0.params": ("optim", "param_groups", 0, "params")}
+    assert _unflatten("g", flat, mapping) == {"model": {"a": 1}, "optim": {"state": {"a": {"step": 2}},
+                                                                           "param_groups": [{"lr": 0.1, "params": ["a"]}]}}
+    for bad in ({**mapping, "model.a": ("model", 10**9)}, {**mapping, "model.a": "model.a"},
+                {k: v for k, v in mapping.items() if k != "model.a"},
+                {**mapping, "optim.param_groups.0.lr": ("optim", "state", "a", "step", "x")}):
+        with pytest.raises(ShardedLoadError):
+            _unflatten("g", flat, bad)
