@@ -121,11 +121,14 @@ def test_sigkill_during_an_async_save_leaves_it_unused(tmp_path):
     events: list[dict] = []
     _read_until(proc, _is("checkpoint_begin", 20), events)
     _read_until(proc, _is("step", 22), events)  # training went on while step 20 is being saved
+    gen20 = store / "step-00000020"
+    deadline = time.monotonic() + 60  # the save thread (nice 10) may lag on a loaded machine: wait for its write
+    while not (gen20 / "training_state.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [10]
-    gen20 = store / "step-00000020"
     assert (gen20 / "training_state.pt").exists() and not (gen20 / "COMPLETE.json").exists()  # written, not usable
     assert load_state(store)["progress"]["step"] == 10
     resumed = run(store, "--max-steps", "40")

@@ -138,7 +138,10 @@ def test_rank_killed_mid_save_leaves_no_complete_json_and_the_previous_generatio
         assert line or procs[1].poll() is None, procs[1].stderr.read()[-2000:]
     os.kill(procs[1].pid, signal.SIGKILL)
     (code0, text0), (code1, _) = finish(procs, timeout=90)
-    assert code1 == -signal.SIGKILL and code0 == 1, text0[-2000:]
+    # Rank 0 reports the failed save and exits 1; sometimes gloo then aborts it at interpreter exit instead
+    # ("terminate called without an active exception": its transport thread to the killed peer is still joinable
+    # when the process group is destroyed). Either way rank 0 saw the failure first (its report, below).
+    assert code1 == -signal.SIGKILL and code0 in (1, -signal.SIGABRT), text0[-2000:]
     report = json.loads((tmp_path / "out" / "save-rank0.json").read_text())
     assert "step 2 was not committed" in report["error"]
     store = open_store(str(tmp_path / "run"))
