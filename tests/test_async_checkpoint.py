@@ -138,7 +138,7 @@ def test_sigkill_during_an_async_save_leaves_it_unused(tmp_path):
     assert differences(trajectory(load_state(ref)), trajectory(load_state(store))) == []
 
 
-@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+@pytest.mark.parametrize("sync", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["async", "sync"])
 def test_sigterm_during_a_save_commits_it_and_the_final_step(tmp_path, sync):
     """SIGTERM while the step-10 save is in flight: the in-flight commit lands, the final step is committed too,
     exit 75; the resume is bitwise equal to an uninterrupted run (also at step 10: the snapshot did not move)."""

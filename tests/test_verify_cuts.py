@@ -92,7 +92,7 @@ def test_a_permutation_bug_after_epoch_0_fails_the_default_verify(regression, cl
 
 
 @pytest.mark.parametrize(("task", "sabotage"), [
-    ("regression", "lose_numpy_rng"), ("tinylm", "lose_python_rng"),
+    ("regression", "lose_numpy_rng"), pytest.param("tinylm", "lose_python_rng", marks=pytest.mark.slow),
     pytest.param("regression", "lose_python_rng", marks=pytest.mark.slow),
     pytest.param("tinylm", "lose_numpy_rng", marks=pytest.mark.slow)])
 def test_losing_one_generator_family_diverges_on_both_tasks(request, cli, monkeypatch, task, sabotage):  # noqa: F811
