@@ -235,25 +235,34 @@ def _not_a_file(exc: OSError) -> bool:
     return exc.errno in (errno.ELOOP, errno.EINVAL, errno.EISDIR, errno.ENOTDIR)
 
 
-def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict) -> bytes:
-    fname = mf.object_name(fname, meta)
-    path, size = ctx.path(name, fname), meta["bytes"]
+def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable | None = None,
+                   discard: Callable = lambda payload: None):
+    """The object of file ``fname``, read and checked against its manifest entry (size, sha256), re-read once on a
+    mismatch. ``fetch(path, size) -> (payload, bytes seen, sha256)``: default, the bytes in memory (never more than
+    ``size + 1`` of them: an object swapped for a huge one is not read whole); ``discard(payload)`` drops a
+    payload that did not match (a spool file)."""
+    obj = mf.object_name(fname, meta)
+    path, size = ctx.path(name, obj), meta["bytes"]
+    if fetch is None:
+        def fetch(path: str, size: int):
+            data, sha = read_hashed(ctx.backend, path, size)
+            return data, len(data), sha
     for attempt in (1, 2):  # one re-read: the first read may have hit a transient fault
         try:
-            # Never more than the manifest's size + 1: an object swapped for a huge one is not read whole.
-            data, sha = ctx.io(f"read {name}/{fname}", lambda: read_hashed(ctx.backend, path, size))
+            payload, seen, sha = ctx.io(f"read {name}/{obj}", lambda: fetch(path, size))
         except FileNotFoundError:
             raise CorruptGenerationError(name, f"{fname} is missing") from None
         except OSError as exc:
             if not _not_a_file(exc):
                 raise
             raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
-        if len(data) == size and sha == meta["sha256"]:
-            return data
+        if seen == size and sha == meta["sha256"]:
+            return payload
+        discard(payload)
         if attempt == 1:
             log.warning("%s/%s did not match its manifest on first read; reading it again", name, fname)
-    if len(data) != size:
-        shown = f"more than {size}" if len(data) > size else str(len(data))
+    if seen != size:
+        shown = f"more than {size}" if seen > size else str(seen)
         raise CorruptGenerationError(name, f"{fname} is {shown} bytes, {mf.MARKER} says {size}")
     raise CorruptGenerationError(name, f"{fname} sha256 differs from {mf.MARKER} (changed or damaged after commit)")
 
@@ -315,24 +324,7 @@ def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, names: list
 
 def _spool_verified(ctx: Ctx, name: str, fname: str, meta: dict, directory: str) -> Spool:
     """``_read_verified`` into a spool: the object's bytes land in a local file, never whole in memory."""
-    obj = mf.object_name(fname, meta)
-    path, size = ctx.path(name, obj), meta["bytes"]
-    for attempt in (1, 2):
-        try:
-            spool, seen, sha = ctx.io(f"read {name}/{obj}", lambda: download(
-                lambda a, b: ctx.backend.read_range(path, a, b), size, directory, **ctx.transfer()))
-        except FileNotFoundError:
-            raise CorruptGenerationError(name, f"{fname} is missing") from None
-        except OSError as exc:
-            if not _not_a_file(exc):
-                raise
-            raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
-        if seen == size and sha == meta["sha256"]:
-            return spool
-        spool.unlink()
-        if attempt == 1:
-            log.warning("%s/%s did not match its manifest on first read; reading it again", name, fname)
-    if seen != size:
-        shown = f"more than {size}" if seen > size else str(seen)
-        raise CorruptGenerationError(name, f"{fname} is {shown} bytes, {mf.MARKER} says {size}")
-    raise CorruptGenerationError(name, f"{fname} sha256 differs from {mf.MARKER} (changed or damaged after commit)")
+    def fetch(path: str, size: int):
+        return download(lambda a, b: ctx.backend.read_range(path, a, b), size, directory, **ctx.transfer())
+
+    return _read_verified(ctx, name, fname, meta, fetch, discard=lambda spool: spool.unlink())
