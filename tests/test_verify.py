@@ -50,7 +50,7 @@ def test_protocol_passes_on_a_folder_bitwise(reference):
     assert report["tolerance"]["bitwise_equal_observed"] is True
     assert report["step_recovered"] == 5 and report["settings"] | {"config": None} == {
         "task": "regression", "config": None, "steps": 10, "cut": 5, "seed": 1234, "atol": 1e-12, "rtol": 0.0,
-        "device": "auto", "checkpoint_every": 1, "reused_reference": None, "world": 1}
+        "device": "auto", "checkpoint_every": 1, "reused_reference": None, "world": 1, "fsdp": False}
     assert "all_checks_passed: true" in result.stdout and "negative_divergence_detected: true" in result.stdout
 
 
