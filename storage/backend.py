@@ -154,16 +154,19 @@ class LocalBackend:
         folder, name = os.path.split(path)
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-        sha, size = hashlib.sha256(), 0
+        sha, size, known = hashlib.sha256(), 0, None
         try:
             with open(tmp, "xb") as fh:
                 if isinstance(data, Spool):
                     # A kernel copy (sendfile), no hashing: the spool's sha256 was computed as it was written, and
                     # the caller's read-back compares the stored bytes with it, so a changed spool is still caught.
                     with data.open() as src:
-                        shutil.copyfileobj(src, fh, CHUNK) if not hasattr(os, "sendfile") else _sendfile(src, fh)
+                        if hasattr(os, "sendfile"):
+                            _sendfile(src, fh)
+                        else:
+                            shutil.copyfileobj(src, fh, CHUNK)
                     size = os.fstat(fh.fileno()).st_size
-                    sha = _Known(data.sha256 if size == data.size else "spool-changed-while-copying")
+                    known = data.sha256 if size == data.size else "spool-changed-while-copying"
                 else:
                     for chunk in iter_chunks(data):
                         sha.update(chunk)
@@ -179,7 +182,7 @@ class LocalBackend:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return size, sha.hexdigest()
+        return size, known or sha.hexdigest()
 
     def read(self, path: str) -> bytes:
         with _open_regular(path) as fh:
@@ -257,16 +260,6 @@ class LocalBackend:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         os.rename(src, dst)
         _fsync_dir(os.path.dirname(dst))
-
-
-class _Known:
-    """A digest known in advance (a spool's), with hashlib's ``hexdigest`` interface."""
-
-    def __init__(self, hexdigest: str) -> None:
-        self._hex = hexdigest
-
-    def hexdigest(self) -> str:
-        return self._hex
 
 
 def _sendfile(src, dst) -> None:
