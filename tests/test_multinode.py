@@ -73,3 +73,46 @@ def _shard_digests(store) -> dict[str, str]:
 
     newest = [g for g in open_store(str(store)).scan() if g.status == "complete"][-1]
     return {name: meta["sha256"] for name, meta in newest.manifest["files"].items() if is_sharded_file(name)}
+
+
+def _barrier_node(node_rank: int, port: int, wait_s: float):
+    from job.train.launch import LaunchConfig
+
+    return LaunchConfig(nproc_per_node=1, nnodes=2, node_rank=node_rank, master_port=port, exit_barrier_s=wait_s)
+
+
+def test_node_zero_keeps_the_store_up_until_the_other_node_reports(capsys):
+    """The ranks of node 1 use node 0's store until they have exited: node 0's launcher waits for node 1's."""
+    import threading
+    import time
+
+    from job.train import launch
+
+    port = _free_port()
+    host = launch._host_store(_barrier_node(0, port, 30))
+    reported_at: list[float] = []
+
+    def node_one() -> None:
+        time.sleep(0.5)
+        reported_at.append(time.monotonic())
+        launch._exit_barrier(_barrier_node(1, port, 30), None, port, 75)
+
+    thread = threading.Thread(target=node_one)
+    thread.start()
+    launch._exit_barrier(_barrier_node(0, port, 30), host, port, 75)
+    returned_at = time.monotonic()
+    thread.join()
+    assert reported_at and returned_at >= reported_at[0]  # node 0 returned only after node 1's report
+    assert host.get("trainproof/exited/1") == b"75"
+    assert "exit_barrier_incomplete" not in capsys.readouterr().out
+
+
+def test_node_zero_stops_waiting_for_a_node_that_never_reports(capsys):
+    from job.train import launch
+
+    port = _free_port()
+    host = launch._host_store(_barrier_node(0, port, 0.5))
+    launch._exit_barrier(_barrier_node(0, port, 0.5), host, port, 0)
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [e["event"] for e in events] == ["exit_barrier_incomplete"]
+    assert 0.4 <= events[0]["after_s"] < 10

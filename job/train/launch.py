@@ -17,7 +17,8 @@ This launcher keeps the exit-code contract (README, "Exit codes") for the whole 
   2 when any rank hit a configuration or contract error, and 1 otherwise.
 
 Multi-node: run the launcher on every node with ``--nnodes N --node-rank i --master-addr HOST
---master-port P`` (a static rendezvous hosted by node 0). Under torchrun's elastic rendezvous,
+--master-port P`` (a static rendezvous hosted by node 0). Node 0's launcher keeps the store up until every
+other node's launcher reports its ranks exited (at most ``exit_barrier_s``), as torchrun's agent does. Under torchrun's elastic rendezvous,
 ``trainproof train`` runs unchanged as a worker; the job's exit code is then torchrun's (1 for a
 preemption). Workers get SIGTERM when their launcher dies (Linux), so an orphaned rank still commits.
 """
@@ -67,6 +68,8 @@ class LaunchConfig:
     """Port of the rendezvous store on node 0 (0: any free port; single node only)."""
     failure_grace_s: float = 600.0
     """After a rank failed, how long the others may take to fail on their own before they are killed."""
+    exit_barrier_s: float = 120.0
+    """Multi-node: how long node 0's launcher keeps the rendezvous store up for the other nodes' ranks to exit."""
     json_events: bool = True
     """Launcher events as JSON lines on stdout (else plain lines on stderr)."""
 
@@ -106,8 +109,33 @@ def launch(argv: Sequence[str], cfg: LaunchConfig) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = world_exit_code(codes)
+    if cfg.nnodes > 1:
+        _exit_barrier(cfg, store, port, code)
     _event(cfg, "world_exit", codes=codes, exit_code=code)
     return code
+
+
+def _exit_barrier(cfg: LaunchConfig, store: Any, port: int, code: int) -> None:
+    """Keep node 0's store up until every other node's ranks have exited (as torchrun's agent does).
+
+    The ranks talk to the store until their very end (process-group teardown); a store that vanishes under a
+    rank still tearing down aborts it in C++ ("terminate called without an active exception"), turning a
+    clean exit 0/75 into a crash. Each other node's launcher reports here once its ranks exited; node 0
+    waits for all of them, at most ``exit_barrier_s`` (a node that died never reports).
+    """
+    from torch.distributed import TCPStore
+
+    keys = [f"trainproof/exited/{n}" for n in range(1, cfg.nnodes)]
+    started = time.monotonic()
+    try:
+        if store is not None:
+            store.wait(keys, timedelta(seconds=cfg.exit_barrier_s))
+        else:
+            client = TCPStore(cfg.master_addr, port, None, False, timedelta(seconds=30))
+            client.set(keys[cfg.node_rank - 1], str(code))
+    except (RuntimeError, ValueError) as exc:  # a timeout, or node 0 already gone: nothing left to protect
+        _event(cfg, "exit_barrier_incomplete", after_s=round(time.monotonic() - started, 3),
+               error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200])
 
 
 def _host_store(cfg: LaunchConfig) -> Any:
