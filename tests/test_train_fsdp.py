@@ -133,6 +133,30 @@ def test_sigterm_to_one_rank_commits_once_exits_75_and_resumes_bitwise(fsdp2, tm
     assert differences(fsdp2["reference_shards"], full_state(store)) == []
 
 
+def test_a_corrupt_shard_is_quarantined_and_the_previous_generation_resumed_to_the_same_end(fsdp2, tmp_path):
+    """One flipped byte in rank 1's shard of the newest generation: DCP tells every rank, rank 0 quarantines it
+    (one warning naming the file), every rank falls back to the generation before, and the run retrains the
+    lost steps to the very bytes of the uninterrupted run."""
+    store = tmp_path / "flipped"
+    shutil.copytree(fsdp2["dir"] / "cont", store)
+    complete = [g.step for g in open_store(str(store)).scan() if g.status == "complete"]
+    assert complete[-1] == TARGET and len(complete) >= 2, complete
+    shard = store / f"step-{TARGET:08d}" / "shard-00001.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+
+    result = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=300)
+    assert result.code == 0, result.stderr[-3000:]
+    assert result.last("resume")["step"] == complete[-2]  # the generation before the corrupt one
+    assert f"skipping step-{TARGET:08d} (corrupt)" in result.stderr and "shard-00001.distcp" in result.stderr
+    quarantined = open_store(str(store)).quarantined()
+    assert [folder.split("-")[1] for folder, _reason in quarantined] == [f"{TARGET:08d}"]
+    assert "shard-00001.distcp" in quarantined[0][1]
+    assert shard_digests(store, TARGET) == shard_digests(fsdp2["dir"] / "cont", TARGET)  # retrained: same bytes
+    assert differences(fsdp2["reference"], trajectory(load_world_state(store))) == []
+
+
 def test_two_rank_shards_reshard_into_one_process_exactly(fsdp2, tmp_path):
     store = tmp_path / "one"
     shutil.copytree(fsdp2["dir"] / "cont", store)

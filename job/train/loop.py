@@ -33,7 +33,8 @@ from job.train.data import epoch_plan
 from job.errors import ConfigError, ContractError
 from job.train.progress import Reporter, make_reporter
 from job.train.protect import protected_steps
-from job.train.resume import agree_plan, check_transition, code_decision, load_agreed, world_decision
+from job.train.resume import (agree_plan, check_transition, code_decision, load_agreed, quarantine_corrupt,
+                              world_decision)
 from job.train.run import RestoreCheckError, Run, build_run, capture_rank_part, capture_state, restore_state, train_step
 from job.train.state import Expected, check_consistency, runtime_versions
 from job.tasks import Task, load_task
@@ -323,25 +324,29 @@ class Trainer:
             self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
             return None
         # Without --allow-code-change a newer generation of other code is passed over for one of this build.
-        found = load_agreed(self.store, self.plan["contract"], self.sync,
-                            code_version=None if self.cfg.allow_code_change else code_version())
-        if found is None:
-            self.sync.on_rank0("look for unusable generations", self._warn_if_unusable_generations)
-            self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
-            return None
-        name, state = found
-        step, saved_world = state["progress"]["step"], state["meta"]["world"]
-        changed = self._decide_world(saved_world, step=step, history=state["meta"].get("world_changes", []),
-                                     source=f"{name} was written by {saved_world} rank(s)")
-        if changed:
-            check_transition(state["ranks"][0]["data"], self.world, run.global_batch)
-        saved_code = self._decide_code(state, step=step, source=name)
-        # The generation's own step (its folder name), not the state's word for it: a state moved under a newer
-        # name must be refused, never resumed from.
-        expected = self._expected(int(name.rsplit("-", 1)[1]), saved_world, saved_code)
-        for warning in check_consistency(state, expected) + self._device_warnings(state):
-            self.reporter.warn(warning)
-        self._load_shards(run, state, name, changed)
+        below: int | None = None
+        while True:
+            found = load_agreed(self.store, self.plan["contract"], self.sync, below=below,
+                                code_version=None if self.cfg.allow_code_change else code_version())
+            if found is None:
+                self.sync.on_rank0("look for unusable generations", self._warn_if_unusable_generations)
+                self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")
+                return None
+            name, state = found
+            step, saved_world = state["progress"]["step"], state["meta"]["world"]
+            changed = self._decide_world(saved_world, step=step, history=state["meta"].get("world_changes", []),
+                                         source=f"{name} was written by {saved_world} rank(s)")
+            if changed:
+                check_transition(state["ranks"][0]["data"], self.world, run.global_batch)
+            saved_code = self._decide_code(state, step=step, source=name)
+            # The generation's own step (its folder name), not the state's word for it: a state moved under a
+            # newer name must be refused, never resumed from.
+            expected = self._expected(int(name.rsplit("-", 1)[1]), saved_world, saved_code)
+            for warning in check_consistency(state, expected) + self._device_warnings(state):
+                self.reporter.warn(warning)
+            if self._load_shards(run, state, name, changed):
+                break
+            below = int(name.rsplit("-", 1)[1])  # a corrupt shard: the next older generation (quarantined this one)
         restore_state(run, state, restore_rng=not self.cfg.omit_rng_restore, seed=self.cfg.seed,
                       rederive_at=step if changed else None)
         self.checkpointer.last_step = run.step
@@ -349,19 +354,34 @@ class Trainer:
                             **({"world_change": self.world_changes[-1]} if changed else {}))
         return run.step
 
-    def _load_shards(self, run: Run, state: dict[str, Any], name: str, changed: bool) -> None:
+    def _load_shards(self, run: Run, state: dict[str, Any], name: str, changed: bool) -> bool:
         """A sharded run loads its model and optimizer from the generation's shards (every rank: only the chunks
-        it needs; DCP reshards after an allowed world change) before the rest of the state is restored."""
+        it needs; DCP reshards after an allowed world change) before the rest of the state is restored.
+
+        False when a shard file's bytes disagree with the manifest (every rank learns it from DCP): rank 0
+        quarantines the generation with a warning and the caller falls back to the next older one, as for a
+        corrupt training state. Any other failure raises."""
         saved = bool(state["meta"].get("fsdp"))
         if saved != self.fsdp:  # plan.json refuses this first; a generation must agree too
             raise ContractError(f"{name} was written by a {'sharded (--fsdp)' if saved else 'replicated (DDP)'} run "
                                 f"and this run trains {'sharded' if self.fsdp else 'replicated'}: resume it "
                                 f"{'with' if saved else 'without'} --fsdp")
-        if self.fsdp:
-            from job.train.fsdp import load_generation
+        if not self.fsdp:
+            return True
+        from job.train.fsdp import load_generation
+        from job.train.sharded import ShardedLoadError
 
-            load_generation(run.model, run.optimizer, self.store, int(name.rsplit("-", 1)[1]), world=self.world,
+        step = int(name.rsplit("-", 1)[1])
+        try:
+            load_generation(run.model, run.optimizer, self.store, step, world=self.world,
                             contract=self.plan["contract"], allow_world_change=changed)
+        except ShardedLoadError as exc:
+            if not exc.corrupt:
+                raise
+            if self.rank == 0:
+                quarantine_corrupt(self.store, step, str(exc))
+            return False
+        return True
 
     def _decide_world(self, saved_world: int, *, step: int, history: list[dict[str, int]], source: str) -> bool:
         """Record the run's world changes; refuse (exit 2) a change not allowed. True when this start changes it."""

@@ -58,12 +58,14 @@ def agree_plan(store: GenerationStore, plan: dict[str, Any], sync: Collectives) 
 
 
 def load_agreed(store: GenerationStore, contract: str, sync: Collectives, *,
-                code_version: str | None = None) -> tuple[str, dict[str, Any]] | None:
+                code_version: str | None = None, below: int | None = None) -> tuple[str, dict[str, Any]] | None:
     """(generation name, joined state) of the newest usable generation, loaded by every rank; None if none.
 
     ``code_version``: this build's; a generation of other code is passed over for an older one of this build
-    (see the module docstring)."""
-    loaded = sync.on_rank0("find the newest usable generation", lambda: _latest(store, contract, code_version))
+    (see the module docstring). ``below``: only generations older than this step (after a newer one turned out
+    unusable while its shards were loaded)."""
+    loaded = sync.on_rank0("find the newest usable generation",
+                           lambda: _latest(store, contract, code_version, below))
     step = int(sync.broadcast_bytes(str(loaded[0] if loaded else 0).encode() if sync.rank == 0 else None,
                                     "share the step to resume"))
     error: Exception | None = None
@@ -80,11 +82,11 @@ def load_agreed(store: GenerationStore, contract: str, sync: Collectives, *,
     return None if not step else (f"step-{step:08d}", loaded[1])
 
 
-def _latest(store: GenerationStore, contract: str, code_version: str | None) -> tuple[int, dict[str, Any]] | None:
+def _latest(store: GenerationStore, contract: str, code_version: str | None,
+            below: int | None = None) -> tuple[int, dict[str, Any]] | None:
     # Any world: a newer generation written by another world must be refused (or adopted) explicitly,
     # never silently skipped in favour of an older one that would lose its progress.
     other_code: list[tuple[int, dict[str, Any]]] = []
-    below: int | None = None
     while True:
         decoded: dict[int, Any] = {}
         found = (store.load_latest(contract=contract, check=_checker(decoded), **_spooled()) if below is None
@@ -130,6 +132,13 @@ def _load_below(store: GenerationStore, contract: str, below: int, check: Any):
             log.warning("skipping %s (corrupt): %s", info.name, exc)
             _quarantine(store, info.step, str(exc))
     return None
+
+
+def quarantine_corrupt(store: GenerationStore, step: int, reason: str) -> None:
+    """Rank 0, after every rank failed to load generation ``step``'s shards because a byte disagreed with its
+    manifest: one warning, and the generation is quarantined (kept as evidence, never resumed from again)."""
+    log.warning("skipping step-%08d (corrupt): %s", step, reason)
+    _quarantine(store, step, reason)
 
 
 def _quarantine(store: GenerationStore, step: int, reason: str) -> None:
