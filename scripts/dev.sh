@@ -2,6 +2,7 @@
 # One entry point for a fresh machine with only Python >= 3.10 and pip:
 #   bash scripts/dev.sh train --store ./runs/demo ...   # creates .venv on first use, then runs `trainproof`
 #   bash scripts/dev.sh test [pytest args]               # creates .venv (with test extras), then runs pytest
+#                                                        # in parallel (TRAINPROOF_TEST_WORKERS, default: one per core)
 # TRAINPROOF_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu: the CPU-only torch (see README, "Install").
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,6 +38,8 @@ cmd="${1:-}"
 shift
 setup
 case "$cmd" in
-  test) cd "$here" && exec "$venv/bin/python" -m pytest -q "$@" ;;
+  # Tests run in parallel (pytest-xdist), one worker per core unless TRAINPROOF_TEST_WORKERS says otherwise
+  # (0: in this process); a module's tests stay on one worker, so its module-scoped reference runs happen once.
+  test) cd "$here" && exec "$venv/bin/python" -m pytest -q -n "${TRAINPROOF_TEST_WORKERS:-auto}" --dist loadscope "$@" ;;
   *)    exec "$venv/bin/trainproof" "$cmd" "$@" ;;
 esac

@@ -167,6 +167,14 @@ class LocalBackend:
                             shutil.copyfileobj(src, fh, CHUNK)
                     size = os.fstat(fh.fileno()).st_size
                     known = data.sha256 if size == data.size else "spool-changed-while-copying"
+                elif isinstance(data, (bytes, bytearray, memoryview)) and memoryview(data).nbytes >= OVERLAP_BYTES:
+                    # In memory: hash in a second thread while this one writes and fsyncs (both release the GIL).
+                    view = memoryview(data).cast("B")
+                    hasher = _Hasher(view)
+                    fh.write(view)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                    size, known = view.nbytes, hasher.result()
                 else:
                     for chunk in iter_chunks(data):
                         sha.update(chunk)
@@ -260,6 +268,31 @@ class LocalBackend:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         os.rename(src, dst)
         _fsync_dir(os.path.dirname(dst))
+
+
+OVERLAP_BYTES = 1 << 20
+"""In-memory writes at least this big are hashed in a second thread while they are written."""
+
+
+class _Hasher(threading.Thread):
+    """sha256 of a buffer, computed in its own thread (hashlib releases the GIL for large updates)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__(name="trainproof-hash", daemon=True)
+        self._view, self._digest, self._error = view, "", None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._digest = hashlib.sha256(self._view).hexdigest()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
+            self._error = exc
+
+    def result(self) -> str:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._digest
 
 
 def _sendfile(src, dst) -> None:

@@ -8,10 +8,11 @@ Two phases, so that several writers (one per rank) can each write and verify the
    an object of a generation being written: when a name is taken (left by a writer killed mid-save, or a
    concurrent writer), this writer uses ``<stem>.<attempt>.<ext>`` instead and the manifest records it as the
    file's ``object``.  So a concurrent or abandoned writer can never change the bytes a manifest vouches for;
-3. read every object back *from the store* and check size and sha256, then the caller's content check.  A file
-   given as a :class:`storage.spool.Spool` is never held in memory: it is uploaded from its local file, read
-   back as parallel ranged reads hashed in order, and the content check reads the spool (bytes the hash just
-   proved identical to the stored ones);
+3. read every object back *from the store* and check it, then the caller's content check.  A file given as
+   bytes is read back as parallel ranged reads compared with those bytes (whose sha256 the write computed: the
+   stored bytes are the hashed ones, without hashing them twice); a :class:`storage.spool.Spool` is never held
+   in memory: it is uploaded from its local file, read back as parallel ranged reads hashed in order, and the
+   content check reads the spool (bytes the hash just proved identical to the stored ones);
 4. with a signing key, chain and sign the manifest (``storage.signing``); write ``COMPLETE.json`` last,
    create-only; a 412 may be our own write whose response was lost, so read the marker back and compare the
    attempt id before concluding we lost;
@@ -25,7 +26,7 @@ import logging
 import uuid
 
 from storage import manifest as mf
-from storage.backend import read_at_most, read_hashed
+from storage.backend import read_at_most
 from storage.errors import CommitConflictError, CorruptGenerationError
 from storage.generations import Check, Ctx, anchor, scan
 from storage.spool import Spool
@@ -169,22 +170,24 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict
             raise CorruptGenerationError(name, f"{obj} is {sizes[obj]} bytes in the store, {size} were written; "
                                                "not marking it usable")
         path = ctx.path(name, obj)
-        spooled = isinstance(files[fname], Spool)
+        data = files[fname]
         try:
-            if check is None or spooled:
+            if isinstance(data, Spool):
                 # Hash it as parallel ranged reads: never more than the parts in flight in memory.  A spool's
                 # content check then reads the spool, whose bytes this hash proves identical to the stored ones.
-                data = files[fname] if spooled else None
                 got = ctx.io(f"verify {name}/{obj}", lambda: ctx.hashed(path, size))
-            else:  # the caller's check needs the bytes: read at most size + 1 of them
-                data, digest = ctx.io(f"verify {name}/{obj}", lambda: read_hashed(ctx.backend, path, size))
-                got = (len(data), digest)
+            else:
+                # In memory: read back as parallel ranges and compared with the source (whose sha256 the write
+                # computed), so the stored bytes are the hashed ones; the content check then reads the source.
+                same = memoryview(data).nbytes == size and ctx.io(f"verify {name}/{obj}", lambda: ctx.matches(path, data))
+                got = (size, sha) if same else (-1, "")
         except FileNotFoundError:
             raise CommitConflictError(f"{name}/{obj} vanished right after it was written (another process is "
                                       "deleting this run's files?); not marking it usable") from None
         if got != (size, sha):
+            seen = f"{got[0]} bytes" if got[0] >= 0 else "other bytes"
             raise CorruptGenerationError(name, f"{obj} read back from the store differs from what was written "
-                                               f"({got[0]} bytes vs {size}); not marking it usable")
+                                               f"({seen} vs {size}); not marking it usable")
         if check is not None:
             try:
                 check(fname, data)

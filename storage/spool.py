@@ -121,8 +121,10 @@ def spans(size: int, part_size: int) -> list[tuple[int, int]]:
 
 
 def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_size: int = PART_SIZE,
-                  concurrency: int = CONCURRENCY, sink: Callable[[int, bytes], None] | None = None) -> tuple[int, str]:
+                  concurrency: int = CONCURRENCY, sink: Callable[[int, bytes], None] | None = None,
+                  digest: bool = True) -> tuple[int, str]:
     """Read ``size`` bytes as parallel ranged reads and hash them in order; return (bytes seen, sha256).
+    ``digest=False``: only hand them to ``sink`` (the sha256 returned is then ``""``).
 
     At most ``concurrency`` parts are in flight and each is hashed (and handed to ``sink(offset, data)``)
     as soon as every part before it was, so memory stays ``part_size × (concurrency + 1)``. The last range
@@ -143,7 +145,8 @@ def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_si
         while pending:
             start, end, fut = pending.popleft()
             data = fut.result()
-            sha.update(data)
+            if digest:
+                sha.update(data)
             if sink is not None and data:
                 sink(start, data)
             seen += len(data)
@@ -156,7 +159,7 @@ def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_si
             nxt = next(queued, None)
             if nxt is not None:
                 pending.append((*nxt, pool.submit(read_range, *nxt)))
-    return seen, sha.hexdigest()
+    return seen, sha.hexdigest() if digest else ""
 
 
 def download(read_range: Callable[[int, int], bytes], size: int, directory: str | None = None, *,
