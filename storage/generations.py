@@ -259,9 +259,7 @@ def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable 
     obj = mf.object_name(fname, meta)
     path, size = ctx.path(name, obj), meta["bytes"]
     if fetch is None:
-        def fetch(path: str, size: int):
-            data, sha = read_hashed(ctx.backend, path, size)
-            return data, len(data), sha
+        fetch = lambda path, size: _fetch_in_memory(ctx, path, size)  # noqa: E731
     for attempt in (1, 2):  # one re-read: the first read may have hit a transient fault
         try:
             payload, seen, sha = ctx.io(f"read {name}/{obj}", lambda: fetch(path, size))
@@ -280,6 +278,24 @@ def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable 
         shown = f"more than {size}" if seen > size else str(seen)
         raise CorruptGenerationError(name, f"{fname} is {shown} bytes, {mf.MARKER} says {size}")
     raise CorruptGenerationError(name, f"{fname} sha256 differs from {mf.MARKER} (changed or damaged after commit)")
+
+
+def _fetch_in_memory(ctx: Ctx, path: str, size: int):
+    """(bytes, bytes seen, sha256) of the object at ``path``, expected to be ``size`` bytes. A small one is one
+    streamed read; one of a part or more is read as parallel ranges, hashed in order, straight into a buffer
+    allocated once at its manifest size (no growing buffer, no copy at the end); the probe byte past ``size``
+    is counted, never stored."""
+    if size < ctx.part_size:
+        data, sha = read_hashed(ctx.backend, path, size)
+        return data, len(data), sha
+    buf = bytearray(size)
+
+    def place(offset: int, data: bytes) -> None:
+        n = max(0, min(len(data), size - offset))
+        buf[offset:offset + n] = memoryview(data)[:n]
+
+    seen, sha = ctx.hashed(path, size, sink=place)
+    return buf, seen, sha
 
 
 def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:

@@ -112,18 +112,22 @@ def _chain(store, modes: list[str], rnd: random.Random, seed: int, sync: bool) -
             else:  # ...and so does the commit of the step the loop stopped at
                 assert stopped["step"] >= save["step"], where
                 assert load_state(store, save["step"], history="own")["progress"]["step"] == save["step"], where
-            assert len(stopped["signals"]) == (2 if mode == "double-in-save" else 1), where
+            # The second SIGTERM of "double-in-save" is sent 50 ms after the first; on a loaded machine the save
+            # may finish and the stop be recorded before it lands (then only one is listed). Never more.
+            assert 1 <= len(stopped["signals"]) <= (2 if mode == "double-in-save" else 1), where
         assert load_state(store, history="own")["progress"]["step"] == stopped["step"] >= stopped_at[-1], where
         stopped_at.append(stopped["step"])
     return stopped_at
 
 
 def test_sigterm_at_random_moments_loses_nothing_and_resumes_exactly(tmp_path):
-    """10 interrupted processes (two chains of 5 run side by side, one with --sync-checkpoint, one with the
-    default asynchronous checkpoints), then each chain runs to the target."""
+    """6 interrupted processes (two chains of 3 run side by side, one with --sync-checkpoint, one with the
+    default asynchronous checkpoints; 10 with TRAINPROOF_SLOW=1), then each chain runs to the target."""
     seed = int(os.environ.get("TRAINPROOF_TEST_SEED", time.time_ns() % 10**9))
     reference = start(tmp_path / "reference", "--max-steps", str(TARGET))
-    modes = ["random", "in-save", "double-in-save", "random", "in-save"]
+    modes = ["random", "in-save", "double-in-save"]  # every kind once; TRAINPROOF_SLOW=1: five links a chain
+    if os.environ.get("TRAINPROOF_SLOW") == "1":
+        modes += ["random", "in-save"]
     stores = [tmp_path / "chain-a", tmp_path / "chain-b"]
     with ThreadPoolExecutor(2) as pool:
         chains = list(pool.map(lambda i: _chain(stores[i], modes, random.Random(seed + i), seed, sync=i == 0), range(2)))
