@@ -47,9 +47,19 @@ def store_url(request, tmp_path):
     return f"s3://{bucket}/prefix/run"
 
 
+# Modules whose shared reference runs take a minute or more: collected first, so that with parallel workers
+# (``--dist loadscope`` hands out whole modules in collection order) they start at once instead of being the
+# tail that one worker runs alone at the end.
+HEAVY_FIRST = ("test_verify_fsdp", "test_verify_world", "test_dist_equivalence", "test_preempt", "test_dist_resume",
+               "test_verify", "test_examples", "test_multinode", "test_train_fsdp", "test_verify_cuts")
+
+
 def pytest_collection_modifyitems(config, items):
-    """``slow`` tests (longer real-process variants of behaviour a faster test already covers) run only with
-    ``TRAINPROOF_SLOW=1``; the default run deselects them and says how many it left out."""
+    """Heavy modules first (``HEAVY_FIRST``). ``slow`` tests (longer real-process variants of behaviour a faster
+    test already covers) run only with ``TRAINPROOF_SLOW=1``; the default run deselects them and says how many
+    it left out."""
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)) if item.module else len(rank))
     if os.environ.get("TRAINPROOF_SLOW") == "1":
         return
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
