@@ -27,7 +27,7 @@ from job.train.sharded import ShardedLoadError
 from job.train.state import decode_generation
 from storage import open_store
 from tests.test_dist_helpers import load_world_state, start_world
-from tests.test_train_helpers import differences, finish
+from tests.test_train_helpers import differences, finish, run, start
 from tests.test_verify_helpers import checks, read_report, trainproof
 
 STEPS = 5
@@ -160,6 +160,33 @@ def test_a_replicated_state_is_returned_as_it_is(runs):
 def test_verify_audit_refuses_fsdp():
     result = trainproof("verify", "--store", "/nonexistent", "--audit", "--fsdp")
     assert result.returncode == 2 and "--fsdp is for the protocol" in result.stderr
+
+
+def test_audit_of_a_sharded_run_replays_it_sharded_and_catches_another_trajectory(tmp_path):
+    """A one-process ``--fsdp`` run trained to 3, then (a second process) to 6; a copy whose 3 -> 6 resumed with
+    re-seeded generators. The audit replays 3 -> 6 sharded (plan.json says fsdp) and compares the model and Adam
+    state read whole from both runs' shards: bitwise equal for the honest run, caught for the other."""
+    (tmp_path / "cfg.json").write_text(json.dumps(CONFIG))
+    common = ("--fsdp", "--config", str(tmp_path / "cfg.json"))
+    first = run(tmp_path / "run", *common, "--max-steps", "3")
+    assert first.code == 0, first.stderr
+    shutil.copytree(tmp_path / "run", tmp_path / "sabotaged")
+    procs = [start(tmp_path / "run", *common, "--max-steps", "6"),
+             start(tmp_path / "sabotaged", *common, "--max-steps", "6", env={"TPHOOK_SABOTAGE": "reseed_rng"})]
+    assert [finish(p).code for p in procs] == [0, 0]
+
+    honest = trainproof("verify", "--store", str(tmp_path / "run"), "--audit", "--id", "audit")
+    assert honest.returncode == 0, honest.stderr[-3000:]
+    report = read_report(str(tmp_path / "run"), "audit")
+    assert (report["settings"]["from"], report["settings"]["to"], report["all_checks_passed"]) == (3, 6, True)
+    assert "--fsdp" in report["paths"]["replay"]["command"]
+    compared = {c["name"]: c for c in report["checks"]["replay"]}
+    assert compared["parameters"]["max_abs_diff"] == 0.0 and compared["optimizer"]["max_abs_diff"] == 0.0
+
+    other = trainproof("verify", "--store", str(tmp_path / "sabotaged"), "--audit", "--id", "audit")
+    assert other.returncode == 1, other.stderr[-3000:]
+    failing = read_report(str(tmp_path / "sabotaged"), "audit")["failing_checks"]
+    assert {"replay.parameters", "replay.rng_next_draws"} <= set(failing)
 
 
 def _chunks(*boxes):

@@ -24,8 +24,10 @@ whether the replay's chain value, which covers every step, equals the run's (bit
 
 Read-only towards the run: generations are read with ``load`` (verified, never quarantined or deleted), the
 store is opened without the multipart sweep, and nothing is written among the run's generations; it can run
-as a CronJob while the training Job is still committing. Note: a run with world > 1 needs a launcher for
-the replay that this command does not provide yet; it is refused (exit 2).
+as a CronJob while the training Job is still committing. A sharded run (``train --fsdp``, ``fsdp`` in its plan.json)
+is replayed sharded, its generation a copied with its shards, and both states' model and optimizer are read whole
+from their verified shards before the comparison. Note: a run with world > 1 needs a launcher for the replay that
+this command does not provide yet; it is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from job.train.state import decode_generation
 from job.tasks import load_task, trusted_task
 from job.proof.protocol import parameter_names, verification_base
 from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv, new_id, read_run_plan,
-                             require_success, run_processes, seed_run)
+                             require_success, run_processes, seed_run, with_shards)
 from job.proof.report import build_report, environment
 from job.train.identity import code_version
 from job.train.protect import AUDITED_FILE
@@ -117,7 +119,8 @@ class Audit:
         """Select, copy, replay, compare. Raises VerificationIncomplete / ConfigError when it cannot."""
         loaded_a, loaded_b = self._select()
         seed_run(self.opener(self.replay_url), self.run_store.read_file(PLAN_FILE), loaded_a)
-        original = self._original_history(decode_generation(loaded_b.files))
+        # A sharded run (--fsdp): generation b's model and optimizer are read whole from its verified shards.
+        original = self._original_history(with_shards(self.run_store, self.b, decode_generation(loaded_b.files)))
         del loaded_a, loaded_b  # hold one state in memory, not three
         self._replay()
         # The replay holds the rows a+1..b itself (its generation b chains from the copied generation a).
@@ -176,6 +179,7 @@ class Audit:
                             "--seed", str(self.plan["seed"]), "--steps", str(self.b - self.a),
                             "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
                             "--resume", "auto", "--device", self.s.device, "--log-format", "json", *allow,
+                            *(["--fsdp"] if self.plan.get("fsdp") else []),  # as plan.json says: the same state format
                             *self.s.store_args)
             # The replay writes only under this audit's own verification/<id>/ (no other writer): no create-only
             # probe object there, so the audit writes nothing but its own results.

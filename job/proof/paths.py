@@ -150,7 +150,7 @@ class RunReader:
             raise VerificationIncomplete(f"path {self.name!r} has no complete generation at step {step} "
                                          f"(it has {self.steps or 'none'}) in {self.url}")
         state = decode_generation(self.store.load(step, skip=is_sharded_file).files)  # rank files joined (world > 1)
-        state = _complete(self.store, step, state)  # sharded (--fsdp): model and optimizer read from its shards
+        state = with_shards(self.store, step, state)  # sharded (--fsdp): model and optimizer read from its shards
         self._sections[step] = _history_section(state)
         try:
             return assemble(state, self._section, since=since).state
@@ -227,7 +227,7 @@ def new_id() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
 
 
-def _complete(store: GenerationStore, step: int, state: dict[str, Any]) -> dict[str, Any]:
+def with_shards(store: GenerationStore, step: int, state: dict[str, Any]) -> dict[str, Any]:
     """A sharded run's state (``meta.fsdp``) with its model and optimizer read whole from the shards
     (``job.train.fsdp.complete_state``); any other state as it is, without importing torch.distributed."""
     if not (state.get("meta") or {}).get("fsdp"):
