@@ -101,8 +101,9 @@ def test_the_export_bundle_is_recorded_with_checksums(reference):
 @pytest.mark.s3
 def test_protocol_passes_on_s3(s3_env):
     store = f"s3://{s3_env}/prefix/run"
-    # Only final states (fewer round trips): the cut is then checked against the continuous history prefix.
-    result = trainproof("verify", "--store", store, "--id", "s3", "--checkpoint-every", "0")
+    # Only final states (fewer round trips): the cut is then checked against the continuous history prefix. Only
+    # the protocol's cut (--cuts 5): the extra cuts are the same code over the same store API (tested on a folder).
+    result = trainproof("verify", "--store", store, "--id", "s3", "--checkpoint-every", "0", "--cuts", "5")
     assert result.returncode == 0, result.stderr
     report = read_report(store, "s3")
     _assert_passed(report)
