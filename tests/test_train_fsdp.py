@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import time
 import warnings
 
 import pytest
@@ -131,6 +132,30 @@ def test_sigterm_to_one_rank_commits_once_exits_75_and_resumes_bitwise(fsdp2, tm
     assert final.code == 0 and final.last("resume")["step"] == stopped["step"], final.stderr
     assert differences(fsdp2["reference"], trajectory(load_world_state(store))) == []
     assert differences(fsdp2["reference_shards"], full_state(store)) == []
+
+
+def test_a_rank_killed_mid_save_leaves_no_complete_json_and_the_restart_resumes_the_previous_bitwise(fsdp2, tmp_path):
+    """SIGKILL of rank 1 inside the sharded save of step 6 (its shard written, its rank file pausing 1 s): rank 0
+    fails the commit at once (exit 1, no hang), step 6 has no COMPLETE.json, and the restart resumes step 3 and
+    ends with the uninterrupted run's bytes (the leftover shard of the killed attempt stays beside the new one)."""
+    store = tmp_path / "killed"
+    proc = start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET), "--checkpoint-every", "3",
+                       env={"TPHOOK_SAVE_DELAY": "1.0"})  # test-only: each rank's save pauses 1 s
+    lines: list[str] = []
+    pids = rank_pids(proc, lines)
+    read_until(proc, lambda e: e.get("event") == "checkpoint_begin" and e["step"] == 6, lines)
+    time.sleep(0.3)
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    result = finish(proc, timeout=120)
+    assert time.monotonic() - t0 < 30, "rank 0 must give up at once (peer gone)"
+    assert result.code == 1 and result.last("world_exit")["codes"] == [1, -signal.SIGKILL], result.stderr[-2000:]
+    assert not (store / "step-00000006" / "COMPLETE.json").exists()
+    assert [g.step for g in open_store(str(store)).scan() if g.status == "complete"] == [3]
+    restart = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=300)
+    assert restart.code == 0 and restart.last("resume")["step"] == 3, restart.stderr[-2000:]
+    assert differences(fsdp2["reference"], trajectory(load_world_state(store))) == []
+    assert shard_digests(store, TARGET) == shard_digests(fsdp2["dir"] / "cont", TARGET)
 
 
 def test_a_corrupt_shard_is_quarantined_and_the_previous_generation_resumed_to_the_same_end(fsdp2, tmp_path):
