@@ -16,7 +16,8 @@ from job.errors import StateError
 from job.tasks import load_task
 from job.train.history import MissingGeneration, assemble, from_store
 from job.train.run import build_run, capture_state, restore_state, train_step
-from job.train.state import HISTORY_GENESIS, STATE_FILE, History, check_history, decode, encode, runtime_versions
+from job.train.state import (HISTORY_FILE, HISTORY_GENESIS, STATE_FILE, History, check_history, decode, decode_history,
+                             encode, runtime_versions)
 from storage import open_store
 from tests.test_train_helpers import differences, history_rows, load_state, run
 from tests.test_verify_helpers import trainproof
@@ -159,6 +160,38 @@ def test_a_row_changed_in_an_older_committed_generation_is_refused_loudly(kept_r
         from_store(store, newest)
     result = trainproof("export", "--store", str(tmp_path / "run"))
     assert result.returncode == 2 and "step-00000006" in result.stderr, result.stderr
+
+
+def test_reassembly_reads_each_older_generation_s_history_file_never_its_state(kept_run):
+    """The rows of generations 2..10 come from their small ``history.pt``: not one byte of an older
+    ``training_state.pt`` (the model and optimizer, gigabytes for a real model) is read."""
+    from tests.support.tamper import wrap
+
+    read: list[str] = []
+    store = wrap(open_store(str(kept_run / "run")), alter_read=lambda path, data: read.append(path) or data)
+    newest = decode(store.load(12).files[STATE_FILE])
+    read.clear()
+    found = from_store(store, newest)
+    assert found.first == 1 and found.generations == [12, 10, 8, 6, 4, 2]
+    files = [p.rsplit("/", 2)[-2:] for p in read if "/step-" in p]
+    assert sorted({tuple(f) for f in files if f[1] != "COMPLETE.json"}) == [
+        (f"step-{s:08d}", HISTORY_FILE) for s in (2, 4, 6, 8, 10)]
+
+
+def test_a_changed_history_file_is_refused_by_the_chain(kept_run, tmp_path):
+    """history.pt re-committed with a changed row and valid checksums: the chain refuses it, as for the state."""
+    shutil.copytree(kept_run / "run", tmp_path / "run")
+    store = open_store(str(tmp_path / "run"))
+    loaded = store.load(6)
+    section = decode_history(loaded.files[HISTORY_FILE])
+    section["history"]["loss"][0] += 1.0
+    shutil.rmtree(tmp_path / "run" / "step-00000006")
+    manifest = loaded.info.manifest
+    store.commit(6, {STATE_FILE: loaded.files[STATE_FILE], HISTORY_FILE: encode(section)},
+                 contract=manifest["contract"], world=1, code_version=manifest["code_version"],
+                 extra=manifest.get("extra"))
+    with pytest.raises(StateError, match="step-00000006: history rows 5..6 do not hash"):
+        from_store(store, decode(store.load(12).files[STATE_FILE]))
 
 
 def test_an_export_after_retention_says_which_steps_its_history_covers(kept_run, tmp_path):

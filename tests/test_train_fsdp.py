@@ -79,8 +79,9 @@ def fsdp2(tmp_path_factory):
 def test_a_sharded_generation_lists_every_shard_beside_the_state_in_one_manifest(fsdp2):
     info = open_store(str(fsdp2["dir"] / "cont")).generation(TARGET)
     files = set(info.manifest["files"])
-    assert {STATE_FILE, rank_file(1), "dcp.metadata", "shard-00000.distcp", "shard-00001.distcp"} <= files
-    assert files - {STATE_FILE, rank_file(1), "dcp.metadata", "shard-00000.distcp", "shard-00001.distcp"} <= {
+    own = {STATE_FILE, "history.pt", rank_file(1), "dcp.metadata", "shard-00000.distcp", "shard-00001.distcp"}
+    assert own <= files
+    assert files - own <= {
         "values-00000.distcp", "values-00001.distcp"}
     assert info.manifest["extra"]["sharded"]["shards"] == ["shard-00000.distcp", "shard-00001.distcp"]
     assert info.manifest["dcp_metadata_sha256"] == info.manifest["files"]["dcp.metadata"]["sha256"]

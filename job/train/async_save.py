@@ -48,7 +48,7 @@ import torch
 from job.errors import TrainError
 from job.train.checkpoint import Checkpointer
 from job.train.progress import Reporter
-from job.train.state import encode_spool
+from job.train.state import encode_history, encode_spool
 
 
 class DeferredReporter(Reporter):
@@ -202,8 +202,12 @@ class BackgroundSaver:
             if done is not None:
                 done.synchronize()  # the non-blocking device → host copies have landed
             # Serialised into a spool file (no in-memory copy); the snapshot is dropped as soon as it is written.
-            spool = encode_spool(holder.pop(), self.checkpointer.spool_dir)
-            self.checkpointer.commit(step, None, extra=extra, encoded=spool, blocked_s=blocked_s)
+            snapshot = holder.pop()
+            # The generation's small history.pt (job.train.state), from a training state's history section.
+            history = {"history": encode_history(snapshot)} if "history" in snapshot else {}
+            spool = encode_spool(snapshot, self.checkpointer.spool_dir)
+            del snapshot
+            self.checkpointer.commit(step, None, extra=extra, encoded=spool, blocked_s=blocked_s, **history)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which fails the run
             failure = exc
         self._result = (time.perf_counter() - t0, failure)

@@ -40,7 +40,8 @@ from job.train.dist import Collectives
 from job.errors import TrainError
 from job.train.progress import Reporter
 from job.train.shard_files import METADATA_FILE
-from job.train.state import STATE_FILE, decode, decode_rank_part, encode_rank_part, encode_spool, rank_file
+from job.train.state import (HISTORY_FILE, STATE_FILE, decode, decode_history, decode_rank_part, encode_history,
+                             encode_rank_part, encode_spool, rank_file)
 from storage import GenerationStore
 from storage.errors import CommitConflictError, StoreError
 from storage.spool import Spool
@@ -88,14 +89,15 @@ class Checkpointer:
         until an audit passed across it: job.train.protect). Called at each retention."""
 
     def commit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any],
-               part: dict[str, Any] | None = None, encoded: Spool | None = None,
+               part: dict[str, Any] | None = None, encoded: Spool | None = None, history: bytes | None = None,
                blocked_s: float | None = None, blocked_since: float | None = None,
                sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Serialise and commit generation ``step``; then apply retention (rank 0).
 
         ``state``: the full training state (rank 0; ignored elsewhere), or ``encoded``: that state already
-        serialised into a spool (a background save, job.train.async_save, drops its snapshot once encoded); the
-        spool file is deleted once the commit is over, whatever its outcome. ``part``: this
+        serialised into a spool (a background save, job.train.async_save, drops its snapshot once encoded) with
+        ``history``, its ``history.pt`` (state.encode_history); the spool file is deleted once the commit is over,
+        whatever its outcome. ``part``: this
         rank's own part (ranks >= 1 of a distributed run). ``blocked_s``: how long training was blocked for
         this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it is blocked until this
         returns; recorded as the record's ``blocked_s``. ``sharded``: this rank's shards of the model and
@@ -107,7 +109,9 @@ class Checkpointer:
         try:
             if self.world == 1 and sharded is None:
                 spool = encoded if encoded is not None else encode_spool(state, self.spool_dir)
-                record = self._commit_files(step, {STATE_FILE: spool}, extra)
+                own = history if encoded is not None else encode_history(state)
+                files = {STATE_FILE: spool, **({HISTORY_FILE: own} if own is not None else {})}
+                record = self._commit_files(step, files, extra)
             else:
                 record = self._commit_world(step, state, part, extra, rank, sharded)
         finally:
@@ -141,7 +145,8 @@ class Checkpointer:
                 entries = self._rank_entries(step, frames)
                 if shards is not None:
                     entries, extra = {**entries, **shards[0]}, {**extra, "sharded": shards[1]}
-                record = self._commit_generation(step, {STATE_FILE: spool}, extra, entries)
+                record = self._commit_generation(step, {STATE_FILE: spool, HISTORY_FILE: encode_history(state)},
+                                                 extra, entries)
             except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
                 failure, raised = (str(exc) or type(exc).__name__).encode(), exc
             finally:
@@ -174,14 +179,15 @@ class Checkpointer:
             entries.update(json.loads(body))
         return entries
 
-    def _commit_files(self, step: int, files: dict[str, Spool], extra: dict[str, Any]) -> dict[str, Any]:
+    def _commit_files(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any]) -> dict[str, Any]:
         try:
             return self._commit_generation(step, files, extra, None)
         finally:
             for spool in files.values():
-                spool.unlink()
+                if isinstance(spool, Spool):
+                    spool.unlink()
 
-    def _commit_generation(self, step: int, files: dict[str, Spool], extra: dict[str, Any],
+    def _commit_generation(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any],
                            rank_entries: dict[str, list] | None) -> dict[str, Any]:
         """Commit ``files`` (rank 0's) plus, in a distributed run, the other ranks' already-written entries."""
         t0 = time.perf_counter()
@@ -209,6 +215,8 @@ class Checkpointer:
         # stored object: prove they load as a state, weights-only (a spool is mapped, not read whole).
         if name == STATE_FILE:
             decode(stored)
+        elif name == HISTORY_FILE:
+            decode_history(stored)
         else:
             decode_rank_part(stored)
 

@@ -23,17 +23,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from job.errors import StateError
-from job.train.state import STATE_FILE, History, check_history, decode
+from job.train.state import HISTORY_FILE, STATE_FILE, History, check_history, decode, decode_history
 from storage import COMPLETE, GenerationStore
 from storage.errors import StoreError
 from storage.manifest import step_dir
+from storage.spool import spool_dir
 
 class MissingGeneration(StateError):
     """The generation holding the next older rows is not in the run (retention deleted it, or it was quarantined)."""
 
 
 Fetch = Callable[[int], "dict[str, Any] | None"]
-"""Generation ``step``'s decoded state (``training_state.pt`` is enough), or None when the run has none."""
+"""Generation ``step``'s decoded history section (its ``history.pt``, or its ``training_state.pt``: a mapping with
+``progress.step``, ``history`` and ``history_chain``), or None when the run has none."""
 
 
 @dataclass(kw_only=True)
@@ -120,10 +122,20 @@ def store_fetch(store: GenerationStore, contract: str | None = None) -> Fetch:
         if step not in complete:
             return None
         try:
-            loaded = store.load(step, contract=contract)
+            info = store.generation(step, contract=contract)
+            if info.manifest is not None and HISTORY_FILE in info.manifest["files"]:
+                # Only the generation's small history.pt: never its model and optimizer.
+                return decode_history(store.load_files(info, [HISTORY_FILE]).files[HISTORY_FILE])
+            # A generation written before history.pt existed: its state, spooled and memory-mapped (its tensors
+            # are never read whole into memory; only the history rows are touched).
+            loaded = store.load(step, contract=contract, skip=lambda name: name != STATE_FILE,
+                                spool_dir=spool_dir(), spool_from=0)
         except (StoreError, OSError) as exc:
             raise StateError(f"{step_dir(step)} cannot be read: {exc}") from None
-        return decode(loaded.files[STATE_FILE])
+        try:
+            return decode(loaded.files[STATE_FILE])
+        finally:
+            loaded.close()
 
     return fetch
 

@@ -332,6 +332,32 @@ def decode_rank_part(data: bytes | Spool) -> dict[str, Any]:
     return part
 
 
+HISTORY_FILE = "history.pt"
+HISTORY_SCHEMA = "trainproof.history/1"
+
+
+def encode_history(state: dict[str, Any]) -> bytes:
+    """``history.pt``: this generation's own history rows and their chain link (a few KB), committed beside
+    ``training_state.pt``. A reader that needs only the history of an older generation (job.train.history: the
+    verifier, the audit, the export's loss curve) reads this instead of the whole state, whose model and optimizer
+    may be gigabytes. The chain check makes it as trustworthy as the copy inside the state."""
+    return encode({"schema": HISTORY_SCHEMA, "progress": {"step": state["progress"]["step"]},
+                   "history": state["history"], "history_chain": state["history_chain"]})
+
+
+def decode_history(data: bytes | Spool) -> dict[str, Any]:
+    """Load a ``history.pt`` safely (weights-only) and check its structure: a mapping with ``progress.step``,
+    ``history`` and ``history_chain``, enough for :func:`check_history`."""
+    section = _load_weights_only(data)
+    if not isinstance(section, dict) or section.get("schema") != HISTORY_SCHEMA:
+        raise StateError(f"{HISTORY_FILE} has schema {section.get('schema') if isinstance(section, dict) else None!r}, "
+                         f"expected {HISTORY_SCHEMA!r}")
+    step = section.get("progress", {}).get("step") if isinstance(section.get("progress"), dict) else None
+    if type(step) is not int or not isinstance(section.get("history"), dict) or "history_chain" not in section:
+        raise StateError(f"{HISTORY_FILE} lacks progress.step, history or history_chain")
+    return section
+
+
 def decode_generation(files: dict[str, bytes], state: dict[str, Any] | None = None) -> dict[str, Any]:
     """The state of a generation: ``training_state.pt`` plus every ``rank-%05d.pt`` it needs, joined so that
     ``state["ranks"][r]`` is rank r's part. Refuses a missing rank file or one from another moment.
