@@ -86,7 +86,11 @@ def test_sigterm_stops_every_rank_at_one_committed_step_and_resumes_exactly(worl
         assert result.code == 75, result.stderr
         assert result.last("world_exit")["codes"] == [75, 75]  # every rank exited 75, so did the launcher
         stopped = result.last("stopped")
-        assert stopped["reason"] == "signal" and stopped["ranks_signalled"] == (1 if victim == "rank1" else 2)
+        # The launcher forwards to both ranks, but a rank blocked inside the stop-flag all-reduce runs its Python
+        # signal handler only once the collective returns: the ranks may agree while one of them has not seen it
+        # yet (then 1 is counted). Every rank still stops at that step and exits 75 (asserted above and below).
+        assert stopped["reason"] == "signal"
+        assert stopped["ranks_signalled"] == 1 if victim == "rank1" else stopped["ranks_signalled"] in (1, 2)
         state = load_world_state(store)  # both ranks' parts of one generation, at the step they agreed on
         assert state["progress"]["step"] == stopped["step"] > stopped_at[-1]
         assert [p["step"] for p in state["ranks"][1:]] == [stopped["step"]]
