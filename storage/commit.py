@@ -179,7 +179,8 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict
             else:
                 # In memory: read back as parallel ranges and compared with the source (whose sha256 the write
                 # computed), so the stored bytes are the hashed ones; the content check then reads the source.
-                same = memoryview(data).nbytes == size and ctx.io(f"verify {name}/{obj}", lambda d=data: ctx.matches(path, d))
+                same = memoryview(data).nbytes == size and ctx.io(f"verify {name}/{obj}",
+                                                                  lambda d=data: ctx.matches(path, d))
                 got = (size, sha) if same else (-1, "")
         except FileNotFoundError:
             raise CommitConflictError(f"{name}/{obj} vanished right after it was written (another process is "

@@ -144,17 +144,29 @@ def test_the_store_reassembles_every_step(kept_run):
     assert own["history"]["step"].tolist() == [11, 12] and own["history_chain"]["first"] == 11
 
 
-def test_a_row_changed_in_an_older_committed_generation_is_refused_loudly(kept_run, tmp_path):
-    """Re-committed with valid checksums (the store cannot tell): the chain can."""
+def _recommit_step_6(kept_run, tmp_path, alter):
+    """A copy of the run whose generation 6 was deleted and committed again with ``alter(its files)``: valid
+    checksums, changed content (what anyone with write access to the bucket could do). Returns its store."""
     shutil.copytree(kept_run / "run", tmp_path / "run")
     store = open_store(str(tmp_path / "run"))
     loaded = store.load(6)
-    state = decode(loaded.files[STATE_FILE])
-    state["history"]["sample_ids"][0] += 1
+    files = alter(loaded.files)
     shutil.rmtree(tmp_path / "run" / "step-00000006")
     manifest = loaded.info.manifest
-    store.commit(6, {STATE_FILE: encode(state)}, contract=manifest["contract"], world=1,
-                 code_version=manifest["code_version"], extra=manifest.get("extra"))
+    store.commit(6, files, contract=manifest["contract"], world=1, code_version=manifest["code_version"],
+                 extra=manifest.get("extra"))
+    return store
+
+
+def test_a_row_changed_in_an_older_committed_generation_is_refused_loudly(kept_run, tmp_path):
+    """Re-committed with valid checksums (the store cannot tell): the chain can."""
+
+    def alter(files: dict) -> dict:
+        state = decode(files[STATE_FILE])
+        state["history"]["sample_ids"][0] += 1
+        return {STATE_FILE: encode(state)}  # as a generation written before history.pt existed
+
+    store = _recommit_step_6(kept_run, tmp_path, alter)
     newest = decode(store.load(12).files[STATE_FILE])
     with pytest.raises(StateError, match="step-00000006: history rows 5..6 do not hash"):
         from_store(store, newest)
@@ -180,16 +192,13 @@ def test_reassembly_reads_each_older_generation_s_history_file_never_its_state(k
 
 def test_a_changed_history_file_is_refused_by_the_chain(kept_run, tmp_path):
     """history.pt re-committed with a changed row and valid checksums: the chain refuses it, as for the state."""
-    shutil.copytree(kept_run / "run", tmp_path / "run")
-    store = open_store(str(tmp_path / "run"))
-    loaded = store.load(6)
-    section = decode_history(loaded.files[HISTORY_FILE])
-    section["history"]["loss"][0] += 1.0
-    shutil.rmtree(tmp_path / "run" / "step-00000006")
-    manifest = loaded.info.manifest
-    store.commit(6, {STATE_FILE: loaded.files[STATE_FILE], HISTORY_FILE: encode(section)},
-                 contract=manifest["contract"], world=1, code_version=manifest["code_version"],
-                 extra=manifest.get("extra"))
+
+    def alter(files: dict) -> dict:
+        section = decode_history(files[HISTORY_FILE])
+        section["history"]["loss"][0] += 1.0
+        return {STATE_FILE: files[STATE_FILE], HISTORY_FILE: encode(section)}
+
+    store = _recommit_step_6(kept_run, tmp_path, alter)
     with pytest.raises(StateError, match="step-00000006: history rows 5..6 do not hash"):
         from_store(store, decode(store.load(12).files[STATE_FILE]))
 
