@@ -77,7 +77,7 @@ def train_command(
                    "job/ and storage/); recorded in meta.code_changes.")] = False,
     fsdp: Annotated[bool, _opt("FSDP", "Shard the model and optimizer over the ranks with FSDP2 instead of DDP; "
                                "checkpoints are sharded (each rank writes its own shards, none holds the whole "
-                               "state) and synchronous. Part of the run's plan: give it on every start. Resume on "
+                               "state). Part of the run's plan: give it on every start. Resume on "
                                "another world size with --allow-world-change (DCP reshards).")] = False,
     sync_checkpoint: Annotated[bool, _opt("SYNC_CHECKPOINT", "Commit checkpoints inline, blocking training for "
                                           "the whole save (default: only a copy to host memory blocks; the "

@@ -27,11 +27,21 @@ Rules, and why:
 * **The stop path** (SIGTERM, spot notice, deadline) first waits for the commit in flight, then commits the
   final step (job.train.loop ``Trainer._finish_saves``), keeping the exit-75 promise.
 
-Distributed runs (world > 1) stay synchronous for now: the cross-rank commit (gather of the rank parts, rank 0
-commits, outcome broadcast; job.train.checkpoint) uses the run's control group, and running those collectives
-on a worker thread would interleave them with the training thread's own collectives on that group. A separate
-gloo group for checkpoints (``torch.distributed.new_group(backend="gloo")``) or moving the small collectives to
-the next step boundary would make it safe; until then the trainer notes ``checkpoint: sync`` in its start event.
+Distributed runs (world > 1, DDP or sharded) save in the background too. Every rank snapshots what it commits:
+rank 0 the training state, every other rank its own part (generators, data position), and in a sharded run
+(``--fsdp``) every rank its own shards of the model and optimizer: the snapshot of a DTensor copies only its
+local shard and keeps its placement, so a rank never holds more than one extra copy of *its* shard. Every rank's
+save thread then runs the cross-rank commit of job.train.checkpoint (DCP writes the shards, the rank parts are
+gathered, rank 0 commits, the outcome is broadcast) over the run's *checkpoint group*
+(job.train.dist ``Collectives.saves``: a gloo group no other code uses), so its collectives never interleave
+with the training thread's. Two more rules make it safe across ranks:
+
+* **A failure is agreed, not just seen.** A commit fails on every rank together (the outcome is broadcast), but
+  each rank's thread finishes at its own moment; so a rank that sees its save failed says so in the next step
+  boundary's all-reduce (job.train.loop ``Trainer._agree``) and every rank stops there with exit 1, instead of
+  one rank exiting while the others wait in a collective for it.
+* **The final commit after a stop is agreed too**: it is skipped (``--stop-grace`` too short) only when the
+  ranks agree, so no rank waits alone in a save the others skipped.
 """
 
 from __future__ import annotations
@@ -93,6 +103,8 @@ class _Snapshotter:
         cuda_seen = [False]
 
         def tensor(t: torch.Tensor) -> torch.Tensor:
+            if _is_dtensor(t):  # a shard of a sharded tensor: copy the local shard, keep its placement
+                return _with_local(t, tensor(t._local_tensor))  # type: ignore[attr-defined]
             # Tensors that share storage (tied weights) stay shared in the copy, as torch.save would keep them.
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
             if key in memo:
@@ -138,6 +150,22 @@ class _Snapshotter:
         return buf
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported by any run that has DTensors
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor like ``t`` (same mesh, placements, global shape and stride) whose local shard is ``local``.
+
+    No collective and no move: ``DTensor.from_local`` would move a host copy back to the mesh's device, so the
+    DTensor is built from ``t``'s own spec, as torch's checkpoint staging does. DCP's planner only reads the
+    spec (the shard's offsets in the global tensor) and ``to_local()``, which now gives the host copy."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]
+
+
 def snapshot(state: Any) -> Any:
     """A deep copy of ``state`` in host memory that shares nothing mutable with the live training objects."""
     copied, done = _Snapshotter().copy(state)
@@ -176,15 +204,18 @@ class BackgroundSaver:
         """Step of the save not yet collected (running, or finished but not yet :meth:`poll`-ed), or None."""
         return self._step
 
-    def submit(self, step: int, state: dict[str, Any], *, extra: dict[str, Any], blocked_s: float) -> None:
-        """Snapshot ``state`` (training must not step until this returns) and commit it in the background.
+    def submit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any], blocked_s: float,
+               part: dict[str, Any] | None = None, sharded: dict[str, Any] | None = None) -> None:
+        """Snapshot what this rank commits (training must not step until this returns) and commit it in the
+        background: ``state`` (rank 0's training state; None on other ranks), ``part`` (a rank >= 1's own part)
+        and ``sharded`` (this rank's shards of a sharded run). See Checkpointer.commit.
 
         The caller has already waited (:meth:`wait`): at most one save is in flight.
         """
         assert self._step is None, "one save in flight at most: wait() first"
         t0 = time.perf_counter()
-        copied, done = self._snapshotter.copy(state)
-        del state  # the live references: the worker only ever sees the copy
+        copied, done = self._snapshotter.copy({"state": state, "part": part, "sharded": sharded})
+        del state, part, sharded  # the live references: the worker only ever sees the copy
         blocked_s += time.perf_counter() - t0
         holder = [copied]
         del copied
@@ -201,13 +232,20 @@ class BackgroundSaver:
         try:
             if done is not None:
                 done.synchronize()  # the non-blocking device → host copies have landed
-            # Serialised into a spool file (no in-memory copy); the snapshot is dropped as soon as it is written.
-            snapshot = holder.pop()
-            # The generation's small history.pt (job.train.state), from a training state's history section.
-            history = {"history": encode_history(snapshot)} if "history" in snapshot else {}
-            spool = encode_spool(snapshot, self.checkpointer.spool_dir)
-            del snapshot
-            self.checkpointer.commit(step, None, extra=extra, encoded=spool, blocked_s=blocked_s, **history)
+            copied = holder.pop()
+            state = copied.pop("state")
+            own = {k: v for k, v in copied.items() if v is not None}  # part, sharded: this rank's own
+            del copied
+            if getattr(self.checkpointer, "world", 1) > 1 or own:
+                # Every rank enters the cross-rank commit whatever happens, so that no rank waits alone in one of
+                # its collectives: rank 0 serialises the state inside it, where a failure reaches every rank.
+                self.checkpointer.commit(step, state, extra=extra, blocked_s=blocked_s, **own)
+            else:
+                # Serialised into a spool file (no in-memory copy); the snapshot is dropped once it is written.
+                history = {"history": encode_history(state)} if "history" in state else {}
+                spool = encode_spool(state, self.checkpointer.spool_dir)
+                del state
+                self.checkpointer.commit(step, None, extra=extra, encoded=spool, blocked_s=blocked_s, **history)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which fails the run
             failure = exc
         self._result = (time.perf_counter() - t0, failure)
@@ -217,6 +255,16 @@ class BackgroundSaver:
         self.events.drain()
         if self._thread is not None and not self._thread.is_alive():
             self._collect()
+
+    def poll_failed(self) -> bool:
+        """Like :meth:`poll`, but a failed save is left to :meth:`wait` to raise: True when the save in flight has
+        finished and failed (a distributed run agrees on it with the other ranks first: module doc)."""
+        self.events.drain()
+        if self._thread is not None and not self._thread.is_alive():
+            if self._result is not None and self._result[1] is not None:
+                return True
+            self._collect()
+        return False
 
     def wait(self) -> float:
         """Block until the save in flight (if any) is committed; return the seconds waited. Raises its failure."""

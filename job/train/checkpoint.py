@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from job.train.dist import Collectives
+from job.train.dist import Collectives, DistEnv
 from job.errors import TrainError
 from job.train.progress import Reporter
 from job.train.shard_files import METADATA_FILE
@@ -131,12 +131,13 @@ class Checkpointer:
     def _commit_world(self, step: int, state: dict[str, Any] | None, part: dict[str, Any] | None,
                       extra: dict[str, Any], rank: int, sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
         shards: tuple[dict[str, list], dict] | None = None
+        sync = self.sync or Collectives(DistEnv())
         if sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
             from job.train.sharded import write_sharded  # only sharded runs import DCP
 
-            shards = write_sharded(self.store, step, sharded)
+            shards = write_sharded(self.store, step, sharded, process_group=sync.group)
         frame = self._write_own_part(step, part, rank) if rank else b""
-        frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
+        frames = sync.gather_bytes(frame, f"gather the rank parts of step {step}")
         record, failure, raised = None, b"", None
         if rank == 0:
             spool = None
@@ -152,7 +153,7 @@ class Checkpointer:
             finally:
                 if spool is not None:
                     spool.unlink()
-        failure = self.sync.broadcast_bytes(failure, f"share the outcome of step {step}'s commit")
+        failure = sync.broadcast_bytes(failure, f"share the outcome of step {step}'s commit")
         if raised is not None:
             raise raised
         if failure:

@@ -83,7 +83,7 @@ class TrainConfig:
     run cannot switch. A task can ask for it itself (``Task.fsdp``)."""
     sync_checkpoint: bool = False
     """Commit checkpoints inline, blocking training for the whole save (the behaviour before asynchronous
-    checkpoints, job.train.async_save). Distributed runs are always synchronous for now."""
+    checkpoints, job.train.async_save), on every rank."""
     stop_grace_s: float = 25.0
     """Seconds the platform grants between SIGTERM (or a spot notice) and SIGKILL. After a stop request the
     final step is committed only when the measured commit time fits what is left; otherwise the run exits 75

@@ -12,7 +12,8 @@ Why these pieces, and not more:
   instead of waiting forever. The timeout must cover rank 0's upload of a generation, during which the
   other ranks wait for its outcome.
 - **Control plane on gloo**: flags, counts and checkpoint bytes travel as CPU tensors on a gloo group
-  (the default group on CPU, a second group next to NCCL on CUDA), so they never touch GPU memory.
+  (the default group on CPU, a second group next to NCCL on CUDA), so they never touch GPU memory. Checkpoint
+  commits have a gloo group of their own (``Collectives.saves``), so that they can run on a background thread.
 - **Launching**: :func:`run_world` (re-exported from :mod:`job.train.launch`) runs ``trainproof train`` with W
   ranks on this machine, e.g. for the verifier: ``run_world(["--store", url, "--max-steps", "10"], 2)``.
 - **Gradient sum, not mean**: DDP averages gradients over ranks by default. The global objectives divide
@@ -105,8 +106,13 @@ class Collectives:
     Every method names what it does in its failure message, so a log says which agreement broke.
     """
 
-    def __init__(self, env: DistEnv, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, env: DistEnv, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 saves: Collectives | None = None) -> None:
         self.env, self.group, self.timeout_s = env, group, timeout_s
+        self.saves: Collectives = saves or self
+        """The same collectives over the run's *checkpoint group* (:func:`session`): a gloo group used by
+        checkpoint commits only, so a background save's collectives (on the save thread) never interleave with
+        the training thread's on the other groups. ``self`` when there is no process group (world 1)."""
 
     @property
     def rank(self) -> int:
@@ -222,7 +228,12 @@ def session(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEO
         raise PeerError(f"could not join the process group of {env.world} ranks within "
                         f"{timeout_s:g} s: {str(exc).strip().splitlines()[0][:300]}") from None
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    yield Collectives(env, control, timeout_s)
+    # Checkpoint commits get a gloo group of their own: a background save (job.train.async_save) runs its
+    # collectives (the rank parts' gather, the outcome broadcast, DCP's plan and results) on the save thread
+    # while the training thread keeps using the others. A group is used by one thread at a time, in the same
+    # order on every rank, which is what keeps the collectives of two threads apart.
+    saves = dist.new_group(backend="gloo", timeout=timeout)
+    yield Collectives(env, control, timeout_s, saves=Collectives(env, saves, timeout_s))
     dist.destroy_process_group()
 
 

@@ -191,14 +191,15 @@ class Trainer:
         self.finisher = finisher
         self._update_finish_estimate()
         self.fsdp = cfg.fsdp or task.fsdp
-        """Sharded training (job.train.fsdp): sharded generations, saved synchronously by every rank."""
+        """Sharded training (job.train.fsdp): sharded generations, written by every rank."""
         self.clock = SaveClock(cfg.checkpoint_every, cfg.checkpoint_every_seconds)
+        # Commits run their collectives over the checkpoint group (job.train.dist), from whichever thread saves.
         self.checkpointer = Checkpointer(store, contract=plan["contract"], world=self.world, keep=cfg.keep,
-                                         code_version=code_version(), reporter=reporter, sync=self.sync)
-        # Asynchronous checkpoints (job.train.async_save) unless --sync-checkpoint; world > 1 and sharded runs
-        # stay synchronous.
+                                         code_version=code_version(), reporter=reporter, sync=self.sync.saves)
+        # Asynchronous checkpoints (job.train.async_save) unless --sync-checkpoint: one process or many, DDP or
+        # sharded.
         self.saver = (BackgroundSaver(self.checkpointer, reporter, self._observe_background_save, self._committed)
-                      if not cfg.sync_checkpoint and self.world == 1 and not self.fsdp else None)
+                      if not cfg.sync_checkpoint else None)
         self._live: Run | None = None
         """The run being trained (its history drops the rows of each committed generation: :meth:`_committed`)."""
         self._stop_seen_at: float | None = None
@@ -231,8 +232,6 @@ class Trainer:
                             world=self.world, contract=self.plan["contract"], store=self.store.url,
                             epoch_plan=self.epoch_plan, world_changes=self.world_changes,
                             checkpoint="async" if self.saver else "sync", fsdp=self.fsdp,
-                            **({"checkpoint_note": "world > 1 or --fsdp: checkpoints are committed synchronously"}
-                               if (self.world > 1 or self.fsdp) and not self.cfg.sync_checkpoint else {}),
                             deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat(),
                             **({"deadline_reserve_s": round(self.deadline.finish_s, 3)} if self.finisher else {}))
         self.reporter.begin(step=run.step, target=target)
@@ -262,7 +261,7 @@ class Trainer:
     def _loop(self, run: Run, target: int) -> str:
         """Optimizer steps until the target; stop requests and saves are decided only at step boundaries."""
         while run.step < target:
-            if self.saver:
+            if self.saver and self.world == 1:
                 self.saver.poll()  # a background save that failed fails the run here, naming its step
             reason, save = self._agree(run, save=run.step > self._saved_through() and self.clock.due(run.step))
             if save:
@@ -284,11 +283,27 @@ class Trainer:
         one all-reduce makes the union every rank's decision, so a SIGTERM delivered to a single rank
         stops all of them after the same step. Local when world is 1.
         """
-        flags = [int(bool(self.stop.signals)), int(bool(self.stop.notices)), int(self.deadline.too_close()), int(save)]
-        signal, notice, deadline, save_any = self.sync.sum_ints(flags, f"agree whether to stop or save at step {run.step}")
+        # With world > 1 a background save that failed is agreed here too (job.train.async_save): every rank
+        # fails at this boundary, the one whose save thread saw it first and the others alike.
+        save_failed = int(self.world > 1 and self.saver is not None and self.saver.poll_failed())
+        flags = [int(bool(self.stop.signals)), int(bool(self.stop.notices)), int(self.deadline.too_close()), int(save),
+                 save_failed]
+        signal, notice, deadline, save_any, failed = self.sync.sum_ints(
+            flags, f"agree whether to stop or save at step {run.step}")
+        if failed:
+            self._fail_with_save(failed)
         self.ranks_signalled = signal + notice
         reason = "signal" if signal else "spot-notice" if notice else "deadline" if deadline else None
         return reason, bool(save_any)
+
+    def _fail_with_save(self, ranks: int) -> None:
+        """``ranks`` ranks saw their background save fail: raise that failure here (a commit fails on every rank
+        together, so this rank's save thread ends with it too), or a PeerError should it have succeeded here."""
+        assert self.saver is not None
+        step = self.saver.in_flight
+        self.saver.wait()  # raises this rank's own failure of the same commit
+        raise dist.PeerError(f"the background checkpoint of step {step} failed on {ranks} other rank(s) "
+                             "(see their log lines); stopping this rank too")
 
     def _finish(self, run: Run, *, unbounded: bool = False) -> dict[str, Any]:
         """After a deadline's final commit: rank 0 exports and reload-checks; every rank learns whether it passed.
@@ -407,8 +422,9 @@ class Trainer:
         return saved
 
     def _save(self, run: Run) -> None:
-        """Commit this step: in the background from a host-memory snapshot (job.train.async_save), or inline
-        on every rank together with ``--sync-checkpoint`` and world > 1 (job.train.checkpoint's protocol)."""
+        """Commit this step on every rank (job.train.checkpoint's protocol when world > 1 or sharded): in the
+        background from a host-memory snapshot of what this rank commits (job.train.async_save), or inline with
+        ``--sync-checkpoint``."""
         t0 = time.perf_counter()
         if self.saver:
             previous = self.saver.in_flight
@@ -420,16 +436,17 @@ class Trainer:
         extra = {"task": self.cfg.task, "epoch": run.sampler.epoch, "loss": run.history.last_row["loss"],
                  "next_lr": run.lr(), "world": self.world, "resumed_from": self.resumed_from,
                  "code_changes": self.code_changes}
-        if self.saver:
-            self.saver.submit(run.step, state, extra=extra, blocked_s=time.perf_counter() - t0)
-        else:
-            shards = None
-            if self.fsdp:
-                from job.train.fsdp import sharded_state
+        part = capture_rank_part(run) if self.rank else None
+        shards = None
+        if self.fsdp:
+            from job.train.fsdp import sharded_state
 
-                shards = sharded_state(run.model, run.optimizer)
-            self.checkpointer.commit(run.step, state, extra=extra, part=capture_rank_part(run) if self.rank else None,
-                                     blocked_since=t0, sharded=shards)
+            shards = sharded_state(run.model, run.optimizer)  # this rank's shards (DTensors), nothing gathered
+        if self.saver:
+            self.saver.submit(run.step, state, extra=extra, blocked_s=time.perf_counter() - t0, part=part,
+                              sharded=shards)
+        else:
+            self.checkpointer.commit(run.step, state, extra=extra, part=part, blocked_since=t0, sharded=shards)
             self._committed(run.step)
             self._observe_save(time.perf_counter() - t0)
         self.clock.mark()
@@ -466,6 +483,9 @@ class Trainer:
             self.saver.wait()
         if run.step > self.checkpointer.last_step:
             why_not = self._final_commit_does_not_fit(reason)
+            skip, = self.sync.sum_ints([int(why_not is not None)], f"agree whether to commit step {run.step}")
+            if skip and why_not is None:  # every rank commits, or none: another rank's estimate says it won't fit
+                why_not = f"{skip} other rank(s) estimate the final commit does not fit in --stop-grace"
             if why_not:
                 last = self.checkpointer.last_step
                 self.reporter.warn(f"stopped at step {run.step}; the last commit is step {last}; {run.step - last} "
