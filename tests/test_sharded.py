@@ -190,6 +190,26 @@ def test_one_process_round_trip_of_plain_tensors_and_values(tmp_path):
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["t"], state["t"])
 
 
+def test_a_streamed_shard_file_is_the_buffered_one_byte_for_byte_and_leaves_no_spool(tmp_path):
+    """A background save writes its files chunk by chunk through a spool (its snapshot already is the one extra
+    copy of the shard): same bytes as the in-memory file (transposed, half, empty and scalar tensors included),
+    the spool deleted, and the generation loads back exactly."""
+    spools = tmp_path / "spool"
+    written = {}
+    for mode in ("buffered", "streamed"):
+        store = open_store(str(tmp_path / mode))
+        entries, section = sharded.write_sharded(store, 2, _small_state(), stream=mode == "streamed",
+                                                 spool_dir=str(spools))
+        store.commit_parts(2, entries, contract=CONTRACT, world=1, code_version="t", extra={"sharded": section},
+                           digests={"dcp_metadata": sharded.METADATA_FILE})
+        written[mode] = {n: e[1] for n, e in entries.items()}
+        got = _zeros_like(_small_state())
+        sharded.load_sharded(store, 2, got, world=1, contract=CONTRACT)
+        assert torch.equal(got["t"], _small_state()["t"]) and torch.equal(got["d"]["half"], _small_state()["d"]["half"])
+    assert written["streamed"] == written["buffered"] and "shard-00000.distcp" in written["streamed"]
+    assert os.listdir(spools) == []
+
+
 def test_tampered_metadata_is_refused_before_it_is_unpickled(tmp_path, monkeypatch):
     store = open_store(str(tmp_path / "run"))
     sharded.save_sharded(store, 1, _small_state(), contract=CONTRACT, world=1, code_version="t")

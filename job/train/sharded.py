@@ -74,8 +74,13 @@ class GenerationWriter(StorageWriter):
     """DCP storage writer: one verified file per rank in generation ``step``; rank 0 commits (module doc)."""
 
     def __init__(self, store: GenerationStore, step: int, *, contract: str, world: int, code_version: str,
-                 extra: dict | None = None, keep: int | None = None, defer_commit: bool = False) -> None:
+                 extra: dict | None = None, keep: int | None = None, defer_commit: bool = False,
+                 stream: bool = False, spool_dir: str | None = None) -> None:
         super().__init__()
+        self.stream, self.spool_dir = stream, spool_dir
+        """``stream``: write each file through a local spool (chunk by chunk, hashed as written) instead of one
+        buffer of the whole file: for a state that is already a host copy (a background save's snapshot), so the
+        file never becomes a second copy of this rank's shard in memory (``storage.spool``)."""
         self.store, self.step = store, step
         self.contract, self.world, self.code_version = contract, world, code_version
         self.extra, self.keep = dict(extra or {}), keep
@@ -142,22 +147,54 @@ class GenerationWriter(StorageWriter):
                 _nbytes(item.tensor_data.chunk.sizes, item.tensor_data.properties.dtype)
             layout.append((end, size))
             end = _aligned(end + size)
+        if self.stream:
+            return self._stream_file(fname, items, planner, results, blobs, layout, end)
         buf = bytearray(end)  # the file, allocated once: never more than this rank's own chunks
         for i, item in enumerate(items):
             offset, size = layout[i]
             if i in blobs:
                 buf[offset:offset + size] = blobs.pop(i)
             elif size:
-                tensor = planner.resolve_data(item)
-                if _nbytes(tensor.shape, tensor.dtype) != size:
-                    raise ShardedSaveError(f"{item.index.fqn}: the planner resolved {tuple(tensor.shape)} "
-                                           f"{tensor.dtype}, the plan says {tuple(item.tensor_data.chunk.sizes)}")
+                tensor = self._resolve(planner, item, size)
                 _view(buf, tensor.dtype, offset, tensor.shape).copy_(tensor.detach())  # any device, any strides
                 del tensor
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=(fname, offset, size)))
         entry = self.store.write_part(self.step, {fname: buf})
         del buf
         return entry
+
+    def _stream_file(self, fname: str, items: list, planner: SavePlanner, results: list, blobs: dict,
+                     layout: list[tuple[int, int]], end: int) -> dict[str, list]:
+        """The same file as the buffered path, byte for byte, written chunk by chunk into a spool (memory: one
+        chunk at most, and none for a contiguous host tensor, whose own bytes are written), then handed to the
+        store like any large object (uploaded from the file, read back, sha256 checked)."""
+        from storage.spool import SpoolWriter
+
+        with SpoolWriter(self.spool_dir, prefix="trainproof-shard-") as out:
+            at = 0
+            for i, item in enumerate(items):
+                offset, size = layout[i]
+                out.write(bytes(offset - at))  # alignment padding: < ALIGN zero bytes
+                if i in blobs:
+                    out.write(blobs.pop(i))
+                elif size:
+                    out.write(_host_bytes(self._resolve(planner, item, size)))
+                at = offset + size
+                results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=(fname, offset, size)))
+            out.write(bytes(end - at))
+        spool = out.finish()
+        try:
+            return self.store.write_part(self.step, {fname: spool})
+        finally:
+            spool.unlink()
+
+    @staticmethod
+    def _resolve(planner: SavePlanner, item, size: int) -> torch.Tensor:
+        tensor = planner.resolve_data(item)
+        if _nbytes(tensor.shape, tensor.dtype) != size:
+            raise ShardedSaveError(f"{item.index.fqn}: the planner resolved {tuple(tensor.shape)} "
+                                   f"{tensor.dtype}, the plan says {tuple(item.tensor_data.chunk.sizes)}")
+        return tensor
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
@@ -194,14 +231,15 @@ class GenerationWriter(StorageWriter):
 
 def save_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], *, contract: str, world: int,
                  code_version: str, extra: dict | None = None, keep: int | None = None,
-                 process_group=None) -> GenerationInfo | None:
+                 process_group=None, stream: bool = False, spool_dir: str | None = None) -> GenerationInfo | None:
     """Save ``state_dict`` (e.g. ``{"model": ..., "optim": ...}`` from ``get_state_dict``: DTensors, tensors,
     plain values) as sharded generation ``step``, on every rank. Returns the committed generation on rank 0,
-    None elsewhere; raises ShardedSaveError on every rank when it was not committed."""
+    None elsewhere; raises ShardedSaveError on every rank when it was not committed. ``stream``: see
+    :class:`GenerationWriter`."""
     import torch.distributed.checkpoint as dcp
 
     writer = GenerationWriter(store, step, contract=contract, world=world, code_version=code_version,
-                              extra=extra, keep=keep)
+                              extra=extra, keep=keep, stream=stream, spool_dir=spool_dir)
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=process_group)
     except CheckpointException as exc:
@@ -213,15 +251,17 @@ def save_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], 
     return writer.committed
 
 
-def write_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any],
-                  process_group=None) -> tuple[dict[str, list], dict] | None:
+def write_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], process_group=None, *,
+                  stream: bool = False, spool_dir: str | None = None) -> tuple[dict[str, list], dict] | None:
     """Like :func:`save_sharded` but without the commit: every rank writes and verifies its files of generation
     ``step`` and rank 0 writes ``dcp.metadata``; rank 0 gets (every file's entry, the manifest's ``sharded``
     section) to commit together with files of its own (``Checkpointer``: the training state and the rank files,
-    in one ``COMPLETE.json``), None elsewhere. ShardedSaveError on every rank when any rank failed."""
+    in one ``COMPLETE.json``), None elsewhere. ShardedSaveError on every rank when any rank failed. ``stream``: write
+    each file through a spool in ``spool_dir`` (:class:`GenerationWriter`), for a state that is a host snapshot."""
     import torch.distributed.checkpoint as dcp
 
-    writer = GenerationWriter(store, step, contract="", world=0, code_version="", defer_commit=True)
+    writer = GenerationWriter(store, step, contract="", world=0, code_version="", defer_commit=True, stream=stream,
+                              spool_dir=spool_dir)
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=process_group)
     except CheckpointException as exc:
@@ -404,6 +444,15 @@ def _aligned(n: int) -> int:
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * torch._utils._element_size(dtype)
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of ``tensor`` in row-major order: its own memory when it is a contiguous host tensor, else a
+    contiguous host copy of this one chunk."""
+    flat = tensor.detach()
+    if flat.device.type != "cpu" or not flat.is_contiguous():
+        flat = flat.to("cpu").contiguous()
+    return memoryview(flat.reshape(-1).view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
 def _view(buf, dtype: torch.dtype, offset: int, shape) -> torch.Tensor:
