@@ -124,6 +124,24 @@ def test_a_sharded_run_exports_the_weights_of_the_same_run_under_ddp(runs):
         assert differences(gathered["optimizer"]["state"][name], ddp["optimizer"]["state"][i]) == [], name
 
 
+def test_the_weights_alone_are_read_without_allocating_the_optimizer(runs, monkeypatch):
+    """What an export asks for (``optimizer=False``): the same model tensors, an empty optimizer, and not one
+    optimizer tensor allocated (every target DCP fills is allocated by full_state, counted here)."""
+    import job.train.fsdp as fsdp_module
+
+    s = open_store(str(runs / "fsdp"))
+    state = load_world_state(runs / "fsdp")
+    allocated: list[tuple[int, ...]] = []
+    empty = torch.empty
+    monkeypatch.setattr(fsdp_module.torch, "empty", lambda size, **kw: allocated.append(tuple(size)) or empty(size, **kw))
+    both = complete_state(s, STEPS, state)
+    n_both = len(allocated)
+    allocated.clear()
+    weights = complete_state(s, STEPS, state, optimizer=False)
+    assert weights["optimizer"] == {} and differences(weights["model"], both["model"]) == []
+    assert len(allocated) == len(both["model"]) < n_both  # one target per model tensor, none for Adam's moments
+
+
 def _tamper(src: Path, dst: Path, name: str) -> Path:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("exports"))  # a bundle an earlier test made
     path = dst / f"step-{STEPS:08d}" / name

@@ -108,10 +108,11 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
                    dest: GenerationStore | None) -> Bundle:
     state = decode(loaded.files[STATE_FILE])  # mapped from the spool, not copied
     if state["meta"].get("fsdp"):
-        # A sharded run (--fsdp): the model and optimizer gathered whole in this process from the verified shards.
+        # A sharded run (--fsdp): the model gathered whole in this process from the verified shards; the optimizer
+        # (two thirds of a model + Adam state) is never read: a bundle holds weights only.
         from job.train.fsdp import complete_state  # only sharded runs import torch.distributed.checkpoint
 
-        state = complete_state(run, loaded.info.step, state, contract=plan["contract"])
+        state = complete_state(run, loaded.info.step, state, contract=plan["contract"], optimizer=False)
     # Each generation holds only its own steps' history: the loss curve and the last row need the rows before it.
     assembled = history.from_store(run, state, contract=plan["contract"], partial=True)
     if assembled.stopped:

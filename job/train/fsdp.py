@@ -100,7 +100,7 @@ def load_generation(model: nn.Module, optimizer: torch.optim.Optimizer, store: G
 
 
 def full_state(store: GenerationStore, step: int, state: dict[str, Any], *,
-               contract: str | None = None) -> dict[str, Any]:
+               contract: str | None = None, sections: tuple[str, ...] = ("model", "optim")) -> dict[str, Any]:
     """``state`` (generation ``step``'s decoded training state, whose ``model`` and ``optimizer`` are empty in a
     sharded run) with ``model`` and ``optimizer`` filled from the generation's shards, as full CPU tensors.
 
@@ -113,7 +113,10 @@ def full_state(store: GenerationStore, step: int, state: dict[str, Any], *,
     is all a comparison or an export needs. Raises ShardedLoadError (``corrupt`` when a byte disagrees with the
     manifest).
 
-    Memory: this materialises the whole model and optimizer in this process (fine for verifying or exporting
+    ``sections``: what to read, of ``model`` and ``optim``; a section left out stays ``{}`` and none of its bytes
+    is allocated (an export reads only the model: a third of a model + Adam state).
+
+    Memory: this materialises the whole model (and optimizer) in this process (fine for verifying or exporting
     small and medium models; DCP reads one shard file at a time on top of it). Bounded memory would need the
     consumers to take the state one tensor (or one chunk) at a time: a per-tensor streaming read (DCP plans per
     key; ranged reads of the shard files, not implemented), a comparison that walks two generations key by key,
@@ -123,7 +126,10 @@ def full_state(store: GenerationStore, step: int, state: dict[str, Any], *,
     metadata = reader.read_metadata()  # verified against the manifest, allowlisted unpickling
     name = reader.generation().name
     flat: dict[str, Any] = {}
+    wanted = _section_keys(name, metadata, sections)
     for fqn, md in metadata.state_dict_metadata.items():
+        if fqn not in wanted:
+            continue
         if isinstance(md, TensorStorageMetadata):
             _check_tiling(name, fqn, tuple(md.size), md.chunks)
             flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -131,19 +137,33 @@ def full_state(store: GenerationStore, step: int, state: dict[str, Any], *,
             flat[fqn] = None  # a plain value (param_groups' entries): loaded weights-only by the planner below
     load_sharded(store, step, flat, world=1, contract=contract, allow_world_change=True, planner=_FullLoadPlanner(),
                  no_dist=True, reader=reader)
-    nested = _unflatten(name, flat, metadata.planner_data)
+    nested = _unflatten(name, flat, {k: v for k, v in metadata.planner_data.items() if k in wanted})
     if not set(nested) <= {"model", "optim"}:
         raise ShardedLoadError(f"{name}: unexpected sections {sorted(set(nested) - {'model', 'optim'})} in the shards")
     return {**state, "model": nested.get("model", {}), "optimizer": nested.get("optim", {})}
 
 
 def complete_state(store: GenerationStore, step: int, state: dict[str, Any], *,
-                   contract: str | None = None) -> dict[str, Any]:
+                   contract: str | None = None, optimizer: bool = True) -> dict[str, Any]:
     """``state`` itself, or for a sharded run's state (``meta.fsdp``) :func:`full_state` (what the verifier and
-    the export compare and write: the same sections as a replicated run's state)."""
+    the export compare and write: the same sections as a replicated run's state). ``optimizer=False``: the model
+    only (the optimizer stays ``{}``), for a consumer of the weights."""
     if not (state.get("meta") or {}).get("fsdp"):
         return state
-    return full_state(store, step, state, contract=contract)
+    return full_state(store, step, state, contract=contract, sections=("model", "optim") if optimizer else ("model",))
+
+
+def _section_keys(name: str, metadata: Any, sections: tuple[str, ...]) -> set[str]:
+    """The flattened names of the metadata's entries under the top-level ``sections`` (``planner_data``: each
+    name's path of keys, checked here as a tuple whose first key is a string)."""
+    mapping = metadata.planner_data
+    if not isinstance(mapping, dict) or set(mapping) != set(metadata.state_dict_metadata):
+        raise ShardedLoadError(f"{name}/{METADATA_FILE}: no nesting for every entry", corrupt=True)
+    heads = {path[0] if isinstance(path, tuple) and path else None for path in mapping.values()}
+    if not heads <= {"model", "optim"}:
+        raise ShardedLoadError(f"{name}: unexpected sections {sorted(map(str, heads - {'model', 'optim'}))} in the "
+                               "shards", corrupt=True)
+    return {k for k, path in mapping.items() if path[0] in sections}
 
 
 def sharded_digests(files: dict[str, Any]) -> dict[str, str]:
