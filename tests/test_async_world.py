@@ -138,3 +138,32 @@ def test_a_save_failing_on_rank_0_stops_both_ranks_at_one_boundary_and_the_resta
     assert finish(reference, timeout=300).code == 0
     assert differences(trajectory(load_world_state(ref)), trajectory(load_world_state(store))) == []
     assert not os.listdir(spool), "a spool file was left behind"
+
+
+def test_on_s3_a_refused_shard_upload_fails_both_ranks_and_the_restart_resumes_the_previous_bitwise(
+        tmp_path, s3_env, s3_server):
+    """A sharded 2-rank run on S3 (s3fs over HTTP to the loopback server, through a fault proxy) whose rank 1 is
+    refused every PUT of its step-10 shard: DCP reports rank 1's failure to both save threads, both ranks exit 1
+    naming step 10 and rank 1, step 10 is never marked usable, and the restart (no faults) resumes step 5 and ends
+    with the model, Adam state and every rank's part of an uninterrupted run on a local folder."""
+    from tests.support.faultproxy import Fault, FaultProxy
+    from tests.test_train_fsdp import full_state
+
+    url, ref = f"s3://{s3_env}/run", tmp_path / "ref"
+    common = (*_config(tmp_path), "--fsdp", "--max-steps", "15", "--checkpoint-every", "5", "--keep", "0")
+    reference = start_world(ref, *common)
+    with FaultProxy(s3_server.endpoint) as proxy:
+        proxy.set_faults([Fault("forbidden", methods={"PUT"}, path_contains="step-00000010/shard-00001")])
+        result = finish(start_world(url, *common, env={"AWS_ENDPOINT_URL": proxy.endpoint,
+                                                       "TPHOOK_STEP_DELAY": "0.05"}), timeout=300)
+        refused = proxy.stats.injected.get("forbidden", 0)
+    assert refused >= 1 and result.code == 1, result.stderr[-3000:]
+    assert result.last("world_exit")["codes"] == [1, 1], result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "background checkpoint of step 10 failed" in line]
+    assert len(lines) == 2 and all("rank 1" in line for line in lines), result.stderr[-3000:]
+    assert [g.step for g in open_store(url).scan() if g.status == "complete"] == [5]
+    restart = finish(start_world(url, *common), timeout=300)
+    assert restart.code == 0 and restart.last("resume")["step"] == 5, restart.stderr[-3000:]
+    assert finish(reference, timeout=300).code == 0
+    assert differences(full_state(ref), full_state(url)) == []
+    assert differences(trajectory(load_world_state(ref)), trajectory(load_world_state(url))) == []

@@ -26,8 +26,10 @@ Read-only towards the run: generations are read with ``load`` (verified, never q
 store is opened without the multipart sweep, and nothing is written among the run's generations; it can run
 as a CronJob while the training Job is still committing. A sharded run (``train --fsdp``, ``fsdp`` in its plan.json)
 is replayed sharded, its generation a copied with its shards, and both states' model and optimizer are read whole
-from their verified shards before the comparison. Note: a run with world > 1 needs a launcher for the replay that
-this command does not provide yet; it is refused (exit 2).
+from their verified shards before the comparison. A run of W > 1 ranks (its plan.json's ``world``) is replayed with
+W ranks (``train --nproc-per-node W``: trainproof's launcher, gloo on the CPU or NCCL with ``--device cuda``), its
+generation a copied with every rank's file, and generation b compared with every rank's part (generators, data
+position) joined in, as the protocol compares a W-rank path.
 """
 
 from __future__ import annotations
@@ -92,8 +94,10 @@ class Audit:
         self.s, self.opener = settings, opener
         self.run_store = opener(settings.store)
         self.plan = read_run_plan(self.run_store)
-        if self.plan.get("world", 1) != 1:
-            raise ConfigError(f"--audit replays single-process runs only; this run has world {self.plan['world']}")
+        self.world = self.plan.get("world", 1)
+        if type(self.world) is not int or self.world < 1:
+            raise ConfigError(f"{PLAN_FILE} of {self.run_store.url}: world must be a positive integer, not "
+                              f"{self.world!r}")
         self.task_name = trusted_task(self.plan.get("task"), settings.task, f"{PLAN_FILE} of {self.run_store.url}")
         if not isinstance(self.plan.get("task_config"), dict):
             raise ConfigError(f"{PLAN_FILE} of {self.run_store.url} holds no task_config mapping")
@@ -180,6 +184,7 @@ class Audit:
                             "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
                             "--resume", "auto", "--device", self.s.device, "--log-format", "json", *allow,
                             *(["--fsdp"] if self.plan.get("fsdp") else []),  # as plan.json says: the same state format
+                            *(["--nproc-per-node", str(self.world)] if self.world > 1 else []),  # the run's ranks
                             *self.s.store_args)
             # The replay writes only under this audit's own verification/<id>/ (no other writer): no create-only
             # probe object there, so the audit writes nothing but its own results.
