@@ -14,6 +14,9 @@ order that alternates between repetitions:
 Reported (medians over the repetitions; rank 0's events):
 
 - **blocked**: seconds training was blocked per periodic checkpoint (the trainer's ``blocked_s``), async vs sync;
+  for async also split into the wait for the previous commit (``checkpoint_wait``: at most one save is in flight,
+  so a commit slower than the checkpoint interval makes the next one wait) and the rest (capture + the copy to
+  host memory);
 - **throughput**: steps/s between the first and the last step event, async / none and sync / none;
 - **memory**: each rank's peak resident set (sampled every 10 ms from ``/proc/<pid>/statm``) minus the same rank's
   peak in the ``none`` run, per state byte that rank checkpoints (rank 0 of a DDP run: the whole state; a sharded
@@ -96,7 +99,7 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-world-async-"))
@@ -116,7 +119,11 @@ def main() -> int:
                              "blocked": [e["blocked_s"] for e in result["events"]
                                          if e.get("event") == "checkpoint" and e["step"] < args.steps],
                              "seconds": [e["seconds"] for e in result["events"]
-                                         if e.get("event") == "checkpoint" and e["step"] < args.steps]}
+                                         if e.get("event") == "checkpoint" and e["step"] < args.steps],
+                             "waited": [sum(w["seconds"] for w in result["events"] if w.get("event") == "checkpoint_wait"
+                                            and w["step"] == e["step"])
+                                        for e in result["events"]
+                                        if e.get("event") == "checkpoint" and e["step"] < args.steps]}
                 shutil.rmtree(store, ignore_errors=True)
             rows.append(row)
             print(f"rep {rep}: " + ", ".join(f"{m} {row[m]['throughput']:.2f} steps/s, blocked "
@@ -132,8 +139,9 @@ def main() -> int:
         blocked = med(med(r[mode]["blocked"]) for r in rows)
         commit = med(med(r[mode]["seconds"]) for r in rows)
         ratio = med(r[mode]["throughput"] / r["none"]["throughput"] for r in rows)
-        print(f"  {mode:5}: blocked {blocked:.3f} s per checkpoint, commit {commit:.3f} s, throughput {ratio:.2f}x "
-              "of no checkpoint")
+        waited = med(med(r[mode]["waited"]) for r in rows)
+        print(f"  {mode:5}: blocked {blocked:.3f} s per checkpoint (of which waiting for the previous commit "
+              f"{waited:.3f} s), commit {commit:.3f} s, throughput {ratio:.2f}x of no checkpoint")
     per_rank = args.mib * 2**20 / args.world if args.fsdp else None
     for rank in range(args.world):
         own = per_rank if per_rank else (args.mib * 2**20 if rank == 0 else 0)

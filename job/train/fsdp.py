@@ -42,9 +42,15 @@ from job.train.sharded import METADATA_FILE, GenerationReader, ShardedLoadError,
 from storage import GenerationInfo, GenerationStore
 
 
-def wrap(model: nn.Module, units: list[nn.Module], env: DistEnv, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, units: list[nn.Module], env: DistEnv, device: torch.device, *,
+         group: Any = None) -> nn.Module:
     """Shard ``model`` in place over all ranks (a 1-D mesh): each of ``units`` and the root become FSDP units
-    whose gradients are summed, not averaged. Every rank must call it (it broadcasts rank 0's weights first)."""
+    whose gradients are summed, not averaged. Every rank must call it (it broadcasts rank 0's weights first).
+
+    ``model`` is in host memory (``build_run`` builds a sharded model there): rank 0's weights are broadcast over
+    ``group``, a gloo group (the run's control group: the default group on the CPU), and ``fully_shard`` then
+    moves each unit to ``device`` as it shards it, so a device holds one unit whole at most, never the model.
+    Note: written for CUDA (NCCL for training, gloo for this broadcast) and run on the CPU only so far."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -52,7 +58,7 @@ def wrap(model: nn.Module, units: list[nn.Module], env: DistEnv, device: torch.d
     if env.world > 1:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+                dist.broadcast(tensor.data, src=0, group=group)
     mesh = init_device_mesh(device.type, (env.world,))
     for unit in units:
         if unit is not model:

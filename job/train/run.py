@@ -94,12 +94,14 @@ def build_run(task: Task, device: torch.device, seed: int, *, env: DistEnv | Non
     """
     env = env or DistEnv()
     np_gen = rng.seed_all(rank_seed(seed, env.rank))
-    model = task.build_model().to(device=device, dtype=task.dtype)
+    # A sharded model stays in host memory until FSDP shards it: fully_shard moves each unit to the device as it
+    # shards it, so the whole model never has to fit one device (job.train.fsdp wrap).
+    model = task.build_model().to(device=torch.device("cpu") if fsdp else device, dtype=task.dtype)
     model.train()
     if fsdp:
         from job.train import fsdp as sharding
 
-        sharding.wrap(model, task.fsdp_modules(model), env, device)
+        sharding.wrap(model, task.fsdp_modules(model), env, device, group=sync.group if sync else None)
     optimizer = task.build_optimizer(model)
     scheduler = task.build_scheduler(optimizer)
     use_amp = task.use_amp(device)
