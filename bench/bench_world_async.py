@@ -18,8 +18,9 @@ Reported (medians over the repetitions; rank 0's events):
   so a commit slower than the checkpoint interval makes the next one wait) and the rest (capture + the copy to
   host memory);
 - **throughput**: steps/s between the first and the last step event, async / none and sync / none;
-- **memory**: each rank's peak resident set (sampled every 10 ms from ``/proc/<pid>/statm``) minus the same rank's
-  peak in the ``none`` run, per state byte that rank checkpoints (rank 0 of a DDP run: the whole state; a sharded
+- **memory**: each rank's peak resident set (sampled every 10 ms from ``/proc/<pid>/statm``) while training, from
+  the first to the last step event (the final commit comes after it), minus the same rank's peak over the same
+  window of the ``none`` run, per state byte that rank checkpoints (rank 0 of a DDP run: the whole state; a sharded
   run: each rank its shard, ``--mib / W``).
 
 Not run by CI; figures in bench/RESULTS.md.
@@ -62,13 +63,13 @@ def launch(store: Path, args: argparse.Namespace, mode: str) -> dict:
            *(["--sync-checkpoint"] if mode == "sync" else []), *(["--fsdp"] if args.fsdp else [])]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    events, peaks, pids = [], {}, []
+    events, samples, pids = [], [], []
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.01):
-            for rank, pid in enumerate(pids):
-                peaks[rank] = max(peaks.get(rank, 0), _rss(pid))
+            now = time.time()
+            samples.extend((now, rank, _rss(pid)) for rank, pid in enumerate(pids))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -84,6 +85,11 @@ def launch(store: Path, args: argparse.Namespace, mode: str) -> dict:
     sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run exited {proc.returncode}: {stderr[-2000:]}")
+    steps = [datetime.fromisoformat(e["time"]).timestamp() for e in events if e.get("event") == "step"]
+    peaks: dict[int, int] = {}
+    for t, rank, rss in samples:
+        if steps[0] <= t <= steps[-1]:
+            peaks[rank] = max(peaks.get(rank, 0), rss)
     return {"events": events, "peaks": peaks}
 
 
@@ -148,8 +154,8 @@ def main() -> int:
         cells = []
         for mode in ("async", "sync"):
             extra = med(r[mode]["peaks"].get(rank, 0) - r["none"]["peaks"].get(rank, 0) for r in rows)
-            cells.append(f"{mode} +{extra / 2**20:.0f} MiB" + (f" ({extra / own:.2f}x its state)" if own else ""))
-        print(f"  rank {rank} peak RSS above the no-checkpoint run: " + "; ".join(cells))
+            cells.append(f"{mode} {extra / 2**20:+.0f} MiB" + (f" ({extra / own:.2f}x its state)" if own else ""))
+        print(f"  rank {rank} peak RSS while training, above the no-checkpoint run's: " + "; ".join(cells))
     return 0
 
 
