@@ -42,13 +42,24 @@ def test_a_sharded_snapshot_copies_the_local_shard_keeps_its_placement_and_is_no
     change the live shards and leave the snapshot as it was."""
     from torch.distributed.tensor import DTensor
 
-    from job.tasks import load_task
     from job.train import dist
+
+    cpu = torch.device("cpu")
+    try:
+        _snapshot_checks(dist, cpu, DTensor)
+    finally:  # a failed check must not leave this worker's later tests a process group
+        from torch import distributed as tdist
+
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
+def _snapshot_checks(dist, cpu, DTensor) -> None:
+    from job.tasks import load_task
     from job.train.async_save import snapshot
     from job.train.fsdp import sharded_state
     from job.train.run import build_run, train_step
 
-    cpu = torch.device("cpu")
     with dist.session(dist.DistEnv(), cpu, group_of_one=True) as sync:
         run = build_run(load_task("regression", {}), cpu, 1234, env=sync.env, sync=sync, fsdp=True)
         for _ in range(3):
