@@ -112,6 +112,8 @@ def test_two_rank_async_saves_overlap_training_and_write_the_same_generations_as
     begun, landed = names.index(("checkpoint_begin", 10)), names.index(("checkpoint", 10))
     assert [st for ev, st in names[begun:landed] if ev == "step" and st > 10], "training waited for the save"
     assert [e["step"] for e in ra.events if e["event"] == "checkpoint"] == [5, 10, 15, 20]
+    # A record's seconds cover the whole cross-rank commit: rank 1's delayed part and rank 0's delayed check.
+    assert all(e["seconds"] >= 1.0 for e in ra.events if e["event"] == "checkpoint"), ra.events
     for step in (5, 10, 15, 20):
         fa, fs = _files(a, step), _files(s, step)
         assert set(fa) == set(fs) and {"rank-00001.pt", "history.pt"} <= set(fa), (step, sorted(fa))

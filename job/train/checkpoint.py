@@ -135,6 +135,7 @@ class Checkpointer:
                       extra: dict[str, Any], rank: int, sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
         shards: tuple[dict[str, list], dict] | None = None
         sync = self.sync or Collectives(DistEnv())
+        t0 = time.perf_counter()  # the record's seconds: the whole cross-rank commit, the shards' write included
         if sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
             from job.train.sharded import write_sharded  # only sharded runs import DCP
 
@@ -152,6 +153,7 @@ class Checkpointer:
                     entries, extra = {**entries, **shards[0]}, {**extra, "sharded": shards[1]}
                 record = self._commit_generation(step, {STATE_FILE: spool, HISTORY_FILE: encode_history(state)},
                                                  extra, entries)
+                record["seconds"] = time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
                 failure, raised = (str(exc) or type(exc).__name__).encode(), exc
             finally:
