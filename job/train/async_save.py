@@ -40,8 +40,8 @@ with the training thread's. Two more rules make it safe across ranks:
   each rank's thread finishes at its own moment; so a rank that sees its save failed says so in the next step
   boundary's all-reduce (job.train.loop ``Trainer._agree``) and every rank stops there with exit 1, instead of
   one rank exiting while the others wait in a collective for it.
-* **The final commit after a stop is agreed too**: it is skipped (``--stop-grace`` too short) only when the
-  ranks agree, so no rank waits alone in a save the others skipped.
+* **The final commit after a stop is agreed too**: when any rank estimates it does not fit ``--stop-grace``,
+  every rank skips it, so no rank waits alone in a save the others skipped.
 """
 
 from __future__ import annotations
