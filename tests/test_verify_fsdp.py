@@ -180,6 +180,7 @@ def test_verify_audit_refuses_fsdp():
     assert result.returncode == 2 and "--fsdp is for the protocol" in result.stderr
 
 
+@pytest.mark.slow  # the two-rank sharded audit below covers this and the launcher
 def test_audit_of_a_sharded_run_replays_it_sharded_and_catches_another_trajectory(tmp_path):
     """A one-process ``--fsdp`` run trained to 3, then (a second process) to 6; a copy whose 3 -> 6 resumed with
     re-seeded generators. The audit replays 3 -> 6 sharded (plan.json says fsdp) and compares the model and Adam
