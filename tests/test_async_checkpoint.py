@@ -74,6 +74,7 @@ def test_the_background_save_runs_at_low_cpu_priority_and_spools_the_state(tmp_p
     class Recorder:
         spool_dir = str(tmp_path)
         reporter = None
+        world = 1
 
         def commit(self, step, state, *, extra, encoded, blocked_s):
             seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -226,6 +226,7 @@ def test_only_a_commit_that_landed_drops_history_rows():
     class Flaky:
         reporter = None
         spool_dir = None
+        world = 1
         fail = True
 
         def commit(self, step, state, *, encoded, **kw):

@@ -237,7 +237,7 @@ class BackgroundSaver:
             state = copied.pop("state")
             own = {k: v for k, v in copied.items() if v is not None}  # part, sharded: this rank's own
             del copied
-            if getattr(self.checkpointer, "world", 1) > 1 or own:
+            if self.checkpointer.world > 1 or own:
                 # Every rank enters the cross-rank commit whatever happens, so that no rank waits alone in one of
                 # its collectives: rank 0 serialises the state inside it, where a failure reaches every rank.
                 self.checkpointer.commit(step, state, extra=extra, blocked_s=blocked_s, **own)

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from job.train.dist import Collectives, DistEnv
+from job.train.dist import Collectives
 from job.errors import TrainError
 from job.train.progress import Reporter
 from job.train.shard_files import METADATA_FILE
@@ -134,15 +134,14 @@ class Checkpointer:
     def _commit_world(self, step: int, state: dict[str, Any] | None, part: dict[str, Any] | None,
                       extra: dict[str, Any], rank: int, sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
         shards: tuple[dict[str, list], dict] | None = None
-        sync = self.sync or Collectives(DistEnv())
         t0 = time.perf_counter()  # the record's seconds: the whole cross-rank commit, the shards' write included
         if sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
             from job.train.sharded import write_sharded  # only sharded runs import DCP
 
-            shards = write_sharded(self.store, step, sharded, process_group=sync.group, stream=self.stream_shards,
+            shards = write_sharded(self.store, step, sharded, process_group=self.sync.group, stream=self.stream_shards,
                                    spool_dir=self.spool_dir)
         frame = self._write_own_part(step, part, rank) if rank else b""
-        frames = sync.gather_bytes(frame, f"gather the rank parts of step {step}")
+        frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
         record, failure, raised = None, b"", None
         if rank == 0:
             spool = None
@@ -159,7 +158,7 @@ class Checkpointer:
             finally:
                 if spool is not None:
                     spool.unlink()
-        failure = sync.broadcast_bytes(failure, f"share the outcome of step {step}'s commit")
+        failure = self.sync.broadcast_bytes(failure, f"share the outcome of step {step}'s commit")
         if raised is not None:
             raise raised
         if failure:

@@ -144,8 +144,6 @@ def full_state(store: GenerationStore, step: int, state: dict[str, Any], *,
     load_sharded(store, step, flat, world=1, contract=contract, allow_world_change=True, planner=_FullLoadPlanner(),
                  no_dist=True, reader=reader)
     nested = _unflatten(name, flat, {k: v for k, v in metadata.planner_data.items() if k in wanted})
-    if not set(nested) <= {"model", "optim"}:
-        raise ShardedLoadError(f"{name}: unexpected sections {sorted(set(nested) - {'model', 'optim'})} in the shards")
     return {**state, "model": nested.get("model", {}), "optimizer": nested.get("optim", {})}
 
 
