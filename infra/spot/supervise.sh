@@ -13,6 +13,7 @@
 #                                                   lasted less than SUPERVISE_FAST_SECONDS
 # SIGTERM/SIGINT are forwarded to trainproof, which finishes its step, commits and exits 75; the supervisor
 # then exits with that code and does not restart (the machine is going away, or someone asked to stop).
+# The supervisor checks on trainproof every SUPERVISE_POLL_SECONDS (default 1; see await_child below).
 #
 # --once: no loop; run trainproof once (exec, so signals reach it directly) and exit with its code. For
 # systemd, which restarts by itself (Restart=on-failure, RestartForceExitStatus=75).
@@ -30,6 +31,7 @@ max_backoff="${SUPERVISE_MAX_BACKOFF_SECONDS:-300}"
 fast_seconds="${SUPERVISE_FAST_SECONDS:-60}"
 max_fast="${SUPERVISE_MAX_FAST_FAILURES:-5}"
 deadline_margin="${SUPERVISE_DEADLINE_MARGIN_SECONDS:-600}"
+poll="${SUPERVISE_POLL_SECONDS:-1}"
 state_dir="${SUPERVISE_STATE_DIR:-${STATE_DIRECTORY:-${XDG_STATE_HOME:-$HOME/.local/state}/trainproof}}"
 
 log() { printf '[supervise %s] %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
@@ -37,6 +39,7 @@ log() { printf '[supervise %s] %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; 
 for knob in base_backoff max_backoff fast_seconds max_fast deadline_margin; do
   [[ "${!knob}" =~ ^[0-9]+$ ]] || { log "error: $knob must be a whole number of seconds (got '${!knob}')"; exit 2; }
 done
+[[ "$poll" =~ ^[0-9]*\.?[0-9]+$ ]] || { log "error: SUPERVISE_POLL_SECONDS must be a number of seconds (got '$poll')"; exit 2; }
 
 once=0
 if [ "${1:-}" = "--once" ]; then once=1; shift; fi
@@ -106,13 +109,17 @@ forward() {
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 
-# Runs trainproof in the background and waits for it, through any number of forwarded signals; sets rc.
-run_child() {
+# Waits for $child to end and sets rc to its exit status, through any number of forwarded signals. It polls
+# rather than blocking in `wait "$child"`: a signal that arrives just as bash enters a blocking wait stays
+# pending until that wait returns (about one stop in 300 in a loop of SIGINTs), so the trap would never
+# forward it and trainproof would train on until the machine is taken. A poll's sleep is interrupted by the
+# signal at once, or else ends within SUPERVISE_POLL_SECONDS.
+await_child() {
   local seen again
-  "$bin" train "$@" &
-  child=$!
-  # A signal that came before $child was known could not be forwarded by the trap: pass it on now.
-  if [ -n "$stop_signal" ]; then kill -s TERM "$child" 2>/dev/null || true; fi
+  while kill -0 "$child" 2>/dev/null; do
+    sleep "$poll" &
+    wait "$!" 2>/dev/null
+  done
   while :; do
     seen=$signals
     wait "$child"
@@ -127,6 +134,15 @@ run_child() {
     fi
   done
   child=""
+}
+
+# Runs trainproof in the background and waits for it; sets rc.
+run_child() {
+  "$bin" train "$@" &
+  child=$!
+  # A signal that came before $child was known could not be forwarded by the trap: pass it on now.
+  if [ -n "$stop_signal" ]; then kill -s TERM "$child" 2>/dev/null || true; fi
+  await_child
 }
 
 fast=0
@@ -171,8 +187,9 @@ while :; do
   # The sleep is a child too, so that a stop signal (forwarded to it by the trap) cuts the back-off short.
   sleep "$pause" &
   child=$!
-  if [ -z "$stop_signal" ]; then wait "$child" 2>/dev/null; else kill "$child" 2>/dev/null; fi
-  child=""
+  pause_rc=$rc
+  if [ -z "$stop_signal" ]; then await_child 2>/dev/null; else kill "$child" 2>/dev/null; child=""; fi
+  rc=$pause_rc
   if [ -n "$stop_signal" ]; then
     log "stopped by SIG$stop_signal while waiting to restart"
     exit "$rc"
