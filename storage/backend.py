@@ -9,7 +9,6 @@ holds no buffers between calls.
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import os
 import shutil
@@ -19,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Protocol, Union
 
+from storage.digest import FileHasher, digest_bytes
 from storage.spool import Spool
 
 CHUNK = 8 * 2**20
@@ -99,8 +99,8 @@ def iter_chunks(data: Source) -> Iterator[memoryview | bytes]:
 
 
 def digest(data: bytes | memoryview) -> tuple[int, str]:
-    """(size, sha256 hex) of bytes already in memory."""
-    return len(data), hashlib.sha256(data).hexdigest()
+    """(size, digest) of bytes already in memory (``storage.digest``: the plain sha256 up to one part)."""
+    return len(data), digest_bytes(data)
 
 
 def read_at_most(backend: "Backend", path: str, max_bytes: int) -> bytes:
@@ -109,9 +109,10 @@ def read_at_most(backend: "Backend", path: str, max_bytes: int) -> bytes:
     return read_hashed(backend, path, max_bytes)[0]
 
 
-def read_hashed(backend: "Backend", path: str, max_bytes: int) -> tuple[bytes, str]:
-    """``read_at_most`` and the sha256 of what it returns, hashed chunk by chunk as the bytes arrive (one pass)."""
-    out, sha, chunks = io.BytesIO(), hashlib.sha256(), backend.iter_read(path)
+def read_hashed(backend: "Backend", path: str, max_bytes: int, hasher: FileHasher | None = None) -> tuple[bytes, str]:
+    """``read_at_most`` and the digest of what it returns (``hasher``'s: by default a new file's, see
+    ``storage.digest``), hashed chunk by chunk as the bytes arrive (one pass)."""
+    out, sha, chunks = io.BytesIO(), hasher or FileHasher(), backend.iter_read(path)
     try:
         for chunk in chunks:
             chunk = memoryview(chunk)[: max_bytes + 1 - out.tell()]
@@ -124,10 +125,10 @@ def read_hashed(backend: "Backend", path: str, max_bytes: int) -> tuple[bytes, s
     return out.getvalue(), sha.hexdigest()  # BytesIO hands over its buffer without a copy
 
 
-def hash_object(backend: "Backend", path: str, max_bytes: int) -> tuple[int, str]:
-    """(size, sha256) of the object, streamed chunk by chunk; stops after ``max_bytes + 1`` bytes, so a size
-    above ``max_bytes`` means "too big" and its digest is of that prefix only."""
-    sha, size, chunks = hashlib.sha256(), 0, backend.iter_read(path)
+def hash_object(backend: "Backend", path: str, max_bytes: int, hasher: FileHasher | None = None) -> tuple[int, str]:
+    """(size, digest) of the object (``hasher``'s), streamed chunk by chunk; stops after ``max_bytes + 1`` bytes,
+    so a size above ``max_bytes`` means "too big" and its digest is of that prefix only."""
+    sha, size, chunks = hasher or FileHasher(), 0, backend.iter_read(path)
     try:
         for chunk in chunks:
             chunk = memoryview(chunk)[: max_bytes + 1 - size]
@@ -154,7 +155,7 @@ class LocalBackend:
         folder, name = os.path.split(path)
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-        sha, size, known = hashlib.sha256(), 0, None
+        sha, size, known = FileHasher(), 0, None
         try:
             with open(tmp, "xb") as fh:
                 if isinstance(data, Spool):
@@ -204,6 +205,18 @@ class LocalBackend:
     def read_range(self, path: str, start: int, end: int) -> bytes:
         with _open_regular(path) as fh:
             return os.pread(fh.fileno(), max(0, end - start), start)
+
+    def read_range_into(self, path: str, start: int, buf: memoryview) -> int:
+        """``read_range`` into a caller's buffer (reused across parts: no fresh pages to fault in per part);
+        the count of bytes read, fewer when the file ends sooner."""
+        filled = 0
+        with _open_regular(path) as fh:
+            while filled < buf.nbytes:
+                n = os.preadv(fh.fileno(), [buf[filled:]], start + filled)
+                if n == 0:
+                    break
+                filled += n
+        return filled
 
     def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
         entries = []
@@ -275,7 +288,8 @@ OVERLAP_BYTES = 1 << 20
 
 
 class _Hasher(threading.Thread):
-    """sha256 of a buffer, computed in its own thread (hashlib releases the GIL for large updates)."""
+    """The digest of a buffer (``storage.digest``: its parts on several threads), computed beside the caller's
+    write (hashlib releases the GIL for large updates)."""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__(name="trainproof-hash", daemon=True)
@@ -284,7 +298,7 @@ class _Hasher(threading.Thread):
 
     def run(self) -> None:
         try:
-            self._digest = hashlib.sha256(self._view).hexdigest()
+            self._digest = digest_bytes(self._view)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
             self._error = exc
 

@@ -21,12 +21,12 @@ Two phases, so that several writers (one per rank) can each write and verify the
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import uuid
 
 from storage import manifest as mf
 from storage.backend import read_at_most
+from storage.digest import digest_bytes
 from storage.errors import CommitConflictError, CorruptGenerationError
 from storage.generations import Check, Ctx, anchor, scan
 from storage.spool import Spool
@@ -128,7 +128,7 @@ def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tu
     # Taken: our own PUT whose response was lost (the re-send got 412), a killed writer's leftover, or a
     # concurrent writer.  Identical bytes are ours to claim; anything else stays untouched beside our copy.
     # (Bytes are hashed here only: the backend hashed them while writing on the common path.)
-    length, expected = (data.size, data.sha256) if spooled else (len(data), hashlib.sha256(data).hexdigest())
+    length, expected = (data.size, data.sha256) if spooled else (len(data), digest_bytes(data))
     if _same_object(ctx, name, fname, length, expected):
         return length, expected, fname
     obj = mf.attempt_object(fname, attempt)

@@ -8,12 +8,17 @@ folder exists.  Anything else is reported with the reason and skipped, never rai
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
+import queue
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 from storage import manifest as mf
 from storage import signing
+from storage.digest import FileHasher, cores, hasher_for
 from storage.backend import CHUNK, Backend, Entry, hash_object, join, read_at_most, read_hashed
 from storage.errors import CorruptGenerationError
 from storage.limits import Limits
@@ -82,13 +87,14 @@ class Ctx:
             return {"part_size": self.part_size, "concurrency": self.concurrency}
         return {"part_size": CHUNK, "concurrency": 1}
 
-    def hashed(self, path: str, size: int, sink=None) -> tuple[int, str]:
-        """(bytes seen, sha256) of the object at ``path``, read as parallel ranges (``storage.spool``): at most
-        ``size + 1`` bytes, ``part_size × (concurrency + 1)`` in memory."""
+    def hashed(self, path: str, size: int, sink=None, hasher: FileHasher | None = None) -> tuple[int, str]:
+        """(bytes seen, digest) of the object at ``path``, read as parallel ranges (``storage.spool``): at most
+        ``size + 1`` bytes, ``part_size × (concurrency + 1)`` in memory. ``hasher``: the entry's
+        (``storage.digest.hasher_for``); default, a new file's."""
         read = lambda a, b: self.backend.read_range(path, a, b)  # noqa: E731
         if size == 0:  # S3 refuses a ranged read of an empty object (416): one plain read
-            return hash_object(self.backend, path, 0)
-        return hashed_ranges(read, size, sink=sink, **self.transfer())
+            return hash_object(self.backend, path, 0, hasher)
+        return hashed_ranges(read, size, sink=sink, hasher=hasher, **self.transfer())
 
     def matches(self, path: str, source) -> bool:
         """Whether the object at ``path`` holds exactly the bytes of ``source`` (bytes-like), read back as
@@ -253,16 +259,16 @@ def _not_a_file(exc: OSError) -> bool:
 def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable | None = None,
                    discard: Callable = lambda payload: None):
     """The object of file ``fname``, read and checked against its manifest entry (size, sha256), re-read once on a
-    mismatch. ``fetch(path, size) -> (payload, bytes seen, sha256)``: default, the bytes in memory (never more than
+    mismatch. ``fetch(path, size, hasher) -> (payload, bytes seen, digest)``: default, the bytes in memory (never more than
     ``size + 1`` of them: an object swapped for a huge one is not read whole); ``discard(payload)`` drops a
     payload that did not match (a spool file)."""
     obj = mf.object_name(fname, meta)
     path, size = ctx.path(name, obj), meta["bytes"]
     if fetch is None:
-        fetch = lambda path, size: _fetch_in_memory(ctx, path, size)  # noqa: E731
+        fetch = lambda path, size, hasher: _fetch_in_memory(ctx, path, size, hasher)  # noqa: E731
     for attempt in (1, 2):  # one re-read: the first read may have hit a transient fault
         try:
-            payload, seen, sha = ctx.io(f"read {name}/{obj}", lambda: fetch(path, size))
+            payload, seen, sha = ctx.io(f"read {name}/{obj}", lambda: fetch(path, size, hasher_for(meta)))
         except FileNotFoundError:
             raise CorruptGenerationError(name, f"{fname} is missing") from None
         except OSError as exc:
@@ -280,13 +286,13 @@ def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable 
     raise CorruptGenerationError(name, f"{fname} sha256 differs from {mf.MARKER} (changed or damaged after commit)")
 
 
-def _fetch_in_memory(ctx: Ctx, path: str, size: int):
-    """(bytes, bytes seen, sha256) of the object at ``path``, expected to be ``size`` bytes. A small one is one
+def _fetch_in_memory(ctx: Ctx, path: str, size: int, hasher: FileHasher):
+    """(bytes, bytes seen, digest) of the object at ``path``, expected to be ``size`` bytes. A small one is one
     streamed read; one of a part or more is read as parallel ranges, hashed in order, straight into a buffer
     allocated once at its manifest size (no growing buffer, no copy at the end); the probe byte past ``size``
     is counted, never stored."""
     if size < ctx.part_size:
-        data, sha = read_hashed(ctx.backend, path, size)
+        data, sha = read_hashed(ctx.backend, path, size, hasher)
         return data, len(data), sha
     buf = bytearray(size)
 
@@ -294,8 +300,102 @@ def _fetch_in_memory(ctx: Ctx, path: str, size: int):
         n = max(0, min(len(data), size - offset))
         buf[offset:offset + n] = memoryview(data)[:n]
 
-    seen, sha = ctx.hashed(path, size, sink=place)
+    seen, sha = ctx.hashed(path, size, sink=place, hasher=hasher)
     return buf, seen, sha
+
+
+def read_parts(ctx: Ctx, info: GenerationInfo, fname: str, sink: Callable[[int, bytes], None]) -> None:
+    """Hand file ``fname`` of the complete generation ``info`` to ``sink(offset, data)``, in order, each piece
+    only after it was verified. A file whose entry lists parts (``storage.digest``) goes part by part: each part
+    is read as one ranged read and hashed on a worker thread (so parts are hashed on several cores), checked
+    against its own digest (read once more on a mismatch) and handed over; memory is the parts in flight, not
+    the file. Any other file is read whole and verified first (``load``).
+
+    CorruptGenerationError names the part (or the file) that is missing, short, long or changed; by then the sink
+    may have received the parts before it, but never a byte that was not verified. ``data`` is valid only during
+    the call (a local folder's parts are read into buffers that are reused)."""
+    if info.status != COMPLETE or info.manifest is None:
+        raise CorruptGenerationError(info.name, info.reason or f"status {info.status}")
+    meta = info.manifest["files"].get(fname)
+    if meta is None:
+        raise CorruptGenerationError(info.name, f"{fname!r} is not in {mf.MARKER}")
+    if "parts" not in meta:
+        sink(0, _read_verified(ctx, info.name, fname, meta))
+        return
+    name, obj, size, step = info.name, mf.object_name(fname, meta), meta["bytes"], meta["part_bytes"]
+    path, parts = ctx.path(name, obj), meta["parts"]
+    spans = [(i, i * step, min((i + 1) * step, size) + (i == len(parts) - 1)) for i in range(len(parts))]
+
+    workers = max(1, ctx.concurrency if getattr(ctx.backend, "parallel_ranges", False) else min(ctx.concurrency, cores()))
+    into = getattr(ctx.backend, "read_range_into", None)
+    buffers: queue.SimpleQueue = queue.SimpleQueue()  # a local folder: parts read into reused buffers
+    for _ in range(workers + 1 if into else 0):  # each worker's part, and the one the sink has
+        buffers.put(bytearray(step + 1))
+
+    def fetch(span, pooled: bool = True) -> tuple[bytes, str]:
+        i, start, end = span
+
+        def read_once() -> bytes:
+            if into is None or not pooled:
+                return ctx.backend.read_range(path, start, end)
+            buf = buffers.get()
+            try:
+                view = memoryview(buf)
+                return view[:into(path, start, view[:end - start])]
+            except BaseException:
+                buffers.put(buf)  # a failed read (retried, or raised) gives its buffer back
+                raise
+
+        def read() -> bytes:
+            try:
+                return read_once()
+            except FileNotFoundError:
+                raise CorruptGenerationError(name, f"{fname} is missing") from None
+            except OSError as exc:
+                if not _not_a_file(exc):
+                    raise
+                raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
+
+        data = ctx.io(f"read {name}/{obj} part {i + 1}/{len(parts)}", read)
+        return data, hashlib.sha256(memoryview(data)[: min(step, size - start)]).hexdigest()
+
+    def release(data) -> None:
+        if isinstance(data, memoryview):
+            buffers.put(data.obj)
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="trainproof-part") as pool:
+        pending: deque = deque()
+        queued = iter(spans)
+        try:
+            for span in queued:
+                pending.append((span, pool.submit(fetch, span)))
+                if len(pending) >= workers:
+                    break
+            while pending:
+                (i, start, end), fut = pending.popleft()
+                data, sha = fut.result()
+                want = min(step, size - start)
+                if len(data) == want and sha != parts[i]:  # a transient fault, or changed: read it once more
+                    log.warning("%s/%s part %d/%d did not match its manifest on first read; reading it again",
+                                name, fname, i + 1, len(parts))
+                    release(data)
+                    data, sha = fetch((i, start, end), pooled=False)
+                if len(data) < want:
+                    raise CorruptGenerationError(name, f"{fname} is {start + len(data)} bytes, {mf.MARKER} says {size}")
+                if len(data) > want:
+                    raise CorruptGenerationError(name, f"{fname} is more than {size} bytes, {mf.MARKER} says {size}")
+                if sha != parts[i]:
+                    raise CorruptGenerationError(name, f"{fname} part {i + 1}/{len(parts)} (bytes {start}..{start + want}) "
+                                                       f"sha256 differs from {mf.MARKER} (changed or damaged after commit)")
+                nxt = next(queued, None)
+                if nxt is not None:
+                    pending.append((nxt, pool.submit(fetch, nxt)))
+                sink(start, data)
+                release(data)
+                del data
+        finally:
+            for _, fut in pending:
+                fut.cancel()
 
 
 def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
@@ -307,7 +407,8 @@ def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
         obj = mf.object_name(fname, meta)
         try:
             size, sha = ctx.io(f"verify {info.name}/{obj}",
-                               lambda obj=obj: ctx.hashed(ctx.path(info.name, obj), meta["bytes"]))
+                               lambda obj=obj, meta=meta: ctx.hashed(ctx.path(info.name, obj), meta["bytes"],
+                                                                     hasher=hasher_for(meta)))
         except FileNotFoundError:
             return f"{obj} is missing"
         except OSError as exc:
@@ -355,7 +456,8 @@ def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, names: list
 
 def _spool_verified(ctx: Ctx, name: str, fname: str, meta: dict, directory: str) -> Spool:
     """``_read_verified`` into a spool: the object's bytes land in a local file, never whole in memory."""
-    def fetch(path: str, size: int):
-        return download(lambda a, b: ctx.backend.read_range(path, a, b), size, directory, **ctx.transfer())
+    def fetch(path: str, size: int, hasher: FileHasher):
+        return download(lambda a, b: ctx.backend.read_range(path, a, b), size, directory, hasher=hasher,
+                        **ctx.transfer())
 
     return _read_verified(ctx, name, fname, meta, fetch, discard=lambda spool: spool.unlink())

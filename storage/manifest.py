@@ -6,6 +6,7 @@ import json
 import re
 from datetime import datetime, timezone
 
+from storage import digest as dg
 from storage.limits import Limits, UntrustedJSONError, loads_untrusted, plain_name_problem
 
 SCHEMA = "trainproof.generation/1"
@@ -51,15 +52,15 @@ def build(
     *, step: int, files: dict[str, tuple[int, str, str]], contract: str, world: int, code_version: str,
     attempt: str, digests: dict[str, str] | None = None, extra: dict | None = None,
 ) -> dict:
-    """The manifest of a generation.  ``files``: name → (bytes, sha256).  ``digests`` adds
-    ``<key>_bytes``/``<key>_sha256`` for a named file (e.g. ``state`` → ``training_state.pt``).
-    ``files``: name → (bytes, sha256, object name)."""
+    """The manifest of a generation.  ``files``: name → (bytes, sha256, object name); a sha256 that is a
+    :class:`storage.digest.Digest` of several parts adds the entry's ``parts`` and ``part_bytes``.  ``digests``
+    adds ``<key>_bytes``/``<key>_sha256`` for a named file (e.g. ``state`` → ``training_state.pt``)."""
     manifest = {
         "schema": SCHEMA,
         "step": step,
         "contract": contract,
         "world": world,
-        "files": {name: {"bytes": size, "sha256": sha, **({"object": obj} if obj != name else {})}
+        "files": {name: {"bytes": size, **_digest_fields(sha), **({"object": obj} if obj != name else {})}
                   for name, (size, sha, obj) in sorted(files.items())},
         "code_version": code_version,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
@@ -68,10 +69,14 @@ def build(
     for key, name in (digests or {}).items():
         if name not in files:
             raise ValueError(f"digest {key!r} names {name!r}, which is not among the generation's files")
-        manifest[f"{key}_bytes"], manifest[f"{key}_sha256"] = files[name][:2]
+        manifest[f"{key}_bytes"], manifest[f"{key}_sha256"] = files[name][0], str(files[name][1])
     if extra:
         manifest["extra"] = extra
     return manifest
+
+
+def _digest_fields(sha: str) -> dict:
+    return sha.entry() if isinstance(sha, dg.Digest) else {"sha256": str(sha)}
 
 
 def dumps(manifest: dict) -> bytes:
@@ -135,6 +140,7 @@ def _check_files(files: dict, limits: Limits) -> None:
         if not 0 <= meta["bytes"] <= limits.file_bytes:
             raise ManifestError(f"{MARKER} entry for {name!r} claims {meta['bytes']} bytes, outside "
                                 f"0..{limits.file_bytes} (Limits.file_bytes)")
+        _check_parts(name, meta)
         obj = object_name(name, meta)
         problem = name_problem(obj)
         if problem:
@@ -142,6 +148,26 @@ def _check_files(files: dict, limits: Limits) -> None:
         if obj in objects:
             raise ManifestError(f"{MARKER} lists object {obj!r} for two files")
         objects.add(obj)
+
+
+def _check_parts(name: str, meta: dict) -> None:
+    """A file of several parts: its part size is sane, it lists exactly the parts its size needs (two or more),
+    each a sha256, and they hash to its ``sha256`` (``storage.digest``)."""
+    if "parts" not in meta and "part_bytes" not in meta:
+        return
+    size, parts = meta.get("part_bytes"), meta.get("parts")
+    if not _is_int(size) or not dg.MIN_PART_BYTES <= size <= dg.MAX_PART_BYTES:
+        raise ManifestError(f"{MARKER} entry for {name!r} has 'part_bytes' {_short(size)}, not an integer in "
+                            f"{dg.MIN_PART_BYTES}..{dg.MAX_PART_BYTES}")
+    needed = -(-meta["bytes"] // size)
+    if not isinstance(parts, list) or len(parts) != needed or needed < 2:
+        count = len(parts) if isinstance(parts, list) else _short(parts)
+        raise ManifestError(f"{MARKER} entry for {name!r} lists {count} parts; {meta['bytes']} bytes in parts of "
+                            f"{size} are {needed} (a file of one part lists none)")
+    if not all(isinstance(p, str) and _SHA.match(p) for p in parts):
+        raise ManifestError(f"{MARKER} entry for {name!r} lists a part digest that is not a sha256 hex digest")
+    if dg.root_of(parts) != meta["sha256"]:
+        raise ManifestError(f"{MARKER} entry for {name!r}: its parts do not hash to its sha256")
 
 
 def name_problem(name: object) -> str | None:

@@ -12,7 +12,6 @@ What this module owns, from "S3 facts the store must respect" (DESIGN.md):
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import uuid
@@ -20,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from storage.backend import CHUNK, Entry, FsspecBackend, Source, iter_chunks
+from storage.digest import FileHasher, digest_bytes
 from storage.spool import Spool
 from storage.errors import StoreConfigError
 from storage.limits import redact_url
@@ -93,7 +93,7 @@ class S3Backend(FsspecBackend):
                 return self._write_stream(path, data, create_only)
             data = bytes(data) if not isinstance(data, bytes) else data
             if len(data) < 2 * part:
-                size, sha = len(data), hashlib.sha256(data).hexdigest()
+                size, sha = len(data), digest_bytes(data)
                 self.fs.pipe_file(path, data, mode="create" if create_only else "overwrite")
                 return size, sha
             view = memoryview(data)
@@ -106,7 +106,7 @@ class S3Backend(FsspecBackend):
                 log.warning("the write of %s reported a lost completion but the object exists; verify will check it", path)
                 if isinstance(data, Spool):
                     return data.size, data.sha256
-                return len(data), hashlib.sha256(data).hexdigest()
+                return len(data), digest_bytes(data)
             raise
         except OSError as exc:
             if _is_precondition_failed(exc) and not isinstance(exc, FileExistsError):
@@ -118,7 +118,7 @@ class S3Backend(FsspecBackend):
         """Concurrent multipart upload of ``size`` bytes read by ``read_range(start, end)`` (a slice of bytes in
         memory, or ``os.pread`` of a spool: at most ``concurrency`` parts are read at a time), each part retried on
         its own (UploadPart is idempotent), and the upload aborted on failure so no object appears. ``sha``: the
-        bytes' sha256 when known (a spool's); otherwise computed in parallel with the upload."""
+        bytes' digest when known (a spool's); otherwise computed in parallel with the upload."""
         bucket, key, _ = self.fs.split_path(path)
         upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
         part = self.options.part_size
@@ -132,7 +132,7 @@ class S3Backend(FsspecBackend):
             return {"PartNumber": number, "ETag": out["ETag"]}
 
         def whole_sha() -> str:
-            digest = hashlib.sha256()
+            digest = FileHasher()
             for start, end in ((s, min(s + part, size)) for s in range(0, size, part)):
                 digest.update(read_range(start, end))  # hashlib releases the GIL
             return digest.hexdigest()
@@ -174,7 +174,7 @@ class S3Backend(FsspecBackend):
     def _write_stream(self, path: str, data, create_only: bool) -> tuple[int, str]:
         # Not `with fs.open(...)`: s3fs commits a partial object when the block exits on an exception.
         fh = self.fs.open(path, "xb" if create_only else "wb", block_size=self.options.part_size)
-        sha, size = hashlib.sha256(), 0
+        sha, size = FileHasher(), 0
         try:
             for chunk in iter_chunks(data):
                 sha.update(chunk)

@@ -18,13 +18,14 @@ is scratch space (an emptyDir in Kubernetes) and never read again.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO, Callable
+
+from storage.digest import FileHasher
 
 PART_SIZE = 8 * 2**20
 """Default size of one ranged read or multipart part (8 MiB: AWS's recommended range, and with 8 in flight a
@@ -35,7 +36,8 @@ CONCURRENCY = 8
 
 @dataclass(frozen=True)
 class Spool:
-    """A local file holding one object's bytes, with the size and sha256 computed as they were written."""
+    """A local file holding one object's bytes, with the size and digest (``storage.digest``) computed as they
+    were written."""
 
     path: str
     size: int
@@ -77,7 +79,7 @@ class SpoolWriter:
     def __init__(self, directory: str | None = None, *, prefix: str = "trainproof-spool-") -> None:
         fd, self.path = tempfile.mkstemp(prefix=prefix, dir=spool_dir(directory))
         self._fh = os.fdopen(fd, "wb", buffering=0)
-        self._sha = hashlib.sha256()
+        self._sha = FileHasher()
         self._size = 0
         self.spool: Spool | None = None
 
@@ -122,9 +124,10 @@ def spans(size: int, part_size: int) -> list[tuple[int, int]]:
 
 def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_size: int = PART_SIZE,
                   concurrency: int = CONCURRENCY, sink: Callable[[int, bytes], None] | None = None,
-                  digest: bool = True) -> tuple[int, str]:
-    """Read ``size`` bytes as parallel ranged reads and hash them in order; return (bytes seen, sha256).
-    ``digest=False``: only hand them to ``sink`` (the sha256 returned is then ``""``).
+                  digest: bool = True, hasher: FileHasher | None = None) -> tuple[int, str]:
+    """Read ``size`` bytes as parallel ranged reads and hash them in order; return (bytes seen, digest): the
+    digest of ``hasher`` (default: a new file's, ``storage.digest``). ``digest=False``: only hand them to
+    ``sink`` (the digest returned is then ``""``).
 
     At most ``concurrency`` parts are in flight and each is hashed (and handed to ``sink(offset, data)``)
     as soon as every part before it was, so memory stays ``part_size × (concurrency + 1)``. The last range
@@ -134,7 +137,7 @@ def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_si
     ranges = spans(size, part_size)
     last_start, _ = ranges[-1]
     ranges[-1] = (last_start, size + 1)
-    sha, seen = hashlib.sha256(), 0
+    sha, seen = hasher or FileHasher(), 0
     with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="trainproof-range") as pool:
         pending: deque = deque()
         queued = iter(ranges)
@@ -163,10 +166,11 @@ def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_si
 
 
 def download(read_range: Callable[[int, int], bytes], size: int, directory: str | None = None, *,
-             part_size: int = PART_SIZE, concurrency: int = CONCURRENCY) -> tuple[Spool, int, str]:
+             part_size: int = PART_SIZE, concurrency: int = CONCURRENCY,
+             hasher: FileHasher | None = None) -> tuple[Spool, int, str]:
     """Fetch an object of ``size`` bytes into a new spool with :func:`hashed_ranges`; return the spool and the
-    (bytes seen, sha256) of what was read, for the caller to compare with what it expects. On any error the
-    partial spool is deleted."""
+    (bytes seen, digest by ``hasher``) of what was read, for the caller to compare with what it expects. On any
+    error the partial spool is deleted."""
     writer = SpoolWriter(directory, prefix="trainproof-load-")
     fd = writer._fh.fileno()
 
@@ -177,7 +181,8 @@ def download(read_range: Callable[[int, int], bytes], size: int, directory: str 
             view, offset = view[written:], offset + written
 
     try:
-        seen, sha = hashed_ranges(read_range, size, part_size=part_size, concurrency=concurrency, sink=sink)
+        seen, sha = hashed_ranges(read_range, size, part_size=part_size, concurrency=concurrency, sink=sink,
+                                  hasher=hasher)
     except BaseException:
         writer.discard()
         raise

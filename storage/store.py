@@ -12,8 +12,9 @@ from urllib.parse import urlparse
 from storage import manifest as mf
 from storage.backend import FsspecBackend, LocalBackend, join, read_at_most
 from storage.commit import LATEST, commit_generation, mark_usable, write_part
+from storage.digest import Digest, of_parts
 from storage.errors import CorruptGenerationError, StoreConfigError, StoreError
-from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, in_chain, load, scan,
+from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, in_chain, load, read_parts, scan,
                                  verify_hashes)
 from storage.limits import loads_untrusted, redact_url
 from storage.options import RetryPolicy, StoreOptions
@@ -85,10 +86,12 @@ class GenerationStore:
 
     def write_part(self, step: int, files: dict[str, bytes], *, check: Check | None = None) -> dict[str, list]:
         """Write and verify part of generation ``step`` (e.g. one rank's files) without marking it usable.
-        Returns the entries (name → [bytes, sha256, object]) to hand to ``commit_parts``, JSON-serialisable so
-        they can travel to the committing process."""
+        Returns the entries (name → [bytes, sha256, object, parts]) to hand to ``commit_parts``, JSON-serialisable
+        so they can travel to the committing process (``parts``: the part digests of a file of several parts,
+        ``storage.digest``, else {})."""
         self._before_write()
-        return {k: list(v) for k, v in write_part(self._ctx, step, files, check=check).items()}
+        return {k: [size, str(sha), obj, _parts(sha)]
+                for k, (size, sha, obj) in write_part(self._ctx, step, files, check=check).items()}
 
     def commit_parts(self, step: int, entries: dict[str, list], *, contract: str, world: int, code_version: str,
                      extra: dict | None = None, digests: dict[str, str] | None = None,
@@ -96,7 +99,7 @@ class GenerationStore:
         """Mark generation ``step`` usable from the entries that ``write_part`` returned (possibly in several
         processes): every listed object must be in the store with its size; then COMPLETE.json, create-only."""
         self._before_write()
-        written = {k: (int(v[0]), str(v[1]), str(v[2])) for k, v in entries.items()}
+        written = {k: (int(v[0]), _digest(k, v), str(v[2])) for k, v in entries.items()}
         manifest = mark_usable(self._ctx, step, written, contract=contract, world=world, code_version=code_version,
                                digests=digests, extra=extra)
         return self._committed(step, manifest, keep)
@@ -124,6 +127,12 @@ class GenerationStore:
         """Only ``names`` of the complete generation ``info`` (as ``generation`` returned it: that manifest, read
         once, vouches for every file), each read and verified like ``load``; CorruptGenerationError otherwise."""
         return load(self._ctx, info, check, names=list(names))
+
+    def read_parts(self, info: GenerationInfo, fname: str, sink: Callable[[int, bytes], None]) -> None:
+        """File ``fname`` of the complete generation ``info`` handed to ``sink(offset, data)`` in order, a verified
+        part at a time when its entry lists parts, else whole after verification (``storage.generations``);
+        CorruptGenerationError naming the part that does not match."""
+        read_parts(self._ctx, info, fname, sink)
 
     def verify(self, step: int, *, contract: str | None = None, world: int | None = None) -> str | None:
         """Re-read generation ``step`` streaming every file through sha256 (never a whole file in memory):
@@ -232,6 +241,22 @@ class GenerationStore:
 
 
 # ---------------------------------------------------------------------------------------------------------
+def _parts(sha: str) -> dict:
+    entry = sha.entry() if isinstance(sha, Digest) else {}
+    return {k: entry[k] for k in ("parts", "part_bytes") if k in entry}
+
+
+def _digest(name: str, entry: list) -> str:
+    """The digest of a ``write_part`` entry, with its parts; refuses an entry whose parts do not make its sha256."""
+    extra = entry[3] if len(entry) > 3 and isinstance(entry[3], dict) else {}
+    if not extra.get("parts"):
+        return str(entry[1])
+    digest = of_parts(list(extra["parts"]), int(extra["part_bytes"]))
+    if digest != entry[1]:
+        raise ValueError(f"the entry of {name!r} lists parts that do not hash to its sha256")
+    return digest
+
+
 def _names(info: GenerationInfo, skip: Callable[[str], bool] | None) -> list[str] | None:
     """The files of ``info`` to read when ``skip`` leaves some out (None: every file)."""
     if skip is None or info.manifest is None:

@@ -183,6 +183,26 @@ def test_a_corrupt_shard_is_quarantined_and_the_previous_generation_resumed_to_t
     assert differences(fsdp2["reference"], trajectory(load_world_state(store))) == []
 
 
+def test_when_every_generation_has_a_corrupt_shard_the_run_stops_instead_of_starting_fresh(fsdp2, tmp_path):
+    """A failed load may already have copied verified parts into the model: no fresh start from those tensors.
+    Every generation is quarantined (kept), every rank exits 1 with the reason, and nothing is committed."""
+    store = tmp_path / "all-flipped"
+    shutil.copytree(fsdp2["dir"] / "cont", store)
+    complete = [g.step for g in open_store(str(store)).scan() if g.status == "complete"]
+    for step in complete:
+        shard = store / f"step-{step:08d}" / "shard-00001.distcp"
+        raw = bytearray(shard.read_bytes())
+        raw[-1] ^= 0x01
+        shard.chmod(0o644)
+        shard.write_bytes(bytes(raw))
+    result = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=300)
+    assert result.code == 1 and result.last("world_exit")["codes"] == [1, 1], result.stderr[-3000:]
+    assert f"had a corrupt shard file (quarantined, the last step-{complete[0]:08d})" in result.stderr
+    assert "run it again to start from step 0" in result.stderr
+    assert sorted(int(f.split("-")[1]) for f, _ in open_store(str(store)).quarantined()) == complete
+    assert open_store(str(store)).scan() == []
+
+
 def test_two_rank_shards_reshard_into_one_process_exactly(fsdp2, tmp_path):
     store = tmp_path / "one"
     shutil.copytree(fsdp2["dir"] / "cont", store)

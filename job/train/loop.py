@@ -30,7 +30,7 @@ from job.train.checkpoint import Checkpointer, SaveClock
 from job.train.config import TrainConfig
 from job.train.contract import build_plan
 from job.train.data import epoch_plan
-from job.errors import ConfigError, ContractError
+from job.errors import ConfigError, ContractError, TrainError
 from job.train.progress import Reporter, make_reporter
 from job.train.protect import protected_steps
 from job.train.resume import (agree_plan, check_transition, code_decision, load_agreed, quarantine_corrupt,
@@ -343,6 +343,12 @@ class Trainer:
         while True:
             found = load_agreed(self.store, self.plan["contract"], self.sync, below=below,
                                 code_version=None if self.cfg.allow_code_change else code_version())
+            if found is None and below is not None:
+                # A failed sharded load may have copied verified parts of its files into the model and optimizer
+                # before a later part failed: this process does not train a fresh run from those tensors.
+                raise TrainError(f"every generation left to resume from had a corrupt shard file (quarantined, "
+                                 f"the last step-{below:08d}); this process may hold part of one, so it does not "
+                                 "start fresh: run it again to start from step 0")
             if found is None:
                 self.sync.on_rank0("look for unusable generations", self._warn_if_unusable_generations)
                 self._decide_world(self.plan["world"], step=0, history=[], source=f"plan.json of {self.store.url}")

@@ -336,31 +336,17 @@ class GenerationReader(StorageReader):
         per_file: dict[str, list] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index][0], []).append(req)
+        info = self.generation()
         for fname, reqs in sorted(per_file.items()):
-            data = memoryview(self._read(fname))  # verified against the manifest before any byte is used
+            # Verified before any byte is used: part by part when the file lists parts (each part copied into
+            # its tensors and dropped), else the whole file first (storage.generations.read_parts).
+            assembler = _Assembler(self, planner, fname, reqs)
+            try:
+                self.store.read_parts(info, fname, assembler.take)
+            except StoreError as exc:  # CorruptGenerationError: size or sha256 differ from the manifest, or missing
+                raise ShardedLoadError(f"{exc}; refusing to load it", corrupt=True) from None
+            assembler.check_done()
             self.files_read.append(fname)
-            for req in reqs:
-                _f, offset, size = self.storage_data[req.storage_index]
-                if req.type == LoadItemType.BYTE_IO:
-                    blob = bytes(data[offset:offset + size])
-                    try:  # only plain values: refuse anything that needs more than the weights-only loader
-                        torch.load(io.BytesIO(blob), weights_only=True)
-                    except Exception as exc:  # noqa: BLE001
-                        raise ShardedLoadError(f"{self.generation().name}/{fname}: the value of "
-                                               f"{req.storage_index.fqn!r} is not a plain value: {exc}") from None
-                    planner.load_bytes(req, io.BytesIO(blob))
-                    continue
-                dtype, shape = self.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
-                stored = _view(data, dtype, offset, shape)
-                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    stored = stored.narrow(dim, start, length)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != stored.size():
-                    raise ShardedLoadError(f"{req.storage_index.fqn}: the plan wants {tuple(target.size())}, "
-                                           f"the generation holds {tuple(stored.size())}")
-                target.copy_(stored)
-                planner.commit_tensor(req, target)
-            del data
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -425,6 +411,87 @@ def load_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], 
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ShardedLoadError(f"step {step} could not be loaded: a collective failed: {first}") from None
     return reader.generation()
+
+
+class _Assembler:
+    """The read requests of one file, served from its verified pieces as they arrive in order (``take``).
+
+    A request that wants a whole stored chunk of a CPU tensor of the same dtype is copied straight into its
+    target, piece by piece; any other (a resharded sub-block, a device tensor, another dtype, a plain value) is
+    gathered into a buffer of its own chunk's size and used when complete. So a load holds a part of the file and
+    at most the chunks that span it, never the file."""
+
+    def __init__(self, reader: GenerationReader, planner: LoadPlanner, fname: str, reqs: list) -> None:
+        self.reader, self.planner, self.fname = reader, planner, fname
+        spans = []
+        for req in reqs:
+            _f, offset, size = reader.storage_data[req.storage_index]
+            spans.append((offset, offset + size, req))
+        self.queue = sorted(spans, key=lambda s: s[0])
+        self.next = 0
+        self.active: list[list] = []  # [start, end, req, target bytes or staging buffer, target, filled]
+
+    def take(self, offset: int, data) -> None:
+        end = offset + len(data)
+        view = memoryview(data)
+        while self.next < len(self.queue) and self.queue[self.next][0] < end:
+            start, stop, req = self.queue[self.next]
+            self.active.append(self._open(start, stop, req))
+            self.next += 1
+        for item in self.active:
+            start, stop, _req, dest, _target, _filled = item
+            lo, hi = max(start, offset), min(stop, end)
+            if lo >= hi:
+                continue
+            dest[lo - start:hi - start] = view[lo - offset:hi - offset]
+            item[5] += hi - lo
+        done = [item for item in self.active if item[5] == item[1] - item[0]]
+        self.active = [item for item in self.active if item[5] != item[1] - item[0]]
+        for item in done:
+            self._finish(item)
+
+    def _open(self, start: int, stop: int, req) -> list:
+        target = None
+        if req.type != LoadItemType.BYTE_IO:
+            dtype, shape = self.reader.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+            whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(shape)
+            target = self.planner.resolve_tensor(req).detach()
+            if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
+                    and tuple(target.size()) == tuple(shape) and target.numel():
+                return [start, stop, req, target.view(-1).view(torch.uint8).numpy().data, target, 0]
+        return [start, stop, req, bytearray(stop - start), target, 0]
+
+    def _finish(self, item: list) -> None:
+        start, stop, req, dest, target, _filled = item
+        if req.type == LoadItemType.BYTE_IO:
+            blob = bytes(dest)
+            try:  # only plain values: refuse anything that needs more than the weights-only loader
+                torch.load(io.BytesIO(blob), weights_only=True)
+            except Exception as exc:  # noqa: BLE001
+                raise ShardedLoadError(f"{self.reader.generation().name}/{self.fname}: the value of "
+                                       f"{req.storage_index.fqn!r} is not a plain value: {exc}") from None
+            self.planner.load_bytes(req, io.BytesIO(blob))
+            return
+        if isinstance(dest, bytearray):  # gathered: view it as the stored chunk, narrow it to the request
+            dtype, shape = self.reader.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+            stored = _view(dest, dtype, 0, shape)
+            for dim, (begin, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                stored = stored.narrow(dim, begin, length)
+            if target.size() != stored.size():
+                raise ShardedLoadError(f"{req.storage_index.fqn}: the plan wants {tuple(target.size())}, "
+                                       f"the generation holds {tuple(stored.size())}")
+            target.copy_(stored)
+        self.planner.commit_tensor(req, target)
+
+    def check_done(self) -> None:
+        """Every request was served (the file was as long as the metadata placed it: checked before reading)."""
+        while self.next < len(self.queue) and self.queue[self.next][0] == self.queue[self.next][1]:
+            self._finish(self._open(*self.queue[self.next]))  # an empty chunk at the very end of the file
+            self.next += 1
+        if self.active or self.next < len(self.queue):
+            left = (self.active[0][2] if self.active else self.queue[self.next][2]).storage_index.fqn
+            raise ShardedLoadError(f"{self.reader.generation().name}/{self.fname} ended before {left!r} was read",
+                                   corrupt=True)
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
