@@ -304,12 +304,14 @@ def _fetch_in_memory(ctx: Ctx, path: str, size: int, hasher: FileHasher):
     return buf, seen, sha
 
 
-def read_parts(ctx: Ctx, info: GenerationInfo, fname: str, sink: Callable[[int, bytes], None]) -> None:
+def read_parts(ctx: Ctx, info: GenerationInfo, fname: str, sink: Callable[[int, bytes], None],
+               wanted: list[tuple[int, int]] | None = None) -> None:
     """Hand file ``fname`` of the complete generation ``info`` to ``sink(offset, data)``, in order, each piece
     only after it was verified. A file whose entry lists parts (``storage.digest``) goes part by part: each part
     is read as one ranged read and hashed on a worker thread (so parts are hashed on several cores), checked
     against its own digest (read once more on a mismatch) and handed over; memory is the parts in flight, not
-    the file. Any other file is read whole and verified first (``load``).
+    the file. Any other file is read whole and verified first (``load``). ``wanted``: byte ranges ``[start, end)``
+    the caller needs; parts that hold none of them are not read (a file without parts is read whole anyway).
 
     CorruptGenerationError names the part (or the file) that is missing, short, long or changed; by then the sink
     may have received the parts before it, but never a byte that was not verified. ``data`` is valid only during
@@ -325,6 +327,8 @@ def read_parts(ctx: Ctx, info: GenerationInfo, fname: str, sink: Callable[[int, 
     name, obj, size, step = info.name, mf.object_name(fname, meta), meta["bytes"], meta["part_bytes"]
     path, parts = ctx.path(name, obj), meta["parts"]
     spans = [(i, i * step, min((i + 1) * step, size) + (i == len(parts) - 1)) for i in range(len(parts))]
+    if wanted is not None:
+        spans = [s for s in spans if any(a < min(s[2], size) and b > s[1] for a, b in wanted if b > a)]
 
     workers = max(1, ctx.concurrency if getattr(ctx.backend, "parallel_ranges", False) else min(ctx.concurrency, cores()))
     into = getattr(ctx.backend, "read_range_into", None)

@@ -128,11 +128,13 @@ class GenerationStore:
         once, vouches for every file), each read and verified like ``load``; CorruptGenerationError otherwise."""
         return load(self._ctx, info, check, names=list(names))
 
-    def read_parts(self, info: GenerationInfo, fname: str, sink: Callable[[int, bytes], None]) -> None:
+    def read_parts(self, info: GenerationInfo, fname: str, sink: Callable[[int, bytes], None],
+                   wanted: list[tuple[int, int]] | None = None) -> None:
         """File ``fname`` of the complete generation ``info`` handed to ``sink(offset, data)`` in order, a verified
-        part at a time when its entry lists parts, else whole after verification (``storage.generations``);
-        CorruptGenerationError naming the part that does not match."""
-        read_parts(self._ctx, info, fname, sink)
+        part at a time when its entry lists parts (only the parts holding a ``wanted`` byte range, when given),
+        else whole after verification (``storage.generations``); CorruptGenerationError naming the part that
+        does not match."""
+        read_parts(self._ctx, info, fname, sink, wanted)
 
     def verify(self, step: int, *, contract: str | None = None, world: int | None = None) -> str | None:
         """Re-read generation ``step`` streaming every file through sha256 (never a whole file in memory):

@@ -117,10 +117,19 @@ def test_reshard_two_ranks_into_one(saved2):
     assert_equal(tensors(saved2 / "out" / "save-full.pt"), tensors(saved2 / "load1" / "load-full.pt"))
 
 
-def test_reshard_one_rank_into_two(tmp_path):
-    run("save", tmp_path / "run", 1, tmp_path / "out", 1)
-    run("load", tmp_path / "run", 1, tmp_path / "load2", 2, TP_SHARDED_RESHARD="1")
+@pytest.mark.parametrize("parts", [False, True], ids=["whole-files", "parts"])
+def test_reshard_one_rank_into_two(tmp_path, parts):
+    """With parts (4 KiB here, 32 MiB by default), each of the two ranks reads only the parts that hold its half
+    of each tensor; without, each reads the whole file."""
+    env = {"TP_SHARDED_HIDDEN": "128", **({"TRAINPROOF_DIGEST_PART_MIB": str(4096 / 2**20)} if parts else {})}
+    run("save", tmp_path / "run", 1, tmp_path / "out", 1, **env)
+    reports = run("load", tmp_path / "run", 1, tmp_path / "load2", 2, TP_SHARDED_RESHARD="1", **env)
     assert_equal(tensors(tmp_path / "out" / "save-full.pt"), tensors(tmp_path / "load2" / "load-full.pt"))
+    shard = open_store(str(tmp_path / "run")).generation(1).manifest["files"]["shard-00000.distcp"]
+    assert ("parts" in shard) == parts
+    for report in reports:
+        read = report["bytes_read"] / shard["bytes"]
+        assert (0.4 < read < 0.75) if parts else read >= 1.0, (read, report)
 
 
 def test_another_world_size_is_refused_without_allow_world_change(saved2):

@@ -286,9 +286,11 @@ class GenerationReader(StorageReader):
         self.metadata: Metadata | None = None
         self.files_read: list[str] = []
         """Shard files this rank read (tests and the bench check that a rank reads only what it needs)."""
+        self.bytes_read = 0
+        """Bytes of them it read (a file with parts: only the parts holding the byte ranges it needs)."""
 
     def reset(self, checkpoint_id=None) -> None:
-        self.files_read = []
+        self.files_read, self.bytes_read = [], 0
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -342,7 +344,7 @@ class GenerationReader(StorageReader):
             # its tensors and dropped), else the whole file first (storage.generations.read_parts).
             assembler = _Assembler(self, planner, fname, reqs)
             try:
-                self.store.read_parts(info, fname, assembler.take)
+                self.store.read_parts(info, fname, self._counted(assembler.take), wanted=assembler.wanted())
             except StoreError as exc:  # CorruptGenerationError: size or sha256 differ from the manifest, or missing
                 raise ShardedLoadError(f"{exc}; refusing to load it", corrupt=True) from None
             assembler.check_done()
@@ -350,6 +352,12 @@ class GenerationReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _counted(self, sink):
+        def take(offset: int, data) -> None:
+            self.bytes_read += len(data)
+            sink(offset, data)
+        return take
 
     def _read(self, fname: str) -> bytes:
         info = self.generation()
@@ -419,38 +427,56 @@ class _Assembler:
     A request that wants a whole stored chunk of a CPU tensor of the same dtype is copied straight into its
     target, piece by piece; any other (a resharded sub-block, a device tensor, another dtype, a plain value) is
     gathered into a buffer of its own chunk's size and used when complete. So a load holds a part of the file and
-    at most the chunks that span it, never the file."""
+    at most the chunks that span it, never the file. ``wanted`` is the byte ranges the requests need: a sub-block
+    needs only the span from its first to its last element, so a rank that reshards skips the parts outside."""
 
     def __init__(self, reader: GenerationReader, planner: LoadPlanner, fname: str, reqs: list) -> None:
         self.reader, self.planner, self.fname = reader, planner, fname
-        spans = []
+        queue = []
         for req in reqs:
             _f, offset, size = reader.storage_data[req.storage_index]
-            spans.append((offset, offset + size, req))
-        self.queue = sorted(spans, key=lambda s: s[0])
+            lo, hi = self._needed(req, offset, size)
+            queue.append((lo, hi, offset, offset + size, req))
+        self.queue = sorted(queue, key=lambda q: q[0])
         self.next = 0
-        self.active: list[list] = []  # [start, end, req, target bytes or staging buffer, target, filled]
+        # [needed lo, needed hi, chunk start, chunk end, req, target bytes or staging buffer, target, filled]
+        self.active: list[list] = []
+
+    def _needed(self, req, offset: int, size: int) -> tuple[int, int]:
+        if req.type == LoadItemType.BYTE_IO:
+            return offset, offset + size
+        dtype, shape = self.reader.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+        if any(length == 0 for length in req.lengths) or not shape:
+            return (offset, offset) if any(length == 0 for length in req.lengths) else (offset, offset + size)
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        first = sum(o * st for o, st in zip(req.storage_offsets, strides))
+        last = sum((o + n - 1) * st for o, n, st in zip(req.storage_offsets, req.lengths, strides))
+        element = torch._utils._element_size(dtype)
+        return offset + first * element, offset + (last + 1) * element
+
+    def wanted(self) -> list[tuple[int, int]]:
+        """The byte ranges of the file the requests need."""
+        return [(lo, hi) for lo, hi, *_ in self.queue if hi > lo]
 
     def take(self, offset: int, data) -> None:
         end = offset + len(data)
         view = memoryview(data)
         while self.next < len(self.queue) and self.queue[self.next][0] < end:
-            start, stop, req = self.queue[self.next]
-            self.active.append(self._open(start, stop, req))
+            self.active.append(self._open(*self.queue[self.next]))
             self.next += 1
         for item in self.active:
-            start, stop, _req, dest, _target, _filled = item
-            lo, hi = max(start, offset), min(stop, end)
+            need_lo, need_hi, start = item[0], item[1], item[2]
+            lo, hi = max(need_lo, offset), min(need_hi, end)
             if lo >= hi:
                 continue
-            dest[lo - start:hi - start] = view[lo - offset:hi - offset]
-            item[5] += hi - lo
-        done = [item for item in self.active if item[5] == item[1] - item[0]]
-        self.active = [item for item in self.active if item[5] != item[1] - item[0]]
+            item[5][lo - start:hi - start] = view[lo - offset:hi - offset]
+            item[7] += hi - lo
+        done = [item for item in self.active if item[7] == item[1] - item[0]]
+        self.active = [item for item in self.active if item[7] != item[1] - item[0]]
         for item in done:
             self._finish(item)
 
-    def _open(self, start: int, stop: int, req) -> list:
+    def _open(self, lo: int, hi: int, start: int, stop: int, req) -> list:
         target = None
         if req.type != LoadItemType.BYTE_IO:
             dtype, shape = self.reader.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
@@ -458,11 +484,11 @@ class _Assembler:
             target = self.planner.resolve_tensor(req).detach()
             if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
                     and tuple(target.size()) == tuple(shape) and target.numel():
-                return [start, stop, req, target.view(-1).view(torch.uint8).numpy().data, target, 0]
-        return [start, stop, req, bytearray(stop - start), target, 0]
+                return [lo, hi, start, stop, req, target.view(-1).view(torch.uint8).numpy().data, target, 0]
+        return [lo, hi, start, stop, req, bytearray(stop - start if hi > lo else 0), target, 0]
 
     def _finish(self, item: list) -> None:
-        start, stop, req, dest, target, _filled = item
+        req, dest, target = item[4], item[5], item[6]
         if req.type == LoadItemType.BYTE_IO:
             blob = bytes(dest)
             try:  # only plain values: refuse anything that needs more than the weights-only loader
@@ -474,7 +500,7 @@ class _Assembler:
             return
         if isinstance(dest, bytearray):  # gathered: view it as the stored chunk, narrow it to the request
             dtype, shape = self.reader.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
-            stored = _view(dest, dtype, 0, shape)
+            stored = _view(dest, dtype, 0, shape) if dest else torch.empty(tuple(shape), dtype=dtype)
             for dim, (begin, length) in enumerate(zip(req.storage_offsets, req.lengths)):
                 stored = stored.narrow(dim, begin, length)
             if target.size() != stored.size():
@@ -486,10 +512,10 @@ class _Assembler:
     def check_done(self) -> None:
         """Every request was served (the file was as long as the metadata placed it: checked before reading)."""
         while self.next < len(self.queue) and self.queue[self.next][0] == self.queue[self.next][1]:
-            self._finish(self._open(*self.queue[self.next]))  # an empty chunk at the very end of the file
+            self._finish(self._open(*self.queue[self.next]))  # nothing to read: an empty chunk or sub-block
             self.next += 1
         if self.active or self.next < len(self.queue):
-            left = (self.active[0][2] if self.active else self.queue[self.next][2]).storage_index.fqn
+            left = (self.active[0][4] if self.active else self.queue[self.next][4]).storage_index.fqn
             raise ShardedLoadError(f"{self.reader.generation().name}/{self.fname} ended before {left!r} was read",
                                    corrupt=True)
 

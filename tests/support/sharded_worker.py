@@ -109,11 +109,13 @@ def main(mode: str, url: str, step: int, out: str) -> int:
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
         reader_files: list = []
+        reader_bytes = [0]
         orig = sharded.GenerationReader.read_data
 
         def recording(self, plan, planner):
             fut = orig(self, plan, planner)
             reader_files.extend(self.files_read)
+            reader_bytes[0] += self.bytes_read
             return fut
 
         sharded.GenerationReader.read_data = recording
@@ -126,7 +128,7 @@ def main(mode: str, url: str, step: int, out: str) -> int:
         except Exception as exc:  # noqa: BLE001 - reported to the test
             report["error"] = f"{type(exc).__name__}: {exc}"
             report["corrupt"] = getattr(exc, "corrupt", None)
-        report["files_read"] = reader_files
+        report["files_read"], report["bytes_read"] = reader_files, reader_bytes[0]
     if "error" not in report:
         local, full = local_and_full(state)
         torch.save(local, os.path.join(out, f"{mode}-rank{rank}.pt"))
