@@ -218,3 +218,40 @@ def test_a_sharded_load_refuses_a_changed_part_as_corrupt(tmp_path, small_parts)
     with pytest.raises(sharded.ShardedLoadError, match=f"{name} part 3/") as caught:
         sharded.load_sharded(store, 3, _zeros(_state()), world=1, contract=CONTRACT)
     assert caught.value.corrupt
+
+
+def test_a_part_damaged_on_its_first_read_only_is_read_again(tmp_path, small_parts, monkeypatch, caplog):
+    """A transient fault (bytes damaged on the way, once): the part is read once more, and only its second read,
+    which matches its digest, reaches the sink. Damaged on both reads: refused, naming the part."""
+    from storage.backend import LocalBackend
+
+    data = os.urandom(6 * PART + 5)
+    store, _ = _committed(tmp_path, data)
+    info = store.generation(1)
+    damaged, real_into, real_range = [], LocalBackend.read_range_into, LocalBackend.read_range
+
+    def flip(raw, start, times):
+        if start == 3 * PART and len(damaged) < times:
+            damaged.append(start)
+            raw[5] ^= 0x01
+        return raw
+
+    def into(self, path, start, buf):
+        n = real_into(self, path, start, buf)
+        flip(buf, start, limit[0])
+        return n
+
+    def whole(self, path, start, end):
+        return bytes(flip(bytearray(real_range(self, path, start, end)), start, limit[0]))
+
+    monkeypatch.setattr(LocalBackend, "read_range_into", into)
+    monkeypatch.setattr(LocalBackend, "read_range", whole)
+    limit, got = [1], bytearray(len(data))
+    store.read_parts(info, "big.bin", lambda offset, piece: got.__setitem__(slice(offset, offset + len(piece)), piece))
+    assert bytes(got) == data and damaged == [3 * PART]
+    assert "big.bin part 4/7 did not match its manifest on first read" in caplog.text
+    damaged.clear()
+    limit[0] = 2
+    with pytest.raises(CorruptGenerationError, match="big.bin part 4/7"):
+        store.read_parts(info, "big.bin", lambda offset, piece: None)
+    assert damaged == [3 * PART, 3 * PART]
