@@ -12,6 +12,7 @@ import hashlib
 import logging
 import queue
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -256,6 +257,19 @@ def _not_a_file(exc: OSError) -> bool:
     return exc.errno in (errno.ELOOP, errno.EINVAL, errno.EISDIR, errno.ENOTDIR)
 
 
+@contextmanager
+def _missing_is_corrupt(name: str, fname: str):
+    """A file listed in the manifest that is gone, or is no longer a regular file: the generation is corrupt."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CorruptGenerationError(name, f"{fname} is missing") from None
+    except OSError as exc:
+        if not _not_a_file(exc):
+            raise
+        raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
+
+
 def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable | None = None,
                    discard: Callable = lambda payload: None):
     """The object of file ``fname``, read and checked against its manifest entry (size, sha256), re-read once on a
@@ -267,14 +281,8 @@ def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable 
     if fetch is None:
         fetch = lambda path, size, hasher: _fetch_in_memory(ctx, path, size, hasher)  # noqa: E731
     for attempt in (1, 2):  # one re-read: the first read may have hit a transient fault
-        try:
+        with _missing_is_corrupt(name, fname):
             payload, seen, sha = ctx.io(f"read {name}/{obj}", lambda: fetch(path, size, hasher_for(meta)))
-        except FileNotFoundError:
-            raise CorruptGenerationError(name, f"{fname} is missing") from None
-        except OSError as exc:
-            if not _not_a_file(exc):
-                raise
-            raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
         if seen == size and sha == meta["sha256"]:
             return payload
         discard(payload)
@@ -350,17 +358,8 @@ def read_parts(ctx: Ctx, info: GenerationInfo, fname: str, sink: Callable[[int, 
                 buffers.put(buf)  # a failed read (retried, or raised) gives its buffer back
                 raise
 
-        def read() -> bytes:
-            try:
-                return read_once()
-            except FileNotFoundError:
-                raise CorruptGenerationError(name, f"{fname} is missing") from None
-            except OSError as exc:
-                if not _not_a_file(exc):
-                    raise
-                raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
-
-        data = ctx.io(f"read {name}/{obj} part {i + 1}/{len(parts)}", read)
+        with _missing_is_corrupt(name, fname):
+            data = ctx.io(f"read {name}/{obj} part {i + 1}/{len(parts)}", read_once)
         return data, hashlib.sha256(memoryview(data)[: min(step, size - start)]).hexdigest()
 
     def release(data) -> None:
