@@ -27,7 +27,8 @@ import uuid
 from storage import manifest as mf
 from storage.backend import read_at_most
 from storage.digest import digest_bytes
-from storage.errors import CommitConflictError, CorruptGenerationError
+from storage import digest as dg
+from storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError
 from storage.generations import Check, Ctx, anchor, scan
 from storage.spool import Spool
 
@@ -200,6 +201,11 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict
 def _mark_usable(ctx: Ctx, name: str, manifest: dict) -> None:
     marker = ctx.path(name, mf.MARKER)
     raw = mf.dumps(manifest)
+    if len(raw) > ctx.limits.manifest_bytes:  # every reader would refuse it: never commit what cannot be resumed
+        raise StoreConfigError(
+            f"{name}/{mf.MARKER} would be {len(raw)} bytes, over the {ctx.limits.manifest_bytes} a reader accepts "
+            f"(Limits.manifest_bytes): too many files or parts; set {dg.PART_ENV} above "
+            f"{dg.PART_BYTES / 2**20:g} (MiB per hashed part) or write fewer files. Not marking it usable")
     try:
         ctx.io(f"commit {name}", lambda: ctx.backend.write(marker, raw, create_only=True))
         return

@@ -255,3 +255,17 @@ def test_a_part_damaged_on_its_first_read_only_is_read_again(tmp_path, small_par
     with pytest.raises(CorruptGenerationError, match="big.bin part 4/7"):
         store.read_parts(info, "big.bin", lambda offset, piece: None)
     assert damaged == [3 * PART, 3 * PART]
+
+
+def test_a_manifest_too_big_for_readers_is_never_committed(tmp_path, small_parts):
+    """Parts make the manifest grow with the state: a commit whose COMPLETE.json no reader would accept fails
+    with what to change, and leaves the generation unusable (the previous one stays the resume point)."""
+    from storage import StoreConfigError, StoreOptions
+    from storage.limits import Limits
+
+    store = open_store(str(tmp_path / "run"), StoreOptions(limits=Limits(manifest_bytes=4000)))
+    store.commit(1, {"small.txt": b"hi"}, contract=CONTRACT, world=1, code_version="t")
+    with pytest.raises(StoreConfigError, match=r"step-00000002/COMPLETE.json would be \d+ bytes, over the 4000 .*"
+                                               r"TRAINPROOF_DIGEST_PART_MIB above 0.00390625"):
+        store.commit(2, {"big.bin": os.urandom(200 * PART)}, contract=CONTRACT, world=1, code_version="t")
+    assert [(g.step, g.status) for g in store.scan()] == [(1, "complete"), (2, "incomplete")]
