@@ -68,11 +68,9 @@ def root_of(parts) -> str:
 
 
 def of_parts(parts: list[str], part_bytes: int) -> Digest:
-    """The digest of a file whose parts have these digests."""
+    """The digest of a file whose parts (at least one) have these digests."""
     if len(parts) == 1:
         return Digest(parts[0], (), part_bytes)
-    if not parts:
-        return Digest(hashlib.sha256(b"").hexdigest(), (), part_bytes)
     return Digest(root_of(parts), tuple(parts), part_bytes)
 
 

@@ -11,9 +11,7 @@ import errno
 import hashlib
 import logging
 import queue
-from collections import deque
-from contextlib import contextmanager
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,7 +21,7 @@ from storage.digest import FileHasher, cores, hasher_for
 from storage.backend import CHUNK, Backend, Entry, hash_object, join, read_at_most, read_hashed
 from storage.errors import CorruptGenerationError
 from storage.limits import Limits
-from storage.spool import CONCURRENCY, PART_SIZE, Spool, download, hashed_ranges
+from storage.spool import CONCURRENCY, PART_SIZE, Spool, download, hashed_ranges, in_order
 
 log = logging.getLogger("trainproof.storage")
 
@@ -366,39 +364,24 @@ def read_parts(ctx: Ctx, info: GenerationInfo, fname: str, sink: Callable[[int, 
         if isinstance(data, memoryview):
             buffers.put(data.obj)
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="trainproof-part") as pool:
-        pending: deque = deque()
-        queued = iter(spans)
-        try:
-            for span in queued:
-                pending.append((span, pool.submit(fetch, span)))
-                if len(pending) >= workers:
-                    break
-            while pending:
-                (i, start, end), fut = pending.popleft()
-                data, sha = fut.result()
-                want = min(step, size - start)
-                if len(data) == want and sha != parts[i]:  # a transient fault, or changed: read it once more
-                    log.warning("%s/%s part %d/%d did not match its manifest on first read; reading it again",
-                                name, fname, i + 1, len(parts))
-                    release(data)
-                    data, sha = fetch((i, start, end), pooled=False)
-                if len(data) < want:
-                    raise CorruptGenerationError(name, f"{fname} is {start + len(data)} bytes, {mf.MARKER} says {size}")
-                if len(data) > want:
-                    raise CorruptGenerationError(name, f"{fname} is more than {size} bytes, {mf.MARKER} says {size}")
-                if sha != parts[i]:
-                    raise CorruptGenerationError(name, f"{fname} part {i + 1}/{len(parts)} (bytes {start}..{start + want}) "
-                                                       f"sha256 differs from {mf.MARKER} (changed or damaged after commit)")
-                nxt = next(queued, None)
-                if nxt is not None:
-                    pending.append((nxt, pool.submit(fetch, nxt)))
-                sink(start, data)
+    with closing(in_order(fetch, spans, workers, "trainproof-part")) as reads:
+        for (i, start, end), (data, sha) in reads:
+            want = min(step, size - start)
+            if len(data) == want and sha != parts[i]:  # a transient fault, or changed: read it once more
+                log.warning("%s/%s part %d/%d did not match its manifest on first read; reading it again",
+                            name, fname, i + 1, len(parts))
                 release(data)
-                del data
-        finally:
-            for _, fut in pending:
-                fut.cancel()
+                data, sha = fetch((i, start, end), pooled=False)
+            if len(data) < want:
+                raise CorruptGenerationError(name, f"{fname} is {start + len(data)} bytes, {mf.MARKER} says {size}")
+            if len(data) > want:
+                raise CorruptGenerationError(name, f"{fname} is more than {size} bytes, {mf.MARKER} says {size}")
+            if sha != parts[i]:
+                raise CorruptGenerationError(name, f"{fname} part {i + 1}/{len(parts)} (bytes {start}..{start + want}) "
+                                                   f"sha256 differs from {mf.MARKER} (changed or damaged after commit)")
+            sink(start, data)
+            release(data)
+            del data
 
 
 def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:

@@ -23,9 +23,14 @@ import tempfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Callable
+from contextlib import closing
+from itertools import islice
+from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 from storage.digest import FileHasher
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 PART_SIZE = 8 * 2**20
 """Default size of one ranged read or multipart part (8 MiB: AWS's recommended range, and with 8 in flight a
@@ -122,6 +127,28 @@ def spans(size: int, part_size: int) -> list[tuple[int, int]]:
     return [(off, min(off + part_size, size)) for off in range(0, size, part_size)] or [(0, 0)]
 
 
+def in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, name: str) -> Iterator[tuple[T, R]]:
+    """Run ``fn`` over ``items`` on ``workers`` threads and yield ``(item, result)`` in the items' order. At most
+    ``workers`` calls are in flight besides the result being yielded; the next call starts before the caller gets a
+    result, so reading overlaps the caller's work. An error of ``fn`` is raised when its item's turn comes. Close
+    the generator (``contextlib.closing``) to stop early: calls not started are cancelled, running ones finished."""
+    workers = max(1, workers)
+    queued = iter(items)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) as pool:
+        pending: deque = deque((item, pool.submit(fn, item)) for item in islice(queued, workers))
+        try:
+            while pending:
+                item, fut = pending.popleft()
+                result = fut.result()
+                for nxt in islice(queued, 1):
+                    pending.append((nxt, pool.submit(fn, nxt)))
+                yield item, result
+                del result
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+
+
 def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_size: int = PART_SIZE,
                   concurrency: int = CONCURRENCY, sink: Callable[[int, bytes], None] | None = None,
                   digest: bool = True, hasher: FileHasher | None = None) -> tuple[int, str]:
@@ -138,16 +165,8 @@ def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_si
     last_start, _ = ranges[-1]
     ranges[-1] = (last_start, size + 1)
     sha, seen = hasher or FileHasher(), 0
-    with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="trainproof-range") as pool:
-        pending: deque = deque()
-        queued = iter(ranges)
-        for start, end in queued:
-            pending.append((start, end, pool.submit(read_range, start, end)))
-            if len(pending) >= concurrency:
-                break
-        while pending:
-            start, end, fut = pending.popleft()
-            data = fut.result()
+    with closing(in_order(lambda r: read_range(*r), ranges, concurrency, "trainproof-range")) as reads:
+        for (start, end), data in reads:
             if digest:
                 sha.update(data)
             if sink is not None and data:
@@ -155,13 +174,8 @@ def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_si
             seen += len(data)
             short = len(data) < end - start
             del data
-            if short:  # the object ended here: later parts would read nothing
-                for *_, later in pending:
-                    later.cancel()
+            if short:  # the object ended here: later parts would read nothing (closing cancels them)
                 break
-            nxt = next(queued, None)
-            if nxt is not None:
-                pending.append((*nxt, pool.submit(read_range, *nxt)))
     return seen, sha.hexdigest() if digest else ""
 
 

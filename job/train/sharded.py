@@ -31,7 +31,7 @@ import io
 import math
 import pickle
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -421,6 +421,25 @@ def load_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], 
     return reader.generation()
 
 
+@dataclass
+class _Request:
+    """One read request of a file being assembled: the bytes ``[lo, hi)`` of the file it needs, its stored chunk
+    ``[start, stop)``, and (once opened) where the bytes go: the target's own bytes or a staging buffer of the
+    chunk, and how many arrived."""
+    lo: int
+    hi: int
+    start: int
+    stop: int
+    req: Any
+    dest: Any = None
+    target: torch.Tensor | None = None
+    filled: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self.hi - self.lo
+
+
 class _Assembler:
     """The read requests of one file, served from its verified pieces as they arrive in order (``take``).
 
@@ -435,19 +454,24 @@ class _Assembler:
         queue = []
         for req in reqs:
             _f, offset, size = reader.storage_data[req.storage_index]
-            lo, hi = self._needed(req, offset, size)
-            queue.append((lo, hi, offset, offset + size, req))
-        self.queue = sorted(queue, key=lambda q: q[0])
+            queue.append(_Request(*self._needed(req, offset, size), offset, offset + size, req))
+        self.queue = sorted(queue, key=lambda r: r.lo)
         self.next = 0
-        # [needed lo, needed hi, chunk start, chunk end, req, target bytes or staging buffer, target, filled]
-        self.active: list[list] = []
+        self.active: list[_Request] = []
+
+    def _chunk(self, req) -> tuple[torch.dtype, list[int]]:
+        """The dtype and shape of the stored chunk ``req`` reads from."""
+        return self.reader.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
 
     def _needed(self, req, offset: int, size: int) -> tuple[int, int]:
+        """The bytes of the file ``req`` needs: from its first to its last element."""
         if req.type == LoadItemType.BYTE_IO:
             return offset, offset + size
-        dtype, shape = self.reader.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
-        if any(length == 0 for length in req.lengths) or not shape:
-            return (offset, offset) if any(length == 0 for length in req.lengths) else (offset, offset + size)
+        dtype, shape = self._chunk(req)
+        if any(length == 0 for length in req.lengths):
+            return offset, offset  # an empty sub-block needs nothing
+        if not shape:
+            return offset, offset + size  # a scalar
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         first = sum(o * st for o, st in zip(req.storage_offsets, strides))
         last = sum((o + n - 1) * st for o, n, st in zip(req.storage_offsets, req.lengths, strides))
@@ -456,39 +480,41 @@ class _Assembler:
 
     def wanted(self) -> list[tuple[int, int]]:
         """The byte ranges of the file the requests need."""
-        return [(lo, hi) for lo, hi, *_ in self.queue if hi > lo]
+        return [(r.lo, r.hi) for r in self.queue if r.hi > r.lo]
 
     def take(self, offset: int, data) -> None:
         end = offset + len(data)
         view = memoryview(data)
-        while self.next < len(self.queue) and self.queue[self.next][0] < end:
-            self.active.append(self._open(*self.queue[self.next]))
+        while self.next < len(self.queue) and self.queue[self.next].lo < end:
+            self.active.append(self._open(self.queue[self.next]))
             self.next += 1
-        for item in self.active:
-            need_lo, need_hi, start = item[0], item[1], item[2]
-            lo, hi = max(need_lo, offset), min(need_hi, end)
-            if lo >= hi:
-                continue
-            item[5][lo - start:hi - start] = view[lo - offset:hi - offset]
-            item[7] += hi - lo
-        done = [item for item in self.active if item[7] == item[1] - item[0]]
-        self.active = [item for item in self.active if item[7] != item[1] - item[0]]
-        for item in done:
-            self._finish(item)
+        for r in self.active:
+            lo, hi = max(r.lo, offset), min(r.hi, end)
+            if lo < hi:
+                r.dest[lo - r.start:hi - r.start] = view[lo - offset:hi - offset]
+                r.filled += hi - lo
+        done = [r for r in self.active if r.complete]
+        self.active = [r for r in self.active if not r.complete]
+        for r in done:
+            self._finish(r)
 
-    def _open(self, lo: int, hi: int, start: int, stop: int, req) -> list:
-        target = None
-        if req.type != LoadItemType.BYTE_IO:
-            dtype, shape = self.reader.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
-            whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(shape)
-            target = self.planner.resolve_tensor(req).detach()
-            if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
-                    and tuple(target.size()) == tuple(shape) and target.numel():
-                return [lo, hi, start, stop, req, target.view(-1).view(torch.uint8).numpy().data, target, 0]
-        return [lo, hi, start, stop, req, bytearray(stop - start if hi > lo else 0), target, 0]
+    def _open(self, r: _Request) -> _Request:
+        """Give ``r`` its destination: the target's own bytes when it wants a whole chunk of a host tensor that
+        can take them as they are, else a staging buffer of the chunk."""
+        if r.req.type != LoadItemType.BYTE_IO:
+            dtype, shape = self._chunk(r.req)
+            whole = all(o == 0 for o in r.req.storage_offsets) and tuple(r.req.lengths) == tuple(shape)
+            r.target = self.planner.resolve_tensor(r.req).detach()
+            t = r.target
+            if whole and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() \
+                    and tuple(t.size()) == tuple(shape) and t.numel():
+                r.dest = t.view(-1).view(torch.uint8).numpy().data
+                return r
+        r.dest = bytearray(r.stop - r.start if r.hi > r.lo else 0)
+        return r
 
-    def _finish(self, item: list) -> None:
-        req, dest, target = item[4], item[5], item[6]
+    def _finish(self, r: _Request) -> None:
+        req, dest, target = r.req, r.dest, r.target
         if req.type == LoadItemType.BYTE_IO:
             blob = bytes(dest)
             try:  # only plain values: refuse anything that needs more than the weights-only loader
@@ -499,7 +525,7 @@ class _Assembler:
             self.planner.load_bytes(req, io.BytesIO(blob))
             return
         if isinstance(dest, bytearray):  # gathered: view it as the stored chunk, narrow it to the request
-            dtype, shape = self.reader.chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+            dtype, shape = self._chunk(req)
             stored = _view(dest, dtype, 0, shape) if dest else torch.empty(tuple(shape), dtype=dtype)
             for dim, (begin, length) in enumerate(zip(req.storage_offsets, req.lengths)):
                 stored = stored.narrow(dim, begin, length)
@@ -511,11 +537,11 @@ class _Assembler:
 
     def check_done(self) -> None:
         """Every request was served (the file was as long as the metadata placed it: checked before reading)."""
-        while self.next < len(self.queue) and self.queue[self.next][0] == self.queue[self.next][1]:
-            self._finish(self._open(*self.queue[self.next]))  # nothing to read: an empty chunk or sub-block
+        while self.next < len(self.queue) and self.queue[self.next].lo == self.queue[self.next].hi:
+            self._finish(self._open(self.queue[self.next]))  # nothing to read: an empty chunk or sub-block
             self.next += 1
         if self.active or self.next < len(self.queue):
-            left = (self.active[0][4] if self.active else self.queue[self.next][4]).storage_index.fqn
+            left = (self.active[0] if self.active else self.queue[self.next]).req.storage_index.fqn
             raise ShardedLoadError(f"{self.reader.generation().name}/{self.fname} ended before {left!r} was read",
                                    corrupt=True)
 
