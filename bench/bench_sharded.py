@@ -39,16 +39,22 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _rss() -> int:
+def _rss(anon: bool = False) -> int:
+    """This process's resident set (``anon``: without the pages of mapped files, which the kernel can drop)."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
+        fields = f.read().split()
+    return (int(fields[1]) - (int(fields[2]) if anon else 0)) * PAGE
 
 
 class PeakRSS:
-    """Resident-set high-water mark above the level at entry, sampled every 2 ms by a thread."""
+    """Resident-set high-water mark above the level at entry, sampled every 2 ms by a thread (``anon``: anonymous
+    memory only, not the page cache of mapped files)."""
+
+    def __init__(self, anon: bool = False) -> None:
+        self.anon = anon
 
     def __enter__(self):
-        self.base = self.peak = _rss()
+        self.base = self.peak = _rss(self.anon)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._poll, daemon=True)
         self._t.start()
@@ -56,12 +62,12 @@ class PeakRSS:
 
     def _poll(self):
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, _rss(self.anon))
 
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, _rss(self.anon))
         self.extra = self.peak - self.base
 
 

@@ -34,8 +34,8 @@ class BigModelConfig:
 
 
 class _Random(Dataset):
-    def __init__(self, n: int, width: int) -> None:
-        g = torch.Generator().manual_seed(0)
+    def __init__(self, n: int, width: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, width, generator=g)
         self.y = torch.randn(n, width, generator=g)
 
@@ -63,4 +63,5 @@ def factory(config: dict) -> DatasetTask:
 
     return DatasetTask(dataset=_Random(cfg.samples, cfg.width), build_model=build, per_sample_loss=loss,
                        config=asdict(cfg), batch_size=cfg.batch_size, optimizer="adam", lr=1e-4,
-                       data_identity=sha256_of("bench.bigmodel", asdict(cfg)), default_steps=20)
+                       data_identity=sha256_of("bench.bigmodel", asdict(cfg)), default_steps=20,
+                       eval_dataset=_Random(cfg.batch_size, cfg.width, seed=1), eval_metric="mse")

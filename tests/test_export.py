@@ -26,8 +26,10 @@ def exported(tmp_path_factory):
     d = tmp_path_factory.mktemp("export")
     trained = run(d / "run", "--max-steps", "4")
     assert trained.code == 0, trained.stderr
-    result = trainproof("export", "--store", str(d / "run"), "--dest", str(d / "dest"))
-    return {"dir": d, "result": result, "bundle": d / "dest" / "step-00000004"}
+    spool = d / "spool"
+    result = trainproof("export", "--store", str(d / "run"), "--dest", str(d / "dest"),
+                        env={"TRAINPROOF_SPOOL_DIR": str(spool)})
+    return {"dir": d, "result": result, "bundle": d / "dest" / "step-00000004", "spool": spool}
 
 
 def test_export_commits_a_complete_bundle(exported):
@@ -49,6 +51,90 @@ def test_export_commits_a_complete_bundle(exported):
     assert metrics["final_loss"] > 0 and metrics["bf16_tolerance"]["why"]
     data = json.loads((bundle / "data.json").read_text())
     assert data["data_identity"] == json.loads((exported["dir"] / "run" / "plan.json").read_text())["data_identity"]
+
+
+def test_the_weight_files_are_what_the_libraries_write_and_no_spool_file_is_left(exported):
+    """The weight files are written tensor by tensor through spool files (job.train.tensorfile); the bytes are
+    still exactly what safetensors and torch.save make of the same weights, and the spools are deleted."""
+    from safetensors.torch import load, save
+
+    from job.tasks import load_task
+
+    bundle = exported["bundle"]
+    full = (bundle / "model.safetensors").read_bytes()
+    weights = load(full)
+    assert weights and all(t.is_floating_point() for t in weights.values())
+    assert save(weights) == full
+    bf16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    assert save(bf16) == (bundle / "model_bf16.safetensors").read_bytes()
+    plan = json.loads((exported["dir"] / "run" / "plan.json").read_text())
+    order = list(load_task(plan["task"], plan["task_config"]).build_model().state_dict())  # a state_dict's order
+    bf16 = {k: bf16[k] for k in order}
+    expected = io.BytesIO()
+    torch.save(bf16, expected)
+    assert expected.getvalue() == (bundle / "model_bf16.pt").read_bytes()
+    assert exported["spool"].is_dir() and not any(exported["spool"].iterdir())
+
+
+def test_building_the_bundle_lets_the_gathered_weights_go_and_deletes_its_spools_on_error(exported, tmp_path):
+    """Once model.safetensors is written, build_files reads the weights from it: the caller's tensors (a sharded
+    run's gathered model) are no longer referenced, so they can be freed before the model is evaluated."""
+    import gc
+    import weakref
+
+    from job.tasks import load_task
+    from job.train.export import FP_FILE, build_files, discard
+    from job.train.state import STATE_FILE, decode
+    from storage.spool import Spool
+
+    run_dir = exported["dir"] / "run"
+    plan = json.loads((run_dir / "plan.json").read_text())
+    state = decode(open_store(str(run_dir)).load(4).files[STATE_FILE])
+    state["model"] = {k: v.clone() for k, v in state["model"].items()}  # memory of their own, as gathered ones
+    gathered = [weakref.ref(t) for t in state["model"].values()]
+    task = load_task(plan["task"], plan["task_config"])
+    files = build_files(task, plan, state, {"run": "test"}, directory=str(tmp_path))
+    try:
+        gc.collect()
+        assert gathered and all(ref() is None for ref in gathered)
+        assert isinstance(files[FP_FILE], Spool) and files[FP_FILE].path.startswith(str(tmp_path))
+    finally:
+        discard(files)
+    assert not any(tmp_path.iterdir())
+
+    def fail(model):
+        raise RuntimeError("evaluation broke")
+
+    task.evaluate = fail
+    with pytest.raises(RuntimeError, match="evaluation broke"):
+        build_files(task, plan, state, {"run": "test"}, directory=str(tmp_path))
+    assert not any(tmp_path.iterdir())  # the weight files written before the error are gone
+
+
+def test_a_damaged_weights_spool_fails_the_content_check(tmp_path):
+    """The store's content check reads a spooled weights file from its path (mapped, or tensor by tensor)."""
+    from job.train.export import check_file
+    from job.train.tensorfile import write_safetensors
+    from storage.spool import SpoolWriter
+
+    with SpoolWriter(str(tmp_path)) as out:
+        write_safetensors(out, {"a": torch.arange(6, dtype=torch.float32)})
+    good = out.finish()
+    check_file("model.safetensors", good)
+    with SpoolWriter(str(tmp_path)) as out:
+        torch.save({"a": torch.ones(2)}, out)
+    check_file("model_bf16.pt", out.finish())
+    with open(good.path, "r+b") as fh:  # the header now claims more data than the file holds
+        fh.seek(8)
+        text = fh.read(64).replace(b"[0,24]", b"[0,99]")
+        fh.seek(8)
+        fh.write(text)
+    with pytest.raises(Exception):
+        check_file("model.safetensors", good)
+    with SpoolWriter(str(tmp_path)) as out:
+        out.write(b"not a zip")
+    with pytest.raises(Exception):
+        check_file("model_bf16.pt", out.finish())
 
 
 def test_export_is_reloaded_from_its_destination_in_a_fresh_process(exported):

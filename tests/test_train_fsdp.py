@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import time
+from datetime import datetime
 import warnings
 
 import pytest
@@ -219,6 +220,28 @@ def test_two_rank_shards_reshard_into_one_process_exactly(fsdp2, tmp_path):
     assert [r["step"] for r in history_rows(state)] == list(range(1, TARGET + 3))
     info = open_store(str(store)).generation(TARGET + 2)
     assert info.manifest["world"] == 1 and info.manifest["extra"]["sharded"]["shards"] == ["shard-00000.distcp"]
+
+
+def test_a_sharded_deadline_run_exports_its_gathered_model_before_the_deadline(fsdp2, tmp_path):
+    """``--deadline`` with ``--fsdp`` on 2 ranks: the last generation is committed, then exported (the model gathered
+    from its shards, the files written tensor by tensor) and reload-checked, before the deadline; every rank exits 0."""
+    from safetensors.torch import load
+
+    store = tmp_path / "run"
+    result = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", "1000000", "--deadline", "40s",
+                                env={"TPHOOK_STEP_DELAY": "0.05"}), timeout=300)
+    assert result.code == 0, result.stderr[-3000:]
+    record = json.loads((store / "deadline.json").read_text())
+    assert time.time() <= datetime.fromisoformat(record["at"]).timestamp() + 5  # ended by it (a loaded machine: 5 s)
+    done = result.last("done")
+    assert done["reason"] == "deadline" and done["export"]["ok"], done
+    step = done["step"]
+    bundle = store / "exports" / f"step-{step:08d}"
+    weights = load((bundle / "model.safetensors").read_bytes())
+    gathered = {k.removeprefix("model."): v for k, v in full_state(store, step).items() if k.startswith("model.")}
+    assert weights.keys() == gathered.keys() and all(torch.equal(weights[k], gathered[k]) for k in weights)
+    check = json.loads((store / "exports" / f"step-{step:08d}.reload-check.json").read_text())
+    assert check["passed"] and check["step"] == step
 
 
 # -- cheap checks --------------------------------------------------------------------------------------------

@@ -27,13 +27,17 @@ generation is never modified, so its result goes next to the bundle: ``<dest>/st
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import hashlib
 import io
 import json
 import logging
+import os
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -41,7 +45,9 @@ from job.errors import ConfigError
 from job.train import history
 from job.train.shard_files import is_sharded_file
 from job.train.state import STATE_FILE, History, decode
-from storage.spool import spool_dir
+from storage.backend import CHUNK
+from storage.digest import FileHasher
+from storage.spool import Spool, SpoolWriter, spool_dir
 from job.tasks import Task, load_task, trusted_task
 from job.train.contract import PLAN_FILE, absolute_url, read_run_plan
 from storage import COMPLETE, GenerationStore
@@ -114,11 +120,13 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
 
         state = complete_state(run, loaded.info.step, state, contract=plan["contract"], optimizer=False)
     # Each generation holds only its own steps' history: the loss curve and the last row need the rows before it.
+    model = state.pop("model")  # held by one dict only, which build_files may swap for a map of the written file
     assembled = history.from_store(run, state, contract=plan["contract"], partial=True)
     if assembled.stopped:
         log.warning("export of %s: the history covers steps %d..%d only (%s)", loaded.info.name, assembled.first,
                     assembled.step, assembled.stopped)
-    state = assembled.state
+    state = {**assembled.state, "model": model}
+    del model
     dest = dest or run.child("exports")
     source = {"run": run.url, "generation": loaded.info.name,
               "state_sha256": loaded.info.manifest["files"][STATE_FILE]["sha256"]}
@@ -126,9 +134,12 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
     if existing is not None:
         return existing
     files = build_files(load_task(task_name, plan["task_config"]), plan, state, source, assembled.to_json())
-    info = dest.commit(loaded.info.step, files, contract=plan["contract"], world=plan.get("world", 1),
-                       code_version=state["meta"].get("code_version", ""), check=check_file,
-                       digests={"export": BF16_FILE}, extra={"kind": "export", "source": source})
+    try:
+        info = dest.commit(loaded.info.step, files, contract=plan["contract"], world=plan.get("world", 1),
+                           code_version=state["meta"].get("code_version", ""), check=check_file,
+                           digests={"export": BF16_FILE}, extra={"kind": "export", "source": source})
+    finally:
+        discard(files)
     return _bundle(dest, info.step, info.manifest, reused=False, task=task_name)
 
 
@@ -172,54 +183,146 @@ def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reuse
 
 # -- the files --------------------------------------------------------------------------------------------
 def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source: dict[str, Any],
-                history_covered: dict[str, Any] | None = None) -> dict[str, bytes]:
-    """Every file of the bundle, as bytes (SHA256SUMS last, over the others).
+                history_covered: dict[str, Any] | None = None, *, directory: str | None = None) -> dict[str, Any]:
+    """Every file of the bundle (SHA256SUMS last, over the others): the three weight files as spool files
+    (``storage.spool.Spool``, in ``directory``, default ``spool_dir()``), the rest as bytes. The caller hands them
+    to the store and deletes the spools (:func:`discard`); on an error here they are deleted already.
+
+    Memory: the weight files are written tensor by tensor (``job.train.tensorfile``; the bf16 cast one tensor at a
+    time). Once ``model.safetensors`` is written, ``state["model"]`` is replaced by a map of that file (``mmap``):
+    the weights the caller gathered can then be freed, and every later reader (the evaluations, ``model_bf16.pt``,
+    ``model.pt2``) reads the file's pages. The bf16 weights are mapped from their file the same way. What stays in
+    anonymous memory is one model built to evaluate (or trace) them at a time.
 
     ``history_covered``: which steps ``state``'s history holds (job.train.history ``Assembled.to_json``), recorded in
     metrics.json; retention may have deleted the generations holding the oldest rows."""
-    from safetensors.torch import save
-
     from job.train.bundle_readme import readme
     from job.train.plot import loss_png
     from job.train.standalone import (EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, PROGRAM_INPUTS_FILE, export_program,
                                       standalone)
+    from job.train.tensorfile import map_safetensors, write_safetensors
 
-    weights = {k: v.detach().cpu().contiguous() for k, v in state["model"].items()}
-    bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
-    metric, threads = evaluate_weights(task, weights)
-    metric_bf16, _ = evaluate_weights(task, bf16)
-    alone = standalone(plan["task"], task)
-    # torch.export costs seconds (10+ on first use) on every export, verify included: only where no model.py
-    # can rebuild the architecture does the bundle need a program to be loadable without the task's code.
-    program, example, program_note = (None, {}, "not needed: model.py rebuilds it") if alone else \
-        export_program(task, weights)
-    rows = History.from_state_dict(state["history"])
-    covered = history_covered or {"first_step": state["history_chain"]["first"], "last_step": state["progress"]["step"]}
-    title = f"{plan['task']}: training loss" + ("" if covered["first_step"] == 1 else
-                                                f" (steps {covered['first_step']}..{covered['last_step']}: older "
-                                                "generations are no longer kept)")
-    plot = loss_png(rows.column("step"), rows.column("loss"), title)
-    files = {
-        BF16_FILE: _torch_bytes(bf16),
-        BF16_SAFETENSORS: save(bf16),
-        FP_FILE: save(weights),
-        "config.json": _json({**_config(task, plan, state, source, FP_FILE),
-                              "model_args": alone.model_args if alone else {},
-                              "standalone": {"model_py": alone is not None, "program": program_note}}),
-        "metrics.json": _json({**_metrics(task, plan, state, metric, metric_bf16, threads), "history": covered}),
-        "data.json": _json(_data(task, plan, state)),
-        "README.md": readme(metric_name=task.eval_metric, metric=metric, fp_name=FP_FILE,
-                            bf16_names=[BF16_SAFETENSORS, BF16_FILE], has_model_py=alone is not None,
-                            program_note=program_note, has_plot=plot is not None).encode(),
-    }
-    if alone is not None:
-        files[MODEL_FILE], files[EVAL_DATA_FILE] = alone.source.encode(), save(alone.eval_data)
-    if program is not None:
-        files[PROGRAM_FILE], files[PROGRAM_INPUTS_FILE] = program, save(example)
-    if plot is not None:
-        files["loss.png"] = plot
-    files[SUMS_FILE] = "".join(f"{_sha256(data)}  {name}\n" for name, data in sorted(files.items())).encode()
+    weights = {k: v.detach().cpu().contiguous() for k, v in state["model"].items()}  # no copy of host weights
+    files: dict[str, Any] = {}
+    sums: dict[str, str] = {}
+    try:
+        files[FP_FILE], sums[FP_FILE] = _spooled(lambda out: write_safetensors(out, weights), directory)
+        # From here on the weights are read from that file's pages (page cache, which the kernel can drop), so the
+        # tensors the caller gathered (a sharded run's model, in anonymous memory) can be freed.
+        mapped = map_safetensors(files[FP_FILE].path)
+        state["model"] = weights = {k: mapped[k] for k in weights}
+        _give_back_freed_memory()
+        files[BF16_SAFETENSORS], sums[BF16_SAFETENSORS] = _spooled(
+            lambda out: write_safetensors(out, weights, cast=_bf16), directory)
+        mapped = map_safetensors(files[BF16_SAFETENSORS].path)
+        bf16 = {k: mapped[k] for k in weights}  # the file's order is the library's; the state_dict's order is kept
+        files[BF16_FILE], sums[BF16_FILE] = _spooled(lambda out: torch.save(bf16, out), directory)
+        metric, threads = evaluate_weights(task, weights)
+        metric_bf16, _ = evaluate_weights(task, bf16)
+        alone = standalone(plan["task"], task)
+        # torch.export costs seconds (10+ on first use) on every export, verify included: only where no model.py
+        # can rebuild the architecture does the bundle need a program to be loadable without the task's code.
+        program, example, program_note = (None, {}, "not needed: model.py rebuilds it") if alone else \
+            export_program(task, weights)
+        rows = History.from_state_dict(state["history"])
+        covered = history_covered or {"first_step": state["history_chain"]["first"],
+                                      "last_step": state["progress"]["step"]}
+        title = f"{plan['task']}: training loss" + ("" if covered["first_step"] == 1 else
+                                                    f" (steps {covered['first_step']}..{covered['last_step']}: older "
+                                                    "generations are no longer kept)")
+        plot = loss_png(rows.column("step"), rows.column("loss"), title)
+        files.update({
+            "config.json": _json({**_config(task, plan, state, source, FP_FILE),
+                                  "model_args": alone.model_args if alone else {},
+                                  "standalone": {"model_py": alone is not None, "program": program_note}}),
+            "metrics.json": _json({**_metrics(task, plan, state, metric, metric_bf16, threads), "history": covered}),
+            "data.json": _json(_data(task, plan, state)),
+            "README.md": readme(metric_name=task.eval_metric, metric=metric, fp_name=FP_FILE,
+                                bf16_names=[BF16_SAFETENSORS, BF16_FILE], has_model_py=alone is not None,
+                                program_note=program_note, has_plot=plot is not None).encode(),
+        })
+        if alone is not None:
+            files[MODEL_FILE], files[EVAL_DATA_FILE] = alone.source.encode(), _safetensors_bytes(alone.eval_data)
+        if program is not None:  # saved straight into a spool: the program holds the weights
+            files[PROGRAM_FILE], sums[PROGRAM_FILE] = _program_spool(program, directory)
+            files[PROGRAM_INPUTS_FILE] = _safetensors_bytes(example)
+            del program
+        if plot is not None:
+            files["loss.png"] = plot
+        files[SUMS_FILE] = "".join(f"{sums.get(name) or _sha256(data)}  {name}\n"
+                                   for name, data in sorted(files.items())).encode()
+    except BaseException:
+        discard(files)
+        raise
     return files
+
+
+def discard(files: dict[str, Any]) -> None:
+    """Delete the spool files among ``files`` (from :func:`build_files`)."""
+    for data in files.values():
+        if isinstance(data, Spool):
+            data.unlink()
+
+
+def _give_back_freed_memory() -> None:
+    """Ask glibc to return freed heap memory to the system: tensors of a few MiB come from its heap, whose free
+    space it keeps for the process otherwise (so a freed gathered model would still count against a container's
+    limit). No-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _bf16(tensor: torch.Tensor) -> torch.Tensor:
+    """The bundle's bf16 weights: floating tensors in bfloat16, integer buffers as they are."""
+    return tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+
+
+class _Summed:
+    """A binary file object that writes to a spool and keeps the plain sha256 of what it wrote (SHA256SUMS)."""
+
+    def __init__(self, writer: SpoolWriter) -> None:
+        self.writer, self.sha = writer, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.writer.write(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _spooled(write: Callable[[Any], Any], directory: str | None) -> tuple[Spool, str]:
+    """A spool file filled by ``write(out)``, and its plain sha256."""
+    with SpoolWriter(directory, prefix="trainproof-export-") as writer:
+        out = _Summed(writer)
+        write(out)
+    return writer.finish(), out.sha.hexdigest()
+
+
+def _program_spool(program: Any, directory: str | None) -> tuple[Spool, str]:
+    """``model.pt2`` saved by ``torch.export.save`` into a file of the spool folder (it wants a ``.pt2`` path or a
+    seekable buffer, and a buffer would hold the weights in memory), then hashed from there like a spool."""
+    fd, path = tempfile.mkstemp(prefix="trainproof-export-", suffix=".pt2", dir=spool_dir(directory))
+    os.close(fd)
+    try:
+        torch.export.save(program, path)
+        with open(path, "rb") as fh:
+            sha, plain = FileHasher(), hashlib.sha256()
+            for chunk in iter(lambda: fh.read(CHUNK), b""):
+                sha.update(chunk)
+                plain.update(chunk)
+            return Spool(path=path, size=fh.tell(), sha256=sha.hexdigest()), plain.hexdigest()
+    except BaseException:
+        os.unlink(path)
+        raise
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors)
 
 
 def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> dict[str, Any]:
@@ -264,8 +367,7 @@ def evaluate_weights(task: Task, weights: dict[str, torch.Tensor]) -> tuple[floa
     """
     with _cpu_threads(task.cpu_threads) as threads, torch.random.fork_rng(devices=[]):
         model = task.build_model().to(dtype=task.dtype)
-        reference = model.state_dict()
-        model.load_state_dict({k: v.to(reference[k].dtype) if k in reference else v for k, v in weights.items()})
+        model.load_state_dict(weights)  # each tensor copied (and cast) into the model's own: no converted copy
         try:
             return float(task.evaluate(model)), threads
         except NotImplementedError as exc:
@@ -283,26 +385,30 @@ def _cpu_threads(threads: int | None) -> Iterator[int]:
         torch.set_num_threads(saved)
 
 
-def check_file(name: str, data: bytes) -> None:
-    """Content check run by the store on every file read back before COMPLETE.json is written."""
+def check_file(name: str, data: Any) -> None:
+    """Content check run by the store on every file read back before COMPLETE.json is written. ``data``: the
+    file's bytes, or a spool file (``storage.spool.Spool``) holding them: a weights file is then mapped (``mmap``),
+    and a safetensors file's tensors are read one at a time, so the check holds no second copy of the weights."""
+    path = data.path if isinstance(data, Spool) else None
     if name.endswith(".pt"):
-        weights = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        source = path if path else io.BytesIO(data)
+        weights = torch.load(source, map_location="cpu", weights_only=True, mmap=path is not None)
         if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
             raise ValueError(f"{name} is not a plain state_dict of tensors")
     elif name.endswith(".safetensors"):
+        from safetensors import safe_open
         from safetensors.torch import load
 
-        load(data)
+        if path is None:
+            load(data)
+            return
+        with safe_open(path, framework="pt") as tensors:
+            for key in tensors.keys():
+                tensors.get_tensor(key)  # each read (and checked against its header) and dropped
     elif name.endswith(".json"):
         json.loads(data)
-    elif name.endswith(".pt2") and not zipfile.is_zipfile(io.BytesIO(data)):
+    elif name.endswith(".pt2") and not zipfile.is_zipfile(path or io.BytesIO(data)):
         raise ValueError(f"{name} is not a torch.export archive")
-
-
-def _torch_bytes(value: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
 
 
 def _json(value: Any) -> bytes:
@@ -310,6 +416,4 @@ def _json(value: Any) -> bytes:
 
 
 def _sha256(data: bytes) -> str:
-    import hashlib
-
     return hashlib.sha256(data).hexdigest()

@@ -122,11 +122,10 @@ def full_state(store: GenerationStore, step: int, state: dict[str, Any], *,
     ``sections``: what to read, of ``model`` and ``optim``; a section left out stays ``{}`` and none of its bytes
     is allocated (an export reads only the model: a third of a model + Adam state).
 
-    Memory: this materialises the whole model (and optimizer) in this process (fine for verifying or exporting
-    small and medium models; DCP reads one shard file at a time on top of it). Bounded memory would need the
-    consumers to take the state one tensor (or one chunk) at a time: a per-tensor streaming read (DCP plans per
-    key; ranged reads of the shard files, not implemented), a comparison that walks two generations key by key,
-    and an export that writes safetensors incrementally.
+    Memory: the sections asked for, whole, in this process, plus the parts of a shard file in flight (each file is
+    read part by part, ``storage.generations.read_parts``). The export then writes its files tensor by tensor and
+    frees these tensors (job.train.export ``build_files``); the verifier compares them whole (a comparison that
+    walks two generations key by key would bound it, not written).
     """
     reader = GenerationReader(store, step, contract=contract)
     metadata = reader.read_metadata()  # verified against the manifest, allowlisted unpickling

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import io
 import logging
 import textwrap
 from dataclasses import dataclass, replace
@@ -156,10 +155,10 @@ def standalone(spec: str, task: Task) -> Standalone | None:
 
 
 # -- torch.export -----------------------------------------------------------------------------------------
-def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[bytes | None, dict[str, torch.Tensor], str]:
+def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor], str]:
     """``model.pt2``: the model holding ``weights``, traced by ``torch.export`` on the first input of its evaluation.
 
-    Returns (program bytes, example, note): ``example`` holds that input (``arg_0``, ``arg_1``, ...) and the model's
+    Returns (the ``torch.export.ExportedProgram``, for ``torch.export.save``; example, note): ``example`` holds that input (``arg_0``, ``arg_1``, ...) and the model's
     output on it (``output``), for ``program_inputs.safetensors``. (None, {}, why) when the model cannot be traced
     with positional tensor inputs and a tensor output (the bundle is still complete without it).
     """
@@ -171,8 +170,7 @@ def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[bytes 
 
     with torch.random.fork_rng(devices=[]):
         model = task.build_model().to(dtype=task.dtype)
-        reference = model.state_dict()
-        model.load_state_dict({k: v.to(reference[k].dtype) if k in reference else v for k, v in weights.items()})
+        model.load_state_dict(weights)  # copied (and cast) tensor by tensor into the model's own
         handle = model.register_forward_pre_hook(grab, with_kwargs=True)
         try:
             task.evaluate(model)  # only to see what the model is called with
@@ -193,11 +191,9 @@ def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[bytes 
         if not isinstance(output, torch.Tensor):
             return None, {}, "not traced: the model's output is not one tensor"
         program = torch.export.export(model, args)
-        buf = io.BytesIO()
-        torch.export.save(program, buf)
     except Exception as exc:  # noqa: BLE001  (any tracing failure only means: no model.pt2)
         log.info("no %s: torch.export could not trace the model (%s)", PROGRAM_FILE, type(exc).__name__)
         return None, {}, f"not traced: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     example = {f"arg_{i}": a.contiguous() for i, a in enumerate(args)} | {"output": output.detach().contiguous()}
     shapes = [list(a.shape) for a in args]
-    return buf.getvalue(), example, f"traced with torch.export on input shapes {shapes} (static shapes: these only)"
+    return program, example, f"traced with torch.export on input shapes {shapes} (static shapes: these only)"
