@@ -8,7 +8,9 @@ alternating order:
 - ours: ``job.train.export.export`` of that generation into a fresh folder: the model gathered from the verified
   shards (``full_state``, model only), the weight files written tensor by tensor into spool files, the bf16 weights
   evaluated and saved from a map of the bf16 file, every file committed (written, read back, sha256, content check,
-  COMPLETE.json). No reload check (that is another process).
+  COMPLETE.json). Then, in another fresh process (*reload*), the reload check that ``trainproof export`` runs next
+  in a process of its own (``job.proof.reload.reload_check``: the bundle read back and verified, weight files
+  spooled and mapped, the metrics re-evaluated).
 - plain: the same weights gathered the same way, then what a script does with the libraries: a bf16 copy,
   ``safetensors.torch.save`` of both, ``torch.save`` of the bf16 copy, both evaluated, the ``torch.export`` program
   traced and saved (this task has no ``model.py``, so the bundle has one), the three weight files written with
@@ -85,6 +87,20 @@ def child(mode: str, run: str, out: str) -> dict:
     return {"mode": mode, "seconds": seconds, "peak_anon": mem.extra, "weights_bytes": weights_bytes}
 
 
+def reload_child(out: str, step: int) -> dict:
+    """The reload check ``trainproof export`` runs after committing, in a fresh process as there."""
+    from bench.bench_sharded import PeakRSS
+    from job.proof.reload import reload_check
+    from storage import open_store
+
+    with PeakRSS(anon=True) as mem:
+        start = time.perf_counter()
+        record = reload_check(open_store(out), step, task=TASK)
+        seconds = time.perf_counter() - start
+    assert record["passed"], record
+    return {"mode": "reload", "seconds": seconds, "peak_anon": mem.extra}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=float, default=3072, help="state size of the run (weights: a third of it)")
@@ -93,7 +109,8 @@ def main() -> int:
     p.add_argument("--child", nargs=3, metavar=("MODE", "RUN", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child)))
+        mode, run_url, out = args.child
+        print(json.dumps(reload_child(out, int(run_url)) if mode == "reload" else child(mode, run_url, out)))
         return 0
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-export-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -108,7 +125,7 @@ def main() -> int:
         if trained.returncode != 0:
             print(trained.stderr[-3000:], file=sys.stderr)
             return 1
-        rows: dict[str, list[dict]] = {"ours": [], "plain": []}
+        rows: dict[str, list[dict]] = {"ours": [], "plain": [], "reload": []}
         for rep in range(args.reps):
             for mode in (("ours", "plain") if rep % 2 == 0 else ("plain", "ours")):
                 out = work / f"{mode}-{rep}"
@@ -118,14 +135,23 @@ def main() -> int:
                     print(done.stderr[-3000:], file=sys.stderr)
                     return 1
                 rows[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
-                shutil.rmtree(out, ignore_errors=True)
                 print(f"rep {rep} {mode}: {rows[mode][-1]}", flush=True)
+                if mode == "ours":
+                    step = max(int(p.name.split("-")[1]) for p in out.glob("step-*") if p.is_dir())
+                    done = subprocess.run([sys.executable, __file__, "--child", "reload", str(step), str(out)],
+                                          cwd=ROOT, env=env, capture_output=True, text=True)
+                    if done.returncode != 0:
+                        print(done.stderr[-3000:], file=sys.stderr)
+                        return 1
+                    rows["reload"].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    print(f"rep {rep} reload: {rows['reload'][-1]}", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
         weights = rows["ours"][0]["weights_bytes"]
         print(f"weights: {weights / 2**20:.0f} MiB (float32), {args.reps} repetitions, medians")
         for mode, got in rows.items():
             secs = statistics.median(r["seconds"] for r in got)
             peak = statistics.median(r["peak_anon"] for r in got)
-            print(f"{mode:5s}: {secs:7.2f} s   peak anonymous memory {peak / 2**20:7.0f} MiB "
+            print(f"{mode:6s}: {secs:7.2f} s   peak anonymous memory {peak / 2**20:7.0f} MiB "
                   f"({peak / weights:.2f}x the weights)")
         ratio = [o["seconds"] / p["seconds"] for o, p in zip(rows["ours"], rows["plain"])]
         print(f"export time ours/plain: {statistics.median(ratio):.2f} (per repetition "

@@ -188,6 +188,32 @@ def test_a_bundle_whose_metric_is_wrong_fails_its_reload_check(exported, tmp_pat
     assert not record["checks"]["full_precision_reproduced"]["passed"] and record["checks"]["bf16_reproduced"]["passed"]
 
 
+def test_the_reload_check_maps_spooled_weight_files_and_refuses_a_malformed_one(exported, tmp_path, monkeypatch):
+    """With every file spooled (as the weights of any real model are), the reload check maps the weight files,
+    reads the records from their spools and reproduces the metrics exactly; a committed model.safetensors whose
+    header is not safetensors' is named, not crashed on."""
+    from job.errors import ConfigError
+    from job.proof import reload
+    from job.train.export import check_file
+
+    monkeypatch.setattr(reload, "SPOOL_FROM", 1)
+    monkeypatch.setenv("TRAINPROOF_SPOOL_DIR", str(tmp_path / "spool"))
+    record = reload.reload_check(open_store(str(exported["dir"] / "dest")), 4, task="regression")
+    assert record["passed"] is True and record["reloaded_full_precision"] == record["recorded"]
+    assert record["reloaded_bf16"] == record["recorded_bf16"] and record["checks"]["sha256sums"]["passed"]
+    assert not any((tmp_path / "spool").iterdir())  # the spools are deleted
+
+    files = dict(open_store(str(exported["dir"] / "dest")).load(4).files)
+    weights = bytearray(files["model.safetensors"])
+    length = int.from_bytes(weights[:8], "little")
+    header = weights[8:8 + length].replace(b'"F64"', b'"F99"')  # an unknown dtype, same length
+    files["model.safetensors"] = bytes(weights[:8] + header + weights[8 + length:])
+    dest = open_store(str(tmp_path / "forged"))
+    dest.commit(4, files, contract="c", world=1, code_version="test", digests={"export": "model_bf16.pt"})
+    with pytest.raises(ConfigError, match="model.safetensors.*not a safetensors tensor entry"):
+        reload.reload_check(dest, 4, task="regression")
+
+
 def test_export_of_a_store_without_a_run_is_exit_2(cli, tmp_path):  # noqa: F811
     result = cli("export", "--store", str(tmp_path / "nothing"))
     assert result.exit_code == 2 and "no run" in result.stderr

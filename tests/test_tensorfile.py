@@ -80,3 +80,20 @@ def test_a_header_pointing_outside_the_file_is_refused(tmp_path):
     short.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
     with pytest.raises(ValueError, match="does not fit"):
         map_safetensors(str(short))
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F99", "shape": [4], "data_offsets": [0, 16]},
+    {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]},
+    {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]},
+    {"dtype": "F32", "shape": [4], "data_offsets": [0]},
+    {"dtype": "F32", "shape": [4], "data_offsets": [0.0, 16]},
+    [1, 2, 3],
+], ids=["dtype", "negative-dim", "shape-type", "offsets-length", "offsets-type", "not-an-object"])
+def test_a_header_entry_that_safetensors_would_not_write_is_refused(tmp_path, entry):
+    text = json.dumps({"a": entry}).encode()
+    text += b" " * (-(len(text)) % 8)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(text)) + text + bytes(16))
+    with pytest.raises(ValueError, match="is not a safetensors tensor entry"):
+        map_safetensors(str(bad))

@@ -16,7 +16,6 @@ generation is immutable, and the check must read what a consumer reads, i.e. the
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shlex
@@ -29,14 +28,19 @@ from job.train.export import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evalua
 from job.errors import ConfigError
 from storage.limits import loads_untrusted
 from job.tasks import load_task, trusted_task
-from job.train.state import check_archive
+from job.train.state import StateError, load_weights_only
 from job.proof.paths import VerificationIncomplete, job_argv, run_processes
 from storage import GenerationStore
+from storage.backend import CHUNK
+from storage.spool import Spool, spool_dir
 from storage.manifest import step_dir
 
 RELOAD_SCHEMA = "trainproof.reload_check/1"
 MAX_RECORD_BYTES = 1 << 20
 """config.json and metrics.json of a bundle are a few KiB; larger ones are not ours."""
+SPOOL_FROM = 1 << 20
+"""Bundle files of this many bytes or more (the weights of any real model) are read back into local spool files
+(``TRAINPROOF_SPOOL_DIR``) and mapped, not held in memory."""
 
 
 def record_name(step: int) -> str:
@@ -50,19 +54,30 @@ def reload_check(dest: GenerationStore, step: int, *, task: str) -> dict[str, An
     ``task`` comes from the process that made the bundle; the bundle's ``config.json`` is compared with it,
     never obeyed (see :func:`job.tasks.trusted_task`).
     """
-    loaded = dest.load(step)  # size and sha256 of every file against COMPLETE.json, read from the store
-    files = loaded.files
+    # Size and sha256 of every file against COMPLETE.json, read from the store; the weight files into local spool
+    # files that are mapped, not read into memory (a bundle of a large model), the small records as bytes.
+    loaded = dest.load(step, spool_dir=spool_dir(), spool_from=SPOOL_FROM)
     try:
-        config = loads_untrusted(files["config.json"], what="config.json", max_bytes=MAX_RECORD_BYTES)
-        metrics = loads_untrusted(files["metrics.json"], what="metrics.json", max_bytes=MAX_RECORD_BYTES)
+        return _check(dest, step, loaded.files, task)
+    finally:
+        loaded.close()
+
+
+def _check(dest: GenerationStore, step: int, files: dict[str, Any], task: str) -> dict[str, Any]:
+    where = f"{dest.url}/{step_dir(step)}"
+    try:
+        sums = _record(files[SUMS_FILE], SUMS_FILE)
+        config = loads_untrusted(_record(files["config.json"], "config.json"), what="config.json",
+                                 max_bytes=MAX_RECORD_BYTES)
+        metrics = loads_untrusted(_record(files["metrics.json"], "metrics.json"), what="metrics.json",
+                                  max_bytes=MAX_RECORD_BYTES)
     except (ValueError, KeyError) as exc:
-        raise ConfigError(f"{dest.url}/{step_dir(step)} is not a readable bundle: {exc}") from None
+        raise ConfigError(f"{where} is not a readable bundle: {exc}") from None
     if not isinstance(config, dict) or not isinstance(metrics, dict) or not isinstance(config.get("task_config"), dict):
-        raise ConfigError(f"{dest.url}/{step_dir(step)}: config.json or metrics.json is not a bundle record")
-    task = load_task(trusted_task(config.get("task"), task, f"config.json of {dest.url}/{step_dir(step)}"),
-                     config["task_config"])
-    full = _weights(files, config["weights"]["full_precision"])
-    bf16 = _weights(files, BF16_FILE)
+        raise ConfigError(f"{where}: config.json or metrics.json is not a bundle record")
+    task = load_task(trusted_task(config.get("task"), task, f"config.json of {where}"), config["task_config"])
+    full = _weights(files, (config.get("weights") or {}).get("full_precision"), where)
+    bf16 = _weights(files, BF16_FILE, where)
     not_bf16 = sorted(k for k, v in bf16.items() if v.is_floating_point() and v.dtype != torch.bfloat16)
     fp_metric, threads = evaluate_weights(task, full)
     bf16_metric, _ = evaluate_weights(task, bf16)
@@ -71,7 +86,7 @@ def reload_check(dest: GenerationStore, step: int, *, task: str) -> dict[str, An
         "full_precision_reproduced": _close(recorded["value"], fp_metric, EXACT_RTOL),
         "bf16_reproduced": _close(recorded["value_bf16"], bf16_metric, EXACT_RTOL),
         "bf16_within_tolerance": _close(recorded["value"], bf16_metric, BF16_RTOL),
-        "sha256sums": {"passed": _sums_ok(files)},
+        "sha256sums": {"passed": _sums_ok(files, sums)},
         "bf16_dtype": {"passed": not not_bf16, **({"not_bf16": not_bf16[:5]} if not_bf16 else {})},
     }
     return {
@@ -84,13 +99,27 @@ def reload_check(dest: GenerationStore, step: int, *, task: str) -> dict[str, An
     }
 
 
-def _weights(files: dict[str, bytes], name: str) -> dict[str, torch.Tensor]:
-    if name.endswith(".safetensors"):
-        from safetensors.torch import load
+def _weights(files: dict[str, Any], name: Any, where: str) -> dict[str, torch.Tensor]:
+    """A weights file of the bundle: a spooled one mapped (its pages read as the evaluation uses them), a small one
+    from its bytes; torch archives weights-only after the archive check (no zip bomb reaches torch.load).
+    ConfigError naming the file when it is missing or not what its name says."""
+    if not isinstance(name, str) or name not in files:
+        raise ConfigError(f"{where}: the weights file {name!r} named by config.json is not in the bundle")
+    data = files[name]
+    try:
+        if name.endswith(".safetensors"):
+            if isinstance(data, Spool):
+                from job.train.tensorfile import map_safetensors
 
-        return load(files[name])
-    check_archive(files[name])  # no zip bomb reaches torch.load
-    return torch.load(io.BytesIO(files[name]), map_location="cpu", weights_only=True)
+                return map_safetensors(data.path, name=name)
+            from safetensors.torch import load
+
+            return load(data)
+        return load_weights_only(data)
+    except (ValueError, StateError) as exc:
+        raise ConfigError(f"{where}: {name} cannot be read: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors' own parse errors have their own class
+        raise ConfigError(f"{where}: {name} cannot be read: {type(exc).__name__}: {exc}") from None
 
 
 def _close(recorded: float, reloaded: float, rtol: float) -> dict[str, Any]:
@@ -98,13 +127,36 @@ def _close(recorded: float, reloaded: float, rtol: float) -> dict[str, Any]:
     return {"abs_diff": diff, "rtol": rtol, "passed": diff <= rtol * max(abs(recorded), 1e-30)}
 
 
-def _sums_ok(files: dict[str, bytes]) -> bool:
+def _record(data: Any, name: str) -> bytes:
+    """A small record of the bundle as bytes (read from its spool file when it was spooled), at most
+    ``MAX_RECORD_BYTES``."""
+    if not isinstance(data, Spool):
+        return data
+    if data.size > MAX_RECORD_BYTES:
+        raise ValueError(f"{name} is {data.size} bytes, more than a bundle record ({MAX_RECORD_BYTES})")
+    with data.open() as fh:
+        return fh.read(MAX_RECORD_BYTES + 1)
+
+
+def _sums_ok(files: dict[str, Any], sums: bytes) -> bool:
     listed = {}
-    for line in files[SUMS_FILE].decode().splitlines():
+    for line in sums.decode(errors="replace").splitlines():
         digest, _, name = line.partition("  ")
         listed[name] = digest
     others = {n for n in files if n != SUMS_FILE}
-    return set(listed) == others and all(hashlib.sha256(files[n]).hexdigest() == listed[n] for n in others)
+    return set(listed) == others and all(_sha256(files[n]) == listed[n] for n in others)
+
+
+def _sha256(data: Any) -> str:
+    """The plain sha256 of bytes or of a spool file (read a chunk at a time)."""
+    sha = hashlib.sha256()
+    if not isinstance(data, Spool):
+        sha.update(data)
+        return sha.hexdigest()
+    with data.open() as fh:
+        for chunk in iter(lambda: fh.read(CHUNK), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
 
 
 def check_in_fresh_process(dest_url: str, step: int, *, task: str, store_args: list[str],

@@ -305,7 +305,7 @@ def decode(data: bytes | Spool) -> dict[str, Any]:
     A pickled object (class instance, callable, NumPy array) is refused with StateError; so is a file
     that is not a training state at all.
     """
-    state = _load_weights_only(data)
+    state = load_weights_only(data)
     check_structure(state)
     return state
 
@@ -322,7 +322,7 @@ def encode_rank_part(part: dict[str, Any], *, step: int, world: int) -> bytes:
 
 def decode_rank_part(data: bytes | Spool) -> dict[str, Any]:
     """Load a ``rank-%05d.pt`` safely and check its structure."""
-    part = _load_weights_only(data)
+    part = load_weights_only(data)
     if not isinstance(part, dict) or part.get("schema") != RANK_SCHEMA:
         raise StateError(f"a rank file has schema {part.get('schema') if isinstance(part, dict) else None!r}, "
                          f"expected {RANK_SCHEMA!r}")
@@ -348,7 +348,7 @@ def encode_history(state: dict[str, Any]) -> bytes:
 def decode_history(data: bytes | Spool) -> dict[str, Any]:
     """Load a ``history.pt`` safely (weights-only) and check its structure: a mapping with ``progress.step``,
     ``history`` and ``history_chain``, enough for :func:`check_history`."""
-    section = _load_weights_only(data)
+    section = load_weights_only(data)
     if not isinstance(section, dict) or section.get("schema") != HISTORY_SCHEMA:
         raise StateError(f"{HISTORY_FILE} has schema {section.get('schema') if isinstance(section, dict) else None!r}, "
                          f"expected {HISTORY_SCHEMA!r}")
@@ -411,7 +411,9 @@ def check_archive(data: bytes | Spool) -> None:
                          f"({len(compressed)} compressed member(s)); torch.save writes stored members only")
 
 
-def _load_weights_only(data: bytes | Spool) -> Any:
+def load_weights_only(data: bytes | Spool) -> Any:
+    """A torch archive (bytes, or a spool file: then mapped, not read) loaded with ``weights_only=True``, after
+    :func:`check_archive`; StateError when it is not one or holds anything but plain values and tensors."""
     check_archive(data)
     try:
         if isinstance(data, Spool):  # mapped, not read: the tensors page in from the file when used

@@ -4,8 +4,9 @@
 a cast), and its loader copies every tensor out of the file. :func:`write_safetensors` writes the same bytes (the
 library's layout: an 8-byte little-endian header length, the JSON header padded with spaces to a multiple of 8, then
 the tensors' data ordered by dtype (widest first) and name) one tensor at a time into any binary file object, casting
-one tensor at a time when asked. :func:`map_safetensors` gives read-only tensors over a file this process wrote,
-backed by the page cache (``mmap``), not by new memory.
+one tensor at a time when asked. :func:`map_safetensors` gives read-only tensors over a file, backed by the page
+cache (``mmap``), not by new memory; its header is checked entry by entry (a file read back from a store, e.g. a
+bundle's, is verified against its manifest but not trusted to be well formed).
 """
 
 from __future__ import annotations
@@ -65,33 +66,54 @@ def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor],
     return 8 + len(text) + offset
 
 
-def map_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Read-only tensors over the safetensors file at ``path`` (a file this process wrote: the header is still
-    checked to lie inside the file), sharing the file's pages through ``mmap`` instead of copying them."""
+def map_safetensors(path: str, *, name: str | None = None) -> dict[str, torch.Tensor]:
+    """Read-only tensors over the safetensors file at ``path``, sharing the file's pages through ``mmap`` instead of
+    copying them. ValueError when the header is not safetensors' (a JSON object of entries with a known dtype, a
+    shape of non-negative integers and offsets that lie inside the file and match the shape), naming the file as
+    ``name`` (default: its path)."""
+    what = name or path
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size < 8:
-            raise ValueError(f"{path}: {size} bytes, too short for a safetensors file")
+            raise ValueError(f"{what}: {size} bytes, too short for a safetensors file")
         (length,) = struct.unpack("<Q", fh.read(8))
         if length > min(MAX_HEADER, size - 8):
-            raise ValueError(f"{path}: header of {length} bytes does not fit the file")
-        header = json.loads(fh.read(length))
+            raise ValueError(f"{what}: header of {length} bytes does not fit the file")
+        try:
+            header = json.loads(fh.read(length))
+        except ValueError as exc:
+            raise ValueError(f"{what}: the header is not JSON ({exc})") from None
         mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    if not isinstance(header, dict):
+        raise ValueError(f"{what}: the header is not a JSON object")
     base, out = 8 + length, {}
-    for name, meta in header.items():
-        if name == "__metadata__":
+    for key, meta in header.items():
+        if key == "__metadata__":
             continue
-        dtype, shape, (start, end) = _BY_NAME[meta["dtype"]], list(meta["shape"]), meta["data_offsets"]
+        dtype, shape, offsets = _entry(what, key, meta)
         count = _numel(shape)
+        start, end = offsets
         if not 0 <= start <= end <= size - base or end - start != count * torch._utils._element_size(dtype):
-            raise ValueError(f"{path}: {name!r} lies outside the file or does not match its shape")
+            raise ValueError(f"{what}: {key!r} lies outside the file or does not match its shape")
         if count == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
+            out[key] = torch.empty(shape, dtype=dtype)
             continue
         with warnings.catch_warnings():  # read-only pages: the tensors are only ever read
             warnings.simplefilter("ignore", UserWarning)
-            out[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start).view(shape)
+            out[key] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start).view(shape)
     return out
+
+
+def _entry(path: str, name: str, meta: Any) -> tuple[torch.dtype, list[int], list[int]]:
+    """A header entry's dtype, shape and offsets, checked to be what safetensors writes (a file read back from a
+    store is not trusted to be well formed)."""
+    ok = isinstance(meta, dict) and meta.get("dtype") in _BY_NAME
+    shape, offsets = (meta.get("shape"), meta.get("data_offsets")) if ok else (None, None)
+    ok = ok and isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+    ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+    if not ok:
+        raise ValueError(f"{path}: header entry {name!r} is not a safetensors tensor entry")
+    return _BY_NAME[meta["dtype"]], shape, offsets
 
 
 def _numel(shape: list[int]) -> int:
