@@ -194,7 +194,6 @@ def test_the_reload_check_maps_spooled_weight_files_and_refuses_a_malformed_one(
     header is not safetensors' is named, not crashed on."""
     from job.errors import ConfigError
     from job.proof import reload
-    from job.train.export import check_file
 
     monkeypatch.setattr(reload, "SPOOL_FROM", 1)
     monkeypatch.setenv("TRAINPROOF_SPOOL_DIR", str(tmp_path / "spool"))
