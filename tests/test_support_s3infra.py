@@ -390,7 +390,7 @@ def test_s3fs_lost_put_response_is_resent_by_aiohttp_and_reads_as_file_exists(s3
     proxy.set_faults([Fault("reset_after_forward", methods={"PUT"}, max_count=1)])
     with pytest.raises(FileExistsError):
         fs.pipe_file(path, b"mine", mode="create")
-    assert [(e.method, e.outcome, e.status) for e in proxy.events] == [
+    assert [(e.method, e.outcome, e.status) for e in proxy.wait_for_events(2)] == [
         ("PUT", "reset_after_forward", None), ("PUT", "forwarded", 412)]
     assert fs.cat_file(path) == b"mine"
 

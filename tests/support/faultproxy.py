@@ -645,6 +645,14 @@ class FaultProxy:
         with self._lock:
             return list(self._events)
 
+    def wait_for_events(self, count: int, timeout: float = 5.0) -> list[ProxyEvent]:
+        """The events once there are at least ``count`` (a request's event is recorded after its response went
+        out, so a client can see the response a moment before the event exists), or as they are at ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while len(self.events) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.events
+
     def reset_stats(self) -> None:
         with self._lock:
             self._requests = self._forwarded = self._connections = self._upstream_errors = 0
