@@ -15,7 +15,6 @@ generation is immutable, and the check must read what a consumer reads, i.e. the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -24,14 +23,13 @@ from typing import Any
 
 import torch
 
-from job.train.export import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evaluate_weights
+from job.train.export import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evaluate_weights, sha256_of
 from job.errors import ConfigError
 from storage.limits import loads_untrusted
 from job.tasks import load_task, trusted_task
 from job.train.state import StateError, load_weights_only
 from job.proof.paths import VerificationIncomplete, job_argv, run_processes
 from storage import GenerationStore
-from storage.backend import CHUNK
 from storage.spool import Spool, spool_dir
 from storage.manifest import step_dir
 
@@ -144,19 +142,7 @@ def _sums_ok(files: dict[str, Any], sums: bytes) -> bool:
         digest, _, name = line.partition("  ")
         listed[name] = digest
     others = {n for n in files if n != SUMS_FILE}
-    return set(listed) == others and all(_sha256(files[n]) == listed[n] for n in others)
-
-
-def _sha256(data: Any) -> str:
-    """The plain sha256 of bytes or of a spool file (read a chunk at a time)."""
-    sha = hashlib.sha256()
-    if not isinstance(data, Spool):
-        sha.update(data)
-        return sha.hexdigest()
-    with data.open() as fh:
-        for chunk in iter(lambda: fh.read(CHUNK), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
+    return set(listed) == others and all(sha256_of(files[n]) == listed[n] for n in others)
 
 
 def check_in_fresh_process(dest_url: str, step: int, *, task: str, store_args: list[str],

@@ -249,7 +249,7 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
             del program
         if plot is not None:
             files["loss.png"] = plot
-        files[SUMS_FILE] = "".join(f"{sums.get(name) or _sha256(data)}  {name}\n"
+        files[SUMS_FILE] = "".join(f"{sums.get(name) or sha256_of(data)}  {name}\n"
                                    for name, data in sorted(files.items())).encode()
     except BaseException:
         discard(files)
@@ -415,5 +415,13 @@ def _json(value: Any) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256_of(data: Any) -> str:
+    """The plain sha256 (as in SHA256SUMS) of bytes or of a spool file, read a chunk at a time."""
+    sha = hashlib.sha256()
+    if not isinstance(data, Spool):
+        sha.update(data)
+        return sha.hexdigest()
+    with data.open() as fh:
+        for chunk in iter(lambda: fh.read(CHUNK), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
