@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from job.errors import TrainError
+from job.proof.compare import SECTIONS, Tolerance, compare_all
 from job.proof.paths import RunReader
 from job.train.export import FP_FILE, export
 from job.train.fsdp import _check_tiling, _unflatten, complete_state, full_state
@@ -37,8 +38,10 @@ CONFIG = {"rows": 21}  # the regression fixture otherwise (dropout, noise, gain)
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("verify-fsdp") / "run")
+    # 2 KiB groups: the comparison reads the sharded states in many groups (job.proof.compare), as it would a
+    # model larger than the verifier's memory
     result = trainproof("verify", "--store", store, "--id", "f2", "--fsdp", "--world", "2", "--steps", "6",
-                        "--cut", "4", "--keep-evidence")
+                        "--cut", "4", "--keep-evidence", env={"TRAINPROOF_COMPARE_GROUP_MIB": str(2 / 1024)})
     return {"store": store, "result": result, "report": read_report(store, "f2")}
 
 
@@ -87,7 +90,9 @@ def test_the_resumed_path_is_sharded_and_read_whole_from_its_shards(verified):
     store = open_store(url)
     info = store.generation(6)
     assert info.manifest["extra"]["sharded"]["shards"] == ["shard-00000.distcp", "shard-00001.distcp"]
-    state = RunReader("resume", url, open_store).state(6)
+    lazy = RunReader("resume", url, open_store).state(6)  # what the comparison gets: shards opened, nothing read
+    assert lazy["model"] == {} and lazy["optimizer"] == {} and set(lazy[SECTIONS].entries) >= {"model.0.weight"}
+    state = RunReader("resume", url, open_store).state(6, whole=True)
     assert state["meta"]["fsdp"] is True
     assert set(state["model"]) == {"0.weight", "0.bias", "3.weight", "3.bias"}
     assert set(state["optimizer"]["state"]) == set(state["model"])  # keyed by parameter name
@@ -155,8 +160,10 @@ def _tamper(src: Path, dst: Path, name: str) -> Path:
 @pytest.mark.parametrize("name", ["shard-00001.distcp", "dcp.metadata"])
 def test_a_changed_byte_in_a_shard_fails_the_verifiers_read_naming_the_file(runs, tmp_path, name):
     store = _tamper(runs / "fsdp", tmp_path / "run", name)
-    with pytest.raises(ShardedLoadError) as caught:
-        RunReader("tampered", str(store), open_store).state(STEPS)
+    good = RunReader("good", str(runs / "fsdp"), open_store).state(STEPS)
+    with pytest.raises(ShardedLoadError) as caught:  # the metadata when the shards are opened, a shard when compared
+        compare_all(good, {"tampered": RunReader("tampered", str(store), open_store).state(STEPS)}, Tolerance(),
+                    frozenset(good[SECTIONS].entries))
     assert caught.value.corrupt and name in str(caught.value)
     assert isinstance(caught.value, TrainError)  # verify: "verification incomplete", exit 2; never a pass
 

@@ -68,8 +68,9 @@ def verify_command(
         help="Ranks of every path (train --nproc-per-node W, gloo on the CPU); > 1 adds the world-size "
              "equivalence check (W ranks vs 1 rank, same global batch) and its negative control.")] = 1,
     fsdp: Annotated[bool, typer.Option(
-        "--fsdp", help="Every path trains sharded (train --fsdp, FSDP2); each state is read whole from its "
-                       "verified shards before it is compared or exported.")] = False,
+        "--fsdp", help="Every path trains sharded (train --fsdp, FSDP2); the states are compared a group of "
+                       "tensors at a time from their verified shards (TRAINPROOF_COMPARE_GROUP_MIB, default "
+                       "256).")] = False,
     keep_evidence: Annotated[bool, typer.Option(
         "--keep-evidence", help="Keep the paths' step-* generations after a passed verdict (a failed or incomplete "
                                 "one always keeps them; --reuse-reference needs them).")] = False,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from job.proof.compare import Diff, Tolerance, compare_states, parameter_distance
+from job.proof.compare import Diff, Tolerance, compare_all
 from job.train.contract import PLAN_FILE
 from job.errors import ConfigError, StateError
 from job.train import history
@@ -49,11 +49,13 @@ from job.train.state import decode_generation
 from job.tasks import load_task, trusted_task
 from job.proof.protocol import parameter_names, verification_base
 from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv, new_id, read_run_plan,
-                             require_success, run_processes, seed_run, with_shards)
+                             require_success, run_processes, seed_run, with_sections)
 from job.proof.report import build_report, environment
 from job.train.identity import code_version
 from job.train.protect import AUDITED_FILE
+from job.train.shard_files import is_sharded_file
 from storage import COMPLETE, StoreError
+from storage.spool import spool_dir
 
 
 @dataclass(kw_only=True)
@@ -121,20 +123,26 @@ class Audit:
 
     def run(self) -> None:
         """Select, copy, replay, compare. Raises VerificationIncomplete / ConfigError when it cannot."""
-        loaded_a, loaded_b = self._select()
-        seed_run(self.opener(self.replay_url), self.run_store.read_file(PLAN_FILE), loaded_a)
-        # A sharded run (--fsdp): generation b's model and optimizer are read whole from its verified shards.
-        original = self._original_history(with_shards(self.run_store, self.b, decode_generation(loaded_b.files)))
-        del loaded_a, loaded_b  # hold one state in memory, not three
+        loaded_a, loaded_b = self._select()  # large files in spools (a state's tensors mapped from them)
+        try:
+            seed_run(self.opener(self.replay_url), self.run_store.read_file(PLAN_FILE), loaded_a)
+            # A sharded run (--fsdp): generation b's model and optimizer stay in its verified shards, compared a
+            # group of entries at a time (job.proof.compare).
+            original = self._original_history(with_sections(self.run_store, self.b,
+                                                            decode_generation(loaded_b.files)))
+        finally:
+            loaded_a.close()
+            loaded_b.close()
+        del loaded_a, loaded_b
         self._replay()
         # The replay holds the rows a+1..b itself (its generation b chains from the copied generation a).
         replayed = RunReader("replay", self.replay_url, self.opener).state(self.b, since=self.history["first_step"])
         # Both chain values cover every row since step 1 (the replay chains from the copy of generation a): equal means
         # the replayed rows a+1..b are bitwise the run's, even those whose generations retention deleted.
         self.history["chain_digest_equal"] = replayed["history_chain"]["digest"] == original["history_chain"]["digest"]
-        for name, diff in compare_states(original, replayed, self.s.tolerance, self.param_names).items():
+        diffs, self.distance = compare_all(original, {"replay": replayed}, self.s.tolerance, self.param_names)["replay"]
+        for name, diff in diffs.items():
             self.diffs["replay"].setdefault(name, Diff()).merge(diff, self.b)
-        self.distance = parameter_distance(original, replayed, self.param_names)
         self.meta = original["meta"]
 
     def _original_history(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +175,15 @@ class Audit:
             raise ConfigError(f"--audit would replay {b - a} steps ({a} -> {b}), more than {cap} (ten epochs of this "
                               "run's plan): pick closer generations with --from/--to, or raise --max-replay-steps")
         self.a, self.b = a, b
-        loaded = [self.run_store.load(step, contract=self.plan["contract"]) for step in (a, b)]
+        # Generation a is copied whole into the replay; of b, the shards of a sharded run are read (and verified) by
+        # the comparison, not here. Files of a part or more are spooled, not held in memory.
+        loaded = [self.run_store.load(a, contract=self.plan["contract"], spool_dir=spool_dir())]
+        try:
+            loaded.append(self.run_store.load(b, contract=self.plan["contract"], spool_dir=spool_dir(),
+                                              skip=is_sharded_file))
+        except BaseException:
+            loaded[0].close()
+            raise
         self.generations = {"from": _describe(loaded[0]), "to": _describe(loaded[1])}
         self.span = audit_span(a, b, how, restore, {s: complete[s] for s in steps if a <= s <= b},
                                self.generations, replay_code=code_version())

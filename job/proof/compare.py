@@ -16,12 +16,13 @@ A check is within tolerance when it has no problem and no value outside the tole
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from job.errors import StateError
+from job.errors import ConfigError, StateError
 from job.train.data import permutation_of
 from job.train.state import History
 
@@ -111,19 +112,44 @@ def _diff_tensors(ref: Any, other: Any, tol: Tolerance, path: str, out: Diff) ->
         return
     a, b = ref.detach().cpu(), other.detach().cpu()
     if a.is_floating_point() or a.is_complex():
-        bad = [side for side, t in (("reference", a), ("compared", b)) if not bool(torch.isfinite(t).all())]
+        bad: set[str] = set()
+        worst, outside = 0.0, False
+        for x, y in _slices(a, b):  # float64 copies of a slice at a time, never of the whole tensor
+            bad |= {side for side, t in (("reference", x), ("compared", y)) if not bool(torch.isfinite(t).all())}
+            if bad:
+                continue
+            x, y = x.to(torch.float64), y.to(torch.float64)
+            delta = (y - x).abs()
+            worst = max(worst, float(delta.max()))
+            outside = outside or bool((delta > tol.atol + tol.rtol * x.abs()).any())
         if bad:
-            out.problems.append(f"{path}: non-finite values ({' and '.join(bad)})")
+            sides = " and ".join(side for side in ("reference", "compared") if side in bad)
+            out.problems.append(f"{path}: non-finite values ({sides})")
             return
-        a, b = a.to(torch.float64), b.to(torch.float64)
-        delta = (b - a).abs()
-        out.max_abs = max(out.max_abs, float(delta.max()))
-        if bool((delta > tol.atol + tol.rtol * a.abs()).any()):
-            _exceed(out, f"{path}: max |diff| {float(delta.max()):.3g}")
+        out.max_abs = max(out.max_abs, worst)
+        if outside:
+            _exceed(out, f"{path}: max |diff| {worst:.3g}")
     elif not torch.equal(a, b):  # integers, booleans, bytes (RNG states): exact
         if a.dtype != torch.bool:
-            out.max_abs = max(out.max_abs, float((b.to(torch.float64) - a.to(torch.float64)).abs().max()))
+            out.max_abs = max(out.max_abs, max(float((y.to(torch.float64) - x.to(torch.float64)).abs().max())
+                                               for x, y in _slices(a, b)))
         _exceed(out, f"{path}: {int((a != b).sum())} of {a.numel()} values differ")
+
+
+SLICE = 1 << 22
+"""Elements of a tensor compared at a time: its float64 copies stay at 32 MiB a side, whatever the tensor's size."""
+
+
+def _slices(a: torch.Tensor, b: torch.Tensor):
+    """Matching flat slices of two tensors of one shape (:data:`SLICE` elements each)."""
+    x, y = a.reshape(-1), b.reshape(-1)
+    for i in range(0, x.numel(), SLICE):
+        yield x[i : i + SLICE], y[i : i + SLICE]
+
+
+def _squared_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """sum((b - a)^2) in float64, a slice at a time."""
+    return sum(float(((y.double() - x.double()) ** 2).sum()) for x, y in _slices(a.detach().cpu(), b.detach().cpu()))
 
 
 def _diff_floats(ref: Any, other: Any, tol: Tolerance, path: str, out: Diff) -> None:
@@ -188,10 +214,115 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any], frozenset[str]], Any]] = {
 HISTORY_CHECKS = ("sample_ids", "learning_rates", "losses", "progress")
 
 
+SECTIONS = "sharded_sections"
+"""The key of a state whose model and optimizer stay in a sharded generation (``job.train.fsdp.ShardedSections``:
+``entries``, ``read(names)``, ``groups(names, budget)``, ``whole()``). The comparison reads them a group of
+entries at a time from both sides, so the verifier's memory is a group (``TRAINPROOF_COMPARE_GROUP_MIB``), not two
+or more whole states."""
+STREAMED = ("parameters", "buffers", "optimizer")
+"""The checks that a state with :data:`SECTIONS` answers from its shards."""
+GROUP_ENV = "TRAINPROOF_COMPARE_GROUP_MIB"
+"""Environment variable: MiB of tensors read from each side at a time when comparing sharded states (default 256)."""
+
+
+def group_bytes() -> int:
+    """The comparison's group size in bytes (``TRAINPROOF_COMPARE_GROUP_MIB``, default 256 MiB)."""
+    raw = os.environ.get(GROUP_ENV) or "256"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{GROUP_ENV}={raw!r} is not a positive number of MiB")
+    return max(1, int(value * 2**20))
+
+
 def compare_states(ref: dict[str, Any], other: dict[str, Any], tol: Tolerance,
                    param_names: frozenset[str]) -> dict[str, Diff]:
-    """Every check of :data:`EXTRACTORS` between two full states."""
-    return {name: _safe_diff(name, extract, ref, other, tol, param_names) for name, extract in EXTRACTORS.items()}
+    """Every check of :data:`EXTRACTORS` between two states (whole, or with sharded :data:`SECTIONS`)."""
+    return compare_all(ref, {"other": other}, tol, param_names)["other"][0]
+
+
+def compare_all(ref: dict[str, Any], others: dict[str, dict[str, Any]], tol: Tolerance,
+                param_names: frozenset[str]) -> dict[str, tuple[dict[str, Diff], float | None]]:
+    """:func:`compare_states` and :func:`parameter_distance` of ``ref`` against each of ``others``.
+
+    When every state keeps its model and optimizer in a sharded generation (:data:`SECTIONS`), those are compared
+    a group of entries at a time, each group of ``ref`` read once for all of ``others``; a state with sections
+    compared with one without is read whole first."""
+    if not others:
+        return {}
+    streamed = SECTIONS in ref and all(SECTIONS in o for o in others.values())
+    if not streamed:
+        ref, others = _whole(ref), {n: _whole(o) for n, o in others.items()}
+    out = {}
+    for n, o in others.items():
+        diffs = {name: _safe_diff(name, extract, ref, o, tol, param_names) for name, extract in EXTRACTORS.items()
+                 if not (streamed and name in STREAMED)}
+        out[n] = (diffs, None if streamed else parameter_distance(ref, o, param_names))
+    if streamed:
+        sections = compare_sections(ref[SECTIONS], {n: o[SECTIONS] for n, o in others.items()}, tol, param_names)
+        for n, (diffs, distance) in sections.items():
+            out[n][0].update(diffs)
+            out[n] = (out[n][0], distance)
+    return out
+
+
+def _whole(state: dict[str, Any]) -> dict[str, Any]:
+    if SECTIONS not in state:
+        return state
+    model, optimizer = state[SECTIONS].whole()
+    return {**{k: v for k, v in state.items() if k != SECTIONS}, "model": model, "optimizer": optimizer}
+
+
+def compare_sections(ref: Any, others: dict[str, Any], tol: Tolerance, param_names: frozenset[str],
+                     budget: int | None = None) -> dict[str, tuple[dict[str, Diff], float | None]]:
+    """The ``parameters``, ``buffers`` and ``optimizer`` checks and the parameter distance between sharded
+    sections (:data:`SECTIONS`), entry by entry: ``ref``'s entries are read a group of about ``budget`` bytes at a
+    time (default :func:`group_bytes`), each group once, and the same entries of each of ``others`` one side at a
+    time; an entry on one side only is a structural problem, as a key missing from a whole state is."""
+    budget = group_bytes() if budget is None else budget
+    check = {f: _section_check(e.path, param_names) for f, e in ref.entries.items()}
+    out: dict[str, dict[str, Diff]] = {n: {c: Diff() for c in STREAMED} for n in others}
+    squares = {n: 0.0 for n in others}
+    aligned = {n: True for n in others}
+    for n, o in others.items():
+        theirs = {f: _section_check(e.path, param_names) for f, e in o.entries.items()}
+        for c in STREAMED:
+            mine = {f for f in check if check[f] == c}
+            only = sorted(_shown(c, (ref if f in ref.entries else o).entries[f].path)
+                          for f in mine ^ {f for f in theirs if theirs[f] == c})
+            if only:
+                out[n][c].problems.append(f"{c}: entries {only[:6]} present on one side only")
+                aligned[n] = aligned[n] and c != "parameters"
+    for group in ref.groups(list(ref.entries), budget):
+        mine = ref.read(group)
+        for n, o in others.items():
+            keys = [f for f in group if f in o.entries]
+            theirs = o.read(keys)
+            for f in keys:
+                a, b = mine[f], theirs[f]
+                diff_tree(a, b, tol, _shown(check[f], ref.entries[f].path), out[n][check[f]])
+                if check[f] == "parameters":
+                    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+                        squares[n] += _squared_distance(a, b)
+                    else:
+                        aligned[n] = False
+            del theirs
+        del mine
+    return {n: (out[n], math.sqrt(squares[n]) if aligned[n] and math.isfinite(squares[n]) else None) for n in others}
+
+
+def _section_check(path: tuple, param_names: frozenset[str]) -> str:
+    """Which check compares a sharded entry (by its path: ``("model", fqn)`` or ``("optim", ...)``)."""
+    if path[0] == "model":
+        return "parameters" if len(path) > 1 and path[1] in param_names else "buffers"
+    return "optimizer"
+
+
+def _shown(check: str, path: tuple) -> str:
+    """An entry's place as :func:`diff_tree` names it in a whole state (``optimizer.state.w.exp_avg``)."""
+    return check + "".join(f"[{p}]" if type(p) is int else f".{p}" for p in path[1:])
 
 
 def _safe_diff(name: str, extract: Callable, ref: dict, other: dict, tol: Tolerance, names: frozenset[str]) -> Diff:
@@ -268,8 +399,10 @@ def _consumed_prefix(cut_state: dict[str, Any], consumed: torch.Tensor, tol: Tol
 
 def parameter_distance(ref: dict[str, Any], other: dict[str, Any], names: frozenset[str]) -> float | None:
     """L2 distance between the two states' parameters (float64), or None when they do not line up."""
+    if SECTIONS in ref or SECTIONS in other:
+        return compare_all(ref, {"other": other}, Tolerance(), names)["other"][1]
     a, b = _model_part(True)(ref, names), _model_part(True)(other, names)
     if set(a) != set(b) or any(a[k].shape != b[k].shape for k in a):
         return None
-    total = sum(float(((b[k].double() - a[k].double()) ** 2).sum()) for k in a)
+    total = sum(_squared_distance(a[k], b[k]) for k in a)
     return math.sqrt(total) if math.isfinite(total) else None

@@ -99,7 +99,8 @@ class ObjectiveCheck:
             r = failed[0]
             raise VerificationIncomplete(f"objective check: run {r.name!r} exited {r.code}: "
                                          f"{' '.join(r.argv)}\n{r.stderr_tail}")
-        states = {name: RunReader(f"objective/{name}", url, opener).state(STEPS) for name, url in self.urls.items()}
+        states = {name: RunReader(f"objective/{name}", url, opener).state(STEPS, whole=True)
+                  for name, url in self.urls.items()}
         for name in self.splits:
             if name != "single":
                 self.same[name] = same_experience(states["single"], states[name])

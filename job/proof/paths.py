@@ -23,6 +23,7 @@ from job.train.history import assemble
 from job.train.shard_files import METADATA_FILE, is_sharded_file
 from job.train.state import STATE_FILE, decode, decode_generation
 from storage import COMPLETE, GenerationStore, redact_url
+from storage.spool import spool_dir
 
 Opener = Callable[[str], GenerationStore]
 # Kept for the children: how to reach the store. Every other TRAINPROOF_* variable is a `train` option: an
@@ -142,15 +143,19 @@ class RunReader:
         self.steps = [g.step for g in self.store.scan() if g.status == COMPLETE]
         self._sections: dict[int, dict[str, Any]] = {}  # each generation's own history rows, read once
 
-    def state(self, step: int, *, since: int = 1) -> dict[str, Any]:
+    def state(self, step: int, *, since: int = 1, whole: bool = False) -> dict[str, Any]:
         """Generation ``step``, read back and verified (size, sha256), then decoded weights-only, with its history
         reassembled from the path's generations (steps ``since``..``step``) and its chain checked end to end
-        (job.train.history; every path keeps all its generations: ``--keep 0``)."""
+        (job.train.history; every path keeps all its generations: ``--keep 0``).
+
+        A sharded run's model and optimizer stay in its shards (:func:`with_sections`: the comparison reads them
+        a group at a time); ``whole``: read them whole into ``model`` and ``optimizer`` instead."""
         if step not in self.steps:
             raise VerificationIncomplete(f"path {self.name!r} has no complete generation at step {step} "
                                          f"(it has {self.steps or 'none'}) in {self.url}")
         state = decode_generation(self.store.load(step, skip=is_sharded_file).files)  # rank files joined (world > 1)
-        state = with_shards(self.store, step, state)  # sharded (--fsdp): model and optimizer read from its shards
+        # sharded (--fsdp): model and optimizer read from its shards, whole or by the comparison
+        state = (with_shards if whole else with_sections)(self.store, step, state)
         self._sections[step] = _history_section(state)
         try:
             return assemble(state, self._section, since=since).state
@@ -184,7 +189,10 @@ def seed_run(dst: GenerationStore, plan: bytes, loaded: Any, *, lineage: Generat
     """
     dst.write_file(PLAN_FILE, plan, create_only=True)
     for older in ([] if lineage is None else history_lineage(lineage, loaded)):
-        commit_copy(dst, older)
+        try:
+            commit_copy(dst, older)
+        finally:
+            older.close()
     commit_copy(dst, loaded)
 
 
@@ -192,19 +200,27 @@ def history_lineage(src: GenerationStore, loaded: Any) -> list[Any]:
     """The generations of ``src`` below ``loaded`` that hold the rest of its history, oldest first."""
     out: list[Any] = []
     first = decode(loaded.files[STATE_FILE])["history_chain"]["first"]
-    while first > 1:
-        older = load_generation(src, first - 1)
-        out.append(older)
-        below = decode(older.files[STATE_FILE])["history_chain"]["first"]
-        if not below < first:  # a generation without rows of its own: the walk would not move
-            raise VerificationIncomplete(f"{src.url}: generation step {first - 1} holds no history rows of its own")
-        first = below
+    try:
+        while first > 1:
+            older = load_generation(src, first - 1)
+            out.append(older)
+            below = decode(older.files[STATE_FILE])["history_chain"]["first"]
+            if not below < first:  # a generation without rows of its own: the walk would not move
+                raise VerificationIncomplete(f"{src.url}: generation step {first - 1} holds no history rows of its own")
+            first = below
+    except BaseException:
+        for older in out:
+            older.close()
+        raise
     return out[::-1]
 
 
 def load_generation(src: GenerationStore, step: int) -> Any:
-    """Generation ``step`` of ``src``, verified (size, sha256) and its state decoded once (a real load)."""
-    return src.load(step, check=_state_check)
+    """Generation ``step`` of ``src``, verified (size, sha256) and its state decoded once (a real load).
+
+    Files of a part or more (a large state, a shard file) are downloaded into spool files (``TRAINPROOF_SPOOL_DIR``),
+    not into memory; the caller deletes them with ``close()`` once it has copied them (:func:`seed_run`)."""
+    return src.load(step, check=_state_check, spool_dir=spool_dir())
 
 
 def commit_copy(dst: GenerationStore, loaded: Any) -> dict[str, Any]:
@@ -225,6 +241,18 @@ def _state_check(name: str, data: bytes) -> None:
 def new_id() -> str:
     """A verification id: UTC time (sortable) and a random suffix (two verifiers started the same second)."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
+
+
+def with_sections(store: GenerationStore, step: int, state: dict[str, Any]) -> dict[str, Any]:
+    """A sharded run's state (``meta.fsdp``) with its shards opened for a comparison that reads them a group of
+    entries at a time (``job.proof.compare.SECTIONS``; the metadata is read and verified here, no tensor yet); any
+    other state as it is, without importing torch.distributed."""
+    if not (state.get("meta") or {}).get("fsdp"):
+        return state
+    from job.proof.compare import SECTIONS
+    from job.train.fsdp import ShardedSections
+
+    return {**state, SECTIONS: ShardedSections(store, step)}
 
 
 def with_shards(store: GenerationStore, step: int, state: dict[str, Any]) -> dict[str, Any]:

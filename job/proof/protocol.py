@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from job.proof.compare import Diff, Tolerance, compare_cut, compare_states, parameter_distance
+from job.proof.compare import Diff, Tolerance, compare_all, compare_cut
 from job.proof.cuts import plan_cuts
 from job.proof.diagnose import diagnose_path
 from job.proof.objective import ObjectiveCheck
@@ -271,13 +271,19 @@ class Protocol:
     def _resumes(self) -> None:
         cut_store = self.opener(self.urls["cut"])
         plan, loaded = cut_store.read_file(PLAN_FILE), load_generation(cut_store, self.s.cut)
-        for p in ("resume", NEGATIVE):
-            seed_run(self.opener(self.urls[p]), plan, loaded, lineage=cut_store)
-        del loaded
+        try:  # large files in spools, deleted once copied
+            for p in ("resume", NEGATIVE):
+                seed_run(self.opener(self.urls[p]), plan, loaded, lineage=cut_store)
+        finally:
+            loaded.close()
         for c in self.extra_cuts:  # from the continuous path's own generation c, or from cut_at_<c>
             source = self.opener(self.urls["continuous"] if self._continuous_has(c) else self.cut_urls[f"cut_at_{c}"])
-            seed_run(self.opener(self.cut_urls[f"resume_at_{c}"]), source.read_file(PLAN_FILE),
-                     load_generation(source, c), lineage=source)
+            loaded = load_generation(source, c)
+            try:
+                seed_run(self.opener(self.cut_urls[f"resume_at_{c}"]), source.read_file(PLAN_FILE), loaded,
+                         lineage=source)
+            finally:
+                loaded.close()
         jobs = [(p, self.urls[p], self.train_argv(p)) for p in ("resume", NEGATIVE)]
         jobs += [(f"resume_at_{c}", self.cut_urls[f"resume_at_{c}"], self.cut_argv(c, resume=True))
                  for c in self.extra_cuts]
@@ -327,27 +333,23 @@ class Protocol:
                 self.diffs[p]["rng_restore"] = Diff()  # the resume's own self-check passed (the path ran on)
         for step in readers["continuous"].steps:
             ref = readers["continuous"].state(step)
-            if step == s.cut:
-                self._fold("cut", ref, cut_state, step)
-            for p, at in resumed.items():
-                if step > at and step in readers[p].steps:
-                    other = readers[p].state(step)
-                    self._fold(p, ref, other, step)
-                    if step == s.steps and p in PATHS:
-                        self.losses[p] = history_losses(other)
+            others = {"cut": cut_state} if step == s.cut else {}
+            others |= {p: readers[p].state(step) for p, at in resumed.items() if step > at and step in readers[p].steps}
+            # A sharded run's model and optimizer are compared a group of entries at a time, each of the continuous
+            # path's groups read once for every path (job.proof.compare): memory is a group, not four states.
+            for p, (diffs, distance) in compare_all(ref, others, s.tolerance, self.param_names).items():
+                for name, diff in diffs.items():
+                    self.diffs[p].setdefault(name, Diff()).merge(diff, step)
+                if distance is not None and p in self.distances:
+                    self.distances[p][step] = distance
+                if step == s.steps and p in PATHS and p != "cut":
+                    self.losses[p] = history_losses(others[p])
             if step == s.steps:
                 final = ref
         for name, diff in compare_cut(cut_state, final, s.cut, s.tolerance).items():
             self.diffs["cut"].setdefault(name, Diff()).merge(diff, s.cut)
         self.losses["continuous"], self.losses["cut"] = history_losses(final), history_losses(cut_state)
         self.meta = final["meta"]
-
-    def _fold(self, path: str, ref: dict[str, Any], other: dict[str, Any], step: int) -> None:
-        for name, diff in compare_states(ref, other, self.s.tolerance, self.param_names).items():
-            self.diffs[path].setdefault(name, Diff()).merge(diff, step)
-        distance = parameter_distance(ref, other, self.param_names)
-        if distance is not None and path in self.distances:
-            self.distances[path][step] = distance
 
     def comparisons_passed(self) -> bool:
         """Resume and cut within tolerance, and the negative path diverged."""

@@ -104,7 +104,7 @@ class WorldEquivalence:
         states = {}
         for r in RUNS:
             reader = RunReader(f"world_equivalence/{r}", self.urls[r], self.opener)
-            states[r] = reader.state(steps)
+            states[r] = reader.state(steps, whole=True)
         if states["w_ranks"]["meta"].get("world") != self.world or states["one_rank"]["meta"].get("world") != 1:
             raise VerificationIncomplete(f"world-equivalence runs ran with worlds "
                                          f"{states['one_rank']['meta'].get('world')} / "

@@ -30,6 +30,7 @@ place; the rest of the restore follows as without FSDP (job.train.run ``restore_
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -110,40 +111,114 @@ def full_state(store: GenerationStore, step: int, state: dict[str, Any], *,
     """``state`` (generation ``step``'s decoded training state, whose ``model`` and ``optimizer`` are empty in a
     sharded run) with ``model`` and ``optimizer`` filled from the generation's shards, as full CPU tensors.
 
-    One process, no process group: the target of every tensor is allocated whole from the *verified* metadata's
-    sizes and dtypes (after checking that its chunks tile it exactly: no byte of it is left unread), and DCP
-    (``no_dist``) fills it through the verified reader (:class:`job.train.sharded.GenerationReader`: every file
-    checked against ``COMPLETE.json`` before a byte is used, plain values loaded weights-only). ``model`` is
-    ``{fqn: tensor}``; ``optimizer`` is ``{"state": {fqn: {...}}, "param_groups": [...]}`` keyed by parameter
-    name as ``get_state_dict`` gives it (not by index as a replicated run's), the same in every sharded run, which
-    is all a comparison or an export needs. Raises ShardedLoadError (``corrupt`` when a byte disagrees with the
-    manifest).
+    One process, no process group (:class:`ShardedSections`): every tensor is allocated whole from the *verified*
+    metadata's sizes and dtypes and filled through the verified reader. ``model`` is ``{fqn: tensor}``;
+    ``optimizer`` is ``{"state": {fqn: {...}}, "param_groups": [...]}`` keyed by parameter name as
+    ``get_state_dict`` gives it (not by index as a replicated run's), the same in every sharded run, which is all a
+    comparison or an export needs. Raises ShardedLoadError (``corrupt`` when a byte disagrees with the manifest).
 
     ``sections``: what to read, of ``model`` and ``optim``; a section left out stays ``{}`` and none of its bytes
     is allocated (an export reads only the model: a third of a model + Adam state).
 
     Memory: the sections asked for, whole, in this process, plus the parts of a shard file in flight (each file is
     read part by part, ``storage.generations.read_parts``). The export then writes its files tensor by tensor and
-    frees these tensors (job.train.export ``build_files``); the verifier compares them whole (a comparison that
-    walks two generations key by key would bound it, not written).
+    frees these tensors (job.train.export ``build_files``); the verifier does not call this: it compares a group of
+    entries at a time (:class:`ShardedSections`, job.proof.compare).
     """
-    reader = GenerationReader(store, step, contract=contract)
-    metadata = reader.read_metadata()  # verified against the manifest, allowlisted unpickling
-    name = reader.generation().name
-    flat: dict[str, Any] = {}
-    wanted = _section_keys(name, metadata, sections)
-    for fqn, md in metadata.state_dict_metadata.items():
-        if fqn not in wanted:
-            continue
-        if isinstance(md, TensorStorageMetadata):
-            _check_tiling(name, fqn, tuple(md.size), md.chunks)
-            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        else:
-            flat[fqn] = None  # a plain value (param_groups' entries): loaded weights-only by the planner below
-    load_sharded(store, step, flat, world=1, contract=contract, allow_world_change=True, planner=_FullLoadPlanner(),
-                 no_dist=True, reader=reader)
-    nested = _unflatten(name, flat, {k: v for k, v in metadata.planner_data.items() if k in wanted})
-    return {**state, "model": nested.get("model", {}), "optimizer": nested.get("optim", {})}
+    shards = ShardedSections(store, step, contract=contract)
+    model, optimizer = shards.whole(sections)
+    return {**state, "model": model, "optimizer": optimizer}
+
+
+class ShardedSections:
+    """A sharded generation's model and optimizer, read on demand: a few entries at a time, or whole.
+
+    ``entries`` maps each flattened name (DCP's) to its :class:`Entry`, from the generation's *verified* metadata
+    (every path checked; every tensor's chunks checked to tile it exactly, so no byte of it is left unread).
+    :meth:`read` allocates the named tensors whole and has DCP (``no_dist``) fill them through the verified reader
+    (:class:`job.train.sharded.GenerationReader`: every part checked against ``COMPLETE.json`` before a byte is
+    used, plain values loaded weights-only), reading only the parts of the shard files that hold them. The
+    verifier compares two generations group by group (:meth:`groups`), so its memory is a group, not the state.
+    """
+
+    def __init__(self, store: GenerationStore, step: int, *, contract: str | None = None) -> None:
+        self.store, self.step = store, step
+        self._reader = GenerationReader(store, step, contract=contract)
+        metadata = self._reader.read_metadata()  # verified against the manifest, allowlisted unpickling
+        self.name = self._reader.generation().name
+        self.entries: dict[str, Entry] = {}
+        mapping = metadata.planner_data
+        if not isinstance(mapping, dict) or set(mapping) != set(metadata.state_dict_metadata):
+            raise ShardedLoadError(f"{self.name}/{METADATA_FILE}: no nesting for every entry", corrupt=True)
+        order = {}
+        for index, where in metadata.storage_data.items():
+            fqn = getattr(index, "fqn", None)
+            order[fqn] = min(order.get(fqn, (where[0], where[1])), (where[0], where[1]))
+        for fqn, md in metadata.state_dict_metadata.items():
+            path = _checked_path(self.name, fqn, mapping[fqn], len(mapping))
+            if isinstance(md, TensorStorageMetadata):
+                size = tuple(md.size)
+                _check_tiling(self.name, fqn, size, md.chunks)
+                self.entries[fqn] = Entry(path, size, md.properties.dtype, order.get(fqn, ("", 0)))
+            else:
+                self.entries[fqn] = Entry(path, None, None, order.get(fqn, ("", 0)))
+        heads = {e.path[0] for e in self.entries.values()}
+        if not heads <= {"model", "optim"}:
+            raise ShardedLoadError(f"{self.name}: unexpected sections {sorted(heads - {'model', 'optim'})} in the "
+                                   "shards", corrupt=True)
+
+    def read(self, fqns: list[str]) -> dict[str, Any]:
+        """The named entries, full CPU tensors (plain values as saved), read from the verified shard files."""
+        flat: dict[str, Any] = {}
+        for fqn in fqns:
+            e = self.entries[fqn]
+            # a plain value (param_groups' entries) is loaded weights-only by the planner
+            flat[fqn] = None if e.size is None else torch.empty(e.size, dtype=e.dtype)
+        if flat:
+            load_sharded(self.store, self.step, flat, world=1, allow_world_change=True, planner=_FullLoadPlanner(),
+                         no_dist=True, reader=self._reader)
+        return flat
+
+    def whole(self, sections: tuple[str, ...] = ("model", "optim")) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The ``model`` and ``optimizer`` sections, nested as saved (a section not in ``sections``: ``{}``)."""
+        wanted = [fqn for fqn, e in self.entries.items() if e.path[0] in sections]
+        nested = _unflatten(self.name, self.read(wanted), {fqn: self.entries[fqn].path for fqn in wanted})
+        return nested.get("model", {}), nested.get("optim", {})
+
+    def groups(self, fqns: list[str], budget: int) -> list[list[str]]:
+        """``fqns`` in the order their bytes lie in the shard files (the state's order), cut into groups of about
+        ``budget`` bytes (a tensor larger than that is a group of its own; the plain values, which are small and
+        saved after the tensors, a last group)."""
+        plain = [f for f in fqns if self.entries[f].size is None]
+        tensors = sorted((f for f in fqns if self.entries[f].size is not None), key=lambda f: self.entries[f].where)
+        out, group, held = [], [], 0
+        for fqn in tensors:
+            n = self.entries[fqn].nbytes
+            if group and held + n > budget:
+                out.append(group)
+                group, held = [], 0
+            group.append(fqn)
+            held += n
+        return out + [g for g in (group, plain) if g]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One flattened entry of a sharded generation's metadata."""
+
+    path: tuple
+    """Its place in the nested state: ``("model", fqn)`` or ``("optim", "state", fqn, "exp_avg")`` ... (list
+    indices as ints)."""
+    size: tuple[int, ...] | None
+    """A tensor's shape, or None for a plain value."""
+    dtype: torch.dtype | None
+    where: tuple[str, int]
+    """The shard file and offset of its first chunk (to read neighbours together)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor (0 for a plain value)."""
+        return 0 if self.size is None else math.prod(self.size) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def complete_state(store: GenerationStore, step: int, state: dict[str, Any], *,
@@ -154,19 +229,6 @@ def complete_state(store: GenerationStore, step: int, state: dict[str, Any], *,
     if not (state.get("meta") or {}).get("fsdp"):
         return state
     return full_state(store, step, state, contract=contract, sections=("model", "optim") if optimizer else ("model",))
-
-
-def _section_keys(name: str, metadata: Any, sections: tuple[str, ...]) -> set[str]:
-    """The flattened names of the metadata's entries under the top-level ``sections`` (``planner_data``: each
-    name's path of keys, checked here as a tuple whose first key is a string)."""
-    mapping = metadata.planner_data
-    if not isinstance(mapping, dict) or set(mapping) != set(metadata.state_dict_metadata):
-        raise ShardedLoadError(f"{name}/{METADATA_FILE}: no nesting for every entry", corrupt=True)
-    heads = {path[0] if isinstance(path, tuple) and path else None for path in mapping.values()}
-    if not heads <= {"model", "optim"}:
-        raise ShardedLoadError(f"{name}: unexpected sections {sorted(map(str, heads - {'model', 'optim'}))} in the "
-                               "shards", corrupt=True)
-    return {k for k, path in mapping.items() if path[0] in sections}
 
 
 def sharded_digests(files: dict[str, Any]) -> dict[str, str]:
@@ -199,16 +261,22 @@ def _check_tiling(name: str, fqn: str, size: tuple[int, ...], chunks: list) -> N
         raise ShardedLoadError(f"{name}/{METADATA_FILE}: the chunks of {fqn!r} do not tile its {size}", corrupt=True)
 
 
+def _checked_path(name: str, fqn: str, path: Any, entries: int) -> tuple:
+    """A flattened entry's path of keys (``metadata.planner_data``): a non-empty tuple of strings and list
+    indices, starting with ``model`` or ``optim``'s string key."""
+    if not (isinstance(path, tuple) and path and isinstance(path[0], str)
+            and all(isinstance(p, str) or (type(p) is int and 0 <= p < entries) for p in path)):
+        raise ShardedLoadError(f"{name}/{METADATA_FILE}: bad path for {fqn!r}", corrupt=True)
+    return path
+
+
 def _unflatten(name: str, flat: dict[str, Any], mapping: Any) -> dict[str, Any]:
-    """The nested state DCP flattened (``metadata.planner_data``: flattened name -> path of keys and list indices)."""
+    """The nested state DCP flattened (``mapping``: flattened name -> path of keys and list indices)."""
     root: dict[str, Any] = {}
     if not isinstance(mapping, dict) or set(mapping) != set(flat):
         raise ShardedLoadError(f"{name}/{METADATA_FILE}: no nesting for every entry", corrupt=True)
-    for fqn in flat:
-        path = mapping[fqn]
-        if not (isinstance(path, tuple) and path and isinstance(path[0], str)
-                and all(isinstance(p, str) or (type(p) is int and 0 <= p < len(flat)) for p in path)):
-            raise ShardedLoadError(f"{name}/{METADATA_FILE}: bad path for {fqn!r}", corrupt=True)
+    for fqn, value in flat.items():
+        path = _checked_path(name, fqn, mapping[fqn], len(flat))
         node: Any = root
         try:
             for key, nxt in zip(path, path[1:]):
@@ -221,11 +289,11 @@ def _unflatten(name: str, flat: dict[str, Any], mapping: Any) -> dict[str, Any]:
                     node = node.setdefault(key, [] if isinstance(nxt, int) else {})
             if isinstance(node, list):
                 node.extend([None] * (path[-1] + 1 - len(node)))
-            node[path[-1]] = flat[fqn]
+            node[path[-1]] = value
         except (TypeError, AttributeError):
             raise ShardedLoadError(f"{name}/{METADATA_FILE}: paths that do not nest ({fqn!r})", corrupt=True) from None
     return root
 
 
 __all__ = ["wrap", "set_gradient_sync", "grad_scaler", "sharded_state", "load_generation", "full_state",
-           "complete_state", "sharded_digests"]
+           "complete_state", "sharded_digests", "ShardedSections", "Entry"]

@@ -1,0 +1,127 @@
+"""The verifier's comparison of sharded states: read a group of entries at a time vs read whole.
+
+``.venv/bin/python bench/bench_compare.py [--mib 3072] [--reps 3] [--others 1] [--dir DIR]`` trains
+``bench.bigmodel:factory`` with ``--mib`` MiB of model + Adam state (``--mib 3072``: 1 GiB of float32 weights, 3 GiB
+of state) for one step with ``train --fsdp --nproc-per-node 2`` into a local folder, then per repetition, each in a
+fresh process and in alternating order, compares that generation with itself read through ``--others``
+further readers (what the verifier does when a resumed path equals the continuous one: every byte of both sides
+read back from the store, verified, and compared):
+
+- grouped: ``job.proof.paths.RunReader(...).state(step)`` (the shards opened, nothing read) and
+  ``job.proof.compare.compare_all``: each group of ``TRAINPROOF_COMPARE_GROUP_MIB`` (default 256) MiB of the
+  reference read once, the same entries of each other side read after it, compared a slice at a time.
+- whole: what ``verify --fsdp`` did before: every side read whole (``state(step, whole=True)``: the sharded model
+  and optimizer gathered in this process, ``job.train.fsdp.full_state``), then ``compare_states`` and
+  ``parameter_distance`` per other side. Only run with ``--others 1`` unless memory allows it (it holds
+  ``1 + others`` states).
+
+Memory is the process's anonymous resident memory sampled every 2 ms, above the level before the call, also as a
+multiple of the state's bytes. Medians of ``--reps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK = "bench.bigmodel:factory"
+
+
+def child(mode: str, run: str, others: int) -> dict:
+    """One measured comparison in this (fresh) process."""
+    from bench.bench_sharded import PeakRSS
+    from job.proof.compare import Tolerance, compare_all, compare_states, parameter_distance
+    from job.proof.paths import RunReader
+    from job.proof.protocol import parameter_names
+    from job.tasks import load_task
+    from job.train.contract import read_run_plan
+    from storage import open_store
+
+    store = open_store(run)
+    names = parameter_names(load_task(TASK, read_run_plan(store)["task_config"]))
+    step = max(g.step for g in store.scan() if g.status == "complete")
+    with PeakRSS(anon=True) as mem:
+        start = time.perf_counter()
+        whole = mode == "whole"
+        ref = RunReader("ref", run, open_store).state(step, whole=whole)
+        sides = {f"o{i}": RunReader(f"o{i}", run, open_store).state(step, whole=whole) for i in range(others)}
+        if whole:
+            results = {n: (compare_states(ref, o, Tolerance(), names), parameter_distance(ref, o, names))
+                       for n, o in sides.items()}
+        else:
+            results = compare_all(ref, sides, Tolerance(), names)
+        seconds = time.perf_counter() - start
+    assert all(d.within for diffs, _ in results.values() for d in diffs.values()), results
+    assert all(distance == 0.0 for _, distance in results.values())
+    state_bytes = sum(meta["bytes"] for name, meta in store.generation(step).manifest["files"].items()
+                      if name.startswith("shard-"))
+    return {"mode": mode, "seconds": seconds, "peak_anon": mem.extra, "state_bytes": state_bytes}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=float, default=3072, help="state size of the run (weights: a third of it)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--others", type=int, default=1, help="states compared with the reference (the protocol: up to 4)")
+    p.add_argument("--modes", default="grouped,whole", help="comma-separated: grouped, whole")
+    p.add_argument("--dir", default=None, help="work folder (default: a temporary one, deleted after)")
+    p.add_argument("--child", nargs=3, metavar=("MODE", "RUN", "OTHERS"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        mode, run_url, others = args.child
+        print(json.dumps(child(mode, run_url, int(others))))
+        return 0
+    work = Path(args.dir or tempfile.mkdtemp(prefix="bench-compare-"))
+    work.mkdir(parents=True, exist_ok=True)
+    run = work / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    modes = args.modes.split(",")
+    try:
+        if not run.exists():
+            config = work / "bigmodel.json"
+            config.write_text(json.dumps({"state_mib": args.mib}))
+            trained = subprocess.run([sys.executable, "-m", "job", "train", "--store", str(run), "--task", TASK,
+                                      "--config", str(config), "--fsdp", "--nproc-per-node", "2",
+                                      "--max-steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True)
+            if trained.returncode != 0:
+                print(trained.stderr[-3000:], file=sys.stderr)
+                return 1
+        rows: dict[str, list[dict]] = {m: [] for m in modes}
+        for rep in range(args.reps):
+            for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                done = subprocess.run([sys.executable, __file__, "--child", mode, str(run), str(args.others)],
+                                      cwd=ROOT, env=env, capture_output=True, text=True)
+                if done.returncode != 0:
+                    print(done.stderr[-3000:], file=sys.stderr)
+                    return 1
+                rows[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(f"rep {rep} {mode}: {rows[mode][-1]}", flush=True)
+        state = rows[modes[0]][0]["state_bytes"]
+        print(f"state: {state / 2**20:.0f} MiB of shards, compared with {args.others} other side(s), "
+              f"{args.reps} repetitions, medians")
+        for mode, got in rows.items():
+            secs = statistics.median(r["seconds"] for r in got)
+            peak = statistics.median(r["peak_anon"] for r in got)
+            print(f"{mode:8s}: {secs:7.2f} s   peak anonymous memory {peak / 2**20:7.0f} MiB "
+                  f"({peak / state:.2f}x the state)")
+        if len(modes) == 2:
+            ratio = [a["seconds"] / b["seconds"] for a, b in zip(rows[modes[0]], rows[modes[1]])]
+            print(f"time {modes[0]}/{modes[1]}: {statistics.median(ratio):.2f} (per repetition "
+                  f"{', '.join(f'{r:.2f}' for r in ratio)})")
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
