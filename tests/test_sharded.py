@@ -117,7 +117,9 @@ def test_reshard_two_ranks_into_one(saved2):
     assert_equal(tensors(saved2 / "out" / "save-full.pt"), tensors(saved2 / "load1" / "load-full.pt"))
 
 
-@pytest.mark.parametrize("parts", [False, True], ids=["whole-files", "parts"])
+# whole-files: slow (TRAINPROOF_SLOW=1). Every other sharded test reads whole files (toy files are under the 32 MiB
+# part size), the 2 -> 1 reshard among them; this one's point is the ranged read of the parts.
+@pytest.mark.parametrize("parts", [pytest.param(False, marks=pytest.mark.slow), True], ids=["whole-files", "parts"])
 def test_reshard_one_rank_into_two(tmp_path, parts):
     """With parts (4 KiB here, 32 MiB by default), each of the two ranks reads only the parts that hold its half
     of each tensor; without, each reads the whole file."""

@@ -4,9 +4,12 @@ really drawn on both built-in tasks (losing one fails with exit 1), a resume who
 fails is a failed check (exit 1, ``rng_restore``), and a task with hidden state is caught with its likely
 cause named, while the same task checkpointing that state with ``Task.state_dict`` passes.
 
-The default regression and tinylm verifications run once each (module fixtures, real processes); the
-sabotage runs reuse their continuous and cut paths (``--reuse-reference``) and run the resumed paths
-through the fault-injecting wrapper tests/support/hooked.py.
+The extra cuts of the default regression verification, the permutation bug, the lost numpy generator and the failed
+restore self-check are tested in tests/test_verify.py, on that module's reference verification (one default
+verification of regression for both). Here: the hidden task state (a verification of its own each), and with
+TRAINPROOF_SLOW=1 the ``--cuts`` option and the other generator families on both tasks (module fixtures, real
+processes; the sabotage runs reuse their continuous and cut paths, ``--reuse-reference``, and run the resumed paths
+through the fault-injecting wrapper tests/support/hooked.py).
 """
 
 from __future__ import annotations
@@ -16,15 +19,14 @@ import textwrap
 
 import pytest
 
-from tests.test_verify_helpers import checks, cli, read_report, trainproof  # noqa: F401  (cli: a fixture)
+from tests.test_verify_helpers import checks, cli, read_report, sabotaged, trainproof  # noqa: F401  (cli: a fixture)
 
-HOOKED = "tests.support.hooked"
 TINYLM_CONFIG = {"n_sequences": 37}  # 5 steps an epoch (4 x 8 + a tail of 5): cuts 3 (protocol), 5, 7
 
 
 @pytest.fixture(scope="module")
 def regression(tmp_path_factory):
-    """The default verification of regression (10 steps, cut 5, extra cuts 6 and 9), no export."""
+    """The default verification of regression (10 steps, cut 5, extra cuts 6 and 9), no export (slow tests only)."""
     store = str(tmp_path_factory.mktemp("cuts") / "run")
     result = trainproof("verify", "--store", store, "--id", "ref", "--no-export", "--keep-evidence")  # reused below
     assert result.returncode == 0, result.stdout + result.stderr
@@ -33,7 +35,8 @@ def regression(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tinylm(tmp_path_factory):
-    """The default verification of tinylm on the protocol corpus (8 steps, cut 3, extra cuts 5 and 7), no export."""
+    """The default verification of tinylm on the protocol corpus (8 steps, cut 3, extra cuts 5 and 7), no export
+    (slow tests only)."""
     d = tmp_path_factory.mktemp("cuts-lm")
     config = d / "tinylm.json"
     config.write_text(json.dumps(TINYLM_CONFIG))
@@ -43,31 +46,6 @@ def tinylm(tmp_path_factory):
                         "--no-export")
     assert result.returncode == 0, result.stdout + result.stderr
     return {"store": store, "config": str(config), "report": read_report(store, "ref")}
-
-
-def _sabotaged(cli, monkeypatch, ref, sabotage, *extra):  # noqa: F811
-    monkeypatch.setenv("TPHOOK_SABOTAGE", sabotage)  # inherited by every path, acts on resumed ones only
-    monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
-    vid = f"sabotage-{sabotage}"
-    config = ["--task", "tinylm", "--config", ref["config"]] if "config" in ref else []
-    result = cli("verify", "--store", ref["store"], *config, "--reuse-reference", "ref", "--id", vid, "--no-export",
-                 *extra)
-    return result, read_report(ref["store"], vid)
-
-
-def test_default_verify_resumes_at_the_epoch_boundary_and_mid_epoch_1(regression):
-    report = regression["report"]
-    cuts = report["cuts"]
-    assert (cuts["protocol_cut"], cuts["extra"], cuts["all"], cuts["steps_per_epoch"]) == (5, [6, 9], [5, 6, 9], 6)
-    assert cuts["steps"] == 10 and report["settings"]["steps"] == 10  # both extra cuts fit the protocol's path
-    assert cuts["passed"] == {"6": True, "9": True} and report["cuts_passed"] is True
-    assert set(cuts["paths"]) == {"resume_at_6", "resume_at_9"}
-    assert all(p["exit_code"] == 0 and "--steps" in p["command"] for p in cuts["paths"].values())
-    assert (cuts["paths"]["resume_at_6"]["resumed_from"], cuts["paths"]["resume_at_9"]["resumed_from"]) == (6, 9)
-    for c in (6, 9):
-        resumed = checks(report, f"resume_at_{c}")
-        assert all(x["within_tolerance"] and x["max_abs_diff"] == 0.0 for x in resumed.values())
-        assert {"sample_ids", "data_position", "parameters", "rng_restore"} <= set(resumed)
 
 
 @pytest.mark.slow
@@ -81,40 +59,19 @@ def test_cuts_option_chooses_them_and_lengthens_the_continuous_path(cli, tmp_pat
     assert "cuts resumed at: [5, 6, 11]" in result.output
 
 
-def test_a_permutation_bug_after_epoch_0_fails_the_default_verify(regression, cli, monkeypatch):  # noqa: F811
-    result, report = _sabotaged(cli, monkeypatch, regression, "regen_permutation")
-    assert result.exit_code == 1, result.output + result.stderr
-    assert report["positive"] is True  # the protocol's cut (epoch 0) alone would not have caught it
-    assert report["cuts"]["passed"] == {"6": True, "9": False} and report["all_checks_passed"] is False
-    mid = checks(report, "resume_at_9")
-    assert not mid["sample_ids"]["within_tolerance"] and mid["sample_ids"]["first_step"] == 10
-    assert "resume_at_9.sample_ids" in report["failing_checks"]
-
-
+# (regression, lose_numpy_rng) runs by default in tests/test_verify.py, on that module's reference verification.
+@pytest.mark.slow
 @pytest.mark.parametrize(("task", "sabotage"), [
-    ("regression", "lose_numpy_rng"), pytest.param("tinylm", "lose_python_rng", marks=pytest.mark.slow),
-    pytest.param("regression", "lose_python_rng", marks=pytest.mark.slow),
-    pytest.param("tinylm", "lose_numpy_rng", marks=pytest.mark.slow)])
+    ("tinylm", "lose_python_rng"), ("regression", "lose_python_rng"), ("tinylm", "lose_numpy_rng")])
 def test_losing_one_generator_family_diverges_on_both_tasks(request, cli, monkeypatch, task, sabotage):  # noqa: F811
     ref = request.getfixturevalue(task)
-    result, report = _sabotaged(cli, monkeypatch, ref, sabotage, "--cuts", str(ref["report"]["cuts"]["protocol_cut"]))
+    result, report = sabotaged(cli, monkeypatch, ref, sabotage, "--cuts", str(ref["report"]["cuts"]["protocol_cut"]))
     assert result.exit_code == 1, result.output + result.stderr
     resume = checks(report, "resume")
     assert resume["rng_restore"]["within_tolerance"]  # lost after the restore: only the comparison sees it
     # The task really draws from that generator: the trajectory moves, not only the observed next draw.
     assert {"resume.rng_next_draws", "resume.losses", "resume.parameters"} <= set(report["failing_checks"])
     assert resume["losses"]["first_step"] == ref["report"]["cuts"]["protocol_cut"] + 1
-
-
-def test_a_failed_restore_self_check_is_a_failed_check_not_exit_2(regression, cli, monkeypatch):  # noqa: F811
-    result, report = _sabotaged(cli, monkeypatch, regression, "rng_mismatch", "--cuts", "5")
-    assert result.exit_code == 1, result.output + result.stderr
-    assert report["completed"] is True and report["error"] is None
-    assert report["failing_checks"] == ["resume.rng_restore"]
-    restore = checks(report, "resume")["rng_restore"]
-    assert not restore["within_tolerance"] and "['python']" in restore["detail"] and restore["first_step"] == 6
-    assert report["paths"]["resume"]["exit_code"] == 2  # the path itself refused to train on
-    assert any("self-check failed" in line for line in report["diagnosis"])
 
 
 HIDDEN = '''

@@ -41,7 +41,8 @@ def verified(tmp_path_factory):
     # 2 KiB groups: the comparison reads the sharded states in many groups (job.proof.compare), as it would a
     # model larger than the verifier's memory
     result = trainproof("verify", "--store", store, "--id", "f2", "--fsdp", "--world", "2", "--steps", "6",
-                        "--cut", "4", "--keep-evidence", env={"TRAINPROOF_COMPARE_GROUP_MIB": str(2 / 1024)})
+                        "--cut", "4", "--cuts", "4", "--keep-evidence",
+                        env={"TRAINPROOF_COMPARE_GROUP_MIB": str(2 / 1024)})
     return {"store": store, "result": result, "report": read_report(store, "f2")}
 
 
@@ -79,7 +80,7 @@ def test_every_process_the_verifier_starts_trains_sharded(verified):
                 **{f"world/{k}": v["command"] for k, v in report["world_equivalence"]["paths"].items()},
                 **{f"objective/{k}": v["command"] for k, v in report["objective_equivalence"]["paths"].items()},
                 **{f"cuts/{k}": v["command"] for k, v in report["cuts"]["paths"].items()}}
-    assert len(commands) >= 12
+    assert len(commands) >= 10 and not report["cuts"]["paths"]  # --cuts 4: no extra cut
     assert [k for k, c in commands.items() if "--fsdp" not in c.split()] == []
     # the one-rank reference of the world-size check is sharded too (same state format as the 2-rank run)
     assert "--nproc-per-node" not in report["world_equivalence"]["paths"]["one_rank"]["command"]

@@ -54,3 +54,19 @@ def cli(monkeypatch):
     yield lambda *args: CliRunner().invoke(app, list(args))
     logging.root.handlers[:] = saved[0]
     logging.root.setLevel(saved[1])
+
+
+HOOKED = "tests.support.hooked"
+"""The fault-injecting wrapper of ``python -m job`` (tests only)."""
+
+
+def sabotaged(cli, monkeypatch, ref: dict[str, Any], sabotage: str, *extra: str) -> tuple[Any, dict[str, Any]]:
+    """``verify --reuse-reference ref`` on ``ref``'s store (its continuous and cut paths) with every path run by
+    the wrapper and ``TPHOOK_SABOTAGE`` set (it acts on the resumed paths only); the result and the report."""
+    monkeypatch.setenv("TPHOOK_SABOTAGE", sabotage)  # inherited by every path
+    monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
+    vid = f"sabotage-{sabotage}"
+    config = ["--task", "tinylm", "--config", ref["config"]] if "config" in ref else []
+    result = cli("verify", "--store", ref["store"], *config, "--reuse-reference", "ref", "--id", vid, "--no-export",
+                 *extra)
+    return result, read_report(ref["store"], vid)
