@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,39 +79,29 @@ def main() -> int:
         mode, run_url, others = args.child
         print(json.dumps(child(mode, run_url, int(others))))
         return 0
+    sys.path.insert(0, str(ROOT))
+    from bench.bench_export import child_row, print_medians, train_sharded_run
+
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-compare-"))
     work.mkdir(parents=True, exist_ok=True)
     run = work / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     modes = args.modes.split(",")
     try:
-        if not run.exists():
-            config = work / "bigmodel.json"
-            config.write_text(json.dumps({"state_mib": args.mib}))
-            trained = subprocess.run([sys.executable, "-m", "job", "train", "--store", str(run), "--task", TASK,
-                                      "--config", str(config), "--fsdp", "--nproc-per-node", "2",
-                                      "--max-steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True)
-            if trained.returncode != 0:
-                print(trained.stderr[-3000:], file=sys.stderr)
-                return 1
+        if not train_sharded_run(run, args.mib, env):
+            return 1
         rows: dict[str, list[dict]] = {m: [] for m in modes}
         for rep in range(args.reps):
             for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                done = subprocess.run([sys.executable, __file__, "--child", mode, str(run), str(args.others)],
-                                      cwd=ROOT, env=env, capture_output=True, text=True)
-                if done.returncode != 0:
-                    print(done.stderr[-3000:], file=sys.stderr)
+                row = child_row(__file__, [mode, str(run), str(args.others)], env)
+                if row is None:
                     return 1
-                rows[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
-                print(f"rep {rep} {mode}: {rows[mode][-1]}", flush=True)
+                rows[mode].append(row)
+                print(f"rep {rep} {mode}: {row}", flush=True)
         state = rows[modes[0]][0]["state_bytes"]
         print(f"state: {state / 2**20:.0f} MiB of shards, compared with {args.others} other side(s), "
               f"{args.reps} repetitions, medians")
-        for mode, got in rows.items():
-            secs = statistics.median(r["seconds"] for r in got)
-            peak = statistics.median(r["peak_anon"] for r in got)
-            print(f"{mode:8s}: {secs:7.2f} s   peak anonymous memory {peak / 2**20:7.0f} MiB "
-                  f"({peak / state:.2f}x the state)")
+        print_medians(rows, state, "the state")
         if len(modes) == 2:
             ratio = [a["seconds"] / b["seconds"] for a, b in zip(rows[modes[0]], rows[modes[1]])]
             print(f"time {modes[0]}/{modes[1]}: {statistics.median(ratio):.2f} (per repetition "

@@ -101,6 +101,40 @@ def reload_child(out: str, step: int) -> dict:
     return {"mode": "reload", "seconds": seconds, "peak_anon": mem.extra}
 
 
+def train_sharded_run(run: Path, mib: float, env: dict) -> bool:
+    """A 2-rank ``train --fsdp`` run of ``bench.bigmodel:factory`` with ``mib`` MiB of model + Adam state, one
+    step, into folder ``run`` (left as it is when it already holds one). False (its stderr printed) if it failed."""
+    if run.exists():
+        return True
+    config = run.parent / "bigmodel.json"
+    config.write_text(json.dumps({"state_mib": mib}))
+    trained = subprocess.run([sys.executable, "-m", "job", "train", "--store", str(run), "--task", TASK,
+                              "--config", str(config), "--fsdp", "--nproc-per-node", "2", "--max-steps", "1"],
+                             cwd=ROOT, env=env, capture_output=True, text=True)
+    if trained.returncode != 0:
+        print(trained.stderr[-3000:], file=sys.stderr)
+    return trained.returncode == 0
+
+
+def child_row(script: str, args: list[str], env: dict) -> dict | None:
+    """One measurement: ``script --child ARGS`` in a fresh process, its last stdout line as JSON (None on failure,
+    its stderr printed)."""
+    done = subprocess.run([sys.executable, script, "--child", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def print_medians(rows: dict[str, list[dict]], unit: int, what: str) -> None:
+    """Median time and peak anonymous memory of each mode, the memory also as a multiple of ``unit`` bytes."""
+    for mode, got in rows.items():
+        secs = statistics.median(r["seconds"] for r in got)
+        peak = statistics.median(r["peak_anon"] for r in got)
+        print(f"{mode:8s}: {secs:7.2f} s   peak anonymous memory {peak / 2**20:7.0f} MiB ({peak / unit:.2f}x {what})")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=float, default=3072, help="state size of the run (weights: a third of it)")
@@ -117,42 +151,28 @@ def main() -> int:
     run = work / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        config = work / "bigmodel.json"
-        config.write_text(json.dumps({"state_mib": args.mib}))
-        trained = subprocess.run([sys.executable, "-m", "job", "train", "--store", str(run), "--task", TASK,
-                                  "--config", str(config), "--fsdp", "--nproc-per-node", "2",
-                                  "--max-steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True)
-        if trained.returncode != 0:
-            print(trained.stderr[-3000:], file=sys.stderr)
+        if not train_sharded_run(run, args.mib, env):
             return 1
         rows: dict[str, list[dict]] = {"ours": [], "plain": [], "reload": []}
         for rep in range(args.reps):
             for mode in (("ours", "plain") if rep % 2 == 0 else ("plain", "ours")):
                 out = work / f"{mode}-{rep}"
-                done = subprocess.run([sys.executable, __file__, "--child", mode, str(run), str(out)], cwd=ROOT,
-                                      env=env, capture_output=True, text=True)
-                if done.returncode != 0:
-                    print(done.stderr[-3000:], file=sys.stderr)
+                row = child_row(__file__, [mode, str(run), str(out)], env)
+                if row is None:
                     return 1
-                rows[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
-                print(f"rep {rep} {mode}: {rows[mode][-1]}", flush=True)
+                rows[mode].append(row)
+                print(f"rep {rep} {mode}: {row}", flush=True)
                 if mode == "ours":
                     step = max(int(p.name.split("-")[1]) for p in out.glob("step-*") if p.is_dir())
-                    done = subprocess.run([sys.executable, __file__, "--child", "reload", str(step), str(out)],
-                                          cwd=ROOT, env=env, capture_output=True, text=True)
-                    if done.returncode != 0:
-                        print(done.stderr[-3000:], file=sys.stderr)
+                    row = child_row(__file__, ["reload", str(step), str(out)], env)
+                    if row is None:
                         return 1
-                    rows["reload"].append(json.loads(done.stdout.strip().splitlines()[-1]))
-                    print(f"rep {rep} reload: {rows['reload'][-1]}", flush=True)
+                    rows["reload"].append(row)
+                    print(f"rep {rep} reload: {row}", flush=True)
                 shutil.rmtree(out, ignore_errors=True)
         weights = rows["ours"][0]["weights_bytes"]
         print(f"weights: {weights / 2**20:.0f} MiB (float32), {args.reps} repetitions, medians")
-        for mode, got in rows.items():
-            secs = statistics.median(r["seconds"] for r in got)
-            peak = statistics.median(r["peak_anon"] for r in got)
-            print(f"{mode:6s}: {secs:7.2f} s   peak anonymous memory {peak / 2**20:7.0f} MiB "
-                  f"({peak / weights:.2f}x the weights)")
+        print_medians(rows, weights, "the weights")
         ratio = [o["seconds"] / p["seconds"] for o, p in zip(rows["ours"], rows["plain"])]
         print(f"export time ours/plain: {statistics.median(ratio):.2f} (per repetition "
               f"{', '.join(f'{r:.2f}' for r in ratio)})")
