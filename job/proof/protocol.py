@@ -331,7 +331,9 @@ class Protocol:
         for p in resumed:
             if p != NEGATIVE:
                 self.diffs[p]["rng_restore"] = Diff()  # the resume's own self-check passed (the path ran on)
-        for step in readers["continuous"].steps:
+        steps = readers["continuous"].steps
+        for i, step in enumerate(steps, 1):
+            t0 = time.monotonic()
             ref = readers["continuous"].state(step)
             others = {"cut": cut_state} if step == s.cut else {}
             others |= {p: readers[p].state(step) for p, at in resumed.items() if step > at and step in readers[p].steps}
@@ -346,6 +348,10 @@ class Protocol:
                     self.losses[p] = history_losses(others[p])
             if step == s.steps:
                 final = ref
+            took = time.monotonic() - t0
+            if others:  # a large state takes a while to read back: say where the comparison is (a toy one: debug)
+                log.log(logging.INFO if took >= 1 else logging.DEBUG, "compared step %d (%d of %d) with %s: %.1f s",
+                        step, i, len(steps), ", ".join(others), took)
         for name, diff in compare_cut(cut_state, final, s.cut, s.tolerance).items():
             self.diffs["cut"].setdefault(name, Diff()).merge(diff, s.cut)
         self.losses["continuous"], self.losses["cut"] = history_losses(final), history_losses(cut_state)
