@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -80,7 +79,7 @@ def main() -> int:
         print(json.dumps(child(mode, run_url, int(others))))
         return 0
     sys.path.insert(0, str(ROOT))
-    from bench.bench_export import child_row, print_medians, train_sharded_run
+    from bench.bench_export import child_row, print_medians, print_ratio, train_sharded_run
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-compare-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -103,9 +102,7 @@ def main() -> int:
               f"{args.reps} repetitions, medians")
         print_medians(rows, state, "the state")
         if len(modes) == 2:
-            ratio = [a["seconds"] / b["seconds"] for a, b in zip(rows[modes[0]], rows[modes[1]])]
-            print(f"time {modes[0]}/{modes[1]}: {statistics.median(ratio):.2f} (per repetition "
-                  f"{', '.join(f'{r:.2f}' for r in ratio)})")
+            print_ratio(f"time {modes[0]}/{modes[1]}", rows[modes[0]], rows[modes[1]])
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)

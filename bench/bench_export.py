@@ -135,6 +135,12 @@ def print_medians(rows: dict[str, list[dict]], unit: int, what: str) -> None:
         print(f"{mode:8s}: {secs:7.2f} s   peak anonymous memory {peak / 2**20:7.0f} MiB ({peak / unit:.2f}x {what})")
 
 
+def print_ratio(label: str, mine: list[dict], baseline: list[dict]) -> None:
+    """The median of the per-repetition time ratios ``mine / baseline`` (measured side by side), and each."""
+    ratio = [a["seconds"] / b["seconds"] for a, b in zip(mine, baseline)]
+    print(f"{label}: {statistics.median(ratio):.2f} (per repetition {', '.join(f'{r:.2f}' for r in ratio)})")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=float, default=3072, help="state size of the run (weights: a third of it)")
@@ -173,9 +179,7 @@ def main() -> int:
         weights = rows["ours"][0]["weights_bytes"]
         print(f"weights: {weights / 2**20:.0f} MiB (float32), {args.reps} repetitions, medians")
         print_medians(rows, weights, "the weights")
-        ratio = [o["seconds"] / p["seconds"] for o, p in zip(rows["ours"], rows["plain"])]
-        print(f"export time ours/plain: {statistics.median(ratio):.2f} (per repetition "
-              f"{', '.join(f'{r:.2f}' for r in ratio)})")
+        print_ratio("export time ours/plain", rows["ours"], rows["plain"])
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
