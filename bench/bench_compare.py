@@ -11,8 +11,8 @@ read back from the store, verified, and compared):
   ``job.proof.compare.compare_all``: each group of ``TRAINPROOF_COMPARE_GROUP_MIB`` (default 256) MiB of the
   reference read once, the same entries of each other side read after it, compared a slice at a time.
 - whole: what ``verify --fsdp`` did before: every side read whole (``state(step, whole=True)``: the sharded model
-  and optimizer gathered in this process, ``job.train.fsdp.full_state``), then ``compare_states`` and
-  ``parameter_distance`` per other side. Only run with ``--others 1`` unless memory allows it (it holds
+  and optimizer gathered in this process, ``job.train.fsdp.full_state``), then every check and the parameter
+  distance per other side, as ``compare_states`` and ``parameter_distance`` did. Only run with ``--others 1`` unless memory allows it (it holds
   ``1 + others`` states).
 
 Memory is the process's anonymous resident memory sampled every 2 ms, above the level before the call, also as a
@@ -37,7 +37,7 @@ TASK = "bench.bigmodel:factory"
 def child(mode: str, run: str, others: int) -> dict:
     """One measured comparison in this (fresh) process."""
     from bench.bench_sharded import PeakRSS
-    from job.proof.compare import Tolerance, compare_all, compare_states, parameter_distance
+    from job.proof.compare import Tolerance, compare_all
     from job.proof.paths import RunReader
     from job.proof.protocol import parameter_names
     from job.tasks import load_task
@@ -52,11 +52,7 @@ def child(mode: str, run: str, others: int) -> dict:
         whole = mode == "whole"
         ref = RunReader("ref", run, open_store).state(step, whole=whole)
         sides = {f"o{i}": RunReader(f"o{i}", run, open_store).state(step, whole=whole) for i in range(others)}
-        if whole:
-            results = {n: (compare_states(ref, o, Tolerance(), names), parameter_distance(ref, o, names))
-                       for n, o in sides.items()}
-        else:
-            results = compare_all(ref, sides, Tolerance(), names)
+        results = compare_all(ref, sides, Tolerance(), names)  # whole states: every check, then the distance
         seconds = time.perf_counter() - start
     assert all(d.within for diffs, _ in results.values() for d in diffs.values()), results
     assert all(distance == 0.0 for _, distance in results.values())

@@ -255,17 +255,16 @@ def compare_all(ref: dict[str, Any], others: dict[str, dict[str, Any]], tol: Tol
     streamed = SECTIONS in ref and all(SECTIONS in o for o in others.values())
     if not streamed:
         ref, others = _whole(ref), {n: _whole(o) for n, o in others.items()}
-    out = {}
-    for n, o in others.items():
-        diffs = {name: _safe_diff(name, extract, ref, o, tol, param_names) for name, extract in EXTRACTORS.items()
-                 if not (streamed and name in STREAMED)}
-        out[n] = (diffs, None if streamed else parameter_distance(ref, o, param_names))
-    if streamed:
-        sections = compare_sections(ref[SECTIONS], {n: o[SECTIONS] for n, o in others.items()}, tol, param_names)
-        for n, (diffs, distance) in sections.items():
-            out[n][0].update(diffs)
-            out[n] = (out[n][0], distance)
-    return out
+        return {n: (_diffs(ref, o, tol, param_names, EXTRACTORS), parameter_distance(ref, o, param_names))
+                for n, o in others.items()}
+    rest = {name: extract for name, extract in EXTRACTORS.items() if name not in STREAMED}
+    sections = compare_sections(ref[SECTIONS], {n: o[SECTIONS] for n, o in others.items()}, tol, param_names)
+    return {n: (_diffs(ref, o, tol, param_names, rest) | sections[n][0], sections[n][1]) for n, o in others.items()}
+
+
+def _diffs(ref: dict[str, Any], other: dict[str, Any], tol: Tolerance, param_names: frozenset[str],
+           checks: dict[str, Callable]) -> dict[str, Diff]:
+    return {name: _safe_diff(name, extract, ref, other, tol, param_names) for name, extract in checks.items()}
 
 
 def _whole(state: dict[str, Any]) -> dict[str, Any]:
@@ -399,8 +398,7 @@ def _consumed_prefix(cut_state: dict[str, Any], consumed: torch.Tensor, tol: Tol
 
 def parameter_distance(ref: dict[str, Any], other: dict[str, Any], names: frozenset[str]) -> float | None:
     """L2 distance between the two states' parameters (float64), or None when they do not line up."""
-    if SECTIONS in ref or SECTIONS in other:
-        return compare_all(ref, {"other": other}, Tolerance(), names)["other"][1]
+    ref, other = _whole(ref), _whole(other)  # a state with sharded SECTIONS: read whole (compare_all streams them)
     a, b = _model_part(True)(ref, names), _model_part(True)(other, names)
     if set(a) != set(b) or any(a[k].shape != b[k].shape for k in a):
         return None

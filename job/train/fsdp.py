@@ -155,13 +155,12 @@ class ShardedSections:
             fqn = getattr(index, "fqn", None)
             order[fqn] = min(order.get(fqn, (where[0], where[1])), (where[0], where[1]))
         for fqn, md in metadata.state_dict_metadata.items():
-            path = _checked_path(self.name, fqn, mapping[fqn], len(mapping))
+            path, where = _checked_path(self.name, fqn, mapping[fqn], len(mapping)), order.get(fqn, ("", 0))
             if isinstance(md, TensorStorageMetadata):
-                size = tuple(md.size)
-                _check_tiling(self.name, fqn, size, md.chunks)
-                self.entries[fqn] = Entry(path, size, md.properties.dtype, order.get(fqn, ("", 0)))
+                _check_tiling(self.name, fqn, tuple(md.size), md.chunks)
+                self.entries[fqn] = Entry(path, tuple(md.size), md.properties.dtype, where)
             else:
-                self.entries[fqn] = Entry(path, None, None, order.get(fqn, ("", 0)))
+                self.entries[fqn] = Entry(path, None, None, where)
         heads = {e.path[0] for e in self.entries.values()}
         if not heads <= {"model", "optim"}:
             raise ShardedLoadError(f"{self.name}: unexpected sections {sorted(heads - {'model', 'optim'})} in the "
@@ -218,7 +217,7 @@ class Entry:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole tensor (0 for a plain value)."""
-        return 0 if self.size is None else math.prod(self.size) * torch.empty((), dtype=self.dtype).element_size()
+        return 0 if self.size is None else math.prod(self.size) * self.dtype.itemsize
 
 
 def complete_state(store: GenerationStore, step: int, state: dict[str, Any], *,
