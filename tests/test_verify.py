@@ -51,7 +51,8 @@ def test_protocol_passes_on_a_folder_bitwise(reference):
     assert report["tolerance"]["bitwise_equal_observed"] is True
     assert report["step_recovered"] == 5 and report["settings"] | {"config": None} == {
         "task": "regression", "config": None, "steps": 10, "cut": 5, "seed": 1234, "atol": 1e-12, "rtol": 0.0,
-        "device": "auto", "checkpoint_every": 1, "reused_reference": None, "world": 1, "fsdp": False}
+        "device": "auto", "checkpoint_every": 1, "reused_reference": None, "world": 1, "fsdp": False,
+        "objective_check": True}
     assert "all_checks_passed: true" in result.stdout and "negative_divergence_detected: true" in result.stdout
 
 
@@ -109,10 +110,14 @@ def test_tinylm_protocol_passes_on_s3(cli, s3_env, tmp_path, monkeypatch):
     config = tmp_path / "tinylm.json"
     config.write_text(json.dumps(TINYLM_CONFIG))
     store = f"s3://{s3_env}/prefix/run"
-    result = cli("verify", "--store", store, "--task", "tinylm", "--config", str(config), "--id", "lm", "--cuts", "3")
+    # --no-objective-check: tinylm's objective check has tests of its own (tests/test_verify_objective.py)
+    result = cli("verify", "--store", store, "--task", "tinylm", "--config", str(config), "--id", "lm", "--cuts", "3",
+                 "--no-objective-check")
     assert result.exit_code == 0, result.output + result.stderr
     report = read_report(store, "lm")
     _assert_passed(report)
+    assert report["settings"]["objective_check"] is False and "objective_equivalence_passed" not in report
+    assert report["objective_equivalence"] == {"skipped": "--no-objective-check"}
     assert (report["settings"]["steps"], report["settings"]["cut"], report["step_recovered"]) == (8, 3, 3)
     assert len(report["losses"]["continuous"]) == 8 and report["environment"]["precision"] == "float32"
     assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["resume"])
@@ -122,8 +127,9 @@ def test_tinylm_protocol_passes_on_s3(cli, s3_env, tmp_path, monkeypatch):
     assert open_store(root).read_file("verification.png").startswith(b"\x89PNG")
     paths = ("continuous", "cut", "resume", "resume_without_rng")
     assert [open_store(f"{root}/{p}").scan() for p in paths] == [[]] * 4
-    # The four protocol paths' generations (the objective check adds its own paths).
+    # The four protocol paths' generations, and no others (no extra cuts, no objective runs).
     per_path = collections.Counter(r.split("/")[0] for r in report["evidence"]["removed_generations"])
+    assert set(per_path) == set(paths), per_path
     assert [per_path[p] for p in paths] == [8, 1, 6, 6], per_path
     assert report["export"]["location"] == f"{root}/resume/exports/step-00000008"
     bundle = open_store(f"{root}/resume/exports")
@@ -181,6 +187,8 @@ def test_bad_options_are_exit_2(cli, tmp_path):
     assert cli("verify", "--store", str(tmp_path), "--task", "nope").exit_code == 2
     result = cli("verify", "--store", str(tmp_path), "--reuse-reference", "absent", "--id", "x")
     assert result.exit_code == 2, result.output
+    result = cli("verify", "--store", str(tmp_path), "--audit", "--no-objective-check")
+    assert result.exit_code == 2 and "--no-objective-check is for the protocol" in result.stderr, result.output
 
 
 def test_plot_of_losses_and_parameter_distance(reference):

@@ -71,6 +71,10 @@ def verify_command(
         "--fsdp", help="Every path trains sharded (train --fsdp, FSDP2); the states are compared a group of "
                        "tensors at a time from their verified shards (TRAINPROOF_COMPARE_GROUP_MIB, default "
                        "256).")] = False,
+    objective_check: Annotated[bool, typer.Option(
+        "--objective-check/--no-objective-check",
+        help="Run the objective-equivalence check (3 extra runs, 5 with --world W); skip it only for a task whose "
+             "objective an earlier verification checked.")] = True,
     keep_evidence: Annotated[bool, typer.Option(
         "--keep-evidence", help="Keep the paths' step-* generations after a passed verdict (a failed or incomplete "
                                 "one always keeps them; --reuse-reference needs them).")] = False,
@@ -94,13 +98,16 @@ def verify_command(
             if world != 1 or fsdp:
                 raise UsageError(f"{'--world' if world != 1 else '--fsdp'} is for the protocol; --audit replays "
                                  "with the run's own plan.json")
+            if not objective_check:
+                raise UsageError("--no-objective-check is for the protocol; --audit runs no objective check")
             runner = _audit(common, opener, tolerance, protocol_only, from_step=from_step, to_step=to_step,
                             max_replay_steps=max_replay_steps)
         else:
             if from_step is not None or to_step is not None:
                 raise UsageError("--from/--to select generations for --audit")
             runner = _protocol(common, opener, tolerance, protocol_only, checkpoint_every=checkpoint_every,
-                               export=export_bundle, parallel=not sequential, world=world, fsdp=fsdp)
+                               export=export_bundle, parallel=not sequential, world=world, fsdp=fsdp,
+                               objective=objective_check)
     except (UsageError, TrainError, StoreError, OSError, ValueError) as exc:
         raise fail(" ".join(str(exc).split()), EXIT_USAGE) from None
     raise typer.Exit(_run_and_report(runner, keep_evidence=keep_evidence))

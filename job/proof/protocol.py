@@ -119,7 +119,7 @@ class ProtocolSettings:
         return {"task": self.task, "config": None if self.config is None else str(self.config), "steps": self.steps,
                 "cut": self.cut, "seed": self.seed, "atol": self.tolerance.atol, "rtol": self.tolerance.rtol,
                 "device": self.device, "checkpoint_every": self.checkpoint_every, "reused_reference": self.reuse,
-                "world": self.world, "fsdp": self.fsdp}
+                "world": self.world, "fsdp": self.fsdp, "objective_check": self.objective}
 
 
 def default_schedule(task: str) -> tuple[int, int]:
@@ -450,7 +450,7 @@ class Protocol:
             extra["world_equivalence"] = None if self.world_check is None else self.world_check.to_json()
         extra["cuts"] = self.cuts_json()
         extra["objective_equivalence"] = (self.objective.to_json() if self.objective is not None else
-                                          {"skipped": "reused reference" if self.s.reuse else "not asked for"})
+                                          {"skipped": "reused reference" if self.s.reuse else "--no-objective-check"})
         extra["diagnosis"] = self.diagnosis()
         return build_report(
             kind="protocol", vid=self.s.vid, location=absolute_url(self.root), store=self.s.store, verdicts=verdicts,
