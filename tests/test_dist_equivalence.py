@@ -21,6 +21,11 @@ import pytest
 from tests.test_dist_helpers import load_world_state, start_world
 from tests.test_train_helpers import finish, history_rows, start
 
+# Slow: by default the verifier makes the same comparisons through its own runs: 2 ranks vs 1 rank of regression with
+# the per-rank-mean control (tests/test_verify_world.py, the world-size equivalence) and tinylm over 2 ranks with
+# the mean-of-means control (tests/test_verify_objective.py). These are the trainer-level originals, with numbers.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-9  # absolute, float64; the observed W=2 vs W=1 differences are ~1e-12 (printed below)
 STEPS = 12  # 37 sequences in global batches of 8: five steps an epoch, the fifth a tail of 5 (crosses an epoch)
 TASK = "tests.test_dist_helpers:tinylm64"  # tinylm in float64: global_token_mean_v1 over padded sequences

@@ -199,6 +199,7 @@ def test_charlm_config_round_trips_and_the_stdlib_files_are_its_data_identity():
 
 
 # -- through the real entry point ---------------------------------------------------------------------------
+@pytest.mark.slow  # the README test verifies charlm's resume bitwise; SIGTERM itself: tests/test_preempt.py
 def test_charlm_sigterm_mid_run_exits_75_and_resumes_bitwise(tmp_path):
     config = tmp_path / "charlm.json"
     config.write_text(json.dumps(SIGTERM_CONFIG))

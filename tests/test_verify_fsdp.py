@@ -216,31 +216,26 @@ def test_audit_of_a_sharded_run_replays_it_sharded_and_catches_another_trajector
     assert {"replay.parameters", "replay.rng_next_draws"} <= set(failing)
 
 
-def test_audit_of_a_two_rank_sharded_run_replays_it_with_two_ranks_and_catches_another_trajectory(tmp_path):
-    """The same with ``--nproc-per-node 2``: the audit reads the run's world (2) from plan.json and replays 3 -> 6
-    with two ranks (trainproof's launcher), comparing the shards read whole and every rank's part; the copy whose
-    3 -> 6 resumed with re-seeded generators on both ranks is caught."""
-    (tmp_path / "cfg.json").write_text(json.dumps(CONFIG))
-    common = ("--fsdp", "--config", str(tmp_path / "cfg.json"))
-    first = finish(start_world(tmp_path / "run", *common, "--max-steps", "3"), timeout=300)
-    assert first.code == 0, first.stderr
-    shutil.copytree(tmp_path / "run", tmp_path / "sabotaged")
-    procs = [start_world(tmp_path / "run", *common, "--max-steps", "6"),
-             start_world(tmp_path / "sabotaged", *common, "--max-steps", "6", env={"TPHOOK_SABOTAGE": "reseed_rng"})]
-    assert [finish(p, timeout=300).code for p in procs] == [0, 0]
-
-    honest = trainproof("verify", "--store", str(tmp_path / "run"), "--audit", "--id", "audit")
+def test_audit_of_a_two_rank_sharded_run_replays_it_with_two_ranks_and_catches_another_trajectory(verified):
+    """The same with ``--nproc-per-node 2``, on two runs the protocol above kept (``--keep-evidence``): its resume
+    path (trained to the cut 4, resumed by a second launch to 6) and its negative path (the same, resumed without
+    restoring the generators). The audit reads each run's world (2) from plan.json and replays 4 -> 6 with two ranks
+    (trainproof's launcher), comparing the shards and every rank's part: the honest run is reproduced bitwise, the
+    other is caught."""
+    root = f"{verified['store']}/verification/f2"
+    honest = trainproof("verify", "--store", f"{root}/resume", "--audit", "--from", "4", "--to", "6", "--id", "audit")
     assert honest.returncode == 0, honest.stderr[-3000:]
-    report = read_report(str(tmp_path / "run"), "audit")
-    assert (report["settings"]["from"], report["settings"]["to"], report["all_checks_passed"]) == (3, 6, True)
+    report = read_report(f"{root}/resume", "audit")
+    assert (report["settings"]["from"], report["settings"]["to"], report["all_checks_passed"]) == (4, 6, True)
     assert "--nproc-per-node 2" in report["paths"]["replay"]["command"] and "--fsdp" in report["paths"]["replay"]["command"]
     compared = {c["name"]: c for c in report["checks"]["replay"]}
     assert compared["parameters"]["max_abs_diff"] == 0.0 and compared["optimizer"]["max_abs_diff"] == 0.0
     assert compared["rng_next_draws"]["within_tolerance"] and compared["data_position"]["within_tolerance"]
 
-    other = trainproof("verify", "--store", str(tmp_path / "sabotaged"), "--audit", "--id", "audit")
+    other = trainproof("verify", "--store", f"{root}/resume_without_rng", "--audit", "--from", "4", "--to", "6",
+                       "--id", "audit")
     assert other.returncode == 1, other.stderr[-3000:]
-    failing = read_report(str(tmp_path / "sabotaged"), "audit")["failing_checks"]
+    failing = read_report(f"{root}/resume_without_rng", "audit")["failing_checks"]
     assert {"replay.parameters", "replay.rng_next_draws"} <= set(failing)
 
 
