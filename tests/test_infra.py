@@ -705,8 +705,11 @@ def fake(tmp_path):
                                   capture_output=True, text=True, timeout=30)
 
         def popen(self, codes, *args, **extra):
+            # SIGINT at its default in the supervisor, however pytest was started: a shell started with SIGINT
+            # ignored (the background job of a script, `nohup cmd &`) cannot trap it and keeps ignoring it (POSIX).
             return subprocess.Popen([str(SUPERVISE), *args], env={**env, "FAKE_CODES": codes, **extra},
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
         def runs(self):
             log = tmp_path / "log"

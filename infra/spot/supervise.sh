@@ -13,6 +13,8 @@
 #                                                   lasted less than SUPERVISE_FAST_SECONDS
 # SIGTERM/SIGINT are forwarded to trainproof, which finishes its step, commits and exits 75; the supervisor
 # then exits with that code and does not restart (the machine is going away, or someone asked to stop).
+# A supervisor started with SIGINT ignored (the background job of a script, `nohup ... &`) keeps ignoring SIGINT, as
+# POSIX requires of a shell; stop it with SIGTERM (what Kubernetes, systemd and spot notices send).
 # The supervisor checks on trainproof every SUPERVISE_POLL_SECONDS (default 1; see await_child below).
 #
 # --once: no loop; run trainproof once (exec, so signals reach it directly) and exit with its code. For

@@ -152,4 +152,10 @@ def _blocking_writer(base, block: int, rank: int):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))
+    code = main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    # As a trainproof rank ends (job.cli.train._exit_rank): without the interpreter's finalization, whose destruction
+    # of torch.distributed's C++ objects after the peer (the store's host) has gone can abort the process
+    # ("terminate called without an active exception", SIGABRT) after all its work is done and reported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
