@@ -2,7 +2,9 @@
 SIGTERM to one rank, end bit for bit equal to an uninterrupted one (the sharded model and optimizer gathered
 whole here, in the test; the training state and rank files compared as for DDP); the sharded run equals the DDP
 run step for step; a 2-rank generation resharded into one process loads exactly the saved state; a run cannot
-switch between sharded and replicated training.
+switch between sharded and replicated training. ``trainproof export`` of the sharded run writes the weights of the
+same run under DDP (bit for bit), and a changed byte in a shard makes the verifier's read and the export fail, naming
+the file.
 """
 
 from __future__ import annotations
@@ -12,19 +14,26 @@ import os
 import shutil
 import signal
 import time
-from datetime import datetime
 import warnings
+from datetime import datetime
+from pathlib import Path
 
 import pytest
 import torch
 
-from job.errors import ContractError
+from job.errors import ContractError, TrainError
+from job.proof.compare import SECTIONS, Tolerance, compare_all
+from job.proof.paths import RunReader
 from job.train.contract import build_plan, check_plan
-from job.train.sharded import GenerationReader
-from job.train.state import STATE_FILE, rank_file
+from job.train.export import FP_FILE, export
+from job.train.fsdp import complete_state
+from job.train.fsdp import full_state as gather
+from job.train.sharded import GenerationReader, ShardedLoadError
+from job.train.state import STATE_FILE, decode_generation, rank_file
 from storage import open_store
 from tests.test_dist_helpers import load_world_state, rank_pids, read_until, start_world
 from tests.test_train_helpers import differences, finish, history_rows, run, trajectory
+from tests.test_verify_helpers import trainproof
 
 TARGET, CUT = 9, 4  # 21 rows in global batches of 8: 3 steps an epoch; step 4 is mid-epoch (cursor 8)
 CONFIG = {"rows": 21}  # the regression fixture otherwise: dropout, noise and gain draw from every generator
@@ -35,7 +44,9 @@ def full_state(store, step: int | None = None) -> dict:
     """The sharded model and optimizer of generation ``step`` (default: the newest), gathered whole from every
     shard in this process (DCP reads through the generation reader: verified bytes), flattened to
     ``model.<fqn>``, ``optim.state.<fqn>.<key>``, ``optim.param_groups``."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.state_dict_loader import (
+        _load_state_dict_from_keys,
+    )
 
     s = open_store(str(store))
     step = step if step is not None else [g.step for g in s.scan() if g.status == "complete"][-1]
@@ -242,6 +253,91 @@ def test_a_sharded_deadline_run_exports_its_gathered_model_before_the_deadline(f
     assert weights.keys() == gathered.keys() and all(torch.equal(weights[k], gathered[k]) for k in weights)
     check = json.loads((store / "exports" / f"step-{step:08d}.reload-check.json").read_text())
     assert check["passed"] and check["step"] == step
+
+
+# -- export and reads of a sharded run (copies of the module's runs: the tests write exports into them) ----------
+@pytest.fixture(scope="module")
+def runs(fsdp2, tmp_path_factory):
+    """``fsdp``: the continuous sharded run; ``ddp``: the same run under DDP (copies)."""
+    d = tmp_path_factory.mktemp("export-fsdp")
+    for name, src in (("fsdp", "cont"), ("ddp", "ddp")):
+        shutil.copytree(fsdp2["dir"] / src, d / name)
+    return d
+
+
+def test_a_sharded_run_exports_the_weights_of_the_same_run_under_ddp(runs):
+    result = trainproof("export", "--store", str(runs / "fsdp"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "reload check (mse)" in result.stdout and "passed" in result.stdout
+    ddp_bundle = export(open_store(str(runs / "ddp")), task="regression")  # in this process: the same function
+    from safetensors.torch import load
+
+    sharded = open_store(str(runs / "fsdp" / "exports")).load(TARGET).files
+    replicated = ddp_bundle.dest.load(TARGET).files
+    weights = load(sharded[FP_FILE])
+    assert differences(weights, load(replicated[FP_FILE])) == []  # bit for bit
+    assert differences(weights, load_world_state(runs / "ddp")["model"]) == []
+    gathered = gather(open_store(str(runs / "fsdp")), TARGET, load_world_state(runs / "fsdp"))
+    assert differences(weights, gathered["model"]) == []
+    metrics = [json.loads(files["metrics.json"])["eval"] for files in (sharded, replicated)]
+    assert metrics[0]["value"] == metrics[1]["value"] and metrics[0]["value_bf16"] == metrics[1]["value_bf16"]
+    # and the Adam state gathered from the shards is the DDP run's (keyed by name there, by index under DDP)
+    ddp = load_world_state(runs / "ddp")
+    for i, name in enumerate(gathered["model"]):
+        assert differences(gathered["optimizer"]["state"][name], ddp["optimizer"]["state"][i]) == [], name
+
+
+def test_the_weights_alone_are_read_without_allocating_the_optimizer(runs, monkeypatch):
+    """What an export asks for (``optimizer=False``): the same model tensors, an empty optimizer, and not one
+    optimizer tensor allocated (every target DCP fills is allocated by full_state, counted here)."""
+    import job.train.fsdp as fsdp_module
+
+    s = open_store(str(runs / "fsdp"))
+    state = load_world_state(runs / "fsdp")
+    allocated: list[tuple[int, ...]] = []
+    empty = torch.empty
+    monkeypatch.setattr(fsdp_module.torch, "empty", lambda size, **kw: allocated.append(tuple(size)) or empty(size, **kw))
+    both = complete_state(s, TARGET, state)
+    n_both = len(allocated)
+    allocated.clear()
+    weights = complete_state(s, TARGET, state, optimizer=False)
+    assert weights["optimizer"] == {} and differences(weights["model"], both["model"]) == []
+    assert len(allocated) == len(both["model"]) < n_both  # one target per model tensor, none for Adam's moments
+
+
+def _tamper(src: Path, dst: Path, name: str) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("exports"))  # a bundle an earlier test made
+    path = dst / f"step-{TARGET:08d}" / name
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("name", ["shard-00001.distcp", "dcp.metadata"])
+def test_a_changed_byte_in_a_shard_fails_the_verifiers_read_naming_the_file(runs, tmp_path, name):
+    store = _tamper(runs / "fsdp", tmp_path / "run", name)
+    good = RunReader("good", str(runs / "fsdp"), open_store).state(TARGET)
+    with pytest.raises(ShardedLoadError) as caught:  # the metadata when the shards are opened, a shard when compared
+        compare_all(good, {"tampered": RunReader("tampered", str(store), open_store).state(TARGET)}, Tolerance(),
+                    frozenset(good[SECTIONS].entries))
+    assert caught.value.corrupt and name in str(caught.value)
+    assert isinstance(caught.value, TrainError)  # verify: "verification incomplete", exit 2; never a pass
+
+
+def test_export_of_a_tampered_sharded_run_fails_and_commits_nothing(runs, tmp_path):
+    store = _tamper(runs / "fsdp", tmp_path / "run", "shard-00000.distcp")
+    result = trainproof("export", "--store", str(store))
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "shard-00000.distcp" in result.stderr
+    assert not (store / "exports").exists() or not any((store / "exports").glob("step-*/COMPLETE.json"))
+
+
+def test_a_replicated_state_is_returned_as_it_is(runs):
+    s = open_store(str(runs / "ddp"))
+    state = decode_generation(s.load(TARGET).files)
+    assert complete_state(s, TARGET, state) is state
 
 
 # -- cheap checks --------------------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ import torch
 
 from tests.test_train_helpers import differences, history_rows, load_state, run_all, trajectory
 
+# Slow: by default `trainproof verify` runs the same four paths in fresh processes and compares the same sections
+# (tests/test_verify.py: regression on a folder, tinylm on S3); these are the trainer-level originals.
+pytestmark = pytest.mark.slow
+
 TINYLM_CONFIG = {"n_sequences": 37}  # 5 steps per epoch of 8, the last one a tail of 5 (micro-batches 4 + 1)
 
 

@@ -4,34 +4,28 @@ run's state.
 
 Real processes: the protocol with ``--fsdp --world 2`` (every path, the world-size equivalence runs and the objective
 runs sharded over 2 gloo ranks; ``--steps 6 --cut 4`` as in tests/test_verify_world.py) must pass with the resume
-bitwise and every negative control detected; a 2-rank sharded run exports the same weights as the same run under DDP
-(bit for bit, as tests/test_train_fsdp.py shows for the states); a changed byte in a shard makes the verifier's read
-and the export fail, naming the file.
+bitwise and every negative control detected; ``verify --audit`` replays a 2-rank sharded run with two ranks. The export
+of a sharded run and its tampered shards: tests/test_train_fsdp.py (on that module's runs).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from job.errors import TrainError
-from job.proof.compare import SECTIONS, Tolerance, compare_all
+from job.proof.compare import SECTIONS
 from job.proof.paths import RunReader
-from job.train.export import FP_FILE, export
-from job.train.fsdp import _check_tiling, _unflatten, complete_state, full_state
+from job.train.export import FP_FILE
+from job.train.fsdp import _check_tiling, _unflatten
 from job.train.sharded import ShardedLoadError
-from job.train.state import decode_generation
 from storage import open_store
-from tests.test_dist_helpers import load_world_state, start_world
 from tests.test_train_helpers import differences, finish, run, start
 from tests.test_verify_helpers import checks, read_report, trainproof
 
-STEPS = 5
 CONFIG = {"rows": 21}  # the regression fixture otherwise (dropout, noise, gain): 3 steps an epoch of global batch 8
 
 
@@ -44,18 +38,6 @@ def verified(tmp_path_factory):
                         "--cut", "4", "--cuts", "4", "--keep-evidence",
                         env={"TRAINPROOF_COMPARE_GROUP_MIB": str(2 / 1024)})
     return {"store": store, "result": result, "report": read_report(store, "f2")}
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The same 2-rank run sharded (--fsdp) and replicated (DDP), side by side."""
-    d = tmp_path_factory.mktemp("export-fsdp")
-    (d / "cfg.json").write_text(json.dumps(CONFIG))
-    common = ("--config", str(d / "cfg.json"), "--max-steps", str(STEPS), "--checkpoint-every", "0")
-    procs = {"fsdp": start_world(d / "fsdp", "--fsdp", *common), "ddp": start_world(d / "ddp", *common)}
-    results = {k: finish(p, timeout=300) for k, p in procs.items()}
-    assert [r.code for r in results.values()] == [0, 0], [r.stderr[-2000:] for r in results.values()]
-    return d
 
 
 def test_verify_fsdp_world2_passes_with_the_resume_bitwise_and_every_negative_detected(verified):
@@ -106,81 +88,6 @@ def test_the_resumed_path_is_sharded_and_read_whole_from_its_shards(verified):
 
     bundle = open_store(verified["report"]["export"]["location"].rsplit("/", 1)[0]).load(6)
     assert differences(load(bundle.files[FP_FILE]), state["model"]) == []
-
-
-def test_a_sharded_run_exports_the_weights_of_the_same_run_under_ddp(runs):
-    result = trainproof("export", "--store", str(runs / "fsdp"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "reload check (mse)" in result.stdout and "passed" in result.stdout
-    ddp_bundle = export(open_store(str(runs / "ddp")), task="regression")  # in this process: the same function
-    from safetensors.torch import load
-
-    sharded = open_store(str(runs / "fsdp" / "exports")).load(STEPS).files
-    replicated = ddp_bundle.dest.load(STEPS).files
-    weights = load(sharded[FP_FILE])
-    assert differences(weights, load(replicated[FP_FILE])) == []  # bit for bit
-    assert differences(weights, load_world_state(runs / "ddp")["model"]) == []
-    gathered = full_state(open_store(str(runs / "fsdp")), STEPS, load_world_state(runs / "fsdp"))
-    assert differences(weights, gathered["model"]) == []
-    metrics = [json.loads(files["metrics.json"])["eval"] for files in (sharded, replicated)]
-    assert metrics[0]["value"] == metrics[1]["value"] and metrics[0]["value_bf16"] == metrics[1]["value_bf16"]
-    # and the Adam state gathered from the shards is the DDP run's (keyed by name there, by index under DDP)
-    ddp = load_world_state(runs / "ddp")
-    for i, name in enumerate(gathered["model"]):
-        assert differences(gathered["optimizer"]["state"][name], ddp["optimizer"]["state"][i]) == [], name
-
-
-def test_the_weights_alone_are_read_without_allocating_the_optimizer(runs, monkeypatch):
-    """What an export asks for (``optimizer=False``): the same model tensors, an empty optimizer, and not one
-    optimizer tensor allocated (every target DCP fills is allocated by full_state, counted here)."""
-    import job.train.fsdp as fsdp_module
-
-    s = open_store(str(runs / "fsdp"))
-    state = load_world_state(runs / "fsdp")
-    allocated: list[tuple[int, ...]] = []
-    empty = torch.empty
-    monkeypatch.setattr(fsdp_module.torch, "empty", lambda size, **kw: allocated.append(tuple(size)) or empty(size, **kw))
-    both = complete_state(s, STEPS, state)
-    n_both = len(allocated)
-    allocated.clear()
-    weights = complete_state(s, STEPS, state, optimizer=False)
-    assert weights["optimizer"] == {} and differences(weights["model"], both["model"]) == []
-    assert len(allocated) == len(both["model"]) < n_both  # one target per model tensor, none for Adam's moments
-
-
-def _tamper(src: Path, dst: Path, name: str) -> Path:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("exports"))  # a bundle an earlier test made
-    path = dst / f"step-{STEPS:08d}" / name
-    path.chmod(0o644)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-    return dst
-
-
-@pytest.mark.parametrize("name", ["shard-00001.distcp", "dcp.metadata"])
-def test_a_changed_byte_in_a_shard_fails_the_verifiers_read_naming_the_file(runs, tmp_path, name):
-    store = _tamper(runs / "fsdp", tmp_path / "run", name)
-    good = RunReader("good", str(runs / "fsdp"), open_store).state(STEPS)
-    with pytest.raises(ShardedLoadError) as caught:  # the metadata when the shards are opened, a shard when compared
-        compare_all(good, {"tampered": RunReader("tampered", str(store), open_store).state(STEPS)}, Tolerance(),
-                    frozenset(good[SECTIONS].entries))
-    assert caught.value.corrupt and name in str(caught.value)
-    assert isinstance(caught.value, TrainError)  # verify: "verification incomplete", exit 2; never a pass
-
-
-def test_export_of_a_tampered_sharded_run_fails_and_commits_nothing(runs, tmp_path):
-    store = _tamper(runs / "fsdp", tmp_path / "run", "shard-00000.distcp")
-    result = trainproof("export", "--store", str(store))
-    assert result.returncode == 1, (result.stdout, result.stderr)
-    assert "shard-00000.distcp" in result.stderr
-    assert not (store / "exports").exists() or not any((store / "exports").glob("step-*/COMPLETE.json"))
-
-
-def test_a_replicated_state_is_returned_as_it_is(runs):
-    s = open_store(str(runs / "ddp"))
-    state = decode_generation(s.load(STEPS).files)
-    assert complete_state(s, STEPS, state) is state
 
 
 def test_verify_audit_refuses_fsdp():
