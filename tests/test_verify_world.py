@@ -23,7 +23,7 @@ def world2(tmp_path_factory):
     # --cuts 4: the protocol's cut only (the extra cuts are the same code for any world: tests/test_verify.py)
     result = trainproof("verify", "--store", store, "--id", "w2", "--world", "2", "--steps", "6", "--cut", "4",
                         "--cuts", "4", "--keep-evidence",  # a test below reads the resume path's generation
-                        # the objective check at world 2: tests/test_verify_objective.py and the --fsdp protocol
+                        # the objective check over 2 ranks: the --fsdp protocol (tests/test_verify_fsdp.py)
                         "--no-objective-check")
     return {"store": store, "result": result, "report": read_report(store, "w2")}
 
