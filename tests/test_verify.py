@@ -118,6 +118,7 @@ def test_tinylm_protocol_passes_on_s3(cli, s3_env, tmp_path, monkeypatch):
     _assert_passed(report)
     assert report["settings"]["objective_check"] is False and "objective_equivalence_passed" not in report
     assert report["objective_equivalence"] == {"skipped": "--no-objective-check"}
+    assert "objective check: skipped (--no-objective-check)" in " ".join(result.output.split())
     assert (report["settings"]["steps"], report["settings"]["cut"], report["step_recovered"]) == (8, 3, 3)
     assert len(report["losses"]["continuous"]) == 8 and report["environment"]["precision"] == "float32"
     assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["resume"])

@@ -152,6 +152,8 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
         console.print(f"cuts resumed at: {report['cuts']['all']} (continuous path: {report['cuts']['steps']} steps)")
     if report.get("audit_span"):
         console.print(f"audit span: {report['audit_span']['summary']}")
+    if (report.get("objective_equivalence") or {}).get("skipped") == "--no-objective-check":
+        console.print("objective check: skipped (--no-objective-check); this verdict says nothing about the objective")
     for key in keys:
         value = report.get(key)
         console.print(f"{key}: [{'green' if value else 'red'}]{str(value).lower()}[/]")
