@@ -4,8 +4,8 @@ the extra cuts (the epoch boundary and the middle of epoch 1: a permutation bug 
 cannot complete (a path crashes, the store is unreachable).
 
 The passing runs go through the real entry point (``python -m job verify``); the sabotage runs reuse the
-passing run's continuous and cut paths (``--reuse-reference``: read back from the store and re-checked)
-and run only the two resumed paths, through the Typer app in this process (torch is already imported).
+passing run's continuous, cut and negative-control paths (``--reuse-reference``: read back from the store and
+re-checked) and run only the resumed path(s), through the Typer app in this process (torch is already imported).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ TINYLM_CONFIG = {"n_sequences": 37}  # 5 steps an epoch, the last a tail of 5: c
 def reference(tmp_path_factory):
     """The default protocol (regression, 10 steps, cut at 5) on a local folder, through the entry point."""
     store = str(tmp_path_factory.mktemp("verify") / "run")
-    # --keep-evidence: later tests reuse its continuous and cut paths' generations (--reuse-reference).
+    # --keep-evidence: later tests reuse its continuous, cut and negative paths' generations (--reuse-reference).
     result = trainproof("verify", "--store", store, "--id", "ref", "--keep-evidence")
     return {"store": store, "result": result, "report": read_report(store, "ref")}
 
@@ -160,7 +160,11 @@ def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sab
     assert must_fail <= failing, failing
     assert checks(report, "resume")[at_once]["first_step"] == 6
     assert "failing checks: resume." in " ".join(result.output.split())
-    assert report["paths"]["continuous"]["reused_from"] == "ref"
+    # The reference's continuous, cut and negative paths were reused: only the resumed path ran.
+    assert {p: e.get("reused_from") for p, e in report["paths"].items()} == {
+        "continuous": "ref", "cut": "ref", "resume": None, "resume_without_rng": "ref"}
+    assert report["negative_divergence_detected"] is True and report["paths"]["resume_without_rng"]["exit_code"] == 0
+    assert open_store(f"{reference['store']}/verification/{vid}/resume_without_rng").scan() == []
     # A failed verdict keeps every generation (the evidence someone will want to look at).
     assert [g.step for g in open_store(f"{reference['store']}/verification/{vid}/resume").scan()] == [5, 6, 7, 8, 9, 10]
     assert "evidence" not in report

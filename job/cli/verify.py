@@ -79,7 +79,8 @@ def verify_command(
         "--keep-evidence", help="Keep the paths' step-* generations after a passed verdict (a failed or incomplete "
                                 "one always keeps them; --reuse-reference needs them).")] = False,
     reuse: Annotated[Optional[str], typer.Option(
-        "--reuse-reference", hidden=True, help="Reuse an earlier verification's continuous and cut paths.")] = None,
+        "--reuse-reference", hidden=True,
+        help="Reuse an earlier verification's continuous, cut and negative-control paths.")] = None,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Prove resume == continuous in fresh processes (or --audit a real run); upload verification.json.

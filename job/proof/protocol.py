@@ -59,6 +59,8 @@ log = logging.getLogger("trainproof.verify")
 PATHS = ("continuous", "cut", "resume", "resume_without_rng")
 COMPARED = ("cut", "resume", "resume_without_rng")
 NEGATIVE = "resume_without_rng"
+REUSED = ("continuous", "cut", NEGATIVE)
+"""The paths ``--reuse-reference`` takes from the earlier verification (they do not depend on the resume tested)."""
 DEFAULT_SCHEDULE = {"regression": (10, 5), "tinylm": (8, 3)}
 """(steps, cut) per built-in task: regression is the fixture of docs/protocol.md (the cut mid-epoch at cursor 20 of 24,
 10 updates crossing into a second epoch); tinylm's default corpus has 5 steps an epoch, so a cut at 3 is
@@ -85,7 +87,8 @@ class ProtocolSettings:
     """Where ``<id>/`` goes instead of ``<store>/verification``."""
     vid: str = field(default_factory=new_id)
     reuse: str | None = None
-    """Id of an earlier verification whose continuous and cut paths are reused (read back, re-checked)."""
+    """Id of an earlier verification whose continuous, cut and negative-control paths are reused (read back,
+    re-checked): a verification of another resume of the same experiment runs only its resumed paths."""
     timeout: float = 7200.0
     """Seconds each process may run."""
     parallel: bool = True
@@ -155,7 +158,7 @@ class Protocol:
         self.urls = {p: f"{absolute_url(self.root)}/{p}" for p in PATHS}
         self.reference = base.child(settings.reuse) if settings.reuse else None
         if self.reference is not None:
-            self.urls.update({p: f"{absolute_url(self.reference)}/{p}" for p in ("continuous", "cut")})
+            self.urls.update({p: f"{absolute_url(self.reference)}/{p}" for p in REUSED})
         self.paths: dict[str, dict[str, Any]] = {}
         self.diffs: dict[str, dict[str, Diff]] = {p: {} for p in COMPARED}
         self.losses: dict[str, list[float]] = {}
@@ -249,10 +252,11 @@ class Protocol:
         return job_argv("train", "--store", self.cut_urls[name], *args)
 
     def _adopt_reference(self) -> None:
-        """Reuse an earlier verification's continuous and cut paths: same task, settings and seed, or refuse."""
+        """Reuse an earlier verification's continuous, cut and negative-control paths: same task, settings and seed,
+        or refuse."""
         want = {"task": self.s.task, "task_config": self.task.config(), "seed": self.s.seed}
         earlier = self._earlier_paths()
-        for p in ("continuous", "cut"):
+        for p in REUSED:
             plan = read_run_plan(self.opener(self.urls[p]))
             got = {k: plan.get(k) for k in want}
             if got != want:
@@ -270,9 +274,10 @@ class Protocol:
 
     def _resumes(self) -> None:
         cut_store = self.opener(self.urls["cut"])
+        resumed = ("resume",) if self.s.reuse else ("resume", NEGATIVE)  # a reused reference brings its negative
         plan, loaded = cut_store.read_file(PLAN_FILE), load_generation(cut_store, self.s.cut)
         try:  # large files in spools, deleted once copied
-            for p in ("resume", NEGATIVE):
+            for p in resumed:
                 seed_run(self.opener(self.urls[p]), plan, loaded, lineage=cut_store)
         finally:
             loaded.close()
@@ -284,7 +289,7 @@ class Protocol:
                          lineage=source)
             finally:
                 loaded.close()
-        jobs = [(p, self.urls[p], self.train_argv(p)) for p in ("resume", NEGATIVE)]
+        jobs = [(p, self.urls[p], self.train_argv(p)) for p in resumed]
         jobs += [(f"resume_at_{c}", self.cut_urls[f"resume_at_{c}"], self.cut_argv(c, resume=True))
                  for c in self.extra_cuts]
         results = run_processes(jobs, timeout=self.s.timeout, parallel=self.s.parallel)
