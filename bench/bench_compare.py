@@ -12,8 +12,8 @@ read back from the store, verified, and compared):
   reference read once, the same entries of each other side read after it, compared a slice at a time.
 - whole: what ``verify --fsdp`` did before: every side read whole (``state(step, whole=True)``: the sharded model
   and optimizer gathered in this process, ``job.train.fsdp.full_state``), then every check and the parameter
-  distance per other side, as ``compare_states`` and ``parameter_distance`` did. Only run with ``--others 1`` unless memory allows it (it holds
-  ``1 + others`` states).
+  distance per other side, as ``compare_states`` and ``parameter_distance`` did. Only run with ``--others 1``
+  unless memory allows it (it holds ``1 + others`` states).
 
 Memory is the process's anonymous resident memory sampled every 2 ms, above the level before the call, also as a
 multiple of the state's bytes. Medians of ``--reps``.

@@ -296,7 +296,8 @@ def test_the_weights_alone_are_read_without_allocating_the_optimizer(runs, monke
     state = load_world_state(runs / "fsdp")
     allocated: list[tuple[int, ...]] = []
     empty = torch.empty
-    monkeypatch.setattr(fsdp_module.torch, "empty", lambda size, **kw: allocated.append(tuple(size)) or empty(size, **kw))
+    monkeypatch.setattr(fsdp_module.torch, "empty",
+                        lambda size, **kw: allocated.append(tuple(size)) or empty(size, **kw))
     both = complete_state(s, TARGET, state)
     n_both = len(allocated)
     allocated.clear()

@@ -8,8 +8,8 @@ The extra cuts of the default regression verification, the permutation bug, the 
 restore self-check are tested in tests/test_verify.py, on that module's reference verification (one default
 verification of regression for both). Here: the hidden task state (a verification of its own each), and with
 TRAINPROOF_SLOW=1 the ``--cuts`` option and the other generator families on both tasks (module fixtures, real
-processes; the sabotage runs reuse their continuous, cut and negative paths, ``--reuse-reference``, and run the resumed paths
-through the fault-injecting wrapper tests/support/hooked.py).
+processes; the sabotage runs reuse their continuous, cut and negative paths, ``--reuse-reference``, and run the
+resumed paths through the fault-injecting wrapper tests/support/hooked.py).
 """
 
 from __future__ import annotations

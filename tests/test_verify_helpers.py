@@ -61,8 +61,8 @@ HOOKED = "tests.support.hooked"
 
 
 def sabotaged(cli, monkeypatch, ref: dict[str, Any], sabotage: str, *extra: str) -> tuple[Any, dict[str, Any]]:
-    """``verify --reuse-reference ref`` on ``ref``'s store (its continuous, cut and negative paths) with every path run by
-    the wrapper and ``TPHOOK_SABOTAGE`` set (it acts on the resumed paths only); the result and the report."""
+    """``verify --reuse-reference ref`` on ``ref``'s store (its continuous, cut and negative paths reused), the
+    resumed paths run by the wrapper with ``TPHOOK_SABOTAGE`` set; the result and the report."""
     monkeypatch.setenv("TPHOOK_SABOTAGE", sabotage)  # inherited by every path
     monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
     vid = f"sabotage-{sabotage}"

@@ -123,8 +123,9 @@ def test_a_loss_sum_that_returns_a_mean_fails_verify_naming_the_objective_check(
     (tmp_path / "meanloss.py").write_text(textwrap.dedent(MEAN_LOSS))
     (tmp_path / "cfg.json").write_text(json.dumps({"reduce": reduce}))
     store = str(tmp_path / "run")
-    result = trainproof("verify", "--store", store, "--task", "meanloss:factory", "--config", str(tmp_path / "cfg.json"),
-                        "--id", "m", "--no-export", "--cuts", "5", env={"PYTHONPATH": str(tmp_path)})
+    result = trainproof("verify", "--store", store, "--task", "meanloss:factory",
+                        "--config", str(tmp_path / "cfg.json"), "--id", "m", "--no-export", "--cuts", "5",
+                        env={"PYTHONPATH": str(tmp_path)})
     report = read_report(store, "m")
     objective = report["objective_equivalence"]
     assert objective["tolerance"] == {"atol": 1e-9, "rtol": 0.0, "dtype": "float64"}
