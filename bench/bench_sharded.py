@@ -1,8 +1,8 @@
 """Sharded save/load through the generation store vs DCP's own FileSystemWriter/Reader, same state, same disk.
 
-``.venv/bin/python bench/bench_sharded.py [--mib 300] [--reps 5] [--dir DIR]`` starts 2 ranks (gloo, CPU). Each
-wraps an MLP of ``--mib`` MiB of model + Adam state in total (parameters ~1/3, Adam's two moments ~2/3) with FSDP2,
-takes one Adam step, then per repetition (order alternated):
+``.venv/bin/python bench/bench_sharded.py [--mib 300] [--reps 6] [--world 2] [--dir DIR]`` starts ``--world``
+ranks (gloo, CPU). Each wraps an MLP of ``--mib`` MiB of model + Adam state in total (parameters ~1/3, Adam's
+two moments ~2/3) with FSDP2, takes one Adam step, then per repetition (order alternated):
 
 - ours: ``job.train.sharded.save_sharded`` into a run folder (create-only writes with fsync, read back, sha256,
   one COMPLETE.json) and ``load_sharded`` (manifest, verified metadata, verified shard files);
@@ -10,20 +10,25 @@ takes one Adam step, then per repetition (order alternated):
   folder beside it.
 
 With ``--async``, two more pairs: a background save as ``train`` makes one (``async_save.snapshot`` of the state,
-then ``save_sharded`` with the shard files streamed through a spool, on a thread, over a gloo group of its own)
+then ``save_sharded`` of that snapshot, whose own memory the shard files are written from, on a thread, over a
+gloo group of its own)
 against DCP's ``dcp.async_save`` into a ``FileSystemWriter`` (its default stager, thread executor); ``blocked`` is
 the time until the call returned (training could go on), ``total`` until the commit finished on every rank.
 
-Times are rank 0's wall time from a barrier to a barrier. Peak memory is each rank's resident set sampled every
-2 ms during the call, minus the resident set just before it, against that rank's shard (its local tensor bytes);
-the largest over the repetitions is printed.
-Prints the medians and the ratio lines ``sharded save`` / ``sharded load`` (goal <= 1.3).
+Times are rank 0's wall time from a barrier to a barrier; before each timed call every rank runs ``os.sync()``
+(untimed), so no earlier call's dirty pages are flushed to the disk during it. Peak memory is each rank's resident
+set sampled every 2 ms during the call, minus the resident set just before it, against that rank's shard (its local
+tensor bytes); the largest over the repetitions is printed. ``--dir /dev/shm/x`` (tmpfs) takes the disk out: what
+is left is the CPU cost of each side's protocol.
+Prints the medians and the ratio lines ``sharded save`` / ``sharded load`` (goal <= 1.3), with the ratio of the
+medians and the *balanced* ratio (the two orders weighted equally: use an even ``--reps``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -107,6 +112,7 @@ def rank_main(args) -> None:
     saves_group = dist.new_group(backend="gloo")
 
     def timed(fn):
+        os.sync()  # untimed: no other writes' dirty pages left for the disk to flush during this call
         dist.barrier()
         with PeakRSS() as mem:
             t0 = time.perf_counter()
@@ -146,8 +152,7 @@ def rank_main(args) -> None:
                 copied = snapshot(state)  # a fresh snapshot each time: its memory is counted every time
                 blocked["ours"] = time.perf_counter() - t0
                 worker = threading.Thread(target=save_sharded, args=(store, 1000 + step, copied), kwargs=dict(
-                    contract="b" * 64, world=world, code_version="bench", process_group=saves_group, stream=True,
-                    spool_dir=str(base / "spool")))
+                    contract="b" * 64, world=world, code_version="bench", process_group=saves_group))
                 worker.start()
                 worker.join()
 
@@ -175,6 +180,18 @@ def rank_main(args) -> None:
     dist.destroy_process_group()
 
 
+def _balanced(rows: list[dict], ratios: list[float]) -> float:
+    """The ratio with the order's effect cancelled: the geometric mean of the median ratio of the repetitions where
+    ours ran first (even) and of those where DCP did (odd). On this machine whichever save runs second in a
+    repetition is often the slower one (per repetition the ratio alternates, e.g. 0.7 / 1.7), so with an odd
+    number of repetitions the plain median leans to the order that ran more often."""
+    first = [x for r, x in zip(rows, ratios) if r["rep"] % 2 == 0]
+    second = [x for r, x in zip(rows, ratios) if r["rep"] % 2 == 1]
+    if not second:
+        return statistics.median(first)
+    return math.sqrt(statistics.median(first) * statistics.median(second))
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -184,11 +201,11 @@ def _port() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=float, default=300.0, help="model + Adam state in total, MiB (default 300)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=6, help="repetitions, order alternated (default 6; keep it even)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--dir", default=None, help="folder for both sides (default: a temporary one)")
     ap.add_argument("--async", dest="use_async", action="store_true",
-                    help="also time background saves: ours (snapshot + streamed shards) vs dcp.async_save")
+                    help="also time background saves: ours (snapshot, then its save) vs dcp.async_save")
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_main:
@@ -220,16 +237,18 @@ def main() -> int:
     total = sum(r["shard_bytes"] for r in ranks)
     print(f"state: {total / 2**20:.0f} MiB of sharded tensors over {args.world} ranks (hidden {ranks[0]['hidden']}), "
           f"{len(rows)} repetitions, medians")
-    print(f"{'':14}{'ours s':>9}{'DCP s':>9}{'ratio':>8}  (goal <= 1.3)")
+    print(f"{'':14}{'ours s':>9}{'DCP s':>9}{'ratio':>8}{'balanced':>10}  (goal <= 1.3)")
     for op in ("save", "load"):
         ratio = med[f"ours_{op}_s"] / med[f"dcp_{op}_s"]
         per_rep = [r[f"ours_{op}_s"] / r[f"dcp_{op}_s"] for r in rows]
-        print(f"sharded {op:6}{med[f'ours_{op}_s']:9.3f}{med[f'dcp_{op}_s']:9.3f}{ratio:8.2f}  "
-              f"per repetition {', '.join(f'{x:.2f}' for x in per_rep)}")
+        print(f"sharded {op:6}{med[f'ours_{op}_s']:9.3f}{med[f'dcp_{op}_s']:9.3f}{ratio:8.2f}"
+              f"{_balanced(rows, per_rep):10.2f}  per repetition {', '.join(f'{x:.2f}' for x in per_rep)}")
     if args.use_async:
         for what in ("blocked", "total"):
             ours, theirs = med[f"ours_async_{what}_s"], med[f"dcp_async_{what}_s"]
-            print(f"async {what:8}{ours:9.3f}{theirs:9.3f}{ours / theirs:8.2f}")
+            per_rep = [r[f"ours_async_{what}_s"] / r[f"dcp_async_{what}_s"] for r in rows]
+            print(f"async {what:8}{ours:9.3f}{theirs:9.3f}{ours / theirs:8.2f}{_balanced(rows, per_rep):10.2f}  "
+                  f"per repetition {', '.join(f'{x:.2f}' for x in per_rep)}")
     # The largest of the repetitions, not the median: memory the allocator kept from an earlier call (glibc's
     # heap keeps freed blocks below its moving mmap threshold) hides a later call's peak, never inflates it.
     print("peak resident memory above the level before the call, per rank, largest of the repetitions (x its shard):")

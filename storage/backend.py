@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Protocol, Union
 
 from storage.digest import FileHasher, digest_bytes
+from storage.pieces import Pieces, as_pieces
 from storage.spool import Spool
 
 CHUNK = 8 * 2**20
-Source = Union[bytes, bytearray, memoryview, BinaryIO, Spool]
-"""What a write takes: bytes, a stream read once, or a :class:`storage.spool.Spool` (a local file re-opened by
-every attempt, never read whole into memory)."""
+Source = Union[bytes, bytearray, memoryview, Pieces, BinaryIO, Spool]
+"""What a write takes: bytes, buffers written back to back (:class:`storage.pieces.Pieces`, never joined), a stream
+read once, or a :class:`storage.spool.Spool` (a local file re-opened by every attempt, never read whole into
+memory)."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,8 @@ def iter_chunks(data: Source) -> Iterator[memoryview | bytes]:
         with data.open() as fh:
             yield from iter_chunks(fh)
         return
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        view = memoryview(data)
-        for start in range(0, len(view), CHUNK):
-            yield view[start : start + CHUNK]
+    if isinstance(data, (bytes, bytearray, memoryview, Pieces)):
+        yield from as_pieces(data).chunks(CHUNK)
         return
     while True:
         block = data.read(CHUNK)
@@ -168,14 +168,15 @@ class LocalBackend:
                             shutil.copyfileobj(src, fh, CHUNK)
                     size = os.fstat(fh.fileno()).st_size
                     known = data.sha256 if size == data.size else "spool-changed-while-copying"
-                elif isinstance(data, (bytes, bytearray, memoryview)) and memoryview(data).nbytes >= OVERLAP_BYTES:
+                elif isinstance(data, (bytes, bytearray, memoryview, Pieces)) and len(as_pieces(data)) >= OVERLAP_BYTES:
                     # In memory: hash in a second thread while this one writes and fsyncs (both release the GIL).
-                    view = memoryview(data).cast("B")
-                    hasher = _Hasher(view)
-                    fh.write(view)
+                    pieces = as_pieces(data)
+                    hasher = _Hasher(pieces)
+                    for view in pieces.views:
+                        fh.write(view)
                     fh.flush()
                     os.fsync(fh.fileno())
-                    size, known = view.nbytes, hasher.result()
+                    size, known = pieces.nbytes, hasher.result()
                 else:
                     for chunk in iter_chunks(data):
                         sha.update(chunk)
@@ -291,14 +292,14 @@ class _Hasher(threading.Thread):
     """The digest of a buffer (``storage.digest``: its parts on several threads), computed beside the caller's
     write (hashlib releases the GIL for large updates)."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, pieces: Pieces) -> None:
         super().__init__(name="trainproof-hash", daemon=True)
-        self._view, self._digest, self._error = view, "", None
+        self._pieces, self._digest, self._error = pieces, "", None
         self.start()
 
     def run(self) -> None:
         try:
-            self._digest = digest_bytes(self._view)
+            self._digest = digest_bytes(self._pieces)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
             self._error = exc
 
@@ -361,6 +362,8 @@ class FsspecBackend:
         if isinstance(data, Spool):
             with data.open() as fh:
                 data = fh.read()  # in-process filesystems (memory://) hold the bytes anyway
+        if isinstance(data, Pieces):
+            data = data.tobytes()
         payload = data if isinstance(data, (bytes, bytearray, memoryview)) else data.read()
         payload = bytes(payload)
         size, sha = digest(payload)

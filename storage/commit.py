@@ -9,10 +9,11 @@ Two phases, so that several writers (one per rank) can each write and verify the
    concurrent writer), this writer uses ``<stem>.<attempt>.<ext>`` instead and the manifest records it as the
    file's ``object``.  So a concurrent or abandoned writer can never change the bytes a manifest vouches for;
 3. read every object back *from the store* and check it, then the caller's content check.  A file given as
-   bytes is read back as parallel ranged reads compared with those bytes (whose sha256 the write computed: the
-   stored bytes are the hashed ones, without hashing them twice); a :class:`storage.spool.Spool` is never held
-   in memory: it is uploaded from its local file, read back as parallel ranged reads hashed in order, and the
-   content check reads the spool (bytes the hash just proved identical to the stored ones);
+   bytes (or as :class:`storage.pieces.Pieces`, buffers written back to back) is read back as parallel ranged
+   reads compared with those bytes (whose sha256 the write computed: the stored bytes are the hashed ones,
+   without hashing them twice); a :class:`storage.spool.Spool` is never held in memory: it is uploaded from its
+   local file, read back as parallel ranged reads hashed in order, and the content check reads the spool (bytes
+   the hash just proved identical to the stored ones);
 4. with a signing key, chain and sign the manifest (``storage.signing``); write ``COMPLETE.json`` last,
    create-only; a 412 may be our own write whose response was lost, so read the marker back and compare the
    attempt id before concluding we lost;
@@ -29,9 +30,10 @@ from storage.backend import read_at_most
 from storage import digest as dg
 from storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError
 from storage.generations import Check, Ctx, anchor, scan
+from storage.pieces import nbytes
 from storage.spool import Spool
 
-Data = "bytes | Spool"
+Data = "bytes | Pieces | Spool"
 
 log = logging.getLogger("trainproof.storage")
 LATEST = "LATEST"
@@ -179,8 +181,7 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict
             else:
                 # In memory: read back as parallel ranges and compared with the source (whose sha256 the write
                 # computed), so the stored bytes are the hashed ones; the content check then reads the source.
-                same = memoryview(data).nbytes == size and ctx.io(f"verify {name}/{obj}",
-                                                                  lambda d=data: ctx.matches(path, d))
+                same = nbytes(data) == size and ctx.io(f"verify {name}/{obj}", lambda d=data: ctx.matches(path, d))
                 got = (size, sha) if same else (-1, "")
         except FileNotFoundError:
             raise CommitConflictError(f"{name}/{obj} vanished right after it was written (another process is "

@@ -19,6 +19,8 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from storage.pieces import as_pieces
+
 MiB = 2**20
 MIN_PART_BYTES = 4096
 MAX_PART_BYTES = 1024 * MiB
@@ -122,18 +124,24 @@ def hasher_for(meta: dict) -> FileHasher:
 
 
 def digest_bytes(data, *, part_bytes: int | None = None, threads: int | None = None) -> Digest:
-    """The :class:`Digest` of bytes in memory; the parts of a long buffer are hashed on several threads (hashlib
-    releases the GIL), up to ``threads`` (default: the cores this process may use, at most 8)."""
-    view = memoryview(data).cast("B")
+    """The :class:`Digest` of bytes in memory (bytes-like, or :class:`storage.pieces.Pieces`: a part may span
+    pieces); the parts of a long buffer are hashed on several threads (hashlib releases the GIL), up to ``threads``
+    (default: the cores this process may use, at most 8)."""
+    pieces = as_pieces(data)
     size = part_bytes or PART_BYTES
-    if view.nbytes <= size:
-        return of_parts([hashlib.sha256(view).hexdigest()], size)
-    spans = [view[off:off + size] for off in range(0, view.nbytes, size)]
+    spans = [pieces.span(off, off + size) for off in range(0, pieces.nbytes, size)] or [[]]
     workers = max(1, min(len(spans), threads or min(8, cores())))
     if workers == 1:
-        return of_parts([hashlib.sha256(s).hexdigest() for s in spans], size)
+        return of_parts([_sha256(s) for s in spans], size)
     with ThreadPoolExecutor(workers, thread_name_prefix="trainproof-digest") as pool:
-        return of_parts(list(pool.map(lambda s: hashlib.sha256(s).hexdigest(), spans)), size)
+        return of_parts(list(pool.map(_sha256, spans)), size)
+
+
+def _sha256(views: list[memoryview]) -> str:
+    sha = hashlib.sha256()
+    for view in views:
+        sha.update(view)
+    return sha.hexdigest()
 
 
 def cores() -> int:

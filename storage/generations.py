@@ -21,6 +21,7 @@ from storage.digest import FileHasher, cores, hasher_for
 from storage.backend import CHUNK, Backend, Entry, hash_object, join, read_at_most, read_hashed
 from storage.errors import CorruptGenerationError
 from storage.limits import Limits
+from storage.pieces import as_pieces
 from storage.spool import CONCURRENCY, PART_SIZE, Spool, download, hashed_ranges, in_order
 
 log = logging.getLogger("trainproof.storage")
@@ -96,19 +97,19 @@ class Ctx:
         return hashed_ranges(read, size, sink=sink, hasher=hasher, **self.transfer())
 
     def matches(self, path: str, source) -> bool:
-        """Whether the object at ``path`` holds exactly the bytes of ``source`` (bytes-like), read back as
-        parallel ranges and compared part by part (a memcmp, ~6x cheaper than hashing them again; the caller
-        hashed ``source``). An object longer than ``source`` shows in the ``size + 1`` probe."""
-        view, equal = memoryview(source).cast("B"), [True]
-        if view.nbytes == 0:
+        """Whether the object at ``path`` holds exactly the bytes of ``source`` (bytes-like or
+        :class:`storage.pieces.Pieces`), read back as parallel ranges and compared part by part (a memcmp, ~6x
+        cheaper than hashing them again; the caller hashed ``source``). An object longer than ``source`` shows in the ``size + 1`` probe."""
+        pieces, equal = as_pieces(source), [True]
+        if pieces.nbytes == 0:
             return hash_object(self.backend, path, 0)[0] == 0
 
-        def compare(offset: int, data: bytes) -> None:
-            equal[0] = equal[0] and bytes(view[offset:offset + len(data)]) == data
+        def compare(offset: int, data: bytes) -> None:  # one copy of the range: bytes == bytes is a memcmp
+            equal[0] = equal[0] and b"".join(pieces.span(offset, offset + len(data))) == data
 
         read = lambda a, b: self.backend.read_range(path, a, b)  # noqa: E731
-        seen, _ = hashed_ranges(read, view.nbytes, sink=compare, digest=False, **self.transfer())
-        return equal[0] and seen == view.nbytes
+        seen, _ = hashed_ranges(read, pieces.nbytes, sink=compare, digest=False, **self.transfer())
+        return equal[0] and seen == pieces.nbytes
 
     def path(self, *parts: str) -> str:
         return join(self.root, *parts)

@@ -20,6 +20,7 @@ from typing import Iterator
 
 from storage.backend import CHUNK, Entry, FsspecBackend, Source, iter_chunks
 from storage.digest import FileHasher, digest_bytes
+from storage.pieces import Pieces
 from storage.spool import Spool
 from storage.errors import StoreConfigError
 from storage.limits import redact_url
@@ -89,6 +90,10 @@ class S3Backend(FsspecBackend):
                 if data.size >= 2 * part:  # parts read from the file in parallel: never the whole object in memory
                     return self._write_multipart(path, data.size, data.read_range, create_only, sha=data.sha256)
                 data = data.read_range(0, data.size)
+            if isinstance(data, Pieces):
+                if data.nbytes >= 2 * part:  # each part joined from the pieces it spans: one part per worker
+                    return self._write_multipart(path, data.nbytes, data.read, create_only)
+                data = data.tobytes()
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 return self._write_stream(path, data, create_only)
             data = bytes(data) if not isinstance(data, bytes) else data

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 from storage import manifest as mf
@@ -84,8 +84,10 @@ class GenerationStore:
             self.apply_retention(keep, contract=manifest["contract"])
         return info
 
-    def write_part(self, step: int, files: dict[str, bytes], *, check: Check | None = None) -> dict[str, list]:
-        """Write and verify part of generation ``step`` (e.g. one rank's files) without marking it usable.
+    def write_part(self, step: int, files: dict[str, Any], *, check: Check | None = None) -> dict[str, list]:
+        """Write and verify part of generation ``step`` (e.g. one rank's files) without marking it usable. A file is
+        bytes, :class:`storage.pieces.Pieces` (buffers written back to back, never joined; unchanged until this
+        returns) or a :class:`storage.spool.Spool`.
         Returns the entries (name → [bytes, sha256, object, parts]) to hand to ``commit_parts``, JSON-serialisable
         so they can travel to the committing process (``parts``: the part digests of a file of several parts,
         ``storage.digest``, else {})."""

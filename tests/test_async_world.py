@@ -95,7 +95,7 @@ def _flat(value, prefix: str = "") -> dict:
 
 
 # Every other 2-rank DDP test runs with background saves too (the default); the sharded case adds the DTensor
-# snapshot and the streamed shard files, so only it runs by default.
+# snapshot (whose own memory the shard files are written from), so only it runs by default.
 @pytest.mark.parametrize("mode", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_two_rank_async_saves_overlap_training_and_write_the_same_generations_as_sync(tmp_path, mode):
     """Saves slowed to ~0.5 s against 0.03 s steps: rank 0 logs steps past a save's step before that save's

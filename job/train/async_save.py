@@ -191,7 +191,6 @@ class BackgroundSaver:
         rows that generation holds); never for a failed one."""
         self.events = DeferredReporter(reporter)
         checkpointer.reporter = self.events  # the worker reports through the queue
-        checkpointer.stream_shards = True  # the snapshot is the one extra copy of a shard: files stream from it
         self.on_saved = on_saved
         self._snapshotter = _Snapshotter()
         self._thread: threading.Thread | None = None

@@ -83,9 +83,6 @@ class Checkpointer:
         self.sync = sync
         self.last_step = last_step
         """Step of the newest generation known committed (the resume point, then our own commits)."""
-        self.stream_shards = False
-        """Write a sharded run's shard files through a spool instead of an in-memory file (set by the background
-        saver, whose snapshot already is this rank's one extra copy: job.train.sharded ``GenerationWriter``)."""
         self.records: list[dict[str, Any]] = []
         self.protect: Callable[[], frozenset[int]] = frozenset
         """Steps retention must keep besides the newest ones (the generation the newest restore started from,
@@ -138,8 +135,7 @@ class Checkpointer:
         if sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
             from job.train.sharded import write_sharded  # only sharded runs import DCP
 
-            shards = write_sharded(self.store, step, sharded, process_group=self.sync.group, stream=self.stream_shards,
-                                   spool_dir=self.spool_dir)
+            shards = write_sharded(self.store, step, sharded, process_group=self.sync.group)
         frame = self._write_own_part(step, part, rank) if rank else b""
         frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
         record, failure, raised = None, b"", None

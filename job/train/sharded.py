@@ -8,8 +8,9 @@ and small: raw tensor bytes, and ``torch.save``d plain values), DCP's metadata a
 Saving (:func:`save_sharded`, every rank; DCP's protocol, :class:`GenerationWriter` its storage):
 
 1. DCP plans which rank writes which chunk (replicated values once, by the lowest rank);
-2. every rank copies its chunks into one buffer and hands it to ``store.write_part`` (create-only write, read
-   back from the store, size + sha256), then sends rank 0 only its entry (name, bytes, sha256, object) inside
+2. every rank hands its chunks to ``store.write_part`` as the file's list of buffers, unjoined
+   (``storage.pieces``: a contiguous host tensor's own memory, else a host copy of that chunk; create-only write,
+   read back from the store, size + sha256), then sends rank 0 only its entry (name, bytes, sha256, object) inside
    DCP's own write results, over the process group;
 3. rank 0 writes ``dcp.metadata`` the same way and commits the generation (``store.commit_parts``: every listed
    object must be in the store with its size, then ``COMPLETE.json`` create-only). DCP shares the outcome, so
@@ -47,6 +48,7 @@ from job.errors import ConfigError, TrainError
 from job.train.shard_files import METADATA_FILE, is_sharded_file, shard_file, values_file  # noqa: F401 (re-exported)
 from storage import GenerationInfo, GenerationStore
 from storage.errors import StoreError
+from storage.pieces import Pieces
 
 FORMAT = "trainproof.dcp/1"
 ALIGN = 64  # every chunk starts at a multiple of this in its shard file (any dtype can view it in place)
@@ -74,13 +76,8 @@ class GenerationWriter(StorageWriter):
     """DCP storage writer: one verified file per rank in generation ``step``; rank 0 commits (module doc)."""
 
     def __init__(self, store: GenerationStore, step: int, *, contract: str, world: int, code_version: str,
-                 extra: dict | None = None, keep: int | None = None, defer_commit: bool = False,
-                 stream: bool = False, spool_dir: str | None = None) -> None:
+                 extra: dict | None = None, keep: int | None = None, defer_commit: bool = False) -> None:
         super().__init__()
-        self.stream, self.spool_dir = stream, spool_dir
-        """``stream``: write each file through a local spool (chunk by chunk, hashed as written) instead of one
-        buffer of the whole file: for a state that is already a host copy (a background save's snapshot), so the
-        file never becomes a second copy of this rank's shard in memory (``storage.spool``)."""
         self.store, self.step = store, step
         self.contract, self.world, self.code_version = contract, world, code_version
         self.extra, self.keep = dict(extra or {}), keep
@@ -147,46 +144,22 @@ class GenerationWriter(StorageWriter):
                 _nbytes(item.tensor_data.chunk.sizes, item.tensor_data.properties.dtype)
             layout.append((end, size))
             end = _aligned(end + size)
-        if self.stream:
-            return self._stream_file(fname, items, planner, results, blobs, layout, end)
-        buf = bytearray(end)  # the file, allocated once: never more than this rank's own chunks
+        # The file as the list of its buffers, handed to the store unjoined (storage.pieces): each chunk's own
+        # memory when it is a contiguous host tensor (the live state of a synchronous save on the CPU, or a
+        # background save's snapshot), else a host copy of that one chunk. Nothing changes them until the store
+        # has written and read back the file: a synchronous save blocks training, a snapshot is this save's own.
+        buffers, at = [], 0
         for i, item in enumerate(items):
             offset, size = layout[i]
+            buffers.append(bytes(offset - at))  # alignment padding: < ALIGN zero bytes
             if i in blobs:
-                buf[offset:offset + size] = blobs.pop(i)
+                buffers.append(blobs.pop(i))
             elif size:
-                tensor = self._resolve(planner, item, size)
-                _view(buf, tensor.dtype, offset, tensor.shape).copy_(tensor.detach())  # any device, any strides
-                del tensor
+                buffers.append(_host_bytes(self._resolve(planner, item, size)))
+            at = offset + size
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=(fname, offset, size)))
-        entry = self.store.write_part(self.step, {fname: buf})
-        del buf
-        return entry
-
-    def _stream_file(self, fname: str, items: list, planner: SavePlanner, results: list, blobs: dict,
-                     layout: list[tuple[int, int]], end: int) -> dict[str, list]:
-        """The same file as the buffered path, byte for byte, written chunk by chunk into a spool (memory: one
-        chunk at most, and none for a contiguous host tensor, whose own bytes are written), then handed to the
-        store like any large object (uploaded from the file, read back, sha256 checked)."""
-        from storage.spool import SpoolWriter
-
-        with SpoolWriter(self.spool_dir, prefix="trainproof-shard-") as out:
-            at = 0
-            for i, item in enumerate(items):
-                offset, size = layout[i]
-                out.write(bytes(offset - at))  # alignment padding: < ALIGN zero bytes
-                if i in blobs:
-                    out.write(blobs.pop(i))
-                elif size:
-                    out.write(_host_bytes(self._resolve(planner, item, size)))
-                at = offset + size
-                results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=(fname, offset, size)))
-            out.write(bytes(end - at))
-        spool = out.finish()
-        try:
-            return self.store.write_part(self.step, {fname: spool})
-        finally:
-            spool.unlink()
+        buffers.append(bytes(end - at))
+        return self.store.write_part(self.step, {fname: Pieces(buffers)})
 
     @staticmethod
     def _resolve(planner: SavePlanner, item, size: int) -> torch.Tensor:
@@ -231,15 +204,15 @@ class GenerationWriter(StorageWriter):
 
 def save_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], *, contract: str, world: int,
                  code_version: str, extra: dict | None = None, keep: int | None = None,
-                 process_group=None, stream: bool = False, spool_dir: str | None = None) -> GenerationInfo | None:
+                 process_group=None) -> GenerationInfo | None:
     """Save ``state_dict`` (e.g. ``{"model": ..., "optim": ...}`` from ``get_state_dict``: DTensors, tensors,
     plain values) as sharded generation ``step``, on every rank. Returns the committed generation on rank 0,
-    None elsewhere; raises ShardedSaveError on every rank when it was not committed. ``stream``: see
-    :class:`GenerationWriter`."""
+    None elsewhere; raises ShardedSaveError on every rank when it was not committed. The tensors must not change
+    until it returns (their own memory is written and read back)."""
     import torch.distributed.checkpoint as dcp
 
     writer = GenerationWriter(store, step, contract=contract, world=world, code_version=code_version,
-                              extra=extra, keep=keep, stream=stream, spool_dir=spool_dir)
+                              extra=extra, keep=keep)
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=process_group)
     except CheckpointException as exc:
@@ -251,17 +224,15 @@ def save_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], 
     return writer.committed
 
 
-def write_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], process_group=None, *,
-                  stream: bool = False, spool_dir: str | None = None) -> tuple[dict[str, list], dict] | None:
+def write_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any],
+                  process_group=None) -> tuple[dict[str, list], dict] | None:
     """Like :func:`save_sharded` but without the commit: every rank writes and verifies its files of generation
     ``step`` and rank 0 writes ``dcp.metadata``; rank 0 gets (every file's entry, the manifest's ``sharded``
     section) to commit together with files of its own (``Checkpointer``: the training state and the rank files,
-    in one ``COMPLETE.json``), None elsewhere. ShardedSaveError on every rank when any rank failed. ``stream``: write
-    each file through a spool in ``spool_dir`` (:class:`GenerationWriter`), for a state that is a host snapshot."""
+    in one ``COMPLETE.json``), None elsewhere. ShardedSaveError on every rank when any rank failed."""
     import torch.distributed.checkpoint as dcp
 
-    writer = GenerationWriter(store, step, contract="", world=0, code_version="", defer_commit=True, stream=stream,
-                              spool_dir=spool_dir)
+    writer = GenerationWriter(store, step, contract="", world=0, code_version="", defer_commit=True)
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=process_group)
     except CheckpointException as exc:
