@@ -92,7 +92,8 @@ class S3Backend(FsspecBackend):
                 data = data.read_range(0, data.size)
             if isinstance(data, Pieces):
                 if data.nbytes >= 2 * part:  # each part joined from the pieces it spans: one part per worker
-                    return self._write_multipart(path, data.nbytes, data.read, create_only)
+                    return self._write_multipart(path, data.nbytes, data.read, create_only,
+                                                 hash_source=lambda: digest_bytes(data))
                 data = data.tobytes()
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 return self._write_stream(path, data, create_only)
@@ -119,11 +120,12 @@ class S3Backend(FsspecBackend):
             raise
 
     def _write_multipart(self, path: str, size: int, read_range, create_only: bool, *,
-                         sha: str | None = None) -> tuple[int, str]:
+                         sha: str | None = None, hash_source=None) -> tuple[int, str]:
         """Concurrent multipart upload of ``size`` bytes read by ``read_range(start, end)`` (a slice of bytes in
         memory, or ``os.pread`` of a spool: at most ``concurrency`` parts are read at a time), each part retried on
         its own (UploadPart is idempotent), and the upload aborted on failure so no object appears. ``sha``: the
-        bytes' digest when known (a spool's); otherwise computed in parallel with the upload."""
+        bytes' digest when known (a spool's); otherwise computed in parallel with the upload, by ``hash_source()``
+        when given (bytes already in memory, hashed where they lie), else from ``read_range``."""
         bucket, key, _ = self.fs.split_path(path)
         upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
         part = self.options.part_size
@@ -144,7 +146,7 @@ class S3Backend(FsspecBackend):
 
         try:
             with ThreadPoolExecutor(max_workers=self.options.concurrency + 1) as pool:
-                digest = pool.submit(whole_sha) if sha is None else None
+                digest = pool.submit(hash_source or whole_sha) if sha is None else None
                 parts = list(pool.map(put, spans))
             sha = sha if digest is None else digest.result()
             self._complete(path, bucket, key, upload_id, parts, size, create_only)
