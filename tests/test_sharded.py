@@ -221,6 +221,18 @@ def test_a_buffered_save_writes_host_tensors_from_their_own_memory(tmp_path):
     assert torch.equal(got["w"], state["w"]) and got["n"] == 2
 
 
+def test_views_whose_memory_is_not_their_value_are_saved_as_their_value(tmp_path):
+    """A transposed, a conjugate and a negative view: each chunk's bytes are its values, not its storage's."""
+    store = open_store(str(tmp_path / "run"))
+    z = torch.randn(4, 3, dtype=torch.complex64, generator=torch.Generator().manual_seed(2))
+    state = {"conj": z.conj(), "neg": torch._neg_view(z), "t": z.real.t()}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    sharded.save_sharded(store, 1, state, contract=CONTRACT, world=1, code_version="t")
+    got = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+    sharded.load_sharded(store, 1, got, world=1, contract=CONTRACT)
+    assert all(torch.equal(got[k], state[k].resolve_conj().resolve_neg()) for k in state)
+
+
 def test_write_sharded_leaves_the_commit_to_the_caller(tmp_path):
     """What a checkpoint does (its training state joins the same COMPLETE.json): every file written and verified,
     nothing usable until ``commit_parts``; then it loads back exactly (transposed, half, empty, scalar tensors)."""

@@ -538,8 +538,9 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 def _host_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of ``tensor`` in row-major order: its own memory when it is a contiguous host tensor, else a
-    contiguous host copy of this one chunk."""
-    flat = tensor.detach()
+    contiguous host copy of this one chunk (a conjugate or negative view is materialised first: its memory does not
+    hold the values)."""
+    flat = tensor.detach().resolve_conj().resolve_neg()
     if flat.device.type != "cpu" or not flat.is_contiguous():
         flat = flat.to("cpu").contiguous()
     return memoryview(flat.reshape(-1).view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
