@@ -130,7 +130,7 @@ def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tu
     # Taken: our own PUT whose response was lost (the re-send got 412), a killed writer's leftover, or a
     # concurrent writer.  Identical bytes are ours to claim; anything else stays untouched beside our copy.
     # (Bytes are hashed here only: the backend hashed them while writing on the common path.)
-    length, expected = (data.size, data.sha256) if spooled else (len(data), dg.digest_bytes(data))
+    length, expected = (data.size, data.sha256) if spooled else (nbytes(data), dg.digest_bytes(data))
     if _same_object(ctx, name, fname, length, expected):
         return length, expected, fname
     obj = mf.attempt_object(fname, attempt)

@@ -24,8 +24,10 @@ class Pieces:
         size = 0
         for buf in buffers:
             view = memoryview(buf)
+            if not view.c_contiguous:  # e.g. a strided slice: its bytes are not one run of memory
+                raise ValueError("Pieces needs contiguous buffers; copy a strided one first")
             if view.ndim != 1 or view.format != "B":
-                view = view.cast("B")  # needs a C-contiguous buffer, as a write does
+                view = view.cast("B")
             if view.nbytes:
                 self.views.append(view)
                 self._starts.append(size)

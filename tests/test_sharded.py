@@ -18,12 +18,14 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from job.errors import ConfigError
 from job.train import sharded
 from storage import open_store
+from storage.pieces import Pieces
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = "c" * 64
@@ -208,6 +210,9 @@ def test_a_buffered_save_writes_host_tensors_from_their_own_memory(tmp_path):
     store = open_store(str(tmp_path / "run"))
     state = {"w": torch.arange(24 * 2**20, dtype=torch.float32), "n": 2}  # 96 MiB
     size = state["w"].numel() * 4
+    handed = []
+    write_part = store.write_part
+    store.write_part = lambda step, files, **kw: handed.extend(files.values()) or write_part(step, files, **kw)
     tracemalloc.start()
     try:
         sharded.save_sharded(store, 1, state, contract=CONTRACT, world=1, code_version="t")
@@ -216,6 +221,9 @@ def test_a_buffered_save_writes_host_tensors_from_their_own_memory(tmp_path):
         tracemalloc.stop()
     # The read-back holds a few of its 8 MiB ranges at a time (one being read, one compared, its copy): ~24 MiB.
     assert peak < 40 * 2**20, f"the save allocated {peak / 2**20:.1f} MiB for {size / 2**20:.0f} MiB of tensors"
+    # ...and no torch copy either (tracemalloc does not see those): the store got the tensor's own memory.
+    views = [v for data in handed if isinstance(data, Pieces) for v in data.views]
+    assert any(np.frombuffer(v, np.uint8).ctypes.data == state["w"].data_ptr() and v.nbytes == size for v in views)
     got = {"w": torch.zeros_like(state["w"]), "n": 0}
     sharded.load_sharded(store, 1, got, world=1, contract=CONTRACT)
     assert torch.equal(got["w"], state["w"]) and got["n"] == 2
