@@ -27,6 +27,8 @@ Source = Union[bytes, bytearray, memoryview, Pieces, BinaryIO, Spool]
 """What a write takes: bytes, buffers written back to back (:class:`storage.pieces.Pieces`, never joined), a stream
 read once, or a :class:`storage.spool.Spool` (a local file re-opened by every attempt, never read whole into
 memory)."""
+IN_MEMORY = (bytes, bytearray, memoryview, Pieces)
+"""The sources already in memory: written without a copy, hashed beside the write."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def iter_chunks(data: Source) -> Iterator[memoryview | bytes]:
         with data.open() as fh:
             yield from iter_chunks(fh)
         return
-    if isinstance(data, (bytes, bytearray, memoryview, Pieces)):
+    if isinstance(data, IN_MEMORY):
         yield from as_pieces(data).chunks(CHUNK)
         return
     while True:
@@ -168,9 +170,8 @@ class LocalBackend:
                             shutil.copyfileobj(src, fh, CHUNK)
                     size = os.fstat(fh.fileno()).st_size
                     known = data.sha256 if size == data.size else "spool-changed-while-copying"
-                elif isinstance(data, (bytes, bytearray, memoryview, Pieces)) and len(as_pieces(data)) >= OVERLAP_BYTES:
+                elif isinstance(data, IN_MEMORY) and len(pieces := as_pieces(data)) >= OVERLAP_BYTES:
                     # In memory: hash in a second thread while this one writes and fsyncs (both release the GIL).
-                    pieces = as_pieces(data)
                     hasher = _Hasher(pieces)
                     for view in pieces.views:
                         fh.write(view)

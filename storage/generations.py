@@ -105,7 +105,7 @@ class Ctx:
             return hash_object(self.backend, path, 0)[0] == 0
 
         def compare(offset: int, data: bytes) -> None:  # one copy of the range: bytes == bytes is a memcmp
-            equal[0] = equal[0] and b"".join(pieces.span(offset, offset + len(data))) == data
+            equal[0] = equal[0] and pieces.read(offset, offset + len(data)) == data
 
         read = lambda a, b: self.backend.read_range(path, a, b)  # noqa: E731
         seen, _ = hashed_ranges(read, pieces.nbytes, sink=compare, digest=False, **self.transfer())
