@@ -41,7 +41,7 @@ def child(mode: str, run: str, others: int) -> dict:
     from job.proof.paths import RunReader
     from job.proof.protocol import parameter_names
     from job.tasks import load_task
-    from job.train.contract import read_run_plan
+    from job.format.contract import read_run_plan
     from storage import open_store
 
     store = open_store(run)

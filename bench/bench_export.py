@@ -5,7 +5,7 @@ with ``--mib`` MiB of state (weights a third of it: ``--mib 3072`` is 1 GiB of f
 ``train --fsdp --nproc-per-node 2`` into a local folder, then per repetition, each in a fresh process and in
 alternating order:
 
-- ours: ``job.train.export.export`` of that generation into a fresh folder: the model gathered from the verified
+- ours: ``job.export.bundle.export`` of that generation into a fresh folder: the model gathered from the verified
   shards (``full_state``, model only), the weight files written tensor by tensor into spool files, the bf16 weights
   evaluated and saved from a map of the bf16 file, every file committed (written, read back, sha256, content check,
   COMPLETE.json). Then, in another fresh process (*reload*), the reload check that ``trainproof export`` runs next
@@ -46,11 +46,11 @@ def child(mode: str, run: str, out: str) -> dict:
 
     from bench.bench_sharded import PeakRSS
     from job.tasks import load_task
-    from job.train.contract import read_run_plan
-    from job.train.export import _bf16, evaluate_weights, export
+    from job.format.contract import read_run_plan
+    from job.export.bundle import _bf16, evaluate_weights, export
     from job.train.fsdp import full_state
-    from job.train.standalone import export_program
-    from job.train.state import STATE_FILE, decode
+    from job.export.standalone import export_program
+    from job.format.state import STATE_FILE, decode
     from storage import open_store
 
     store = open_store(run)

@@ -30,7 +30,7 @@ def measure(steps: int, every: int, folder: Path) -> dict:
     """Train ``steps`` steps into a fresh folder; sizes of the newest checkpoint."""
     import torch
 
-    from job.train.state import STATE_FILE, decode
+    from job.format.state import STATE_FILE, decode
     from storage import open_store
 
     store_url = str(folder / f"run-{steps}")

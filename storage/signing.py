@@ -18,7 +18,7 @@ hides it, and it is never logged, written or put into an exception message.
 
 **What is signed.**  ``signature = {"alg": "hmac-sha256", "key_id": ..., "mac": hex}`` is added to every
 ``COMPLETE.json`` (generations and export bundles, committed by the same ``storage.commit``) and to the run's
-``plan.json`` (``job.train.contract``).  The MAC covers the *canonical content*: the JSON object without its
+``plan.json`` (``job.format.contract``).  The MAC covers the *canonical content*: the JSON object without its
 ``signature`` field, sorted keys, no whitespace, ASCII.  A manifest's step, contract, world, every file's size
 and sha256, its anchor and its predecessor are all inside it.
 

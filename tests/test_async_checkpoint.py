@@ -42,7 +42,7 @@ def test_snapshot_is_isolated_from_training():
     from job.tasks import load_task
     from job.train.async_save import snapshot
     from job.train.run import build_run, capture_state, train_step
-    from job.train.state import decode, encode
+    from job.format.state import decode, encode
 
     task = load_task("regression", {})
     run_ = build_run(task, torch.device("cpu"), 1234)

@@ -78,7 +78,7 @@ def _snippet(readme: str) -> str:
 def _export(tmp: Path, task: str, *args: str) -> Path:
     trained = run(tmp / "run", "--task", task, "--max-steps", "3", *args)
     assert trained.code == 0, trained.stderr
-    from job.train.export import export
+    from job.export.bundle import export
     from storage import open_store
 
     bundle = export(open_store(str(tmp / "run")), task=task)  # the task comes from the caller, never plan.json
@@ -99,7 +99,7 @@ def _run_snippet(bundle: Path, copy: Path, site: Path) -> subprocess.CompletedPr
     ("examples.charlm:factory", ("--config", str(ROOT / "examples" / "charlm-quick.json"))),
 ], ids=["regression", "tinylm", "charlm"])
 def test_readme_snippet_reproduces_the_metric_without_trainproof(task, args, tmp_path, torch_only_site):
-    from job.train.standalone import STANDALONE_RTOL
+    from job.export.standalone import STANDALONE_RTOL
 
     (tmp_path / "tinylm.json").write_text(json.dumps({"n_sequences": 12}))
     bundle = _export(tmp_path, task, *(a.format(tmp=tmp_path) for a in args))
@@ -146,7 +146,7 @@ def test_a_traceable_task_unknown_to_the_exporter_gets_a_program_that_runs_witho
     trained = run(tmp_path / "run", "--task", "usertask:factory", "--max-steps", "2",
                   env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
     assert trained.code == 0, trained.stderr
-    from job.train.export import export
+    from job.export.bundle import export
     from storage import open_store
 
     export(open_store(str(tmp_path / "run")), task="usertask:factory")
@@ -161,7 +161,7 @@ def test_a_traceable_task_unknown_to_the_exporter_gets_a_program_that_runs_witho
 
 
 def test_a_bundle_of_an_untraceable_unknown_task_says_so_and_has_no_snippet():
-    from job.train.bundle_readme import readme
+    from job.export.bundle_readme import readme
 
     text = readme(metric_name="m", metric=1.0, fp_name="model.safetensors", bf16_names=["model_bf16.pt"],
                   has_model_py=False, program_note="not traced: x", has_plot=False)

@@ -15,7 +15,7 @@ import zipfile
 from job.train.config import TrainConfig
 from job.train.loop import train
 from job.train.progress import Reporter
-from job.train.state import STATE_FILE, decode
+from job.format.state import STATE_FILE, decode
 from storage import open_store
 
 INTERVAL = 10

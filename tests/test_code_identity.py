@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from job.train.contract import build_plan, contract_of
-from job.train.identity import code_version, source_digest
-from job.train.protect import audited_past, protected_steps
+from job.format.contract import build_plan, contract_of
+from job.format.identity import code_version, source_digest
+from job.format.protect import audited_past, protected_steps
 from storage import open_store
 from storage.generations import COMPLETE, GenerationInfo
 from storage.retention import plan_retention

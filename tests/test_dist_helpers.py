@@ -56,9 +56,9 @@ def rank_pids(proc: subprocess.Popen, lines: list[str]) -> list[int]:
 
 def load_world_state(store: Path | str, step: int | None = None) -> dict[str, Any]:
     """The joined state (every rank's part) of generation ``step`` (default: the newest usable one), with its full
-    history reassembled from the run's generations (job.train.history)."""
-    from job.train.history import from_store
-    from job.train.state import decode_generation
+    history reassembled from the run's generations (job.format.history)."""
+    from job.format.history import from_store
+    from job.format.state import decode_generation
     from storage import open_store
 
     s = open_store(str(store))

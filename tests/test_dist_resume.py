@@ -19,7 +19,7 @@ from job.train.data import epoch_plan, permutation_of
 from job.train.dist import rank_seed, rank_slice
 from job.errors import ConfigError, StateError
 from job.train.launch import world_exit_code
-from job.train.state import decode_generation, rank_file
+from job.format.state import decode_generation, rank_file
 from storage import open_store
 from tests.test_dist_helpers import load_world_state, rank_pids, read_until, start_torchrun, start_world
 from tests.test_train_helpers import differences, finish, history_rows, run_all, trajectory

@@ -67,7 +67,7 @@ def events(stdout: str) -> list[dict[str, Any]]:
 def final_state(store: Path | str) -> dict[str, Any]:
     """The newest usable generation's training state: read and verified by the store, decoded weights-only, with its
     full history reassembled from the run's generations (each holds only the rows since the previous one)."""
-    from job.train.history import from_store
+    from job.format.history import from_store
 
     run = open_store(str(store))
     loaded = run.load_latest(quarantine=False)

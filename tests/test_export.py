@@ -54,7 +54,7 @@ def test_export_commits_a_complete_bundle(exported):
 
 
 def test_the_weight_files_are_what_the_libraries_write_and_no_spool_file_is_left(exported):
-    """The weight files are written tensor by tensor through spool files (job.train.tensorfile); the bytes are
+    """The weight files are written tensor by tensor through spool files (job.export.tensorfile); the bytes are
     still exactly what safetensors and torch.save make of the same weights, and the spools are deleted."""
     from safetensors.torch import load, save
 
@@ -83,8 +83,8 @@ def test_building_the_bundle_lets_the_gathered_weights_go_and_deletes_its_spools
     import weakref
 
     from job.tasks import load_task
-    from job.train.export import FP_FILE, build_files, discard
-    from job.train.state import STATE_FILE, decode
+    from job.export.bundle import FP_FILE, build_files, discard
+    from job.format.state import STATE_FILE, decode
     from storage.spool import Spool
 
     run_dir = exported["dir"] / "run"
@@ -113,8 +113,8 @@ def test_building_the_bundle_lets_the_gathered_weights_go_and_deletes_its_spools
 
 def test_a_damaged_weights_spool_fails_the_content_check(tmp_path):
     """The store's content check reads a spooled weights file from its path (mapped, or tensor by tensor)."""
-    from job.train.export import check_file
-    from job.train.tensorfile import write_safetensors
+    from job.export.bundle import check_file
+    from job.export.tensorfile import write_safetensors
     from storage.spool import SpoolWriter
 
     with SpoolWriter(str(tmp_path)) as out:
@@ -170,7 +170,7 @@ def test_exporting_again_reuses_the_committed_bundle(exported, cli):  # noqa: F8
 
 
 def test_a_bundle_whose_metric_is_wrong_fails_its_reload_check(exported, tmp_path):
-    from job.train.export import check_file
+    from job.export.bundle import check_file
     from job.proof.reload import reload_check
 
     source = open_store(str(exported["dir"] / "dest")).load(4)

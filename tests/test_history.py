@@ -1,6 +1,6 @@
 """The bounded per-generation history and its hash chain: a generation holds only the rows since the previous
 committed one, and the full history is reassembled from the run's generations and checked end to end
-(job.train.history). In-process over the real trainer code, then through real processes and the store: a changed
+(job.format.history). In-process over the real trainer code, then through real processes and the store: a changed
 row in an older generation is refused by name; an export after retention deleted old generations says which
 steps it covers."""
 
@@ -14,9 +14,9 @@ import torch
 
 from job.errors import StateError
 from job.tasks import load_task
-from job.train.history import MissingGeneration, assemble, from_store
+from job.format.history import MissingGeneration, assemble, from_store
 from job.train.run import build_run, capture_state, restore_state, train_step
-from job.train.state import (HISTORY_FILE, HISTORY_GENESIS, STATE_FILE, History, check_history, decode, decode_history,
+from job.format.state import (HISTORY_FILE, HISTORY_GENESIS, STATE_FILE, History, check_history, decode, decode_history,
                              encode, runtime_versions)
 from storage import open_store
 from tests.test_train_helpers import differences, history_rows, load_state, run

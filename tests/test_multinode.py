@@ -68,7 +68,7 @@ def test_two_nodes_on_loopback_stop_together_and_resume_bitwise(tmp_path):
 
 
 def _shard_digests(store) -> dict[str, str]:
-    from job.train.shard_files import is_sharded_file
+    from job.format.shard_files import is_sharded_file
     from storage import open_store
 
     newest = [g for g in open_store(str(store)).scan() if g.status == "complete"][-1]

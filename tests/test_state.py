@@ -16,9 +16,9 @@ import torch
 from job.train import rng
 from job.train.data import EpochSampler, epoch_plan
 from job.errors import ConfigError, StateError
-from job.train.history import assemble
+from job.format.history import assemble
 from job.train.run import build_run, capture_state, restore_state, train_step
-from job.train.state import STATE_SCHEMA, Expected, History, check_consistency, decode, encode, runtime_versions
+from job.format.state import STATE_SCHEMA, Expected, History, check_consistency, decode, encode, runtime_versions
 from job.tasks import load_task
 from job.tasks.tinylm import TinyLMConfig, TinyLMTask
 from job.train.loop import configure_determinism
@@ -285,7 +285,7 @@ def test_resume_at_an_epoch_boundary_is_bitwise_equal(task, total, cut):
 
 def _reassembled(state: dict, *earlier: dict) -> dict:
     """``state`` with its full history: a resumed run holds only the rows since the state it resumed from, the
-    rest is in that (earlier) generation (job.train.history, chain checked)."""
+    rest is in that (earlier) generation (job.format.history, chain checked)."""
     return assemble(state, {e["progress"]["step"]: e for e in earlier}.get).state
 
 
@@ -338,7 +338,7 @@ def test_a_state_archive_that_expands_past_its_size_is_refused_before_loading():
     import io as _io
     import zipfile as _zip
 
-    from job.train.state import check_archive
+    from job.format.state import check_archive
 
     buf = _io.BytesIO()
     torch.save({"a": torch.zeros(1000)}, buf)

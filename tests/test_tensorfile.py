@@ -1,4 +1,4 @@
-"""``job.train.tensorfile``: safetensors written tensor by tensor are the library's own bytes, and mapped back
+"""``job.export.tensorfile``: safetensors written tensor by tensor are the library's own bytes, and mapped back
 they are the same tensors; a header that points outside its file is refused."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from job.train.tensorfile import map_safetensors, write_safetensors
+from job.export.tensorfile import map_safetensors, write_safetensors
 
 
 def _mixed(seed: int) -> dict[str, torch.Tensor]:

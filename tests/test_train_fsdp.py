@@ -24,12 +24,12 @@ import torch
 from job.errors import ContractError, TrainError
 from job.proof.compare import SECTIONS, Tolerance, compare_all
 from job.proof.paths import RunReader
-from job.train.contract import build_plan, check_plan
-from job.train.export import FP_FILE, export
+from job.format.contract import build_plan, check_plan
+from job.export.bundle import FP_FILE, export
 from job.train.fsdp import complete_state
 from job.train.fsdp import full_state as gather
 from job.train.sharded import GenerationReader, ShardedLoadError
-from job.train.state import STATE_FILE, decode_generation, rank_file
+from job.format.state import STATE_FILE, decode_generation, rank_file
 from storage import open_store
 from tests.test_dist_helpers import load_world_state, rank_pids, read_until, start_world
 from tests.test_train_helpers import differences, finish, history_rows, run, trajectory
@@ -361,7 +361,7 @@ def test_fsdp_is_part_of_the_plan_and_a_switch_is_refused_by_name():
 
 def test_a_replicated_run_keeps_its_contract():
     # The field enters the hash only when set: every existing (DDP) run's contract is unchanged.
-    from job.train.contract import canonical_json, sha256_hex
+    from job.format.contract import canonical_json, sha256_hex
 
     plan = _plan()
     fields = {k: plan[k] for k in ("config_sha256", "state_schema", "data_identity", "world", "objective", "seed")}

@@ -87,11 +87,11 @@ def run(store: Path | str, *args: str, env: dict[str, str] | None = None) -> Res
 def load_state(store: Path | str, step: int | None = None, *, history: str = "full") -> dict[str, Any]:
     """The decoded training state of generation ``step`` (default: the newest usable one).
 
-    ``history``: ``full`` reassembles every step's history row from the run's generations (job.train.history,
+    ``history``: ``full`` reassembles every step's history row from the run's generations (job.format.history,
     chain checked; fails when retention deleted some), ``kept`` as far back as the kept generations reach, ``own``
     leaves the generation's own rows (those since the previous generation) as stored."""
-    from job.train.history import from_store
-    from job.train.state import STATE_FILE, decode
+    from job.format.history import from_store
+    from job.format.state import STATE_FILE, decode
     from storage import open_store
 
     s = open_store(str(store))
@@ -138,7 +138,7 @@ def from_step(state: dict[str, Any], first: int) -> dict[str, Any]:
     history rows ``first``.. and the chain value before them. Comparing that with ``load_state(..., history="kept")``
     of another run still compares every step: equal ``history_chain.before`` values mean equal rows before ``first``
     (sha256 chain), equal rows and digest the rest."""
-    from job.train.state import History
+    from job.format.state import History
 
     chain = state["history_chain"]
     assert first >= chain["first"], f"the state's history starts at step {chain['first']}, after {first}"
@@ -156,6 +156,6 @@ def kept_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def history_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
     """Per-step history as rows (step, epoch, loss, lr, targets, sample_ids)."""
-    from job.train.state import History
+    from job.format.state import History
 
     return History.from_state_dict(state["history"]).rows

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from job.train.state import STATE_FILE
+from job.format.state import STATE_FILE
 from storage import open_store
 from tests.test_train_helpers import run
 from tests.test_verify_helpers import cli  # noqa: F401  (a fixture)

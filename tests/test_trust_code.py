@@ -105,7 +105,7 @@ def test_the_reload_check_never_imports_the_task_named_by_a_bundle(tmp_path):
     files["config.json"] = json.dumps(config).encode()
     files["SHA256SUMS"] = "".join(f"{hashlib.sha256(v).hexdigest()}  {k}\n" for k, v in sorted(files.items())
                                   if k != "SHA256SUMS").encode()
-    from job.train.export import check_file
+    from job.export.bundle import check_file
 
     forged = open_store(str(tmp_path / "forged"))
     forged.commit(4, files, contract="c", world=1, code_version="test", check=check_file,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from job.train.state import STATE_FILE, decode, encode
+from job.format.state import STATE_FILE, decode, encode
 from storage import open_store
 from tests.test_train_helpers import differences, from_step, load_state, run, trajectory
 

@@ -11,7 +11,7 @@ import torch
 
 from job.proof.compare import Diff, Tolerance, compare_cut, diff_tree, expected_at_cut
 from job.train.data import EpochSampler
-from job.train.state import History
+from job.format.state import History
 
 TOL = Tolerance(atol=1e-12, rtol=0.0)
 

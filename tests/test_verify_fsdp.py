@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from job.proof.compare import SECTIONS
 from job.proof.paths import RunReader
-from job.train.export import FP_FILE
+from job.export.bundle import FP_FILE
 from job.train.fsdp import _check_tiling, _unflatten
 from job.train.sharded import ShardedLoadError
 from storage import open_store

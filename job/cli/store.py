@@ -98,7 +98,7 @@ def ls_command(
 def _run_contract(run: Any) -> str | None:
     """The run's contract from its plan.json; None for a store without one (retention then deletes nothing
     when it finds generations of more than one contract)."""
-    from job.train.contract import PLAN_FILE, read_plan
+    from job.format.contract import PLAN_FILE, read_plan
 
     try:
         return read_plan(run)["contract"]

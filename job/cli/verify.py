@@ -208,7 +208,7 @@ def export_command(
         raise UsageError(f"--step must be a step number or 'latest' (got {step!r})")
     opener = _opener(endpoint_url, region, path_style)
     try:
-        from job.train.export import export
+        from job.export.bundle import export
         from job.proof.reload import check_in_fresh_process, write_record
         from job.proof.paths import VerificationIncomplete, absolute_url
 

@@ -98,7 +98,7 @@ class Finisher:
         need = self.estimate_s(save_s)
         if seconds_left is not None and seconds_left < need:
             return {"ok": False, "why": f"{seconds_left:.1f}s left before the deadline, the export needs ~{need:.1f}s"}
-        from job.train.export import export
+        from job.export.bundle import export
         from job.proof.reload import check_in_fresh_process, write_record
         from job.proof.paths import VerificationIncomplete, absolute_url
 

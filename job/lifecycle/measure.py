@@ -62,7 +62,7 @@ def _step_seconds(events: list[dict[str, Any]], saves: list[float], steps: int) 
 
 def _export_seconds(url: str, task: str, store_args: list[str], timeout: float) -> float:
     """Export the scratch run's newest generation and reload-check it in a fresh process, timed."""
-    from job.train.export import export
+    from job.export.bundle import export
     from job.proof.reload import check_in_fresh_process
     from job.proof.paths import absolute_url
     from storage import StoreOptions, open_store

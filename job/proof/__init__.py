@@ -6,7 +6,7 @@ tolerance), :mod:`job.proof.report` (``verification.json``, table, plot), :mod:`
 (``verify --audit`` of a real run), :mod:`job.proof.world` (world-size equivalence and its negative control),
 :mod:`job.proof.reload` (the export bundle's fresh-process reload check).
 
-May import: ``job.train``, ``job.tasks``, ``job.errors``, ``storage``. Must not import ``job.cli`` or
+May import: ``job.export``, ``job.train``, ``job.format``, ``job.tasks``, ``job.errors``, ``storage``. Must not import ``job.cli`` or
 ``job.lifecycle``. Its negative controls (resume without RNG restore, per-rank mean) are explicit options of
 the ``train`` command lines it starts, never environment switches.
 """

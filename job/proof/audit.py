@@ -10,14 +10,14 @@ state, re-seeded generators, skipped data ...) does not match.
 Across resumes: every generation records the step its process resumed from (``extra.resumed_from`` in its
 COMPLETE.json, ``meta.resumed_from`` in the state). By default ``b`` is the newest generation and ``a`` the newest
 generation *before* the restore point ``r`` that ``b``'s process started from (``r`` itself when nothing older is
-kept; the trainer keeps ``r`` from retention until an audit passed across it, job.train.protect), so the replay
+kept; the trainer keeps ``r`` from retention until an audit passed across it, job.format.protect), so the replay
 runs across the restore without one: a resume that lost state makes ``b`` differ. ``verification.json``'s
 ``audit_span`` says which generations, which restore points and which code identities the replay spans; a
 replay that crosses a code change (``--allow-code-change``) runs with this process's code and says so. A passed
 audit records its span in ``<run>/verification/audited.json``, which releases the protected restore point.
 
-Per-step history: a generation holds only the rows since the previous one (job.train.state), so the run's rows
-a+1..b are reassembled from its generations (job.train.history, chain checked; a changed row is refused) and compared
+Per-step history: a generation holds only the rows since the previous one (job.format.state), so the run's rows
+a+1..b are reassembled from its generations (job.format.history, chain checked; a changed row is refused) and compared
 with the replay's row by row. Where retention deleted generations between a and b, the comparison covers the steps
 still held (``history_compared``: ``first_step``..``last_step``, ``covers_replay``), and ``chain_digest_equal`` says
 whether the replay's chain value, which covers every step, equals the run's (bitwise the same rows throughout).
@@ -42,18 +42,18 @@ from pathlib import Path
 from typing import Any
 
 from job.proof.compare import Diff, Tolerance, compare_all
-from job.train.contract import PLAN_FILE
+from job.format.contract import PLAN_FILE
 from job.errors import ConfigError, StateError
-from job.train import history
-from job.train.state import decode_generation
+from job.format import history
+from job.format.state import decode_generation
 from job.tasks import load_task, trusted_task
 from job.proof.protocol import parameter_names, verification_base
 from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv, new_id, read_run_plan,
                              require_success, run_processes, seed_run, with_sections)
 from job.proof.report import build_report, environment
-from job.train.identity import code_version
-from job.train.protect import AUDITED_FILE
-from job.train.shard_files import is_sharded_file
+from job.format.identity import code_version
+from job.format.protect import AUDITED_FILE
+from job.format.shard_files import is_sharded_file
 from storage import COMPLETE, StoreError
 from storage.spool import spool_dir
 
@@ -223,7 +223,7 @@ class Audit:
 
     def record_passed(self) -> None:
         """After a passed audit: record its span in ``<run>/verification/audited.json`` (releases the restore point
-        the trainer protects from retention, job.train.protect). Only for the default workdir: with
+        the trainer protects from retention, job.format.protect). Only for the default workdir: with
         ``--workdir`` the run's store is left alone."""
         if self.s.workdir is not None or not self.verdicts()["all_checks_passed"] or self.a is None:
             return

@@ -24,7 +24,7 @@ import torch
 
 from job.errors import ConfigError, StateError
 from job.train.data import permutation_of
-from job.train.state import History
+from job.format.state import History
 
 
 @dataclass(frozen=True, kw_only=True)

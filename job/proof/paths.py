@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from job.train.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F401 - re-exported
+from job.format.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F401 - re-exported
 from job.train.launch import entry_argv
 from job.errors import StateError
-from job.train.history import assemble
-from job.train.shard_files import METADATA_FILE, is_sharded_file
-from job.train.state import STATE_FILE, decode, decode_generation
+from job.format.history import assemble
+from job.format.shard_files import METADATA_FILE, is_sharded_file
+from job.format.state import STATE_FILE, decode, decode_generation
 from storage import COMPLETE, GenerationStore, redact_url
 from storage.spool import spool_dir
 
@@ -146,7 +146,7 @@ class RunReader:
     def state(self, step: int, *, since: int = 1, whole: bool = False) -> dict[str, Any]:
         """Generation ``step``, read back and verified (size, sha256), then decoded weights-only, with its history
         reassembled from the path's generations (steps ``since``..``step``) and its chain checked end to end
-        (job.train.history; every path keeps all its generations: ``--keep 0``).
+        (job.format.history; every path keeps all its generations: ``--keep 0``).
 
         A sharded run's model and optimizer stay in its shards (:func:`with_sections`: the comparison reads them
         a group at a time); ``whole``: read them whole into ``model`` and ``optimizer`` instead."""
@@ -173,7 +173,7 @@ class RunReader:
 
 
 def _history_section(state: dict[str, Any]) -> dict[str, Any]:
-    """What :func:`job.train.history.assemble` needs of an older generation (not its model or optimizer)."""
+    """What :func:`job.format.history.assemble` needs of an older generation (not its model or optimizer)."""
     return {"progress": state["progress"], "history": state["history"], "history_chain": state.get("history_chain")}
 
 

@@ -43,10 +43,10 @@ from job.proof.diagnose import diagnose_path
 from job.proof.objective import ObjectiveCheck
 from job.train.data import epoch_plan
 from job.train.config import load_task_config
-from job.train.contract import PLAN_FILE
+from job.format.contract import PLAN_FILE
 from job.errors import ConfigError
-from job.train.export import export
-from job.train.state import History
+from job.export.bundle import export
+from job.format.state import History
 from job.tasks import Task, load_task
 from job.proof.reload import check_in_fresh_process, write_record
 from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv,

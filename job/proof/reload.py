@@ -7,7 +7,7 @@ Identical checksums prove the copy; only a reload proves the content is enough t
 - full-precision weights reproduce the recorded metric (same bytes, same CPU kernels and thread count: exact
   up to ``EXACT_RTOL``);
 - bf16 weights reproduce the bf16 metric recorded at export (likewise exact);
-- bf16 weights stay within ``BF16_RTOL`` of the full-precision metric (why: ``job.train.export.BF16_WHY``).
+- bf16 weights stay within ``BF16_RTOL`` of the full-precision metric (why: ``job.export.bundle.BF16_WHY``).
 
 The result is written next to the bundle (``step-%08d.reload-check.json``), never into it: a committed
 generation is immutable, and the check must read what a consumer reads, i.e. the committed bundle.
@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from job.train.export import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evaluate_weights, sha256_of
+from job.export.bundle import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evaluate_weights, sha256_of
 from job.errors import ConfigError
 from storage.limits import loads_untrusted
 from job.tasks import load_task, trusted_task
-from job.train.state import StateError, load_weights_only
+from job.format.state import StateError, load_weights_only
 from job.proof.paths import VerificationIncomplete, job_argv, run_processes
 from storage import GenerationStore
 from storage.spool import Spool, spool_dir
@@ -107,7 +107,7 @@ def _weights(files: dict[str, Any], name: Any, where: str) -> dict[str, torch.Te
     try:
         if name.endswith(".safetensors"):
             if isinstance(data, Spool):
-                from job.train.tensorfile import map_safetensors
+                from job.export.tensorfile import map_safetensors
 
                 return map_safetensors(data.path, name=name)
             from safetensors.torch import load

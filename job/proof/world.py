@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from job.train.state import History
+from job.format.state import History
 from job.proof.paths import Opener, RunReader, VerificationIncomplete, job_argv, require_success, run_processes
 
 TOLERANCE = 1e-9

@@ -58,7 +58,7 @@ import torch
 from job.errors import TrainError
 from job.train.checkpoint import Checkpointer
 from job.train.progress import Reporter
-from job.train.state import encode_history, encode_spool
+from job.format.state import encode_history, encode_spool
 
 
 class DeferredReporter(Reporter):

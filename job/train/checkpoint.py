@@ -39,8 +39,8 @@ from typing import Any
 from job.train.dist import Collectives
 from job.errors import TrainError
 from job.train.progress import Reporter
-from job.train.shard_files import METADATA_FILE
-from job.train.state import (HISTORY_FILE, STATE_FILE, decode, decode_history, decode_rank_part, encode_history,
+from job.format.shard_files import METADATA_FILE
+from job.format.state import (HISTORY_FILE, STATE_FILE, decode, decode_history, decode_rank_part, encode_history,
                              encode_rank_part, encode_spool, rank_file)
 from storage import GenerationStore
 from storage.errors import CommitConflictError, StoreError
@@ -86,7 +86,7 @@ class Checkpointer:
         self.records: list[dict[str, Any]] = []
         self.protect: Callable[[], frozenset[int]] = frozenset
         """Steps retention must keep besides the newest ones (the generation the newest restore started from,
-        until an audit passed across it: job.train.protect). Called at each retention."""
+        until an audit passed across it: job.format.protect). Called at each retention."""
 
     def commit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any],
                part: dict[str, Any] | None = None, encoded: Spool | None = None, history: bytes | None = None,

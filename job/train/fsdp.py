@@ -122,7 +122,7 @@ def full_state(store: GenerationStore, step: int, state: dict[str, Any], *,
 
     Memory: the sections asked for, whole, in this process, plus the parts of a shard file in flight (each file is
     read part by part, ``storage.generations.read_parts``). The export then writes its files tensor by tensor and
-    frees these tensors (job.train.export ``build_files``); the verifier does not call this: it compares a group of
+    frees these tensors (job.export.bundle ``build_files``); the verifier does not call this: it compares a group of
     entries at a time (:class:`ShardedSections`, job.proof.compare).
     """
     shards = ShardedSections(store, step, contract=contract)

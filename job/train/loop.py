@@ -24,19 +24,20 @@ from typing import Any, Protocol
 
 import torch
 
-from job.train import dist, identity
+from job.train import dist
+from job.format import identity
 from job.train.async_save import BackgroundSaver
 from job.train.checkpoint import Checkpointer, SaveClock
 from job.train.config import TrainConfig
-from job.train.contract import build_plan
+from job.format.contract import build_plan
 from job.train.data import epoch_plan
 from job.errors import ConfigError, ContractError, TrainError
 from job.train.progress import Reporter, make_reporter
-from job.train.protect import protected_steps
+from job.format.protect import protected_steps
 from job.train.resume import (agree_plan, check_transition, code_decision, load_agreed, quarantine_corrupt,
                               world_decision)
 from job.train.run import RestoreCheckError, Run, build_run, capture_rank_part, capture_state, restore_state, train_step
-from job.train.state import Expected, check_consistency, runtime_versions
+from job.format.state import Expected, check_consistency, runtime_versions
 from job.tasks import Task, load_task
 from job.tasks.objective import ObjectiveCheckTask
 from storage import COMPLETE, INCOMPLETE, GenerationStore, StoreOptions, open_store
@@ -47,7 +48,7 @@ SUMMARY_FILE = "summary.json"
 
 
 def code_version() -> str:
-    """The code identity recorded in every state and generation (job.train.identity: version + source digest)."""
+    """The code identity recorded in every state and generation (job.format.identity: version + source digest)."""
     return identity.code_version()
 
 

@@ -28,11 +28,11 @@ import json
 import logging
 from typing import Any
 
-from job.train.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
+from job.format.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
 from job.train.dist import Collectives, PeerError
 from job.errors import ContractError, StateError, TrainError
-from job.train.shard_files import is_sharded_file
-from job.train.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
+from job.format.shard_files import is_sharded_file
+from job.format.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
 from storage import COMPLETE, GenerationStore, Loaded
 from storage.errors import CorruptGenerationError, StoreError
 from storage.spool import Spool, spool_dir
@@ -198,7 +198,7 @@ def code_decision(*, saved: str | None, now: str, step: int, allow: bool, histor
                   source: str) -> list[dict[str, Any]]:
     """The code changes of the run after this start; ContractError (exit 2) for a change not allowed.
 
-    The code identity (job.train.identity) is not part of the run contract, so a new build can still find
+    The code identity (job.format.identity) is not part of the run contract, so a new build can still find
     the run's generations; whether it may *continue* them is decided here, like a world-size change.
     """
     if saved == now:

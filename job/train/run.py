@@ -27,7 +27,7 @@ from job.train import rng
 from job.train.data import EpochSampler
 from job.train.dist import Collectives, DistEnv, rank_seed, rank_slice, wrap_model
 from job.errors import ConfigError, StateError
-from job.train.state import STATE_SCHEMA, History
+from job.format.state import STATE_SCHEMA, History
 from job.tasks.base import Task, TaskContext
 
 @dataclass(kw_only=True)
@@ -208,7 +208,7 @@ def capture_rank_part(run: Run) -> dict[str, Any]:
 
 def capture_state(run: Run, meta: dict[str, Any]) -> dict[str, Any]:
     """The full training state at the current optimizer-step boundary, with this rank's part inline
-    (see job.train.state for the layout; rank 0's is the one saved in ``training_state.pt``)."""
+    (see job.format.state for the layout; rank 0's is the one saved in ``training_state.pt``)."""
     return {
         "schema": STATE_SCHEMA,
         "meta": meta,
@@ -230,7 +230,7 @@ def restore_state(run: Run, state: dict[str, Any], *, restore_rng: bool = True, 
                   seed: int | None = None) -> None:
     """Load ``state`` into a freshly built run; generators last (skipped for the negative control).
 
-    ``state["ranks"]`` must hold this rank's part (job.train.state.decode_generation joins the rank files).
+    ``state["ranks"]`` must hold this rank's part (job.format.state.decode_generation joins the rank files).
     ``rederive_at``: the world size changed at this step, so the saved per-rank streams do not fit any more:
     every rank re-derives its generators from ``rank_seed(seed, rank, step)`` instead, while the data
     generator (global) carries over.
@@ -248,7 +248,7 @@ def restore_state(run: Run, state: dict[str, Any], *, restore_rng: bool = True, 
     run.sampler.load_state_dict(data)
     progress = state["progress"]
     # The rows up to the restored step live in the store's generations; this process records from the next step
-    # on, chaining from the restored state's digest (job.train.state.History).
+    # on, chaining from the restored state's digest (job.format.state.History).
     saved = History.from_state_dict(state["history"])
     run.history = History(first=progress["step"] + 1, before=state["history_chain"]["digest"], last=saved.last_row)
     run.step, run.samples_seen, run.targets_seen = progress["step"], progress["samples_seen"], progress["targets_seen"]

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from job.errors import ConfigError, TrainError
-from job.train.shard_files import METADATA_FILE, is_sharded_file, shard_file, values_file  # noqa: F401 (re-exported)
+from job.format.shard_files import METADATA_FILE, is_sharded_file, shard_file, values_file  # noqa: F401 (re-exported)
 from storage import GenerationInfo, GenerationStore
 from storage.errors import StoreError
 from storage.pieces import Pieces

@@ -141,7 +141,7 @@ def _dump_full(model: Any, optimizer: Any, path: str) -> None:
 def install() -> None:
     """Patch the trainer in this process as the ``TPHOOK_*`` variables say, and wrap the processes it starts."""
     from job.train import checkpoint, launch, loop
-    from job.train.state import STATE_FILE
+    from job.format.state import STATE_FILE
 
     launch.ENTRY_MODULE = MODULE
     step_delay, save_delay = _seconds("TPHOOK_STEP_DELAY"), _seconds("TPHOOK_SAVE_DELAY")

@@ -1,12 +1,12 @@
 """A state's full per-step history, reassembled from the generations of its run.
 
 A generation holds only the history rows since the previous committed generation (``history_chain.first``..its
-step, job.train.state): checkpoints stay the same size however long the run. Whoever needs every step (the
+step, job.format.state): checkpoints stay the same size however long the run. Whoever needs every step (the
 verifier's comparisons, the audit, the export's loss curve) walks back through the run's generations: the rows
 before ``first`` are in generation ``first - 1``, whose own rows start at its ``first``, and so on down to step 1.
 
 Every link is checked: each generation's rows must hash from its ``before`` to its ``digest`` (the chain of
-job.train.state.History), and each ``before`` must be the ``digest`` of the generation below it, down to the
+job.format.state.History), and each ``before`` must be the ``digest`` of the generation below it, down to the
 chain's genesis at step 1. So a full history reassembled here is proven to be exactly the rows the newest state's
 digest was computed over; a row changed in an older generation (even one re-committed with valid checksums)
 breaks the chain and is refused by name.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from job.errors import StateError
-from job.train.state import HISTORY_FILE, STATE_FILE, History, check_history, decode, decode_history
+from job.format.state import HISTORY_FILE, STATE_FILE, History, check_history, decode, decode_history
 from storage import COMPLETE, GenerationStore
 from storage.errors import StoreError
 from storage.manifest import step_dir

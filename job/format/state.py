@@ -4,7 +4,7 @@ Layout (``training_state.pt``, a dict saved with ``torch.save``)::
 
     schema     "trainproof.state/2"
     meta       contract, world, world_changes ([{step, from, to}], empty unless --allow-world-change was
-               used), task, task_config, seed, objective, data_identity, code_version (job.train.identity),
+               used), task, task_config, seed, objective, data_identity, code_version (job.format.identity),
                code_changes ([{step, from, to}], empty unless --allow-code-change was used), versions
                (python/torch/numpy), device, epoch_plan, trainer settings (with ``resumed_from``: the step this
                process restored, None on a fresh start)
@@ -14,7 +14,7 @@ Layout (``training_state.pt``, a dict saved with ``torch.save``)::
                since the previous committed generation of this run only (``history_chain.first``..step)
     history_chain  {first, before, digest}: the first step held, the hash chain's value before it (the previous
                generation's ``digest``; ``HISTORY_GENESIS`` when first is 1) and after the last row. The chain
-               covers every row since step 1 (see :class:`History`): job.train.history reassembles a full
+               covers every row since step 1 (see :class:`History`): job.format.history reassembles a full
                history from the run's generations and checks it end to end against ``digest``
     task_state the task's own state (``Task.state_dict()``, ``{}`` for tasks that keep none; absent in states
                written before it existed, which load as ``{}``)
@@ -83,7 +83,7 @@ class History:
     ``d_0 = HISTORY_GENESIS``, ``d_k = sha256(d_{k-1} || canonical bytes of row k)`` (:data:`_ROW`, then the
     sample ids; floats by their IEEE-754 bits). ``before`` is the chain value before ``first`` (the previous
     generation's ``digest``), :attr:`digest` the value after the last row. A full history reassembled from
-    generations (:mod:`job.train.history`) is checked end to end against the newest state's digest.
+    generations (:mod:`job.format.history`) is checked end to end against the newest state's digest.
     Digests are computed lazily (at a save or a check), never per training step.
     """
 
@@ -187,7 +187,7 @@ class History:
     def join(cls, parts: list[History]) -> History:
         """Consecutive parts (each one's ``first`` right after the previous one's last step) as one history.
 
-        The caller checks that each part's ``before`` is the previous part's ``digest`` (job.train.history)."""
+        The caller checks that each part's ``before`` is the previous part's ``digest`` (job.format.history)."""
         out = cls(first=parts[0].first, before=parts[0].before, last=parts[-1].last_row)
         for part in parts:
             for name in cls.COLUMNS:
@@ -261,7 +261,7 @@ def check_history(state: dict[str, Any]) -> History:
     """The state's own rows (``first``..its step, each exactly once), proven to chain from ``before`` to ``digest``.
 
     What a single state can prove; that ``before`` is the previous generation's digest is checked when a full
-    history is reassembled (job.train.history)."""
+    history is reassembled (job.format.history)."""
     own = state["progress"]["step"]
     chain = check_chain(state.get("history_chain"))
     history = History.from_state_dict(state["history"], first=chain["first"], before=chain["before"])
@@ -338,7 +338,7 @@ HISTORY_SCHEMA = "trainproof.history/1"
 
 def encode_history(state: dict[str, Any]) -> bytes:
     """``history.pt``: this generation's own history rows and their chain link (a few KB), committed beside
-    ``training_state.pt``. A reader that needs only the history of an older generation (job.train.history: the
+    ``training_state.pt``. A reader that needs only the history of an older generation (job.format.history: the
     verifier, the audit, the export's loss curve) reads this instead of the whole state, whose model and optimizer
     may be gigabytes. The chain check makes it as trustworthy as the copy inside the state."""
     return encode({"schema": HISTORY_SCHEMA, "progress": {"step": state["progress"]["step"]},

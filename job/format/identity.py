@@ -7,7 +7,7 @@ file), so any edit of the trainer or the store changes it, and nothing outside t
 user's task module) does.
 
 Why it is not part of the run contract: plan.json records it, but the contract hash and the plan
-comparison (job.train.contract) leave it out, so a code upgrade never makes an existing run "foreign".
+comparison (job.format.contract) leave it out, so a code upgrade never makes an existing run "foreign".
 A resume under another identity is decided explicitly instead (job.train.resume.code_decision): refused
 (exit 2) unless ``--allow-code-change``, which is recorded in ``meta.code_changes``.
 """

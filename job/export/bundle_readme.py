@@ -3,7 +3,7 @@ reproduces the recorded metric with only ``torch`` and ``safetensors`` installed
 
 from __future__ import annotations
 
-from job.train.standalone import EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, PROGRAM_INPUTS_FILE, STANDALONE_RTOL
+from job.export.standalone import EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, PROGRAM_INPUTS_FILE, STANDALONE_RTOL
 
 INSTALL = ("a checkout of its repository\n(`bash scripts/dev.sh ...`, or `pip install -e .` in it) or its container "
            "image (`docker build -t trainproof:local .`\nin the checkout)")

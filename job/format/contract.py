@@ -38,7 +38,7 @@ from urllib.parse import urlparse
 
 from job.errors import ConfigError, ContractError
 from storage import redact_url
-from job.train.state import STATE_SCHEMA
+from job.format.state import STATE_SCHEMA
 
 PLAN_SCHEMA = "trainproof.plan/1"
 PLAN_FILE = "plan.json"

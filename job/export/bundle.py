@@ -9,9 +9,9 @@ Layout (``<dest>/step-%08d/``, ``<dest>`` defaulting to ``<run>/exports``)::
     config.json         task, task settings, dtype, seed, contract, source generation, versions, model_args
     metrics.json        final loss, evaluation metric (full precision and bf16), steps, samples/targets seen, and
                         ``history``: the steps the loss curve covers (``first_step``..``last_step``; reassembled from
-                        the run's generations, job.train.history: later than 1 when retention deleted older ones)
+                        the run's generations, job.format.history: later than 1 when retention deleted older ones)
     data.json           data identity, epoch plan and position
-    model.py            the architecture and evaluation in plain torch (known tasks: job.train.standalone)
+    model.py            the architecture and evaluation in plain torch (known tasks: job.export.standalone)
     eval_data.safetensors  the evaluation's exact batches (with model.py)
     model.pt2           a torch.export program of the model, when it can be traced
     loss.png            training loss per step (with matplotlib), over metrics.json's ``history`` steps
@@ -42,14 +42,14 @@ from typing import Any, Callable, Iterator
 import torch
 
 from job.errors import ConfigError
-from job.train import history
-from job.train.shard_files import is_sharded_file
-from job.train.state import STATE_FILE, History, decode
+from job.format import history
+from job.format.shard_files import is_sharded_file
+from job.format.state import STATE_FILE, History, decode
 from storage.backend import CHUNK
 from storage.digest import FileHasher
 from storage.spool import Spool, SpoolWriter, spool_dir
 from job.tasks import Task, load_task, trusted_task
-from job.train.contract import PLAN_FILE, absolute_url, read_run_plan
+from job.format.contract import PLAN_FILE, absolute_url, read_run_plan
 from storage import COMPLETE, GenerationStore
 from storage.manifest import step_dir
 
@@ -188,19 +188,19 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
     (``storage.spool.Spool``, in ``directory``, default ``spool_dir()``), the rest as bytes. The caller hands them
     to the store and deletes the spools (:func:`discard`); on an error here they are deleted already.
 
-    Memory: the weight files are written tensor by tensor (``job.train.tensorfile``; the bf16 cast one tensor at a
+    Memory: the weight files are written tensor by tensor (``job.export.tensorfile``; the bf16 cast one tensor at a
     time). Once ``model.safetensors`` is written, ``state["model"]`` is replaced by a map of that file (``mmap``):
     the weights the caller gathered can then be freed, and every later reader (the evaluations, ``model_bf16.pt``,
     ``model.pt2``) reads the file's pages. The bf16 weights are mapped from their file the same way. What stays in
     anonymous memory is one model built to evaluate (or trace) them at a time.
 
-    ``history_covered``: which steps ``state``'s history holds (job.train.history ``Assembled.to_json``), recorded in
+    ``history_covered``: which steps ``state``'s history holds (job.format.history ``Assembled.to_json``), recorded in
     metrics.json; retention may have deleted the generations holding the oldest rows."""
-    from job.train.bundle_readme import readme
-    from job.train.plot import loss_png
-    from job.train.standalone import (EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, PROGRAM_INPUTS_FILE, export_program,
+    from job.export.bundle_readme import readme
+    from job.export.plot import loss_png
+    from job.export.standalone import (EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, PROGRAM_INPUTS_FILE, export_program,
                                       standalone)
-    from job.train.tensorfile import map_safetensors, write_safetensors
+    from job.export.tensorfile import map_safetensors, write_safetensors
 
     weights = {k: v.detach().cpu().contiguous() for k, v in state["model"].items()}  # no copy of host weights
     files: dict[str, Any] = {}
