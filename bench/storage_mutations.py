@@ -34,7 +34,7 @@ M = [
  ("reason defensive parse", "storage/quarantine.py", "reason = loads_untrusted(raw, what=\"REASON\", max_bytes=cap)", "reason = json.loads(raw)", "tests/test_storage_hostile.py -k reason"),
  ("retention contract filter", "storage/retention.py", "    return (contract is None or manifest[\"contract\"] == contract) and", "    return True or", "tests/test_storage_retention.py -k 'another_contract or world_filter or plan_retention_counts'"),
  ("mixed contracts guard", "storage/retention.py", "    if len(contracts) > 1:", "    if False:", "tests/test_storage_retention.py -k mixed"),
- ("commit keep passes contract", "storage/store.py", 'self.apply_retention(keep, contract=manifest["contract"])', "self.apply_retention(keep)", "tests/test_storage_retention.py -k commit_with_keep"),
+ ("commit keep passes contract", "storage/store.py", 'else replace(retention, contract=manifest["contract"])', "else retention", "tests/test_storage_retention.py -k commit_with_keep"),
  ("re-verify newest", "storage/retention.py", "    if doomed and not _newest_verifies(", "    if False and not _newest_verifies(", "tests/test_storage_retention.py -k 'fails_verification or no_generation_verifies'"),
  ("grace floor", "storage/retention.py", "    if grace_seconds < MIN_GRACE_SECONDS and not i_know_no_writer_is_active:", "    if False:", "tests/test_storage_retention.py -k grace"),
  ("lstat in listdir", "storage/backend.py", "st = e.stat(follow_symlinks=False)", "st = e.stat()", "tests/test_storage_retention.py -k symlink"),

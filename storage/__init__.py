@@ -9,12 +9,12 @@ from storage.errors import (CommitConflictError, CorruptGenerationError, StoreCo
 from storage.generations import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, GenerationInfo, Loaded
 from storage.limits import Limits, redact_url
 from storage.options import RetryPolicy, StoreOptions
-from storage.retention import MIN_GRACE_SECONDS, plan_retention
+from storage.retention import MIN_GRACE_SECONDS, RetentionPolicy, plan_retention
 from storage.store import GenerationStore, open_store
 
 __all__ = [
     "open_store", "GenerationStore", "GenerationInfo", "Loaded", "StoreOptions", "RetryPolicy", "Limits",
-    "plan_retention", "MIN_GRACE_SECONDS", "redact_url",
+    "plan_retention", "RetentionPolicy", "MIN_GRACE_SECONDS", "redact_url",
     "StoreError", "StoreConfigError", "StoreUnavailableError", "CommitConflictError", "CorruptGenerationError",
     "COMPLETE", "INCOMPLETE", "CORRUPT", "FOREIGN",
 ]

@@ -16,7 +16,7 @@ import stat
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, Protocol, Union
+from typing import BinaryIO, Iterator, Protocol, Union, runtime_checkable
 
 from storage.digest import FileHasher, digest_bytes
 from storage.pieces import Pieces, as_pieces
@@ -82,6 +82,36 @@ class Backend(Protocol):
 
     def exists(self, path: str) -> bool:
         """Whether an object exists (asked of the store, not a cache)."""
+
+
+# -- optional capabilities: a backend has them or not; the store asks with isinstance, never getattr ---------------
+@runtime_checkable
+class ParallelRanges(Protocol):
+    """A backend whose ranged reads are worth running many at once (S3: one GET each, latency-bound); a local
+    disk is not (sha256, not the reads, is the bottleneck there), so it is read one chunk at a time."""
+
+    parallel_ranges: bool
+
+
+@runtime_checkable
+class ReadsIntoBuffers(Protocol):
+    """A backend that can read a range into a caller's buffer (no allocation per part: a local file's pread)."""
+
+    def read_range_into(self, path: str, start: int, buf: memoryview) -> int:
+        """Read bytes ``start:start+len(buf)`` of the object into ``buf``; the count read (fewer at its end)."""
+
+
+@runtime_checkable
+class RenamesFolders(Protocol):
+    """A backend that moves a folder in one step (a local rename); others copy every object, then delete."""
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Move folder ``src`` to ``dst`` (which must not exist)."""
+
+
+def reads_in_parallel(backend: object) -> bool:
+    """Whether ranged reads of ``backend`` should run in parallel (:class:`ParallelRanges`)."""
+    return isinstance(backend, ParallelRanges) and bool(backend.parallel_ranges)
 
 
 def iter_chunks(data: Source) -> Iterator[memoryview | bytes]:

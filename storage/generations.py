@@ -18,7 +18,8 @@ from typing import Callable
 from storage import manifest as mf
 from storage import signing
 from storage.digest import FileHasher, cores, hasher_for
-from storage.backend import CHUNK, Backend, Entry, hash_object, join, read_at_most, read_hashed
+from storage.backend import (CHUNK, Backend, Entry, ReadsIntoBuffers, hash_object, join, read_at_most, read_hashed,
+                             reads_in_parallel)
 from storage.errors import CorruptGenerationError
 from storage.limits import Limits
 from storage.pieces import as_pieces
@@ -83,7 +84,7 @@ class Ctx:
     def transfer(self) -> dict[str, int]:
         """Part size and concurrency of ranged reads on this backend (parallel on S3, one chunk at a time on a
         local disk, where sha256 and not the reads is the bottleneck)."""
-        if getattr(self.backend, "parallel_ranges", False):
+        if reads_in_parallel(self.backend):
             return {"part_size": self.part_size, "concurrency": self.concurrency}
         return {"part_size": CHUNK, "concurrency": 1}
 
@@ -337,8 +338,8 @@ def read_parts(ctx: Ctx, info: GenerationInfo, fname: str, sink: Callable[[int, 
     if wanted is not None:
         spans = [s for s in spans if any(a < min(s[2], size) and b > s[1] for a, b in wanted if b > a)]
 
-    workers = max(1, ctx.concurrency if getattr(ctx.backend, "parallel_ranges", False) else min(ctx.concurrency, cores()))
-    into = getattr(ctx.backend, "read_range_into", None)
+    workers = max(1, ctx.concurrency if reads_in_parallel(ctx.backend) else min(ctx.concurrency, cores()))
+    into = ctx.backend.read_range_into if isinstance(ctx.backend, ReadsIntoBuffers) else None
     buffers: queue.SimpleQueue = queue.SimpleQueue()  # a local folder: parts read into reused buffers
     for _ in range(workers + 1 if into else 0):  # each worker's part, and the one the sink has
         buffers.put(bytearray(step + 1))

@@ -14,7 +14,7 @@ import time
 import uuid
 
 from storage import manifest as mf
-from storage.backend import read_at_most
+from storage.backend import RenamesFolders, read_at_most
 from storage.generations import Ctx
 from storage.limits import UntrustedJSONError, loads_untrusted
 
@@ -28,9 +28,9 @@ def quarantine(ctx: Ctx, name: str, reason: str) -> str:
     dest_name = f"{name}-{stamp}-{uuid.uuid4().hex[:6]}"
     src, dest = ctx.path(name), ctx.path(QUARANTINE, dest_name)
     note = json.dumps({"generation": name, "reason": reason, "quarantined_at": stamp}, indent=2).encode() + b"\n"
-    rename = getattr(ctx.backend, "rename_dir", None)
-    if rename is not None:
-        ctx.io(f"move {name} to quarantine", lambda: rename(src, dest))
+    if isinstance(ctx.backend, RenamesFolders):
+        backend = ctx.backend
+        ctx.io(f"move {name} to quarantine", lambda: backend.rename_dir(src, dest))
     else:
         _copy_then_delete(ctx, name, src, dest)
     ctx.io(f"write {dest_name}/REASON", lambda: ctx.backend.write(f"{dest}/REASON", note))

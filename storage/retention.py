@@ -1,7 +1,9 @@
 """What to keep, and deleting the rest without ever losing the last good copy.
 
-``plan_retention`` is a pure function of the list of generations.  Its rules (each one a complaint about a
-peer tool, see DESIGN.md):
+``plan_retention`` is a pure function of the list of generations and one :class:`RetentionPolicy` (the rule's
+settings, passed whole: a new rule is a field there and a line here).  Its rules (each one a complaint about
+users of other checkpointing tools have made: retention that deleted the only good copy, or deleted before the
+new checkpoint was written):
 - keep the ``keep`` newest complete generations *of this run* (``contract``/``world`` when given);
 - never delete the newest complete generation, nor anything newer than it (a write may be in flight);
 - a foreign (another contract or world), corrupt, or symlinked generation is never counted as the newest and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, replace
 
 from storage import manifest as mf
 from storage.generations import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, Ctx, GenerationInfo, scan_capped, verify_hashes
@@ -28,23 +31,46 @@ log = logging.getLogger("trainproof.storage")
 # A partial generation younger than this may belong to a writer that is still writing (a slow upload, a rank
 # that lags): deleting its files under it would turn its commit into a conflict or a corrupt generation.
 MIN_GRACE_SECONDS = 60.0
+DEFAULT_GRACE_SECONDS = 6 * 3600.0
+"""Partial generations younger than this are left alone by default (a slow upload may still be writing them)."""
 
 
-def plan_retention(
-    generations: list[GenerationInfo], *, keep: int, now: float, grace_seconds: float,
-    contract: str | None = None, world: int | None = None, i_know_no_writer_is_active: bool = False,
-    protect: frozenset[int] | set[int] = frozenset(),
-) -> list[GenerationInfo]:
-    """The generations to delete, oldest first.  ``contract``/``world``: only complete generations with this
-    contract and world size count (others are left alone).  ``protect``: steps of complete generations to keep
-    anyway (the caller's reasons, e.g. the generation a resume started from, kept until an audit spans it).  ``grace_seconds`` below MIN_GRACE_SECONDS is raised
-    to it, with a warning, unless ``i_know_no_writer_is_active``."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1 (the newest complete generation is never deleted), got {keep}")
-    grace = effective_grace(grace_seconds, i_know_no_writer_is_active)
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """What retention keeps. Validated once, here; passed whole to :func:`plan_retention` and :func:`apply_retention`."""
+
+    keep: int
+    """Complete generations of this run to keep (>= 1: the newest complete generation is never deleted)."""
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    """A partial generation is collected once untouched this long (raised to MIN_GRACE_SECONDS, see below)."""
+    contract: str | None = None
+    """Only complete generations with this contract count as the run's (None: all, unless several contracts)."""
+    world: int | None = None
+    """Only complete generations of this world size count (None: any)."""
+    protect: frozenset[int] = frozenset()
+    """Steps of complete generations to keep anyway (the caller's reasons, e.g. the generation a resume started
+    from, kept until an audit spans it)."""
+    i_know_no_writer_is_active: bool = False
+    """Allow a grace below MIN_GRACE_SECONDS (a test, or an offline clean-up with no trainer running)."""
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1 (the newest complete generation is never deleted), got {self.keep}")
+        object.__setattr__(self, "protect", frozenset(self.protect))
+
+    def protecting(self, steps: frozenset[int] | set[int]) -> RetentionPolicy:
+        """This policy, also keeping ``steps``."""
+        return replace(self, protect=self.protect | frozenset(steps))
+
+
+def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *, now: float) -> list[GenerationInfo]:
+    """The generations to delete under ``policy``, oldest first.  Complete generations of another contract or
+    world (when the policy names them) are left alone; a grace below MIN_GRACE_SECONDS is raised to it, with a
+    warning, unless the policy says no writer is active."""
+    grace = effective_grace(policy.grace_seconds, policy.i_know_no_writer_is_active)
     ours, strangers = [], []
     for g in generations:
-        if g.status == COMPLETE and g.manifest is not None and _matches(g.manifest, contract, world):
+        if g.status == COMPLETE and g.manifest is not None and _matches(g.manifest, policy.contract, policy.world):
             ours.append(g)
         elif g.status in (COMPLETE, CORRUPT, FOREIGN):
             strangers.append(g)
@@ -60,8 +86,8 @@ def plan_retention(
         return []
     ours.sort(key=lambda g: g.step)
     newest = ours[-1].step
-    kept = {g.step for g in ours[-keep:]}
-    doomed = [g for g in ours if g.step not in kept and g.step not in protect and g.step < newest]
+    kept = {g.step for g in ours[-policy.keep:]}
+    doomed = [g for g in ours if g.step not in kept and g.step not in policy.protect and g.step < newest]
     doomed += [
         g for g in generations
         if g.status == INCOMPLETE and g.step < newest
@@ -84,20 +110,17 @@ def _matches(manifest: dict, contract: str | None, world: int | None) -> bool:
     return (contract is None or manifest["contract"] == contract) and (world is None or manifest["world"] == world)
 
 
-def apply_retention(ctx: Ctx, *, keep: int, grace_seconds: float, contract: str | None = None,
-                    world: int | None = None, dry_run: bool = False, i_know_no_writer_is_active: bool = False,
-                    before_write=lambda: None, protect: frozenset[int] | set[int] = frozenset()) -> list[GenerationInfo]:
+def apply_retention(ctx: Ctx, policy: RetentionPolicy, *, dry_run: bool = False,
+                    before_write=lambda: None) -> list[GenerationInfo]:
     """Delete what ``plan_retention`` selects, after re-verifying the newest generation kept; return it.
 
     A complete generation loses its COMPLETE.json first, so an interrupted delete leaves it incomplete.  On a
     local folder a step folder that is a symlink is never entered or deleted through."""
-    found = scan_capped(ctx, contract=contract, world=world)
+    found = scan_capped(ctx, contract=policy.contract, world=policy.world)
     if found.truncated:  # unseen generations could be newer than what we would keep
         return []
-    doomed = plan_retention(found.generations, keep=keep, now=time.time(), grace_seconds=grace_seconds,
-                            contract=contract, world=world, i_know_no_writer_is_active=i_know_no_writer_is_active,
-                            protect=protect)
-    if doomed and not _newest_verifies(ctx, found.generations, contract, world):
+    doomed = plan_retention(found.generations, policy, now=time.time())
+    if doomed and not _newest_verifies(ctx, found.generations, policy.contract, policy.world):
         return []
     if dry_run or not doomed:
         return doomed

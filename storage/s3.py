@@ -1,6 +1,6 @@
 """S3 (AWS, MinIO, Ceph…) through s3fs, imported lazily so a local run imports nothing remote.
 
-What this module owns, from "S3 facts the store must respect" (DESIGN.md):
+What this module owns, each rule answering something S3 and S3-compatible servers really do:
 - one retry layer: botocore gets ``total_max_attempts=1`` and s3fs ``retries=1``; tenacity in
   ``storage.retry`` retries whole operations;
 - per-endpoint checksum settings (``when_required`` for non-AWS endpoints);

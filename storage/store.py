@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import os
 import threading
 import time
@@ -19,11 +20,11 @@ from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, 
 from storage.limits import loads_untrusted, redact_url
 from storage.options import RetryPolicy, StoreOptions
 from storage.quarantine import list_quarantined, quarantine
-from storage.retention import apply_retention
+from storage.retention import DEFAULT_GRACE_SECONDS, RetentionPolicy, apply_retention
 from storage.retry import RetryStats, retry_or_unavailable
 
 log = logging.getLogger("trainproof.storage")
-DEFAULT_GRACE_SECONDS = 6 * 3600.0
+__all__ = ["GenerationStore", "open_store", "DEFAULT_GRACE_SECONDS"]
 
 
 class GenerationStore:
@@ -69,19 +70,20 @@ class GenerationStore:
     # -- generations ------------------------------------------------------------------------------------
     def commit(self, step: int, files: dict[str, bytes], *, contract: str, world: int, code_version: str,
                check: Check | None = None, extra: dict | None = None, digests: dict[str, str] | None = None,
-               keep: int | None = None) -> GenerationInfo:
-        """Write → verify (read back from the store) → mark usable generation ``step``; then, when ``keep`` is
-        given, apply retention.  See ``storage.commit`` for the guarantees."""
+               retention: RetentionPolicy | None = None) -> GenerationInfo:
+        """Write → verify (read back from the store) → mark usable generation ``step``; then, when ``retention`` is
+        given, apply it (to this generation's contract unless it names one).  See ``storage.commit`` for the
+        guarantees."""
         self._before_write()
         manifest = commit_generation(self._ctx, step, files, contract=contract, world=world, code_version=code_version,
                                      check=check, digests=digests, extra=extra)
-        return self._committed(step, manifest, keep)
+        return self._committed(step, manifest, retention)
 
-    def _committed(self, step: int, manifest: dict, keep: int | None) -> GenerationInfo:
+    def _committed(self, step: int, manifest: dict, retention: RetentionPolicy | None) -> GenerationInfo:
         info = GenerationInfo(step=step, name=mf.step_dir(step), status=COMPLETE, manifest=manifest,
                               bytes=sum(m["bytes"] for m in manifest["files"].values()), mtime=time.time())
-        if keep is not None:  # only this run's contract counts: a stranger's generation is never "the newest"
-            self.apply_retention(keep, contract=manifest["contract"])
+        if retention is not None:  # only this run's contract counts: a stranger's generation is never "the newest"
+            self.apply_retention(retention if retention.contract else replace(retention, contract=manifest["contract"]))
         return info
 
     def write_part(self, step: int, files: dict[str, Any], *, check: Check | None = None) -> dict[str, list]:
@@ -97,14 +99,14 @@ class GenerationStore:
 
     def commit_parts(self, step: int, entries: dict[str, list], *, contract: str, world: int, code_version: str,
                      extra: dict | None = None, digests: dict[str, str] | None = None,
-                     keep: int | None = None) -> GenerationInfo:
+                     retention: RetentionPolicy | None = None) -> GenerationInfo:
         """Mark generation ``step`` usable from the entries that ``write_part`` returned (possibly in several
         processes): every listed object must be in the store with its size; then COMPLETE.json, create-only."""
         self._before_write()
         written = {k: (int(v[0]), _digest(k, v), str(v[2])) for k, v in entries.items()}
         manifest = mark_usable(self._ctx, step, written, contract=contract, world=world, code_version=code_version,
                                digests=digests, extra=extra)
-        return self._committed(step, manifest, keep)
+        return self._committed(step, manifest, retention)
 
     def scan(self, *, contract: str | None = None, world: int | None = None) -> list[GenerationInfo]:
         """Every generation, ascending, classified complete / incomplete / corrupt / foreign (no hashing); never
@@ -176,17 +178,11 @@ class GenerationStore:
         """(folder, reason) of every quarantined generation."""
         return list_quarantined(self._ctx)
 
-    def apply_retention(self, keep: int, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False,
-                        contract: str | None = None, world: int | None = None,
-                        i_know_no_writer_is_active: bool = False,
-                        protect: frozenset[int] | set[int] = frozenset()) -> list[GenerationInfo]:
-        """Delete what ``plan_retention`` selects (never the newest complete generation of this ``contract`` and
-        ``world``, nor anything newer; never foreign, corrupt or symlinked ones), after re-verifying the newest
-        kept generation's sha256s; return what was (or, with ``dry_run``, would be) deleted.  ``grace_seconds``
-        below ``MIN_GRACE_SECONDS`` is raised to it unless ``i_know_no_writer_is_active``."""
-        return apply_retention(self._ctx, keep=keep, grace_seconds=grace_seconds, contract=contract, world=world,
-                               dry_run=dry_run, i_know_no_writer_is_active=i_know_no_writer_is_active,
-                               before_write=self._before_write, protect=protect)
+    def apply_retention(self, policy: RetentionPolicy, *, dry_run: bool = False) -> list[GenerationInfo]:
+        """Delete what ``plan_retention`` selects under ``policy`` (never the newest complete generation of its
+        contract and world, nor anything newer; never foreign, corrupt or symlinked ones), after re-verifying the
+        newest kept generation's sha256s; return what was (or, with ``dry_run``, would be) deleted."""
+        return apply_retention(self._ctx, policy, dry_run=dry_run, before_write=self._before_write)
 
     def latest_hint(self) -> str | None:
         """What ``LATEST`` says (a hint only) when it names a generation (``step-%08d``), else None."""

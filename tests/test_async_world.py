@@ -58,10 +58,12 @@ def _snapshot_checks(dist, cpu, DTensor) -> None:
     from job.tasks import load_task
     from job.train.async_save import snapshot
     from job.train.fsdp import sharded_state
+    from job.format.layout import Layout
     from job.train.run import build_run, train_step
 
     with dist.session(dist.DistEnv(), cpu, group_of_one=True) as sync:
-        run = build_run(load_task("regression", {}), cpu, 1234, env=sync.env, sync=sync, fsdp=True)
+        run = build_run(load_task("regression", {}), cpu, 1234, env=sync.env, sync=sync,
+                        layout=Layout.choose(world=1, fsdp=True))
         for _ in range(3):
             train_step(run)
         live = _flat(sharded_state(run.model, run.optimizer))

@@ -18,7 +18,7 @@ from job.format.identity import code_version, source_digest
 from job.format.protect import audited_past, protected_steps
 from storage import open_store
 from storage.generations import COMPLETE, GenerationInfo
-from storage.retention import plan_retention
+from storage.retention import RetentionPolicy, plan_retention
 from tests.test_train_helpers import load_state, run
 from tests.test_verify_helpers import read_report, trainproof
 
@@ -96,8 +96,8 @@ def _info(step: int) -> GenerationInfo:
 
 def test_retention_keeps_protected_steps():
     gens = [_info(s) for s in range(1, 8)]
-    plain = [g.step for g in plan_retention(gens, keep=2, now=0.0, grace_seconds=0.0)]
-    kept = [g.step for g in plan_retention(gens, keep=2, now=0.0, grace_seconds=0.0, protect={3})]
+    plain = [g.step for g in plan_retention(gens, RetentionPolicy(keep=2, grace_seconds=0.0), now=0.0)]
+    kept = [g.step for g in plan_retention(gens, RetentionPolicy(keep=2, grace_seconds=0.0, protect={3}), now=0.0)]
     assert plain == [1, 2, 3, 4, 5] and kept == [1, 2, 4, 5]
 
 

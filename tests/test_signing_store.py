@@ -14,6 +14,7 @@ import logging
 
 import pytest
 
+from storage.retention import RetentionPolicy
 from storage import COMPLETE, FOREIGN, CorruptGenerationError, StoreOptions, open_store
 from storage.signing import Keyring, key_id
 
@@ -162,7 +163,7 @@ def test_a_fork_is_out_of_chain_and_retention_never_deletes_it(store_url):
         s.load(3)
     _commit(s, 4)  # chained to 2, the newest in-chain generation, not to the fork
     assert _raw_manifest(s, 4)["predecessor"] == hashlib.sha256(s.read_file("step-00000002/COMPLETE.json")).hexdigest()
-    s.apply_retention(2, contract=CONTRACT, i_know_no_writer_is_active=True)
+    s.apply_retention(RetentionPolicy(keep=2, contract=CONTRACT, i_know_no_writer_is_active=True))
     # 1 deleted, the fork kept (never deleted) and still out of chain: 2 continued step 1 below it.
     assert _status(s) == {2: COMPLETE, 3: FOREIGN, 4: COMPLETE}
 
@@ -172,7 +173,7 @@ def test_a_predecessor_deleted_by_retention_keeps_its_successors_in_chain(store_
     _plan(s)
     for step in (1, 2, 3):
         _commit(s, step, payload=b"y")
-    s.apply_retention(1, contract=CONTRACT, i_know_no_writer_is_active=True)
+    s.apply_retention(RetentionPolicy(keep=1, contract=CONTRACT, i_know_no_writer_is_active=True))
     assert _status(s) == {3: COMPLETE}
     _commit(s, 4)
     assert _status(s) == {3: COMPLETE, 4: COMPLETE}

@@ -21,7 +21,7 @@ from job.train.run import build_run, capture_state, restore_state, train_step
 from job.format.state import STATE_SCHEMA, Expected, History, check_consistency, decode, encode, runtime_versions
 from job.tasks import load_task
 from job.tasks.tinylm import TinyLMConfig, TinyLMTask
-from job.train.loop import configure_determinism
+from job.train.device import configure_determinism
 from tests.test_train_helpers import differences
 
 CPU = torch.device("cpu")

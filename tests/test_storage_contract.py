@@ -12,6 +12,7 @@ import logging
 
 import pytest
 
+from storage.retention import RetentionPolicy
 from storage import (COMPLETE, FOREIGN, INCOMPLETE, CommitConflictError, CorruptGenerationError,
                      open_store)
 from storage.manifest import MARKER, SCHEMA
@@ -169,11 +170,11 @@ def test_abandoned_partial_of_the_same_step_never_mixes_with_the_new_commit(stor
 def test_retention_keeps_k_newest_and_never_the_newest_complete(store_url):
     store = open_store(store_url)
     for step in range(1, 6):
-        commit(store, step, keep=2)
+        commit(store, step, retention=RetentionPolicy(keep=2))
     assert [g.step for g in store.scan()] == [4, 5]
     # a partial newer than the newest complete is never collected, however old
     store.backend.write(raw(store, "step-00000006", "training_state.pt"), b"in flight")
-    store.apply_retention(1, grace_seconds=0, i_know_no_writer_is_active=True)
+    store.apply_retention(RetentionPolicy(keep=1, grace_seconds=0, i_know_no_writer_is_active=True))
     assert [g.step for g in store.scan()] == [5, 6]
 
 
@@ -185,11 +186,11 @@ def test_retention_collects_old_partials_but_not_exports_or_quarantine(store_url
     exports = store.child("exports")
     exports.commit(1, {"model_bf16.pt": b"w"}, contract=C, world=1, code_version="t")
     oldest = [g.name for g in store.scan() if g.step == 1]
-    assert [g.name for g in store.apply_retention(1, grace_seconds=3600)] == oldest
+    assert [g.name for g in store.apply_retention(RetentionPolicy(keep=1, grace_seconds=3600))] == oldest
     assert [g.step for g in store.scan()] == [2, 3]  # the fresh partial is within its grace period
-    store.apply_retention(1, grace_seconds=0)  # raised to MIN_GRACE_SECONDS: a writer may still be writing it
+    store.apply_retention(RetentionPolicy(keep=1, grace_seconds=0))  # raised to MIN_GRACE_SECONDS: a writer may still be writing it
     assert [g.step for g in store.scan()] == [2, 3]
-    store.apply_retention(1, grace_seconds=0, i_know_no_writer_is_active=True)
+    store.apply_retention(RetentionPolicy(keep=1, grace_seconds=0, i_know_no_writer_is_active=True))
     assert [g.step for g in store.scan()] == [3]
     assert [g.step for g in exports.scan()] == [1]
 

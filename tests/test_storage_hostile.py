@@ -14,6 +14,7 @@ import threading
 
 import pytest
 
+from storage.retention import RetentionPolicy
 from storage import COMPLETE, CORRUPT, CorruptGenerationError, StoreOptions, open_store
 from storage.backend import CHUNK, join
 from storage.limits import Limits, UntrustedJSONError, loads_untrusted
@@ -182,7 +183,7 @@ def test_scans_stop_at_the_entry_cap_with_a_warning(store_url, caplog):
     assert len(gens) == 3
     assert any("Limits.scan_entries" in r.getMessage() for r in caplog.records)
     # a cut view could miss the newest generation: retention then deletes nothing
-    assert store.apply_retention(1) == []
+    assert store.apply_retention(RetentionPolicy(keep=1)) == []
     assert len(open_store(store_url).scan()) == 5
 
 

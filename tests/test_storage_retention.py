@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from storage.retention import RetentionPolicy
 from storage import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, open_store
 from storage.backend import LocalBackend, join
 from storage.manifest import MARKER
@@ -33,10 +34,10 @@ def test_a_one_byte_foreign_manifest_at_the_top_never_counts_as_the_newest(store
     for step in (1, 2, 3):
         commit(store, step)
     store.backend.write(join(store.root, "step-99999999", MARKER), b"1")
-    store.apply_retention(1, contract=C, world=1)
+    store.apply_retention(RetentionPolicy(keep=1, contract=C, world=1))
     assert steps(store) == [(3, COMPLETE), (99_999_999, CORRUPT)]
     assert store.load(3).files["training_state.pt"] == b"3" * 500
-    store.apply_retention(1)  # without a contract too
+    store.apply_retention(RetentionPolicy(keep=1))  # without a contract too
     assert steps(store) == [(3, COMPLETE), (99_999_999, CORRUPT)]
 
 
@@ -45,7 +46,7 @@ def test_a_valid_generation_of_another_contract_is_neither_newest_nor_deleted(st
     for step in (1, 2, 3):
         commit(store, step)
     commit(store, 99_999_999, contract="someone-else")
-    store.apply_retention(1, contract=C)
+    store.apply_retention(RetentionPolicy(keep=1, contract=C))
     assert steps(store) == [(3, COMPLETE), (99_999_999, COMPLETE)]
     assert store.load_latest(contract=C).info.step == 3
 
@@ -56,7 +57,7 @@ def test_without_a_contract_mixed_contracts_delete_nothing(store_url, caplog):
         commit(store, step)
     commit(store, 99_999_999, contract="someone-else")
     with caplog.at_level(logging.WARNING, logger="trainproof.storage"):
-        assert store.apply_retention(1) == []
+        assert store.apply_retention(RetentionPolicy(keep=1)) == []
     assert [s for s, _ in steps(store)] == [1, 2, 99_999_999]
     assert any("different contracts" in r.getMessage() for r in caplog.records)
 
@@ -66,7 +67,7 @@ def test_commit_with_keep_counts_only_its_own_contract(store_url):
     store = open_store(store_url)
     commit(store, 99_999_999, contract="someone-else")
     for step in (1, 2, 3):
-        commit(store, step, keep=1)
+        commit(store, step, retention=RetentionPolicy(keep=1))
     assert steps(store) == [(3, COMPLETE), (99_999_999, COMPLETE)]
 
 
@@ -76,7 +77,7 @@ def test_world_filter_leaves_other_worlds_alone(store_url):
     commit(store, 2)
     commit(store, 3)
     commit(store, 4, world=2)
-    store.apply_retention(1, contract=C, world=1)
+    store.apply_retention(RetentionPolicy(keep=1, contract=C, world=1))
     assert steps(store) == [(1, COMPLETE), (3, COMPLETE), (4, COMPLETE)]
     assert steps(store, world=1) == [(1, FOREIGN), (3, COMPLETE), (4, FOREIGN)]
 
@@ -90,7 +91,7 @@ def test_a_newest_generation_that_fails_verification_keeps_the_older_good_one(st
     data = store.backend.read(target)
     store.backend.write(target, bytes([data[0] ^ 0x01]) + data[1:])
     with caplog.at_level(logging.WARNING, logger="trainproof.storage"):
-        assert store.apply_retention(1, contract=C) == []
+        assert store.apply_retention(RetentionPolicy(keep=1, contract=C)) == []
     assert steps(store) == [(1, COMPLETE), (2, COMPLETE), (3, COMPLETE)]  # listing cannot see a same-size flip
     assert store.load(2).files["training_state.pt"] == b"2" * 500
     messages = " ".join(r.getMessage() for r in caplog.records)
@@ -104,7 +105,7 @@ def test_nothing_is_deleted_when_no_generation_verifies(store_url):
     for step in (1, 2):
         target = join(store.root, f"step-{step:08d}", "meta.json")
         store.backend.write(target, b"{!")
-    assert store.apply_retention(1, contract=C) == []
+    assert store.apply_retention(RetentionPolicy(keep=1, contract=C)) == []
     assert [s for s, _ in steps(store)] == [1, 2]
 
 
@@ -115,10 +116,10 @@ def test_a_young_partial_survives_a_zero_grace_period(store_url, caplog):
     store.backend.write(join(store.root, "step-00000002", "training_state.pt"), b"being written")
     commit(store, 3)
     with caplog.at_level(logging.WARNING, logger="trainproof.storage"):
-        store.apply_retention(1, grace_seconds=0, contract=C)
+        store.apply_retention(RetentionPolicy(keep=1, grace_seconds=0, contract=C))
     assert steps(store) == [(2, INCOMPLETE), (3, COMPLETE)]
     assert any("raised to 60s" in r.getMessage() for r in caplog.records)
-    store.apply_retention(1, grace_seconds=0, contract=C, i_know_no_writer_is_active=True)
+    store.apply_retention(RetentionPolicy(keep=1, grace_seconds=0, contract=C, i_know_no_writer_is_active=True))
     assert steps(store) == [(3, COMPLETE)]
 
 
@@ -129,9 +130,9 @@ def test_plan_retention_applies_the_grace_floor():
     gens = [GenerationInfo(step=1, name="step-00000001", status=INCOMPLETE, mtime=now - MIN_GRACE_SECONDS / 2),
             GenerationInfo(step=2, name="step-00000002", status=COMPLETE, mtime=now,
                            manifest={"contract": C, "world": 1})]
-    assert plan_retention(gens, keep=1, now=now, grace_seconds=0) == []
-    assert [g.step for g in plan_retention(gens, keep=1, now=now, grace_seconds=0,
-                                           i_know_no_writer_is_active=True)] == [1]
+    assert plan_retention(gens, RetentionPolicy(keep=1, grace_seconds=0), now=now) == []
+    assert [g.step for g in plan_retention(gens, RetentionPolicy(keep=1, grace_seconds=0,
+                                                                 i_know_no_writer_is_active=True), now=now)] == [1]
 
 
 def test_a_symlinked_step_folder_is_never_followed_or_deleted_through(tmp_path):
@@ -145,7 +146,7 @@ def test_a_symlinked_step_folder_is_never_followed_or_deleted_through(tmp_path):
     os.symlink(target, tmp_path / "run" / "step-00000001")
     [link] = [g for g in store.scan() if g.step == 1]
     assert link.status == FOREIGN and "symlink" in link.reason
-    store.apply_retention(1, grace_seconds=0, i_know_no_writer_is_active=True)
+    store.apply_retention(RetentionPolicy(keep=1, grace_seconds=0, i_know_no_writer_is_active=True))
     assert [s for s, _ in steps(store)] == [1, 4]
     assert (target / MARKER).exists() and (target / "training_state.pt").exists()
     assert os.path.islink(tmp_path / "run" / "step-00000001")
@@ -188,7 +189,7 @@ def test_only_step_generations_are_subject_to_keep(store_url):
     commit(store, 3)
     commit(store, 4)
     store.backend.write(join(store.root, "step-junk", "x"), b"not a generation")
-    store.apply_retention(1, grace_seconds=0, contract=C, i_know_no_writer_is_active=True)
+    store.apply_retention(RetentionPolicy(keep=1, grace_seconds=0, contract=C, i_know_no_writer_is_active=True))
     assert steps(store) == [(4, COMPLETE)]
     assert [g.step for g in exports.scan()] == [1]
     assert store.read_file("verification/report.json") == b"{}"
@@ -200,7 +201,7 @@ def test_dry_run_verifies_but_deletes_nothing(store_url):
     store = open_store(store_url)
     for step in (1, 2, 3):
         commit(store, step)
-    assert [g.step for g in store.apply_retention(1, dry_run=True, contract=C)] == [1, 2]
+    assert [g.step for g in store.apply_retention(RetentionPolicy(keep=1, contract=C), dry_run=True)] == [1, 2]
     assert [s for s, _ in steps(store)] == [1, 2, 3]
     manifest = json.loads(store.read_file(f"step-00000003/{MARKER}"))
     assert manifest["contract"] == C
@@ -215,9 +216,9 @@ def test_plan_retention_counts_only_the_given_contract_and_world():
                               manifest={"contract": contract, "world": world})
 
     gens = [gen(1), gen(2), gen(3, world=2), gen(99_999_999, contract="someone-else")]
-    plan = plan_retention(gens, keep=1, now=1e9, grace_seconds=3600, contract=C)
+    plan = plan_retention(gens, RetentionPolicy(keep=1, grace_seconds=3600, contract=C), now=1000000000.0)
     assert [g.step for g in plan] == [1, 2]  # 3 (world 2) is the newest of contract C; 99999999 is not ours
-    plan = plan_retention(gens, keep=1, now=1e9, grace_seconds=3600, contract=C, world=1)
+    plan = plan_retention(gens, RetentionPolicy(keep=1, grace_seconds=3600, contract=C, world=1), now=1000000000.0)
     assert [g.step for g in plan] == [1]
 
 

@@ -14,7 +14,7 @@ from job.errors import ConfigError
 from job.train.run import build_run, train_step
 from job.tasks import Task, TaskContext, load_task
 from job.tasks.tinylm import IGNORE
-from job.train.loop import configure_determinism
+from job.train.device import configure_determinism
 
 CPU = torch.device("cpu")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from job.errors import ContractError, TrainError
+from job.errors import ConfigError, ContractError, TrainError
 from job.proof.compare import SECTIONS, Tolerance, compare_all
 from job.proof.paths import RunReader
 from job.format.contract import build_plan, check_plan
@@ -343,9 +343,11 @@ def test_a_replicated_state_is_returned_as_it_is(runs):
 
 # -- cheap checks --------------------------------------------------------------------------------------------
 
-def _plan(**kw):
+def _plan(fsdp: bool = False):
+    from job.format.layout import Layout
+
     return build_plan(task="regression", task_config={}, data_identity="d" * 64, seed=1, world=2,
-                      objective="mse_mean_v1", code_version="test", **kw)
+                      objective="mse_mean_v1", code_version="test", layout=Layout.choose(world=2, fsdp=fsdp))
 
 
 def test_fsdp_is_part_of_the_plan_and_a_switch_is_refused_by_name():
@@ -366,6 +368,24 @@ def test_a_replicated_run_keeps_its_contract():
     plan = _plan()
     fields = {k: plan[k] for k in ("config_sha256", "state_schema", "data_identity", "world", "objective", "seed")}
     assert plan["contract"] == sha256_hex(canonical_json(fields))
+
+
+def test_the_layout_is_recorded_and_a_plan_from_before_layouts_still_reads():
+    from job.format.contract import contract_of
+    from job.format.layout import Layout, sharded
+
+    new = _plan(fsdp=True)
+    assert new["layout"] == {"name": "fully_sharded", "dp_replicate": 1, "dp_shard": 2}
+    assert _plan()["layout"] == {"name": "replicated", "dp_replicate": 2, "dp_shard": 1}
+    old = {k: v for k, v in new.items() if k != "layout"}  # what plan.json held before layouts were recorded
+    assert sharded(old) and sharded(new) and not sharded(_plan()) and not sharded({})
+    assert contract_of(old) == contract_of(new) == new["contract"]
+    check_plan(old, _plan(fsdp=True), where="memory://run")  # an old sharded run resumes under this code
+    with pytest.raises(ContractError, match=r"fsdp \(stored True, now False\)"):
+        check_plan(old, _plan(), where="memory://run")
+    with pytest.raises(ConfigError, match="hybrid sharding"):
+        Layout(world=4, dp_shard=2, sharded=True)
+    assert Layout.choose(world=4, fsdp=False).dp_replicate == 4
 
 
 def test_train_help_names_the_flag():

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from job.cli.app import app
 from job.cli.common import EndpointArg, PathStyleArg, RegionArg, StoreArg, UsageError, handled, open_run, setup_logging
-from storage import COMPLETE, CORRUPT
+from storage import COMPLETE, CORRUPT, RetentionPolicy
 
 _STYLE = {"complete": "green", "incomplete": "yellow", "corrupt": "red", "foreign": "magenta"}
 
@@ -141,7 +141,8 @@ def gc_command(
             raise UsageError(f"{shown(run.url)} has no complete generation of this run: nothing can be collected safely")
         # Only this run's generations (its plan.json's contract) count as "newest" or "old": a stranger's folder
         # never pushes ours out. Retention re-verifies the newest kept generation before deleting anything.
-        doomed = run.apply_retention(keep, grace_seconds=grace_hours * 3600, dry_run=dry_run, contract=contract)
+        doomed = run.apply_retention(RetentionPolicy(keep=keep, grace_seconds=grace_hours * 3600, contract=contract),
+                                     dry_run=dry_run)
         for g in doomed:
             print(f"{delete_verb} {shown(g.name)} ({g.status})")
         print(f"{delete_verb} {len(doomed)} generation(s); {keep_verb} the {keep} newest complete")

@@ -50,6 +50,7 @@ from storage.digest import FileHasher
 from storage.spool import Spool, SpoolWriter, spool_dir
 from job.tasks import Task, load_task, trusted_task
 from job.format.contract import PLAN_FILE, absolute_url, read_run_plan
+from job.format.layout import sharded
 from storage import COMPLETE, GenerationStore
 from storage.manifest import step_dir
 
@@ -113,7 +114,7 @@ def export(run: GenerationStore, *, step: int | None = None, dest: GenerationSto
 def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, loaded: Any,
                    dest: GenerationStore | None) -> Bundle:
     state = decode(loaded.files[STATE_FILE])  # mapped from the spool, not copied
-    if state["meta"].get("fsdp"):
+    if sharded(state["meta"]):
         # A sharded run (--fsdp): the model gathered whole in this process from the verified shards; the optimizer
         # (two thirds of a model + Adam state) is never read: a bundle holds weights only.
         from job.train.fsdp import complete_state  # only sharded runs import torch.distributed.checkpoint

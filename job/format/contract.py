@@ -10,6 +10,7 @@ The contract (docs/protocol.md) is sha256 over:
 - the seed,
 - ``fsdp: true`` when the run trains sharded (``train --fsdp``; absent otherwise, so a replicated run's
   contract is what it always was): its generations hold shards, not one state, so a run cannot switch.
+  plan.json also records the whole layout (job.format.layout, outside the hash).
 
 ``plan.json`` is written once, create-only, on the first start. Every later start recomputes the fields
 from its own options and compares them with the stored plan: a different task config, data, seed or
@@ -38,6 +39,7 @@ from urllib.parse import urlparse
 
 from job.errors import ConfigError, ContractError
 from storage import redact_url
+from job.format.layout import Layout, sharded
 from job.format.state import STATE_SCHEMA
 
 PLAN_SCHEMA = "trainproof.plan/1"
@@ -58,9 +60,12 @@ def sha256_hex(data: bytes) -> str:
 
 def build_plan(
     *, task: str, task_config: dict[str, Any], data_identity: str, seed: int, world: int, objective: str,
-    code_version: str, epoch_plan: dict[str, Any] | None = None, fsdp: bool = False,
+    code_version: str, epoch_plan: dict[str, Any] | None = None, layout: Layout | None = None,
 ) -> dict[str, Any]:
-    """The run's plan: its identity fields, the derived contract hash, and when/what wrote it."""
+    """The run's plan: its identity fields, the derived contract hash, and when/what wrote it.
+
+    ``layout`` (job.format.layout; default: replicated over ``world``) is recorded as ``layout`` and, when
+    sharded, as the ``fsdp: true`` field the contract hash has always covered."""
     plan: dict[str, Any] = {
         "schema": PLAN_SCHEMA,
         "task": task,
@@ -71,8 +76,7 @@ def build_plan(
         "objective": objective,
         "state_schema": STATE_SCHEMA,
     }
-    if fsdp:
-        plan["fsdp"] = True
+    plan.update((layout or Layout(world=world)).record())
     plan["config_sha256"] = sha256_hex(canonical_json({"task": task, "task_config": task_config}))
     plan["contract"] = contract_of(plan)
     plan["code_version"] = code_version
@@ -92,7 +96,7 @@ def contract_of(plan: dict[str, Any]) -> str:
         "objective": plan["objective"],
         "seed": plan["seed"],
     }
-    if plan.get("fsdp"):
+    if sharded(plan):
         fields["fsdp"] = True
     return sha256_hex(canonical_json(fields))
 
@@ -102,8 +106,8 @@ def differences(stored: dict[str, Any], new: dict[str, Any], *, ignore: tuple[st
     out = []
     for field in (f for f in CONTRACT_FIELDS if f not in ignore):
         a, b = stored.get(field), new.get(field)
-        if field == "fsdp":  # absent means replicated (DDP)
-            a, b = bool(a), bool(b)
+        if field == "fsdp":  # the layout: absent means replicated (DDP); plans before ``layout`` have only ``fsdp``
+            a, b = sharded(stored), sharded(new)
         if a == b:
             continue
         if field == "task_config" and stored.get("task") != new.get("task"):

@@ -51,6 +51,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -59,6 +60,21 @@ from job.errors import TrainError
 from job.train.checkpoint import Checkpointer
 from job.train.progress import Reporter
 from job.format.state import encode_history, encode_spool
+
+
+@dataclass(kw_only=True)
+class Capture:
+    """What one rank commits for one step (see :meth:`job.train.checkpoint.Checkpointer.commit`)."""
+
+    step: int
+    state: dict[str, Any] | None
+    """Rank 0's training state (None on other ranks)."""
+    extra: dict[str, Any]
+    """The manifest's extra fields (task, epoch, loss, next learning rate, ...)."""
+    part: dict[str, Any] | None = None
+    """A rank >= 1's own part (its generators and data position)."""
+    sharded: dict[str, Any] | None = None
+    """This rank's shards of the model and optimizer (a sharded layout)."""
 
 
 class DeferredReporter(Reporter):
@@ -183,6 +199,9 @@ class BackgroundSaver:
     drop the history rows it holds, so a failed save never loses a row.
     """
 
+    mode = "async"
+    """The ``checkpoint`` field of the ``start`` event (job.train.saver ``Saver``)."""
+
     def __init__(self, checkpointer: Checkpointer, reporter: Reporter, on_saved: Callable[[float], None],
                  on_committed: Callable[[int], None] | None = None) -> None:
         self.checkpointer = checkpointer
@@ -223,6 +242,11 @@ class BackgroundSaver:
         self._thread = threading.Thread(target=self._work, args=(step, holder, done, extra, blocked_s),
                                         name=f"trainproof-save-{step}", daemon=True)
         self._thread.start()
+
+    def save(self, capture: Capture, *, blocked_since: float) -> None:
+        """:meth:`submit` of one step's capture (job.train.saver ``Saver``): blocked since ``blocked_since``."""
+        self.submit(capture.step, capture.state, extra=capture.extra, blocked_s=time.perf_counter() - blocked_since,
+                    part=capture.part, sharded=capture.sharded)
 
     def _work(self, step: int, holder: list, done: torch.cuda.Event | None, extra: dict[str, Any],
               blocked_s: float) -> None:

@@ -42,7 +42,7 @@ from job.train.progress import Reporter
 from job.format.shard_files import METADATA_FILE
 from job.format.state import (HISTORY_FILE, STATE_FILE, decode, decode_history, decode_rank_part, encode_history,
                              encode_rank_part, encode_spool, rank_file)
-from storage import GenerationStore
+from storage import GenerationStore, RetentionPolicy
 from storage.errors import CommitConflictError, StoreError
 from storage.spool import Spool
 
@@ -227,8 +227,8 @@ class Checkpointer:
             return
         try:
             # Only this run's generations count (another contract's or world's never make ours "old").
-            removed = self.store.apply_retention(self.keep, contract=self.contract, world=self.world,
-                                                 protect=self.protect())
+            removed = self.store.apply_retention(RetentionPolicy(keep=self.keep, contract=self.contract,
+                                                                 world=self.world, protect=self.protect()))
         except (StoreError, OSError) as exc:
             # The new generation is committed; a failed cleanup costs storage, not work.
             self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")

@@ -144,8 +144,7 @@ class TrainConfig:
             "allow_world_change": self.allow_world_change, "dist_timeout_s": self.dist_timeout_s,
             "negative_control": self.negative_control, "allow_code_change": self.allow_code_change,
             "objective_check": self.objective_check, "batch_size": self.batch_size,
-            "micro_batch_size": self.micro_batch_size,
-            "negative_control": self.negative_control, "sync_checkpoint": self.sync_checkpoint,
+            "micro_batch_size": self.micro_batch_size, "sync_checkpoint": self.sync_checkpoint,
             "stop_grace_s": self.stop_grace_s, "fsdp": self.fsdp,
         }
 

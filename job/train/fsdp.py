@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from job.format.layout import sharded
 from job.train.dist import DistEnv
 from job.train.sharded import METADATA_FILE, GenerationReader, ShardedLoadError, load_sharded
 from storage import GenerationInfo, GenerationStore
@@ -225,7 +226,7 @@ def complete_state(store: GenerationStore, step: int, state: dict[str, Any], *,
     """``state`` itself, or for a sharded run's state (``meta.fsdp``) :func:`full_state` (what the verifier and
     the export compare and write: the same sections as a replicated run's state). ``optimizer=False``: the model
     only (the optimizer stays ``{}``), for a consumer of the weights."""
-    if not (state.get("meta") or {}).get("fsdp"):
+    if not sharded(state.get("meta")):
         return state
     return full_state(store, step, state, contract=contract, sections=("model", "optim") if optimizer else ("model",))
 

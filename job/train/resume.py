@@ -1,180 +1,216 @@
-"""Where a run continues from: the run's plan agreed by every rank, the generation to resume agreed by
-every rank, and the world-size decision.
+"""Where a run continues from: one function, :func:`resume`, and the decisions it makes on the way.
 
-Why rank 0 decides and the others follow: discovery may quarantine a corrupt generation and plan.json is
-written create-only; W ranks doing that at once would race each other, and two ranks that picked different
-generations (one listed a moment later) would silently train from different states. So rank 0 writes or
-reads plan.json and discovers the newest usable generation; it broadcasts what it found; every other rank
-loads exactly that generation (the manifest lists the rank files: they all belong to it) and all ranks
-agree that every load succeeded before training starts.
+Read :func:`resume` top to bottom: with ``--resume never`` refuse a store that already holds generations;
+otherwise take the newest usable generation every rank agreed on (job.train.discover), decide whether this
+process may continue it (its world size, its code identity), check it against what this run expects, load a
+sharded layout's shards, and restore the rest with the generators last (job.train.run ``restore_state``). It
+returns a small value (:class:`Resumed`) the trainer records in every later generation.
 
 World size: the run's current world is that of its newest usable generation (or plan.json's before the
 first one). Resuming with another world is refused (exit 2) unless ``--allow-world-change``; then the
 global data position carries over, every rank's generators are re-derived from (seed, rank, step), and the
 change is recorded: the run is no longer bitwise comparable with a run that kept its world.
 
-Falling back instead of failing the Job: a generation whose files verify but whose state contradicts
-itself or its folder (its step is not the folder's, its contract or data identity is not the manifest's,
-its history or scheduler disagree with its step) cannot have been written by a correct trainer of this run:
-it is damage or a planted copy. It is quarantined (evidence kept, one warning line) and the previous
-generation is used. A generation written by *other code* is not damage: it is skipped with a warning when an
-older one of this build exists (a stray or planted newer file must not crash-loop the Job); when none does,
-the code change is the person's call (exit 2).
+Code identity: a generation written by other code is refused (exit 2) unless ``--allow-code-change``, which is
+recorded like a world change (discovery has already preferred an older generation of this build if one exists).
 """
 
 from __future__ import annotations
 
-import json
-import logging
+from dataclasses import dataclass, field
 from typing import Any
 
-from job.format.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
-from job.train.dist import Collectives, PeerError
-from job.errors import ContractError, StateError, TrainError
-from job.format.shard_files import is_sharded_file
-from job.format.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
-from storage import COMPLETE, GenerationStore, Loaded
-from storage.errors import CorruptGenerationError, StoreError
-from storage.spool import Spool, spool_dir
+import torch
 
-log = logging.getLogger("trainproof.resume")
-
-
-def _spooled() -> dict[str, Any]:
-    """Resume loads every file into a spool file (parallel ranged reads, hashed as they arrive) and maps it, so a
-    state of any size is never held twice in memory (``storage.spool``)."""
-    # A sharded generation's DCP files are read by each rank itself, only those it needs (job.train.sharded).
-    return {"spool_dir": spool_dir(), "spool_from": 0, "skip": is_sharded_file}
+from job.errors import ContractError, TrainError
+from job.format.identity import code_version
+from job.format.layout import sharded
+from job.format.state import Expected, check_consistency
+from job.train.discover import load_agreed, quarantine_corrupt
+from job.train.dist import Collectives
+from job.train.parallel import Strategy
+from job.train.progress import Reporter
+from job.train.run import RestoreCheckError, Run, restore_state
+from storage import COMPLETE, INCOMPLETE, GenerationStore
+from storage.manifest import step_dir
 
 
-def agree_plan(store: GenerationStore, plan: dict[str, Any], sync: Collectives) -> dict[str, Any]:
-    """plan.json written or checked by rank 0, then checked by every rank against its own options."""
-    stored = sync.on_rank0(f"write or check {PLAN_FILE}", lambda: ensure_plan(store, plan))
-    raw = sync.broadcast_bytes(canonical_json(stored) if sync.rank == 0 else None, f"share {PLAN_FILE}")
-    if sync.rank:
-        stored = json.loads(raw)
-        check_plan(stored, plan, where=f"{store.url} (rank {sync.rank}'s options differ from rank 0's)")
-    return stored
+@dataclass(frozen=True, kw_only=True)
+class ResumeOptions:
+    """What the command line says about resuming (job.train.config ``TrainConfig``)."""
+
+    mode: str = "auto"
+    """``auto`` (the newest usable generation, else a fresh start) or ``never`` (refuse a store with generations)."""
+    seed: int
+    allow_world_change: bool = False
+    allow_code_change: bool = False
+    restore_rng: bool = True
+    """False only for the verifier's negative control (``--omit-rng-restore``)."""
 
 
-def load_agreed(store: GenerationStore, contract: str, sync: Collectives, *,
-                code_version: str | None = None, below: int | None = None) -> tuple[str, dict[str, Any]] | None:
-    """(generation name, joined state) of the newest usable generation, loaded by every rank; None if none.
+@dataclass(kw_only=True)
+class Resumed:
+    """What this start continues from (recorded in every generation it writes, and in summary.json)."""
 
-    ``code_version``: this build's; a generation of other code is passed over for an older one of this build
-    (see the module docstring). ``below``: only generations older than this step (after a newer one turned out
-    unusable while its shards were loaded)."""
-    loaded = sync.on_rank0("find the newest usable generation",
-                           lambda: _latest(store, contract, code_version, below))
-    step = int(sync.broadcast_bytes(str(loaded[0] if loaded else 0).encode() if sync.rank == 0 else None,
-                                    "share the step to resume"))
-    error: Exception | None = None
-    if sync.rank and step:
-        try:
-            loaded = _load(store, contract, step)
-        except (TrainError, StoreError, OSError) as exc:
-            error = exc
-    sync.require_all(error is None, f"load generation {step} to resume")
-    if isinstance(error, TrainError):
-        raise error
-    if error is not None:
-        raise PeerError(f"could not load step {step}, which rank 0 resumes from: {error}")
-    return None if not step else (f"step-{step:08d}", loaded[1])
+    step: int | None = None
+    """The generation restored; None: a fresh start."""
+    world_changes: list[dict[str, int]] = field(default_factory=list)
+    """The run's world-size changes so far, as ``{step, from, to}``."""
+    code_changes: list[dict[str, Any]] = field(default_factory=list)
+    """The code identities the run changed between (``--allow-code-change``), as ``{step, from, to}``."""
 
 
-def _latest(store: GenerationStore, contract: str, code_version: str | None,
-            below: int | None = None) -> tuple[int, dict[str, Any]] | None:
-    # Any world: a newer generation written by another world must be refused (or adopted) explicitly,
-    # never silently skipped in favour of an older one that would lose its progress.
-    other_code: list[tuple[int, dict[str, Any]]] = []
+@dataclass(kw_only=True)
+class _Context:
+    run: Run
+    store: GenerationStore
+    plan: dict[str, Any]
+    sync: Collectives
+    parallel: Strategy
+    options: ResumeOptions
+    reporter: Reporter
+
+    @property
+    def rank0(self) -> bool:
+        return self.sync.rank == 0
+
+
+def resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Collectives, options: ResumeOptions,
+           reporter: Reporter) -> Resumed:
+    """Load the newest usable generation of this run into ``run`` on every rank (generators last)."""
+    c = _Context(run=run, store=store, plan=plan, sync=sync, parallel=run.parallel, options=options,
+                 reporter=reporter)
+    if options.mode == "never":
+        sync.on_rank0("check that the store holds no generation", lambda: _refuse_existing_generations(store))
+        return _fresh(c)
+    # Without --allow-code-change a newer generation of other code is passed over for one of this build.
+    below: int | None = None
     while True:
-        decoded: dict[int, Any] = {}
-        found = (store.load_latest(contract=contract, check=_checker(decoded), **_spooled()) if below is None
-                 else _load_below(store, contract, below, _checker(decoded)))
+        found = load_agreed(store, plan["contract"], sync, below=below,
+                            code_version=None if options.allow_code_change else code_version())
+        if found is None and below is not None:
+            # A failed sharded load may have copied verified parts of its files into the model and optimizer
+            # before a later part failed: this process does not train a fresh run from those tensors.
+            raise TrainError(f"every generation left to resume from had a corrupt shard file (quarantined, "
+                             f"the last {step_dir(below)}); this process may hold part of one, so it does not "
+                             "start fresh: run it again to start from step 0")
         if found is None:
+            sync.on_rank0("look for unusable generations", lambda: _warn_if_unusable_generations(c))
+            return _fresh(c)
+        step, state = found
+        resumed = _decide(c, step, state)
+        changed = state["meta"]["world"] != sync.world
+        if _load_shards(c, state, step, changed):
             break
-        step, state = found.info.step, _joined(found, decoded)
-        problem = _inconsistency(state, step, contract)
-        if problem is not None:
-            log.warning("skipping %s (inconsistent): %s", found.info.name, problem)
-            _quarantine(store, step, problem)
-            below = step  # strictly older from now on, even if the quarantine could not move it
-            continue
-        written_by = state["meta"].get("code_version")
-        if code_version is not None and written_by != code_version:
-            log.warning("skipping %s: written by %r, this is %r; looking for an older generation of this build",
-                        found.info.name, written_by, code_version)
-            other_code.append((step, state))
-            below = step
-            continue
-        return step, state
-    if other_code:
-        return other_code[0]  # none of this build: the newest, for check_consistency to refuse by name
-    return None
+        below = step  # a corrupt shard: the next older generation (this one was quarantined)
+    _restore(c, state, rederive_at=step if changed else None)
+    reporter.event("resume", step=run.step, generation=step_dir(step), rng_restored=options.restore_rng,
+                   **({"world_change": resumed.world_changes[-1]} if changed else {}))
+    return Resumed(step=run.step, world_changes=resumed.world_changes, code_changes=resumed.code_changes)
 
 
-def _inconsistency(state: dict[str, Any], step: int, contract: str) -> str | None:
+def _fresh(c: _Context) -> Resumed:
+    """A fresh start: the world is compared with the one plan.json recorded."""
+    changes = _decide_world(c, c.plan["world"], step=0, history=[], source=f"plan.json of {c.store.url}")
+    return Resumed(world_changes=changes)
+
+
+def _decide(c: _Context, step: int, state: dict[str, Any]) -> Resumed:
+    """Whether this process may continue generation ``step`` (world, code), and whether it is what this run
+    expects (contract, data identity, its own step); warnings for what is valid but not bitwise equal."""
+    saved_world, name = state["meta"]["world"], step_dir(step)
+    world_changes = _decide_world(c, saved_world, step=state["progress"]["step"],
+                                  history=state["meta"].get("world_changes", []),
+                                  source=f"{name} was written by {saved_world} rank(s)")
+    if saved_world != c.sync.world:
+        check_transition(state["ranks"][0]["data"], c.sync.world, c.run.global_batch)
+    saved_code, code_changes = _decide_code(c, state, step=state["progress"]["step"], source=name)
+    # The generation's own step (its folder name), not the state's word for it: a state moved under a newer name
+    # must be refused, never resumed from.
+    expected = Expected(contract=c.plan["contract"], world=saved_world, code_version=saved_code or code_version(),
+                        data_identity=c.plan["data_identity"], step=step)
+    for warning in check_consistency(state, expected) + _device_warnings(state, c.run.device):
+        c.reporter.warn(warning)
+    return Resumed(step=step, world_changes=world_changes, code_changes=code_changes)
+
+
+def _decide_world(c: _Context, saved_world: int, *, step: int, history: list[dict[str, int]],
+                  source: str) -> list[dict[str, int]]:
+    """The run's world changes; refuse (exit 2) a change not allowed."""
+    world = c.sync.world
+    changes = world_decision(saved_world=saved_world, world=world, step=step, source=source,
+                             allow=c.options.allow_world_change, history=history)
+    if saved_world != world and c.rank0:
+        c.reporter.warn(f"world size changes from {saved_world} to {world} at step {step} "
+                        "(--allow-world-change): this run is no longer bitwise comparable with one that "
+                        "kept its world size")
+    return changes
+
+
+def _decide_code(c: _Context, state: dict[str, Any], *, step: int, source: str) -> tuple[str, list[dict[str, Any]]]:
+    """Refuse (exit 2) a resume under other code unless ``--allow-code-change``; record an allowed change.
+
+    Returns the code identity the state must carry (the saved one when the change is allowed) and the changes."""
+    saved, now = state["meta"].get("code_version"), code_version()
+    changes = code_decision(saved=saved, now=now, step=step, source=source, allow=c.options.allow_code_change,
+                            history=state["meta"].get("code_changes", []))
+    if saved != now and c.rank0:
+        c.reporter.warn(f"code changes from {saved} to {now} at step {step} (--allow-code-change): "
+                        "an audit replaying across this step runs the new code")
+    return saved, changes
+
+
+def _load_shards(c: _Context, state: dict[str, Any], step: int, world_changed: bool) -> bool:
+    """A sharded layout loads its model and optimizer from the generation's shards (every rank: only the chunks
+    it needs; DCP reshards after an allowed world change) before the rest of the state is restored.
+
+    False when a shard file's bytes disagree with the manifest (every rank learns it from DCP): rank 0
+    quarantines the generation with a warning and the caller falls back to the next older one, as for a
+    corrupt training state. Any other failure raises."""
+    saved, mine = sharded(state["meta"]), c.parallel.layout.sharded
+    if saved != mine:  # plan.json refuses this first; a generation must agree too
+        raise ContractError(f"{step_dir(step)} was written by a {'sharded (--fsdp)' if saved else 'replicated (DDP)'} "
+                            f"run and this run trains {'sharded' if mine else 'replicated'}: resume it "
+                            f"{'with' if saved else 'without'} --fsdp")
+    corrupt = c.parallel.load(c.run.model, c.run.optimizer, c.store, step, world=c.sync.world,
+                              contract=c.plan["contract"], allow_world_change=world_changed)
+    if corrupt is not None and c.rank0:
+        quarantine_corrupt(c.store, step, corrupt)
+    return corrupt is None
+
+
+def _restore(c: _Context, state: dict[str, Any], *, rederive_at: int | None) -> None:
     try:
-        check_self_consistent(state, step=step, contract=contract)
-    except StateError as exc:
-        return str(exc)
-    return None
+        restore_state(c.run, state, restore_rng=c.options.restore_rng, seed=c.options.seed, rederive_at=rederive_at)
+    except RestoreCheckError as exc:
+        # Named for the verifier: a resume that fails its own check is a failed comparison, not a crash.
+        c.reporter.event("restore_check_failed", check=exc.check, generators=exc.differing, detail=str(exc))
+        raise
 
 
-def _load_below(store: GenerationStore, contract: str, below: int, check: Any):
-    """The newest complete generation older than ``below`` that verifies (corrupt ones are quarantined)."""
-    for info in reversed(store.scan(contract=contract)):
-        if info.step >= below or info.status != COMPLETE:
-            continue
-        try:
-            return store.load(info.step, check, contract=contract, **_spooled())
-        except CorruptGenerationError as exc:
-            log.warning("skipping %s (corrupt): %s", info.name, exc)
-            _quarantine(store, info.step, str(exc))
-    return None
+def _device_warnings(state: dict[str, Any], device: torch.device) -> list[str]:
+    saved = state["meta"].get("device")
+    if saved == str(device):
+        return []
+    return [f"the state was written on {saved}, this process trains on {device}: the resume is valid "
+            "but not bitwise equal (other kernels, and AMP only on CUDA)"]
 
 
-def quarantine_corrupt(store: GenerationStore, step: int, reason: str) -> None:
-    """Rank 0, after every rank failed to load generation ``step``'s shards because a byte disagreed with its
-    manifest: one warning, and the generation is quarantined (kept as evidence, never resumed from again)."""
-    log.warning("skipping step-%08d (corrupt): %s", step, reason)
-    _quarantine(store, step, reason)
+def _refuse_existing_generations(store: GenerationStore) -> None:
+    complete = [g for g in store.scan() if g.status == COMPLETE]
+    if complete:
+        raise ContractError(
+            f"--resume never, but {store.url} already holds {len(complete)} complete generation(s) "
+            f"(newest step {complete[-1].step}); use a new --store, or --resume auto to continue"
+        )
 
 
-def _quarantine(store: GenerationStore, step: int, reason: str) -> None:
-    try:
-        store.quarantine(step, reason)
-    except (StoreError, OSError) as exc:
-        log.warning("could not quarantine step %d (%s); it stays in place and keeps being skipped", step, exc)
-
-
-def _load(store: GenerationStore, contract: str, step: int) -> tuple[int, dict[str, Any]]:
-    decoded: dict[int, Any] = {}
-    found = store.load(step, _checker(decoded), contract=contract, **_spooled())
-    return step, _joined(found, decoded)
-
-
-def _checker(decoded: dict[int, Any]):
-    def check(name: str, data: bytes | Spool) -> None:
-        if name == STATE_FILE:
-            decoded.clear()  # hold at most one decoded candidate in memory
-            decoded[id(data)] = (data, decode(data))  # keeps `data` alive, so its id stays unique
-        elif name.startswith("rank-"):
-            decode_rank_part(data)
-
-    return check
-
-
-def _joined(found: Loaded, decoded: dict[int, Any]) -> dict[str, Any]:
-    """The generation's state, rank parts joined. A large state was downloaded into a spool file and is
-    memory-mapped (its tensors page in from the file as the model loads them: no second copy in memory); the
-    spool files are deleted here, which leaves the mapping valid."""
-    try:
-        data = found.files[STATE_FILE]
-        state = decoded[id(data)][1] if id(data) in decoded else None
-        return decode_generation(found.files, state=state)
-    finally:
-        found.close()
+def _warn_if_unusable_generations(c: _Context) -> None:
+    scan = c.store.scan(contract=c.plan["contract"])
+    present = [g for g in scan if g.status != INCOMPLETE]
+    if present:
+        c.reporter.warn(f"{len(present)} generation(s) in {c.store.url} but none is usable by this "
+                        "run: starting from step 0")
 
 
 def world_decision(*, saved_world: int, world: int, step: int, allow: bool, history: list[dict[str, int]],

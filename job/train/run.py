@@ -25,10 +25,12 @@ from torch import nn
 
 from job.train import rng
 from job.train.data import EpochSampler
-from job.train.dist import Collectives, DistEnv, rank_seed, rank_slice, wrap_model
 from job.errors import ConfigError, StateError
+from job.format.layout import Layout
 from job.format.state import STATE_SCHEMA, History
 from job.tasks.base import Task, TaskContext
+from job.train.dist import Collectives, DistEnv, rank_seed, rank_slice
+from job.train.parallel import Strategy, strategy_for
 
 @dataclass(kw_only=True)
 class Run:
@@ -53,8 +55,8 @@ class Run:
     """Collectives over the run's process group (local when world is 1)."""
     ddp: nn.Module | None = None
     """The DistributedDataParallel wrapper the forward passes go through (None when world is 1, or sharded)."""
-    fsdp: bool = False
-    """``model`` is sharded with FSDP2 (job.train.fsdp); its state is saved and loaded as shards, not inline."""
+    parallel: Strategy = field(default_factory=lambda: strategy_for(Layout(world=1)))
+    """The layout's strategy (job.train.parallel): how the model is placed, synchronised, saved and loaded."""
     per_rank_mean: bool = False
     """The verifier's negative control (``--negative-control per-rank-mean``): normalise each rank's loss by
     its *own* target count and average the ranks (the mean of per-rank means), the classic mistake the
@@ -84,34 +86,27 @@ class Run:
 
 def build_run(task: Task, device: torch.device, seed: int, *, env: DistEnv | None = None,
               sync: Collectives | None = None, per_rank_mean: bool = False, microbatch_mean: bool = False,
-              fsdp: bool = False) -> Run:
+              layout: Layout | None = None) -> Run:
     """Seed every generator, then build model, optimizer, scheduler, scaler and sampler, in that order.
 
     Each rank seeds its own generators from ``rank_seed(seed, rank)``; the data generator is seeded from
-    ``seed`` alone (one global data order). With world > 1 the model is wrapped in DDP here, which
-    broadcasts rank 0's initial weights to every rank; with ``fsdp`` it is sharded with FSDP2 instead (any world;
-    job.train.fsdp), after the same broadcast, before the optimizer is built over its sharded parameters.
+    ``seed`` alone (one global data order). The layout's strategy places the model (job.train.parallel): with
+    world > 1 replicated under DDP, which broadcasts rank 0's initial weights to every rank, or sharded with FSDP2
+    (any world; job.train.fsdp) after the same broadcast, before the optimizer is built over its sharded
+    parameters.
     """
     env = env or DistEnv()
+    parallel = strategy_for(layout or Layout(world=env.world))
     np_gen = rng.seed_all(rank_seed(seed, env.rank))
-    # A sharded model stays in host memory until FSDP shards it: fully_shard moves each unit to the device as it
-    # shards it, so the whole model never has to fit one device (job.train.fsdp wrap).
-    model = task.build_model().to(device=torch.device("cpu") if fsdp else device, dtype=task.dtype)
-    model.train()
-    if fsdp:
-        from job.train import fsdp as sharding
-
-        sharding.wrap(model, task.fsdp_modules(model), env, device, group=sync.group if sync else None)
+    model, wrapper = parallel.place(task, device, env, sync)
     optimizer = task.build_optimizer(model)
     scheduler = task.build_scheduler(optimizer)
     use_amp = task.use_amp(device)
-    scaler = (sharding.grad_scaler(device, use_amp) if fsdp and use_amp
-              else torch.amp.GradScaler(device.type, enabled=use_amp))
+    scaler = parallel.grad_scaler(device, use_amp)
     sampler = EpochSampler(task.num_samples(), rng.data_generator(seed))
     return Run(task=task, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
                scaler=scaler, sampler=sampler, np_gen=np_gen, use_amp=use_amp, env=env, sync=sync,
-               ddp=None if fsdp else wrap_model(model, env, device), fsdp=fsdp, per_rank_mean=per_rank_mean,
-               microbatch_mean=microbatch_mean)
+               ddp=wrapper, parallel=parallel, per_rank_mean=per_rank_mean, microbatch_mean=microbatch_mean)
 
 
 def train_step(run: Run) -> dict[str, Any]:
@@ -145,7 +140,8 @@ def train_step(run: Run) -> dict[str, Any]:
     ctx = TaskContext(np_rng=run.np_gen, device=run.device)
     for i, chunk in enumerate(chunks):
         batch = task.make_batch(chunk, ctx)
-        with _no_sync_unless(run, last=i == len(chunks) - 1):
+        # Gradients are reduced once per step, on the last micro-batch's backward; the earlier ones accumulate.
+        with run.parallel.accumulate(run.model, run.ddp, last=i == len(chunks) - 1):
             with _autocast(run):
                 loss_sum = task.loss_sum(run.ddp or run.model, batch)
             run.scaler.scale(loss_sum / denominators[i]).backward()
@@ -158,19 +154,6 @@ def train_step(run: Run) -> dict[str, Any]:
     run.history.append(step=run.step, epoch=run.sampler.epoch, loss=loss, lr=lr, targets=count, sample_ids=ids)
     return {"step": run.step, "epoch": run.sampler.epoch, "loss": loss, "lr": lr, "samples": len(ids),
             "targets": count, "step_seconds": time.perf_counter() - t0}
-
-
-def _no_sync_unless(run: Run, *, last: bool) -> contextlib.AbstractContextManager[Any]:
-    # Gradients are all-reduced once per step, on the last micro-batch's backward; the earlier ones only
-    # accumulate locally (DDP's no_sync, which must cover the forward pass: that is where DDP decides).
-    if run.fsdp:
-        from job.train.fsdp import set_gradient_sync
-
-        set_gradient_sync(run.model, last)  # FSDP2 decides in the backward: a flag, set before it
-        return contextlib.nullcontext()
-    if run.ddp is None or last:
-        return contextlib.nullcontext()
-    return run.ddp.no_sync()
 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
@@ -214,9 +197,9 @@ def capture_state(run: Run, meta: dict[str, Any]) -> dict[str, Any]:
         "meta": meta,
         "progress": {"step": run.step, "epoch": run.sampler.epoch, "samples_seen": run.samples_seen,
                      "targets_seen": run.targets_seen, "next_lr": run.lr()},
-        # Sharded (FSDP): the model and optimizer are saved as shards beside this state (job.train.fsdp).
-        "model": {} if run.fsdp else run.model.state_dict(),
-        "optimizer": {} if run.fsdp else run.optimizer.state_dict(),
+        # Sharded (FSDP): the model and optimizer are saved as shards beside this state (job.train.parallel).
+        "model": run.model.state_dict() if run.parallel.inline_state else {},
+        "optimizer": run.optimizer.state_dict() if run.parallel.inline_state else {},
         "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict(),
         "history": run.history.state_dict(),  # the rows since the last committed generation
@@ -236,13 +219,14 @@ def restore_state(run: Run, state: dict[str, Any], *, restore_rng: bool = True, 
     generator (global) carries over.
     """
     data = state["ranks"][0]["data"]
-    if not run.fsdp:  # sharded: the model and optimizer were loaded from their shards (job.train.fsdp) already
+    inline = run.parallel.inline_state  # else the model and optimizer were loaded from their shards already
+    if inline:
         _load("model", lambda: run.model.load_state_dict(state["model"]))
     if (run.scheduler is None) != (state["scheduler"] is None):
         raise StateError("the state and the task disagree on whether a learning-rate scheduler exists")
     if run.scheduler is not None:
         _load("scheduler", lambda: run.scheduler.load_state_dict(state["scheduler"]))
-    if not run.fsdp:
+    if inline:
         _load("optimizer", lambda: run.optimizer.load_state_dict(state["optimizer"]))
     _load_scaler(run, state["scaler"])
     run.sampler.load_state_dict(data)

@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from job.errors import ConfigError, TrainError
 from job.format.shard_files import METADATA_FILE, is_sharded_file, shard_file, values_file  # noqa: F401 (re-exported)
-from storage import GenerationInfo, GenerationStore
+from storage import GenerationInfo, GenerationStore, RetentionPolicy
 from storage.errors import StoreError
 from storage.pieces import Pieces
 
@@ -76,11 +76,12 @@ class GenerationWriter(StorageWriter):
     """DCP storage writer: one verified file per rank in generation ``step``; rank 0 commits (module doc)."""
 
     def __init__(self, store: GenerationStore, step: int, *, contract: str, world: int, code_version: str,
-                 extra: dict | None = None, keep: int | None = None, defer_commit: bool = False) -> None:
+                 extra: dict | None = None, retention: RetentionPolicy | None = None,
+                 defer_commit: bool = False) -> None:
         super().__init__()
         self.store, self.step = store, step
         self.contract, self.world, self.code_version = contract, world, code_version
-        self.extra, self.keep = dict(extra or {}), keep
+        self.extra, self.retention = dict(extra or {}), retention
         self.defer_commit = defer_commit
         """Write every file (the metadata too) but leave the commit to the caller (:func:`write_sharded`)."""
         self.rank = 0
@@ -199,11 +200,11 @@ class GenerationWriter(StorageWriter):
         extra = {**self.extra, "sharded": section}
         self.committed = self.store.commit_parts(
             self.step, entries, contract=self.contract, world=self.world, code_version=self.code_version,
-            extra=extra, digests={"dcp_metadata": METADATA_FILE}, keep=self.keep)
+            extra=extra, digests={"dcp_metadata": METADATA_FILE}, retention=self.retention)
 
 
 def save_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], *, contract: str, world: int,
-                 code_version: str, extra: dict | None = None, keep: int | None = None,
+                 code_version: str, extra: dict | None = None, retention: RetentionPolicy | None = None,
                  process_group=None) -> GenerationInfo | None:
     """Save ``state_dict`` (e.g. ``{"model": ..., "optim": ...}`` from ``get_state_dict``: DTensors, tensors,
     plain values) as sharded generation ``step``, on every rank. Returns the committed generation on rank 0,
@@ -212,7 +213,7 @@ def save_sharded(store: GenerationStore, step: int, state_dict: dict[str, Any], 
     import torch.distributed.checkpoint as dcp
 
     writer = GenerationWriter(store, step, contract=contract, world=world, code_version=code_version,
-                              extra=extra, keep=keep)
+                              extra=extra, retention=retention)
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=process_group)
     except CheckpointException as exc:

@@ -34,7 +34,7 @@ def writer(url: str, keep: int, size_scale: int) -> None:
     """Resume from the latest usable generation, then commit steps forever (until killed)."""
     import logging
 
-    from storage import open_store
+    from storage import RetentionPolicy, open_store
 
     logging.basicConfig(level=logging.ERROR)
     store = open_store(url)
@@ -46,7 +46,7 @@ def writer(url: str, keep: int, size_scale: int) -> None:
         print(f"committed {step}", flush=True)
         # Grace 0: abandoned partials below the newest commit go at once, so kills also land inside deletions
         # and partials don't pile up (each one costs discovery a listing).  Safe here: this is the only writer.
-        store.apply_retention(keep, grace_seconds=0, i_know_no_writer_is_active=True)
+        store.apply_retention(RetentionPolicy(keep=keep, grace_seconds=0, i_know_no_writer_is_active=True))
         step += 1
 
 

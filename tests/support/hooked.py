@@ -140,7 +140,7 @@ def _dump_full(model: Any, optimizer: Any, path: str) -> None:
 
 def install() -> None:
     """Patch the trainer in this process as the ``TPHOOK_*`` variables say, and wrap the processes it starts."""
-    from job.train import checkpoint, launch, loop
+    from job.train import checkpoint, launch, loop, resume
     from job.format.state import STATE_FILE
 
     launch.ENTRY_MODULE = MODULE
@@ -187,14 +187,14 @@ def install() -> None:
         fsdp.load_generation = dumping_load
     kinds = _sabotages()
     if kinds:
-        restore = loop.restore_state
+        restore = resume.restore_state
 
         @functools.wraps(restore)
         def broken_restore(run: Any, state: dict[str, Any], **kwargs: Any) -> None:
             restore(run, _state_to_restore(kinds, state), **kwargs)
             _after_restore(kinds, run, state)
 
-        loop.restore_state = broken_restore
+        resume.restore_state = broken_restore
 
 
 if __name__ == "__main__":
