@@ -205,7 +205,7 @@ def _mark_usable(ctx: Ctx, name: str, manifest: dict) -> None:
         raise StoreConfigError(
             f"{name}/{mf.MARKER} would be {len(raw)} bytes, over the {ctx.limits.manifest_bytes} a reader accepts "
             f"(Limits.manifest_bytes): too many files or parts; set {dg.PART_ENV} above "
-            f"{dg.PART_BYTES / 2**20:g} (MiB per hashed part) or write fewer files. Not marking it usable")
+            f"{dg.default_part_bytes() / 2**20:g} (MiB per hashed part) or write fewer files. Not marking it usable")
     try:
         ctx.io(f"commit {name}", lambda: ctx.backend.write(marker, raw, create_only=True))
         return

@@ -1,7 +1,7 @@
 """A file's sha256, kept per part so that a large file can be verified part by part, and hashed on many cores.
 
-A file of at most one part (``PART_BYTES``, 32 MiB by default) is identified by its plain sha256, as before. A
-longer file is cut into parts of ``PART_BYTES`` (the last one shorter); its manifest entry lists every part's
+A file of at most one part (:func:`default_part_bytes`, 32 MiB by default) is identified by its plain sha256, as before. A
+longer file is cut into parts of that size (the last one shorter); its manifest entry lists every part's
 sha256 (``parts``) and the part size (``part_bytes``), and its ``sha256`` is the *hash list* root: the sha256 of
 the parts' binary digests, in order. The root still names the file's whole content (any changed byte changes
 one part's digest, so the root), and it is what every whole-file check compares. The list is what lets a reader
@@ -28,21 +28,37 @@ PART_ENV = "TRAINPROOF_DIGEST_PART_MIB"
 """Environment variable: the part size of new files' digests in MiB (default 32; fractions allowed, for tests)."""
 
 
-def _part_bytes_from_env() -> int:
-    raw = os.environ.get(PART_ENV)
+DEFAULT_PART_BYTES = 32 * MiB
+
+PART_BYTES: int | None = None
+"""This process's part size, once :func:`default_part_bytes` resolved it (a test may set it directly)."""
+
+
+def parse_part_mib(raw: str | None) -> int:
+    """Bytes per digest part from a ``TRAINPROOF_DIGEST_PART_MIB`` value (None or empty: the default);
+    ValueError naming the variable when it is not a number in range."""
     if not raw:
-        return 32 * MiB
+        return DEFAULT_PART_BYTES
     try:
         value = int(float(raw) * MiB)
     except ValueError:
-        raise ValueError(f"{PART_ENV}={raw!r} is not a number of MiB") from None
+        raise ValueError(f"{PART_ENV}={raw!r} is not a number of MiB: set the digest part size in MiB "
+                         f"(default {DEFAULT_PART_BYTES // MiB}) or unset it") from None
     if not MIN_PART_BYTES <= value <= MAX_PART_BYTES:
         raise ValueError(f"{PART_ENV}={raw!r} is outside {MIN_PART_BYTES} bytes .. {MAX_PART_BYTES // MiB} MiB")
     return value
 
 
-PART_BYTES = _part_bytes_from_env()
-"""Part size of the digests of files written by this process (a reader always uses the entry's own)."""
+def default_part_bytes() -> int:
+    """Part size of the digests of files written by this process (a reader always uses the entry's own).
+
+    Read from the environment once, at the first write, never at import: ``StoreOptions.from_env`` checks the
+    variable when a store is opened, so a bad value is a one-line configuration error there, and every writer of
+    the process (the store, the spool files a state is serialised into) then hashes with the same size."""
+    global PART_BYTES
+    if PART_BYTES is None:
+        PART_BYTES = parse_part_mib(os.environ.get(PART_ENV))
+    return PART_BYTES
 
 
 class Digest(str):
@@ -78,11 +94,11 @@ def of_parts(parts: list[str], part_bytes: int) -> Digest:
 
 class FileHasher:
     """``hashlib``-like (``update``, ``hexdigest``): the :class:`Digest` of the bytes fed to it, whatever the sizes
-    of the pieces (a part boundary may fall inside one). ``part_bytes``: default ``PART_BYTES``; :meth:`plain`: one part
+    of the pieces (a part boundary may fall inside one). ``part_bytes``: default :func:`default_part_bytes`; :meth:`plain`: one part
     whatever the size (the plain sha256, for entries that list no parts)."""
 
     def __init__(self, part_bytes: int | None = None) -> None:
-        self.part_bytes = PART_BYTES if part_bytes is None else part_bytes  # 0: one part, the plain sha256
+        self.part_bytes = default_part_bytes() if part_bytes is None else part_bytes  # 0: one part, plain sha256
         self._parts: list[str] = []
         self._sha = hashlib.sha256()
         self._filled = 0
@@ -128,7 +144,7 @@ def digest_bytes(data, *, part_bytes: int | None = None, threads: int | None = N
     pieces); the parts of a long buffer are hashed on several threads (hashlib releases the GIL), up to ``threads``
     (default: the cores this process may use, at most 8)."""
     pieces = as_pieces(data)
-    size = part_bytes or PART_BYTES
+    size = part_bytes or default_part_bytes()
     spans = [pieces.span(off, off + size) for off in range(0, pieces.nbytes, size)] or [[]]
     workers = max(1, min(len(spans), threads or min(8, cores())))
     if workers == 1:

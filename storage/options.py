@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from storage.digest import PART_ENV, parse_part_mib
 from storage.errors import StoreConfigError
 from storage.limits import Limits
 from storage.signing import Keyring
@@ -107,6 +108,7 @@ class StoreOptions:
                 part_size=_env_int(env, "TRAINPROOF_PART_SIZE_MB", PART_SIZE // 2**20) * 2**20,
                 concurrency=_env_int(env, "TRAINPROOF_IO_CONCURRENCY", CONCURRENCY),
             )
+            parse_part_mib(env.get(PART_ENV))  # the digest part size (storage.digest): refused here, at the edge
             return replace(base, **{k: v for k, v in overrides.items() if v is not None})
         except ValueError as exc:  # a bad environment variable: exit 2 with its message, not a traceback
             raise StoreConfigError(str(exc)) from None
