@@ -30,10 +30,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from job.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv
-from job.proof.world import same_experience
+from job.proof.equivalence import max_differences, same_experience
 from job.tasks import Task
 from job.train.data import epoch_plan
 
@@ -168,25 +166,6 @@ class ObjectiveCheck:
                              "--objective-check); same seed and global batch in every run",
             "paths": self.paths,
         }
-
-
-def max_differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """Largest absolute difference of parameters (and floating buffers), optimizer moments (0 for an optimizer that
-    keeps none, e.g. plain SGD: the parameters carry the gradient then) and per-step losses."""
-    opt_a, opt_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    if set(opt_a) != set(opt_b):
-        optimizer = math.inf
-    else:
-        optimizer = max((float((opt_a[i][k] - opt_b[i][k]).abs().max()) for i in opt_a for k in opt_a[i]
-                         if isinstance(opt_a[i][k], torch.Tensor) and opt_a[i][k].is_floating_point()
-                         and opt_a[i][k].numel()), default=0.0)
-    loss_a, loss_b = a["history"]["loss"], b["history"]["loss"]
-    return {
-        "parameters": max((float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"]
-                           if a["model"][k].is_floating_point() and a["model"][k].numel()), default=0.0),
-        "optimizer": optimizer,
-        "losses": float((loss_a - loss_b).abs().max()) if loss_a.shape == loss_b.shape else math.inf,
-    }
 
 
 def _g(value: float) -> str:

@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from job.format.state import History
+from job.proof.equivalence import max_differences, same_experience
 from job.proof.paths import Opener, RunReader, VerificationIncomplete, job_argv, require_success, run_processes
 
 TOLERANCE = 1e-9
@@ -101,10 +101,12 @@ class WorldEquivalence:
         self.paths = {r.name: r.to_json() for r in results}
         require_success(results)
         steps = equivalence_steps(self.world)
-        states = {}
-        for r in RUNS:
-            reader = RunReader(f"world_equivalence/{r}", self.urls[r], self.opener)
-            states[r] = reader.state(steps, whole=True)
+        self.compare_states({r: RunReader(f"world_equivalence/{r}", self.urls[r], self.opener).state(steps, whole=True)
+                             for r in RUNS})
+
+    def compare_states(self, states: dict[str, dict[str, Any]]) -> None:
+        """Compare the runs' final states (by run name) with ``one_rank``; VerificationIncomplete when a run did not
+        train with the world it was started with."""
         if states["w_ranks"]["meta"].get("world") != self.world or states["one_rank"]["meta"].get("world") != 1:
             raise VerificationIncomplete(f"world-equivalence runs ran with worlds "
                                          f"{states['one_rank']['meta'].get('world')} / "
@@ -153,29 +155,3 @@ class WorldEquivalence:
                                  "detected": self.negative_detected},
             "paths": self.paths,
         }
-
-
-def same_experience(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Same samples in the same steps, same target counts, learning rates and epochs (exact)."""
-    ha, hb = History.from_state_dict(a["history"]), History.from_state_dict(b["history"])
-    if len(ha) != len(hb):
-        return False
-    keys = ("sample_ids", "sample_offsets", "targets", "lr", "epoch")
-    for k in keys:
-        x, y = a["history"].get(k), b["history"].get(k)
-        if x is None or y is None or x.shape != y.shape or not bool((x == y).all()):
-            return False
-    return True
-
-
-def max_differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """Largest absolute difference of parameters (and buffers), optimizer moments and per-step losses."""
-    opt_a, opt_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    loss_a, loss_b = a["history"]["loss"], b["history"]["loss"]
-    return {
-        "parameters": max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"]
-                          if a["model"][k].is_floating_point()),
-        "optimizer": max(float((opt_a[i][k] - opt_b[i][k]).abs().max())
-                         for i in opt_a for k in opt_a[i] if opt_a[i][k].is_floating_point()),
-        "losses": float((loss_a - loss_b).abs().max()) if loss_a.shape == loss_b.shape else float("inf"),
-    }
