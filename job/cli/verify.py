@@ -208,23 +208,21 @@ def export_command(
         raise UsageError(f"--step must be a step number or 'latest' (got {step!r})")
     opener = _opener(endpoint_url, region, path_style)
     try:
-        from job.export.bundle import export
-        from job.proof.reload import check_in_fresh_process, write_record
-        from job.proof.paths import VerificationIncomplete, absolute_url
+        from job.proof.paths import VerificationIncomplete
+        from job.proof.reload import export_and_check
 
-        bundle = export(opener(store), step=None if step == "latest" else int(step),
-                        dest=opener(dest) if dest else None, task=task)
-        print(f"{'reused' if bundle.reused else 'committed'} {bundle.url}")
-        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, timeout=timeout,
-                                        store_args=store_cli_args(endpoint_url, region, path_style))
-        location = write_record(bundle.dest, bundle.step, record)
+        checked = export_and_check(opener(store), step=None if step == "latest" else int(step),
+                                   dest=opener(dest) if dest else None, task=task, timeout=timeout,
+                                   store_args=store_cli_args(endpoint_url, region, path_style),
+                                   exported=lambda b: print(f"{'reused' if b.reused else 'committed'} {b.url}"))
     except TrainError as exc:
         raise fail(" ".join(str(exc).split()), exc.exit_code) from None
     except VerificationIncomplete as exc:
         raise fail(str(exc), EXIT_FAILURE) from None
+    record = checked.record
     print(f"reload check ({record['metric']}): recorded {record['recorded']:.10g}, reloaded bf16 "
-          f"{record['reloaded_bf16']:.10g}: {'passed' if record['passed'] else 'FAILED'} -> {location}")
-    raise typer.Exit(EXIT_OK if record["passed"] else EXIT_FAILURE)
+          f"{record['reloaded_bf16']:.10g}: {'passed' if checked.passed else 'FAILED'} -> {checked.location}")
+    raise typer.Exit(EXIT_OK if checked.passed else EXIT_FAILURE)
 
 
 @app.command("reload-check", hidden=True)

@@ -45,10 +45,9 @@ from job.train.data import epoch_plan
 from job.train.config import load_task_config
 from job.format.contract import PLAN_FILE
 from job.errors import ConfigError
-from job.export.bundle import export
 from job.format.state import History
 from job.tasks import Task, load_task
-from job.proof.reload import check_in_fresh_process, write_record
+from job.proof.reload import export_and_check
 from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv,
                              load_generation, new_id, read_run_plan, require_success, run_processes, seed_run)
 from job.proof.report import REPORT_FILE, build_report, environment, plot_png
@@ -433,11 +432,8 @@ class Protocol:
 
     # -- export -----------------------------------------------------------------------------------------
     def _export(self) -> None:
-        bundle = export(self.opener(self.urls["resume"]), step=self.s.steps, task=self.s.task)
-        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task,
-                                        store_args=self.s.store_args, timeout=self.s.timeout)
-        location = write_record(bundle.dest, bundle.step, record)
-        self.export = {**bundle.to_json(), "reload_check": record, "reload_check_location": location}
+        self.export = export_and_check(self.opener(self.urls["resume"]), step=self.s.steps, task=self.s.task,
+                                       store_args=self.s.store_args, timeout=self.s.timeout).to_json()
 
     # -- report -----------------------------------------------------------------------------------------
     def report(self, error: str | None = None) -> dict[str, Any]:
