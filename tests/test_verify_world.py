@@ -76,8 +76,7 @@ def test_equivalence_config_splits_the_tail_unevenly():
 
 
 def _verdicts(diffs, same=True):
-    w = WorldEquivalence(world=2, root_url="unused", workdir=None, seed=1, device="cpu", timeout=1, parallel=True,
-                         store_args=[], opener=None)
+    w = WorldEquivalence(world=2, root_url="unused", seed=1, device="cpu", store_args=[], opener=None)
     w.diffs, w.same_experience = diffs, {"w_ranks": same, "per_rank_mean": same}
     return w.passed, w.negative_detected, w.failing()
 
@@ -122,8 +121,7 @@ def test_an_optimizer_without_state_is_compared_not_crashed_on():
 
     one, same = _sgd_state(1, 0.1), _sgd_state(2, 0.1)
     assert max_differences(one, _sgd_state(2, 0.2))["optimizer"] == 0.0
-    w = WorldEquivalence(world=2, root_url="unused", workdir=None, seed=1, device="cpu", timeout=1, parallel=True,
-                         store_args=[], opener=None)
+    w = WorldEquivalence(world=2, root_url="unused", seed=1, device="cpu", store_args=[], opener=None)
     w.compare_states({"one_rank": one, "w_ranks": same, "per_rank_mean": _sgd_state(2, 0.1)})
     assert w.diffs["w_ranks"] == {"parameters": 0.0, "optimizer": 0.0, "losses": 0.0}
     assert w.passed and not w.negative_detected  # the negative control differs in the optimizer too, or is missed

@@ -126,7 +126,8 @@ def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: d
 
 def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **more: Any):
     from job.proof.cuts import parse_cuts
-    from job.proof.protocol import Protocol, ProtocolSettings, default_schedule
+    from job.proof.protocol import Protocol
+    from job.proof.settings import ProtocolSettings, default_schedule
 
     o = protocol_only
     task = o["task"] or "regression"

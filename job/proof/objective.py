@@ -28,8 +28,10 @@ by more. Not bitwise: another split adds the same terms in another order.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
+from job.proof.check import REFERENCE, Check, Job
 from job.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv
 from job.proof.equivalence import max_differences, same_experience
 from job.tasks import Task
@@ -51,12 +53,12 @@ def unequal_micro(batch: int) -> int | None:
     return batch // 2 + 1 if batch >= 3 else (1 if batch == 2 else None)
 
 
-class ObjectiveCheck:
-    """Plan, then compare, the objective-equivalence runs (the protocol launches them with its own paths)."""
+class ObjectiveCheck(Check):
+    """Plan, then compare, the objective-equivalence runs (the protocol launches them with its reference paths)."""
 
     def __init__(self, *, task: Task, task_name: str, config: str | None, seed: int, device: str, world: int,
-                 root_url: str, store_args: list[str], fsdp: bool = False) -> None:
-        self.world, self.root_url = world, root_url.rstrip("/")
+                 root_url: str, store_args: list[str], opener: Opener, fsdp: bool = False) -> None:
+        self.world, self.root_url, self.opener = world, root_url.rstrip("/"), opener
         self.global_batch = task.batch_size * world
         per_rank = self.global_batch // world
         epoch_plan(task.num_samples(), per_rank, world)  # a refused plan is a configuration error, here
@@ -78,8 +80,10 @@ class ObjectiveCheck:
         self.diffs: dict[str, dict[str, float]] = {}
         self.same: dict[str, bool] = {}
 
-    def jobs(self) -> list[tuple[str, str, list[str]]]:
-        """``(name, url, argv)`` of every run, for :func:`job.proof.paths.run_processes`."""
+    def jobs(self, phase: str, scratch: Path) -> list[Job]:
+        """Every run, with the protocol's reference paths (they need nothing of them)."""
+        if phase != REFERENCE:
+            return []
         out = []
         for name, split in self.splits.items():
             ranks = ["--nproc-per-node", str(split["world"])] if split["world"] > 1 else []
@@ -89,15 +93,21 @@ class ObjectiveCheck:
             out.append((f"objective/{name}", self.urls[name], argv))
         return out
 
-    def compare(self, results: list[PathResult], opener: Opener) -> None:
+    def record(self, phase: str, results: list[PathResult]) -> None:
+        """Its runs' entries, in the ``objective_equivalence`` block (by split name)."""
+        if phase == REFERENCE:
+            self.paths = {r.name.split("/", 1)[1]: r.to_json() for r in results}
+
+    def compare(self, phase: str, results: list[PathResult]) -> None:
         """Read every run back from the store and compare it with ``single``."""
-        self.paths = {r.name.split("/", 1)[1]: r.to_json() for r in results}
+        if phase != REFERENCE:
+            return
         failed = [r for r in results if r.code != 0]
         if failed:
             r = failed[0]
             raise VerificationIncomplete(f"objective check: run {r.name!r} exited {r.code}: "
                                          f"{' '.join(r.argv)}\n{r.stderr_tail}")
-        states = {name: RunReader(f"objective/{name}", url, opener).state(STEPS, whole=True)
+        states = {name: RunReader(f"objective/{name}", url, self.opener).state(STEPS, whole=True)
                   for name, url in self.urls.items()}
         for name in self.splits:
             if name != "single":
@@ -149,6 +159,14 @@ class ObjectiveCheck:
             return []
         worst = max(max(self.diffs[n].values()) for n in bad)
         return [f"objective check ({', '.join(bad)} vs one micro-batch; max |diff| {_g(worst)} > {TOLERANCE:g}): {HINT}"]
+
+    def verdicts(self) -> dict[str, bool]:
+        """``objective_equivalence_passed`` and ``objective_negative_detected``."""
+        return {"objective_equivalence_passed": self.passed, "objective_negative_detected": self.negative_detected}
+
+    def sections(self) -> dict[str, Any]:
+        """``objective_equivalence``: :meth:`to_json`."""
+        return {"objective_equivalence": self.to_json()}
 
     def to_json(self) -> dict[str, Any]:
         """The ``objective_equivalence`` block of verification.json."""
