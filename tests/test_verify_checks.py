@@ -1,13 +1,15 @@
 """The verifier's declared interfaces, without training anything: every check of the protocol is a
 ``job.proof.check.Check`` and the protocol derives its verdicts, failing names, diagnosis and report from its list
-(a check added to the list shows up everywhere).
+(a check added to the list shows up everywhere); the verification tail (``job.proof.verification``) reports, prunes and
+ends the same way for any runner.
 
-The real checks' behaviour is tested with real processes in tests/test_verify*.py; here a fake check stands in, so
-these run in a second.
+The real checks' behaviour is tested with real processes in tests/test_verify*.py; here a fake check and a fake runner
+stand in, so these run in a second.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from job.proof.objective import ObjectiveCheck
 from job.proof.protocol import Protocol
 from job.proof.report import print_summary
 from job.proof.settings import ProtocolSettings
+from job.proof.verification import Outcome, VerificationRunner, run_verification
 from job.proof.world import WorldEquivalence
 from storage import open_store
 
@@ -122,3 +125,69 @@ def test_a_check_added_to_the_list_is_run_judged_and_reported(tmp_path, ok, caps
     assert f"fake_passed: {str(ok).lower()}" in capsys.readouterr().out
     partial = protocol.report("VerificationIncomplete: stopped")
     assert partial["fake_passed"] is False and partial["all_checks_passed"] is False
+
+
+class FakeRunner(VerificationRunner):
+    """A runner whose verdict (or error) the test chooses."""
+
+    def __init__(self, root, *, passed: bool = True, error: Exception | None = None, prunes: bool = True) -> None:
+        self.root, self.passed, self.error, self.prunes_evidence = root, passed, error, prunes
+        self.after = 0
+
+    def run(self):
+        if self.error is not None:
+            raise self.error
+
+    def verdicts(self):
+        return {"all_checks_passed": self.passed}
+
+    def after_pass(self):
+        self.after += 1
+
+    def report(self, error=None):
+        passed = self.passed and error is None
+        return {"kind": "fake", "id": "v", "location": self.root.url, "checks": {}, "error": error,
+                "all_checks_passed": passed, "positive": passed, "negative_divergence_detected": None,
+                "failing_checks": [] if passed else ["fake.thing"]}
+
+    def plot(self):
+        return b"png"
+
+
+def _root_with_a_generation(tmp_path: Path):
+    root = open_store(str(tmp_path / "verification" / "v"))
+    root.child("resume").commit(1, {"state.pt": b"x"}, contract="c", world=1, code_version="test")
+    return root
+
+
+def _stored(root) -> dict[str, Any]:
+    return json.loads(root.read_file("verification.json"))
+
+
+@pytest.mark.parametrize("prunes,keep,removed", [(True, False, True), (True, True, False), (False, False, False)])
+def test_a_passed_verification_reports_plots_and_prunes_only_when_it_may(tmp_path, prunes, keep, removed):
+    root = _root_with_a_generation(tmp_path)
+    runner = FakeRunner(root, prunes=prunes)
+    assert run_verification(runner, keep_evidence=keep) is Outcome.PASSED and runner.after == 1
+    assert root.read_file("verification.png") == b"png"
+    assert ("evidence" in _stored(root)) is removed
+    assert (not any(g for g in root.child("resume").scan())) is removed
+
+
+def test_a_failed_verification_keeps_everything_and_triggers_nothing(tmp_path):
+    root = _root_with_a_generation(tmp_path)
+    runner = FakeRunner(root, passed=False)
+    assert run_verification(runner) is Outcome.FAILED and runner.after == 0
+    assert _stored(root)["failing_checks"] == ["fake.thing"] and list(root.child("resume").scan())
+
+
+@pytest.mark.parametrize("error", [OSError("disk gone"), KeyError("a bug")])
+def test_an_incomplete_verification_still_uploads_a_partial_report_without_a_plot(tmp_path, error, capsys):
+    root = _root_with_a_generation(tmp_path)
+    runner = FakeRunner(root, error=error)
+    assert run_verification(runner) is Outcome.INCOMPLETE and runner.after == 0
+    stored = _stored(root)
+    assert stored["error"] == f"{type(error).__name__}: {error}" and stored["all_checks_passed"] is False
+    with pytest.raises(FileNotFoundError):
+        root.read_file("verification.png")
+    assert "verification incomplete" in capsys.readouterr().err and list(root.child("resume").scan())

@@ -8,8 +8,6 @@ reloaded with a matching metric, 1 the reload check failed or the store failed, 
 from __future__ import annotations
 
 import json
-import logging
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -22,7 +20,6 @@ from job.cli.common import (store_cli_args, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, E
 from job.errors import TrainError
 from storage import StoreError, StoreOptions, open_store
 
-log = logging.getLogger("trainproof.verify")
 _STEP_HELP = "Generation to export: a step number, or 'latest' (the newest usable one)."
 
 
@@ -111,7 +108,10 @@ def verify_command(
                                objective=objective_check)
     except (UsageError, TrainError, StoreError, OSError, ValueError) as exc:
         raise fail(" ".join(str(exc).split()), EXIT_USAGE) from None
-    raise typer.Exit(_run_and_report(runner, keep_evidence=keep_evidence))
+    from job.proof.verification import Outcome, run_verification
+
+    outcome = run_verification(runner, keep_evidence=keep_evidence)
+    raise typer.Exit({Outcome.PASSED: EXIT_OK, Outcome.FAILED: EXIT_FAILURE, Outcome.INCOMPLETE: EXIT_USAGE}[outcome])
 
 
 def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **steps: Any):
@@ -140,53 +140,6 @@ def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only
                                 cut=protocol_cut, seed=pick(o["seed"], 1234), cuts=chosen,
                                 tolerance=tolerance, reuse=o["reuse"], **more, **common)
     return Protocol(settings, opener)
-
-
-def _run_and_report(runner: Any, *, keep_evidence: bool = False) -> int:
-    """Run, then always try to upload a report (a partial one, with the error, when it could not complete)."""
-    from job.proof.paths import VerificationIncomplete
-    from job.proof.report import print_summary, upload
-
-    error = None
-    try:
-        runner.run()
-        if hasattr(runner, "record_passed"):
-            runner.record_passed()  # an audit that passed releases the restore point retention protects
-    except (VerificationIncomplete, TrainError, StoreError, OSError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    except Exception as exc:  # a bug must still end as "could not complete", with its traceback logged
-        log.exception("verification failed unexpectedly")
-        error = f"{type(exc).__name__}: {exc}"
-    report = runner.report(error)
-    try:
-        upload(runner.root, report, runner.plot() if error is None and hasattr(runner, "plot") else None)
-    except (StoreError, OSError) as exc:
-        error = error or f"could not upload the report: {exc}"
-        print(f"trainproof: error: could not upload {runner.root.url}/verification.json: {exc}", file=sys.stderr)
-    # An audit deletes nothing (its credentials may not; `gc --keep-verifications` removes old audits).
-    if error is None and report["all_checks_passed"] and not keep_evidence and report.get("kind") != "audit":
-        _prune(runner, report)
-    print_summary(report)
-    if error is not None:
-        print(f"trainproof: error: verification incomplete: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    return EXIT_OK if report["all_checks_passed"] else EXIT_FAILURE
-
-
-def _prune(runner: Any, report: dict[str, Any]) -> None:
-    """After a passed verdict: remove the paths' generations, then say so in verification.json (re-uploaded).
-    A failure to remove is a warning, never a changed verdict (the audit's identity may not delete)."""
-    from job.proof.evidence import prune_evidence
-    from job.proof.report import upload
-
-    try:
-        removed = prune_evidence(runner.root)
-        report["evidence"] = {"removed_generations": removed, "kept": "verification.json, plot, each path's "
-                              "plan.json and summary.json, the export; --keep-evidence keeps the generations"}
-        upload(runner.root, report, None)
-    except (StoreError, OSError) as exc:
-        log.warning("could not remove the verification's generations under %s (%s); they stay: "
-                    "`trainproof gc --keep-verifications N` removes old verifications", runner.root.url, exc)
 
 
 @app.command("export")

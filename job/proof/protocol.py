@@ -54,6 +54,7 @@ from job.proof.paths import (Opener, PathResult, RunReader, VerificationIncomple
 from job.proof.reload import export_and_check
 from job.proof.report import REPORT_FILE, build_report, environment, plot_png
 from job.proof.settings import ProtocolSettings, train_argv
+from job.proof.verification import VerificationRunner
 from job.proof.world import WorldEquivalence
 from job.tasks import Task, load_task
 from job.train.config import load_task_config
@@ -84,8 +85,11 @@ def history_losses(state: dict[str, Any]) -> list[float]:
     return History.from_state_dict(state["history"]).column("loss")
 
 
-class Protocol:
+class Protocol(VerificationRunner):
     """The four paths, their comparison, the checks (:attr:`checks`), and the export of the resumed result."""
+
+    prunes_evidence = True
+    """A passed protocol's generations are removed unless ``--keep-evidence`` (job.proof.verification)."""
 
     def __init__(self, settings: ProtocolSettings, opener: Opener) -> None:
         self.s, self.opener = settings, opener
@@ -150,6 +154,9 @@ class Protocol:
         t0 = time.monotonic()
         if step() != 0 or not unless_idle:
             log.info("%s: %.1f s", what, time.monotonic() - t0)
+
+    def after_pass(self) -> None:
+        """Nothing: what a passed protocol allows (pruning its evidence) is the tail's (job.proof.verification)."""
 
     # -- the paths ------------------------------------------------------------------------------------
     def _phase(self, phase: str) -> int:
