@@ -23,6 +23,7 @@ def _run_check(tmp_path: Path, task: str, world: int, config: dict | None = None
     """Plan the check for ``task``, run its processes, compare (as the protocol does)."""
     import os
 
+    from job.proof.check import REFERENCE
     from job.proof.objective import ObjectiveCheck
     from job.proof.paths import run_processes
     from job.tasks import load_task
@@ -33,15 +34,17 @@ def _run_check(tmp_path: Path, task: str, world: int, config: dict | None = None
         cfg = tmp_path / "config.json"
         cfg.write_text(json.dumps(config))
     check = ObjectiveCheck(task=load_task(task, config or {}), task_name=task, config=None if cfg is None else str(cfg),
-                           seed=1234, device="cpu", world=world, root_url=str(tmp_path / "objective"), store_args=[])
+                           seed=1234, device="cpu", world=world, root_url=str(tmp_path / "objective"), store_args=[],
+                           opener=open_store)
     saved = dict(os.environ)
     os.environ.update(clean_env())
     try:
-        results = run_processes(check.jobs(), timeout=600)
+        results = run_processes(check.jobs(REFERENCE, tmp_path), timeout=600)
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    check.compare(results, open_store)
+    check.record(REFERENCE, results)
+    check.compare(REFERENCE, results)
     return check
 
 

@@ -76,8 +76,7 @@ def test_equivalence_config_splits_the_tail_unevenly():
 
 
 def _verdicts(diffs, same=True):
-    w = WorldEquivalence(world=2, root_url="unused", workdir=None, seed=1, device="cpu", timeout=1, parallel=True,
-                         store_args=[], opener=None)
+    w = WorldEquivalence(world=2, root_url="unused", seed=1, device="cpu", store_args=[], opener=None)
     w.diffs, w.same_experience = diffs, {"w_ranks": same, "per_rank_mean": same}
     return w.passed, w.negative_detected, w.failing()
 
@@ -91,6 +90,42 @@ def test_verdicts_fail_on_a_difference_or_an_undetected_negative():
     passed, detected, failing = _verdicts({"w_ranks": small, "per_rank_mean": small})
     assert (passed, detected) == (True, False) and failing == ["world_negative: per-rank mean not detected"]
     assert _verdicts({"w_ranks": small, "per_rank_mean": big}, same=False)[:2] == (False, False)
+
+
+def _sgd_state(world: int, lr: float, *, steps: int = 2) -> dict:
+    """A final state of plain SGD without momentum (its optimizer keeps no per-parameter state), as a run's."""
+    import torch
+
+    from job.format.state import History
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    history = History()
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64).reshape(4, 2)
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        history.append(step=step, epoch=0, loss=loss.item(), lr=lr, targets=4, sample_ids=[0, 1, 2, 3])
+    assert opt.state_dict()["state"] == {}
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "history": history.state_dict(),
+            "meta": {"world": world}}
+
+
+def test_an_optimizer_without_state_is_compared_not_crashed_on():
+    """Plain SGD keeps no optimizer state: the world-size comparison gives a result (optimizer difference 0) instead
+    of raising on an empty maximum, and its verdicts follow from the parameters and losses."""
+    from job.proof.world import max_differences  # the name the world-size check compares with
+
+    one, same = _sgd_state(1, 0.1), _sgd_state(2, 0.1)
+    assert max_differences(one, _sgd_state(2, 0.2))["optimizer"] == 0.0
+    w = WorldEquivalence(world=2, root_url="unused", seed=1, device="cpu", store_args=[], opener=None)
+    w.compare_states({"one_rank": one, "w_ranks": same, "per_rank_mean": _sgd_state(2, 0.1)})
+    assert w.diffs["w_ranks"] == {"parameters": 0.0, "optimizer": 0.0, "losses": 0.0}
+    assert w.passed and not w.negative_detected  # the negative control differs in the optimizer too, or is missed
+    assert w.failing() == ["world_negative: per-rank mean not detected"]
 
 
 def test_world_option_is_validated(cli, tmp_path):

@@ -8,8 +8,6 @@ reloaded with a matching metric, 1 the reload check failed or the store failed, 
 from __future__ import annotations
 
 import json
-import logging
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -22,7 +20,6 @@ from job.cli.common import (store_cli_args, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, E
 from job.errors import TrainError
 from storage import StoreError, StoreOptions, open_store
 
-log = logging.getLogger("trainproof.verify")
 _STEP_HELP = "Generation to export: a step number, or 'latest' (the newest usable one)."
 
 
@@ -111,7 +108,10 @@ def verify_command(
                                objective=objective_check)
     except (UsageError, TrainError, StoreError, OSError, ValueError) as exc:
         raise fail(" ".join(str(exc).split()), EXIT_USAGE) from None
-    raise typer.Exit(_run_and_report(runner, keep_evidence=keep_evidence))
+    from job.proof.verification import Outcome, run_verification
+
+    outcome = run_verification(runner, keep_evidence=keep_evidence)
+    raise typer.Exit({Outcome.PASSED: EXIT_OK, Outcome.FAILED: EXIT_FAILURE, Outcome.INCOMPLETE: EXIT_USAGE}[outcome])
 
 
 def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **steps: Any):
@@ -126,7 +126,8 @@ def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: d
 
 def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **more: Any):
     from job.proof.cuts import parse_cuts
-    from job.proof.protocol import Protocol, ProtocolSettings, default_schedule
+    from job.proof.protocol import Protocol
+    from job.proof.settings import ProtocolSettings, default_schedule
 
     o = protocol_only
     task = o["task"] or "regression"
@@ -139,53 +140,6 @@ def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only
                                 cut=protocol_cut, seed=pick(o["seed"], 1234), cuts=chosen,
                                 tolerance=tolerance, reuse=o["reuse"], **more, **common)
     return Protocol(settings, opener)
-
-
-def _run_and_report(runner: Any, *, keep_evidence: bool = False) -> int:
-    """Run, then always try to upload a report (a partial one, with the error, when it could not complete)."""
-    from job.proof.paths import VerificationIncomplete
-    from job.proof.report import print_summary, upload
-
-    error = None
-    try:
-        runner.run()
-        if hasattr(runner, "record_passed"):
-            runner.record_passed()  # an audit that passed releases the restore point retention protects
-    except (VerificationIncomplete, TrainError, StoreError, OSError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    except Exception as exc:  # a bug must still end as "could not complete", with its traceback logged
-        log.exception("verification failed unexpectedly")
-        error = f"{type(exc).__name__}: {exc}"
-    report = runner.report(error)
-    try:
-        upload(runner.root, report, runner.plot() if error is None and hasattr(runner, "plot") else None)
-    except (StoreError, OSError) as exc:
-        error = error or f"could not upload the report: {exc}"
-        print(f"trainproof: error: could not upload {runner.root.url}/verification.json: {exc}", file=sys.stderr)
-    # An audit deletes nothing (its credentials may not; `gc --keep-verifications` removes old audits).
-    if error is None and report["all_checks_passed"] and not keep_evidence and report.get("kind") != "audit":
-        _prune(runner, report)
-    print_summary(report)
-    if error is not None:
-        print(f"trainproof: error: verification incomplete: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    return EXIT_OK if report["all_checks_passed"] else EXIT_FAILURE
-
-
-def _prune(runner: Any, report: dict[str, Any]) -> None:
-    """After a passed verdict: remove the paths' generations, then say so in verification.json (re-uploaded).
-    A failure to remove is a warning, never a changed verdict (the audit's identity may not delete)."""
-    from job.proof.evidence import prune_evidence
-    from job.proof.report import upload
-
-    try:
-        removed = prune_evidence(runner.root)
-        report["evidence"] = {"removed_generations": removed, "kept": "verification.json, plot, each path's "
-                              "plan.json and summary.json, the export; --keep-evidence keeps the generations"}
-        upload(runner.root, report, None)
-    except (StoreError, OSError) as exc:
-        log.warning("could not remove the verification's generations under %s (%s); they stay: "
-                    "`trainproof gc --keep-verifications N` removes old verifications", runner.root.url, exc)
 
 
 @app.command("export")
@@ -208,23 +162,21 @@ def export_command(
         raise UsageError(f"--step must be a step number or 'latest' (got {step!r})")
     opener = _opener(endpoint_url, region, path_style)
     try:
-        from job.export.bundle import export
-        from job.proof.reload import check_in_fresh_process, write_record
-        from job.proof.paths import VerificationIncomplete, absolute_url
+        from job.proof.paths import VerificationIncomplete
+        from job.proof.reload import export_and_check
 
-        bundle = export(opener(store), step=None if step == "latest" else int(step),
-                        dest=opener(dest) if dest else None, task=task)
-        print(f"{'reused' if bundle.reused else 'committed'} {bundle.url}")
-        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, timeout=timeout,
-                                        store_args=store_cli_args(endpoint_url, region, path_style))
-        location = write_record(bundle.dest, bundle.step, record)
+        checked = export_and_check(opener(store), step=None if step == "latest" else int(step),
+                                   dest=opener(dest) if dest else None, task=task, timeout=timeout,
+                                   store_args=store_cli_args(endpoint_url, region, path_style),
+                                   exported=lambda b: print(f"{'reused' if b.reused else 'committed'} {b.url}"))
     except TrainError as exc:
         raise fail(" ".join(str(exc).split()), exc.exit_code) from None
     except VerificationIncomplete as exc:
         raise fail(str(exc), EXIT_FAILURE) from None
+    record = checked.record
     print(f"reload check ({record['metric']}): recorded {record['recorded']:.10g}, reloaded bf16 "
-          f"{record['reloaded_bf16']:.10g}: {'passed' if record['passed'] else 'FAILED'} -> {location}")
-    raise typer.Exit(EXIT_OK if record["passed"] else EXIT_FAILURE)
+          f"{record['reloaded_bf16']:.10g}: {'passed' if checked.passed else 'FAILED'} -> {checked.location}")
+    raise typer.Exit(EXIT_OK if checked.passed else EXIT_FAILURE)
 
 
 @app.command("reload-check", hidden=True)

@@ -98,22 +98,21 @@ class Finisher:
         need = self.estimate_s(save_s)
         if seconds_left is not None and seconds_left < need:
             return {"ok": False, "why": f"{seconds_left:.1f}s left before the deadline, the export needs ~{need:.1f}s"}
-        from job.export.bundle import export
-        from job.proof.reload import check_in_fresh_process, write_record
-        from job.proof.paths import VerificationIncomplete, absolute_url
+        from job.proof.paths import VerificationIncomplete
+        from job.proof.reload import export_and_check
 
         t0 = time.perf_counter()
+        # The reload check gets what is left of the deadline once the export is committed (3600 s without one).
+        ends_at = None if seconds_left is None else time.monotonic() + seconds_left
         try:
-            bundle = export(store, task=self.task)
-            timeout = max(seconds_left - (time.perf_counter() - t0), 1.0) if seconds_left is not None else 3600.0
-            record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, store_args=[], timeout=timeout)
-            location = write_record(bundle.dest, bundle.step, record)
+            checked = export_and_check(store, task=self.task, store_args=[], timeout=3600.0, ends_at=ends_at)
         except (TrainError, VerificationIncomplete, StoreError, OSError) as exc:
             return {"ok": False, "why": " ".join(f"{type(exc).__name__}: {exc}".split())[:500]}
-        return {"ok": bool(record["passed"]), "bundle": bundle.url, "reload_check": location,
+        record = checked.record
+        return {"ok": checked.passed, "bundle": checked.bundle.url, "reload_check": checked.location,
                 "seconds": round(time.perf_counter() - t0, 3), "metric": record["metric"],
                 "recorded": record["recorded"], "reloaded_bf16": record["reloaded_bf16"],
-                **({} if record["passed"] else {"why": "the reload check failed"})}
+                **({} if checked.passed else {"why": "the reload check failed"})}
 
 
 def _json(value: dict[str, Any]) -> bytes:

@@ -62,15 +62,13 @@ def _step_seconds(events: list[dict[str, Any]], saves: list[float], steps: int) 
 
 def _export_seconds(url: str, task: str, store_args: list[str], timeout: float) -> float:
     """Export the scratch run's newest generation and reload-check it in a fresh process, timed."""
-    from job.export.bundle import export
-    from job.proof.reload import check_in_fresh_process
-    from job.proof.paths import absolute_url
+    from job.proof.reload import export_and_check
     from storage import StoreOptions, open_store
 
     t0 = time.perf_counter()
-    bundle = export(open_store(url, StoreOptions.from_env()), task=task)
-    record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, store_args=store_args,
-                                    timeout=timeout)
-    if not record["passed"]:
-        raise RuntimeError(f"the measuring export failed its reload check: {bundle.url}")
+    # The record is not written: the scratch run is the measurement's own, nobody reads its bundle's check.
+    checked = export_and_check(open_store(url, StoreOptions.from_env()), task=task, store_args=store_args,
+                               timeout=timeout, keep_record=False)
+    if not checked.passed:
+        raise RuntimeError(f"the measuring export failed its reload check: {checked.bundle.url}")
     return time.perf_counter() - t0

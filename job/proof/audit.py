@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from job.format.layout import flag as layout_flag, sharded
 from job.proof.compare import Diff, Tolerance, compare_all
 from job.format.contract import PLAN_FILE
 from job.errors import ConfigError, StateError
@@ -51,6 +52,7 @@ from job.proof.protocol import parameter_names, verification_base
 from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv, new_id, read_run_plan,
                              require_success, run_processes, seed_run, with_sections)
 from job.proof.report import build_report, environment
+from job.proof.verification import VerificationRunner
 from job.format.identity import code_version
 from job.format.protect import AUDITED_FILE
 from job.format.shard_files import is_sharded_file
@@ -89,8 +91,11 @@ def replay_cap(plan: dict[str, Any]) -> int:
     return max(1000, 10 * steps) if isinstance(steps, int) and 0 < steps < 10**7 else 1000
 
 
-class Audit:
+class Audit(VerificationRunner):
     """Replay a -> b of an existing run and compare with its generation b."""
+
+    prunes_evidence = False
+    """An audit deletes nothing: its credentials may not (``gc --keep-verifications`` removes old audits)."""
 
     def __init__(self, settings: AuditSettings, opener: Opener) -> None:
         self.s, self.opener = settings, opener
@@ -199,7 +204,7 @@ class Audit:
                             "--seed", str(self.plan["seed"]), "--steps", str(self.b - self.a),
                             "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
                             "--resume", "auto", "--device", self.s.device, "--log-format", "json", *allow,
-                            *(["--fsdp"] if self.plan.get("fsdp") else []),  # as plan.json says: the same state format
+                            *layout_flag(sharded(self.plan)),  # as plan.json says: the same state format
                             *(["--nproc-per-node", str(self.world)] if self.world > 1 else []),  # the run's ranks
                             *self.s.store_args)
             # The replay writes only under this audit's own verification/<id>/ (no other writer): no create-only
@@ -221,7 +226,7 @@ class Audit:
         positive = bool(replay) and all(d.within for d in replay.values())
         return {"all_checks_passed": positive, "positive": positive, "negative_divergence_detected": None}
 
-    def record_passed(self) -> None:
+    def after_pass(self) -> None:
         """After a passed audit: record its span in ``<run>/verification/audited.json`` (releases the restore point
         the trainer protects from retention, job.format.protect). Only for the default workdir: with
         ``--workdir`` the run's store is left alone."""
@@ -250,6 +255,10 @@ class Audit:
             extra={"audited_generations": self.generations, "parameter_distance": self.distance,
                    "audit_span": self.span, "audited_record": self.audited_record, "history_compared": self.history},
             error=error)
+
+    def plot(self) -> None:
+        """An audit draws no plot: it compares one replayed generation, not a trajectory."""
+        return None
 
 
 def _resumed_from(info: Any) -> int | None:

@@ -19,11 +19,25 @@ Each extra cut resumes from the continuous path's own generation at that step wh
 one (``--checkpoint-every`` divides it: the protocol already proves the cut checkpoint equals the continuous
 state), otherwise from a ``cut_at_<c>`` process that trains to ``c``, saves and stops, like the protocol's
 cut. Every resumed path runs in a fresh process, from a copy committed through the store.
+
+:class:`CutsCheck` is the extra cuts as a :class:`job.proof.check.Check`: its ``cut_at_<c>`` processes start with the
+protocol's reference paths, its ``resume_at_<c>`` paths with the protocol's resumed ones, and the protocol compares
+them with the continuous path in the same pass as its own (each continuous state read once).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from job.errors import ConfigError
+from job.format.contract import PLAN_FILE
+from job.proof.check import REFERENCE, RESUMED, Check, Job, Resumed
+from job.proof.compare import Diff
+from job.proof.diagnose import diagnose_path
+from job.proof.paths import (Opener, PathResult, VerificationIncomplete, load_generation, require_success,
+                             seed_run)
+from job.proof.settings import ProtocolSettings, train_argv
 
 
 def default_cuts(steps_per_epoch: int) -> list[int]:
@@ -55,3 +69,135 @@ def plan_cuts(*, protocol_cut: int, steps: int, steps_per_epoch: int,
     wanted = default_cuts(steps_per_epoch) if chosen is None else chosen
     extra = sorted(set(wanted) - {protocol_cut})
     return extra, max([steps, *(c + 1 for c in extra)])
+
+
+def resume_checks(results: list[PathResult], at: dict[str, int], negative: str | None = None) -> dict[str, Diff]:
+    """The resumed paths' own restore self-check, as an ``rng_restore`` difference by path name.
+
+    A resume whose restore self-check failed is a failed comparison (the path names the check), not a verification
+    that could not complete. Raises VerificationIncomplete for a path that failed otherwise, or that did not resume
+    from its cut ``at[name]`` as intended (with the RNG restore, except the negative control ``negative``, which gets
+    no entry unless its process reported a failed self-check)."""
+    failed = {r.name: event for r in results if r.code != 0 and (event := r.event("restore_check_failed"))}
+    require_success([r for r in results if r.name not in failed])
+    out = {}
+    for r in results:
+        if r.name in failed:
+            event = failed[r.name]
+            out[r.name] = Diff(exceeded=True, first_step=at[r.name] + 1, detail=str(
+                event.get("detail") or f"generators {event.get('generators')} failed the restore self-check"))
+            continue
+        event = r.event("resume") or {}
+        if event.get("step") != at[r.name] or event.get("rng_restored") != (r.name != negative):
+            raise VerificationIncomplete(f"path {r.name!r} did not resume from step {at[r.name]} as intended "
+                                         f"(its resume event: {event or 'none'})")
+        if r.name != negative:
+            out[r.name] = Diff()  # the resume's own self-check passed (the path ran on)
+    return out
+
+
+class CutsCheck(Check):
+    """Resume at every extra cut (``resume_at_<c>`` under ``<id>/cuts/``) and compare with the continuous path."""
+
+    def __init__(self, *, settings: ProtocolSettings, extra: list[int], steps_per_epoch: int, root_url: str,
+                 continuous_url: str, opener: Opener) -> None:
+        self.s, self.extra, self.steps_per_epoch, self.opener = settings, extra, steps_per_epoch, opener
+        self.continuous_url = continuous_url
+        """The continuous path's run (a reused reference's with ``--reuse-reference``): the reference, and the source
+        of every cut it committed."""
+        self.urls = {name: f"{root_url.rstrip('/')}/cuts/{name}"
+                     for c in extra for name in (f"resume_at_{c}", f"cut_at_{c}")}
+        self.paths: dict[str, dict[str, Any]] = {}
+        self.diffs: dict[str, dict[str, Diff]] = {f"resume_at_{c}": {} for c in extra}
+        self.restore_failed: set[str] = set()
+
+    def continuous_has(self, step: int) -> bool:
+        """Whether the continuous path commits generation ``step`` (then an extra cut resumes from it)."""
+        every = self.s.checkpoint_every
+        return step == self.s.steps or bool(every and step % every == 0)
+
+    def argv(self, c: int, *, resume: bool) -> list[str]:
+        """The command line of an extra cut's own cut process (``resume=False``) or of its resumed path."""
+        name = f"resume_at_{c}" if resume else f"cut_at_{c}"
+        return train_argv(self.s, self.urls[name], steps=self.s.steps - c if resume else c,
+                          every=self.s.checkpoint_every if resume else 0, resume=resume)
+
+    def jobs(self, phase: str, scratch: Path) -> list[Job]:
+        """``cut_at_<c>`` with the reference paths (cuts the continuous path does not commit); ``resume_at_<c>`` with
+        the resumed ones, each seeded first with a copy of generation c, committed through the store."""
+        if phase == REFERENCE:
+            return [(f"cut_at_{c}", self.urls[f"cut_at_{c}"], self.argv(c, resume=False))
+                    for c in self.extra if not self.continuous_has(c)]
+        if phase != RESUMED:
+            return []
+        for c in self.extra:  # from the continuous path's own generation c, or from cut_at_<c>
+            source = self.opener(self.continuous_url if self.continuous_has(c) else self.urls[f"cut_at_{c}"])
+            loaded = load_generation(source, c)
+            try:  # large files in spools, deleted once copied
+                seed_run(self.opener(self.urls[f"resume_at_{c}"]), source.read_file(PLAN_FILE), loaded,
+                         lineage=source)
+            finally:
+                loaded.close()
+        return [(f"resume_at_{c}", self.urls[f"resume_at_{c}"], self.argv(c, resume=True)) for c in self.extra]
+
+    def record(self, phase: str, results: list[PathResult]) -> None:
+        """Its runs' entries, in the ``cuts`` block."""
+        self.paths.update({r.name: r.to_json() for r in results})
+
+    def compare(self, phase: str, results: list[PathResult]) -> None:
+        """Every run must have succeeded, every resume from its cut with the RNG restore (or failed its self-check:
+        a failed comparison)."""
+        if phase == REFERENCE:
+            require_success(results)
+        elif phase == RESUMED:
+            checked = resume_checks(results, {r.name: int(r.name.rsplit("_", 1)[1]) for r in results})
+            for name, diff in checked.items():
+                self.diffs[name]["rng_restore"] = diff
+            self.restore_failed = {name for name, diff in checked.items() if not diff.within}
+
+    def resumed(self) -> list[Resumed]:
+        """Every ``resume_at_<c>`` whose own restore self-check passed, compared after step c."""
+        return [Resumed(name, self.urls[name], c, self.diffs[name])
+                for c in self.extra if (name := f"resume_at_{c}") not in self.restore_failed]
+
+    def _passed_at(self, c: int) -> bool:
+        diffs = self.diffs[f"resume_at_{c}"]
+        return bool(diffs) and all(d.within for d in diffs.values())
+
+    @property
+    def passed(self) -> bool:
+        """Every extra cut's resume equals the continuous path (True when there is no extra cut)."""
+        return all(self._passed_at(c) for c in self.extra)
+
+    @property
+    def negative_detected(self) -> None:
+        """The protocol's negative control covers the resume; the extra cuts have none of their own."""
+        return None
+
+    def failing(self) -> list[str]:
+        """``resume_at_<c>.<check>`` of every difference."""
+        return [f"{p}.{n}" for p, diffs in self.diffs.items() for n, d in diffs.items() if not d.within]
+
+    def diagnosis(self) -> list[str]:
+        """Each failed cut's likely cause (job.proof.diagnose)."""
+        return [line for c in self.extra for line in diagnose_path(f"resume_at_{c}", self.diffs[f"resume_at_{c}"],
+                                                                   c + 1)]
+
+    def verdicts(self) -> dict[str, bool]:
+        """``cuts_passed``."""
+        return {"cuts_passed": self.passed}
+
+    def sections(self) -> dict[str, Any]:
+        """The ``cuts`` block: every cut resumed at, and where each extra one came from."""
+        s = self.s
+        return {"cuts": {
+            "protocol_cut": s.cut, "extra": self.extra, "all": sorted({s.cut, *self.extra}),
+            "chosen": "--cuts" if s.cuts is not None else "default (epoch boundary, middle of epoch 1)",
+            "steps": s.steps, "steps_per_epoch": self.steps_per_epoch,
+            "resumed_from": {str(c): ("continuous path's generation" if self.continuous_has(c) else f"cut_at_{c}")
+                             for c in self.extra},
+            "passed": {str(c): self._passed_at(c) for c in self.extra}, "paths": self.paths}}
+
+    def checks(self) -> dict[str, dict[str, Diff]]:
+        """Each ``resume_at_<c>``'s rows, as the protocol's resumed paths have them."""
+        return self.diffs

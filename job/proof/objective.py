@@ -28,12 +28,13 @@ by more. Not bitwise: another split adds the same terms in another order.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-import torch
-
+from job.format.layout import flag as layout_flag
+from job.proof.check import REFERENCE, Check, Job
 from job.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv
-from job.proof.world import same_experience
+from job.proof.equivalence import max_differences, same_experience
 from job.tasks import Task
 from job.train.data import epoch_plan
 
@@ -53,12 +54,12 @@ def unequal_micro(batch: int) -> int | None:
     return batch // 2 + 1 if batch >= 3 else (1 if batch == 2 else None)
 
 
-class ObjectiveCheck:
-    """Plan, then compare, the objective-equivalence runs (the protocol launches them with its own paths)."""
+class ObjectiveCheck(Check):
+    """Plan, then compare, the objective-equivalence runs (the protocol launches them with its reference paths)."""
 
     def __init__(self, *, task: Task, task_name: str, config: str | None, seed: int, device: str, world: int,
-                 root_url: str, store_args: list[str], fsdp: bool = False) -> None:
-        self.world, self.root_url = world, root_url.rstrip("/")
+                 root_url: str, store_args: list[str], opener: Opener, fsdp: bool = False) -> None:
+        self.world, self.root_url, self.opener = world, root_url.rstrip("/"), opener
         self.global_batch = task.batch_size * world
         per_rank = self.global_batch // world
         epoch_plan(task.num_samples(), per_rank, world)  # a refused plan is a configuration error, here
@@ -74,14 +75,16 @@ class ObjectiveCheck:
         self.common = ["--task", task_name, *(["--config", config] if config else []), "--seed", str(seed),
                        "--steps", str(STEPS), "--checkpoint-every", "0", "--checkpoint-every-seconds", "0",
                        "--keep", "0", "--resume", "never", "--device", device, "--log-format", "json", *store_args,
-                       *(["--fsdp"] if fsdp else [])]
+                       *layout_flag(fsdp)]
         self.urls = {name: f"{self.root_url}/{name}" for name in self.splits}
         self.paths: dict[str, dict[str, Any]] = {}
         self.diffs: dict[str, dict[str, float]] = {}
         self.same: dict[str, bool] = {}
 
-    def jobs(self) -> list[tuple[str, str, list[str]]]:
-        """``(name, url, argv)`` of every run, for :func:`job.proof.paths.run_processes`."""
+    def jobs(self, phase: str, scratch: Path) -> list[Job]:
+        """Every run, with the protocol's reference paths (they need nothing of them)."""
+        if phase != REFERENCE:
+            return []
         out = []
         for name, split in self.splits.items():
             ranks = ["--nproc-per-node", str(split["world"])] if split["world"] > 1 else []
@@ -91,15 +94,21 @@ class ObjectiveCheck:
             out.append((f"objective/{name}", self.urls[name], argv))
         return out
 
-    def compare(self, results: list[PathResult], opener: Opener) -> None:
+    def record(self, phase: str, results: list[PathResult]) -> None:
+        """Its runs' entries, in the ``objective_equivalence`` block (by split name)."""
+        if phase == REFERENCE:
+            self.paths = {r.name.split("/", 1)[1]: r.to_json() for r in results}
+
+    def compare(self, phase: str, results: list[PathResult]) -> None:
         """Read every run back from the store and compare it with ``single``."""
-        self.paths = {r.name.split("/", 1)[1]: r.to_json() for r in results}
+        if phase != REFERENCE:
+            return
         failed = [r for r in results if r.code != 0]
         if failed:
             r = failed[0]
             raise VerificationIncomplete(f"objective check: run {r.name!r} exited {r.code}: "
                                          f"{' '.join(r.argv)}\n{r.stderr_tail}")
-        states = {name: RunReader(f"objective/{name}", url, opener).state(STEPS, whole=True)
+        states = {name: RunReader(f"objective/{name}", url, self.opener).state(STEPS, whole=True)
                   for name, url in self.urls.items()}
         for name in self.splits:
             if name != "single":
@@ -152,6 +161,14 @@ class ObjectiveCheck:
         worst = max(max(self.diffs[n].values()) for n in bad)
         return [f"objective check ({', '.join(bad)} vs one micro-batch; max |diff| {_g(worst)} > {TOLERANCE:g}): {HINT}"]
 
+    def verdicts(self) -> dict[str, bool]:
+        """``objective_equivalence_passed`` and ``objective_negative_detected``."""
+        return {"objective_equivalence_passed": self.passed, "objective_negative_detected": self.negative_detected}
+
+    def sections(self) -> dict[str, Any]:
+        """``objective_equivalence``: :meth:`to_json`."""
+        return {"objective_equivalence": self.to_json()}
+
     def to_json(self) -> dict[str, Any]:
         """The ``objective_equivalence`` block of verification.json."""
         return {
@@ -168,25 +185,6 @@ class ObjectiveCheck:
                              "--objective-check); same seed and global batch in every run",
             "paths": self.paths,
         }
-
-
-def max_differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """Largest absolute difference of parameters (and floating buffers), optimizer moments (0 for an optimizer that
-    keeps none, e.g. plain SGD: the parameters carry the gradient then) and per-step losses."""
-    opt_a, opt_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    if set(opt_a) != set(opt_b):
-        optimizer = math.inf
-    else:
-        optimizer = max((float((opt_a[i][k] - opt_b[i][k]).abs().max()) for i in opt_a for k in opt_a[i]
-                         if isinstance(opt_a[i][k], torch.Tensor) and opt_a[i][k].is_floating_point()
-                         and opt_a[i][k].numel()), default=0.0)
-    loss_a, loss_b = a["history"]["loss"], b["history"]["loss"]
-    return {
-        "parameters": max((float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"]
-                           if a["model"][k].is_floating_point() and a["model"][k].numel()), default=0.0),
-        "optimizer": optimizer,
-        "losses": float((loss_a - loss_b).abs().max()) if loss_a.shape == loss_b.shape else math.inf,
-    }
 
 
 def _g(value: float) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from job.format.layout import sharded
 from job.format.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F401 - re-exported
 from job.train.launch import entry_argv
 from job.errors import StateError
@@ -31,7 +32,8 @@ Opener = Callable[[str], GenerationStore]
 # explicitly instead. The signing keys (TRAINPROOF_SIGNING_KEY*) are kept too: a path must sign its own
 # generations and accept the run's signed plan.json and generation it is seeded with.
 _KEPT_PREFIXES = ("TRAINPROOF_S3_", "TRAINPROOF_ENDPOINT_URL", "TRAINPROOF_REGION", "TRAINPROOF_SIGNING_KEY")
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+"""The repository (or site-packages) folder holding ``job`` and ``storage``: put on a child's PYTHONPATH."""
 
 
 class VerificationIncomplete(Exception):
@@ -247,7 +249,7 @@ def with_sections(store: GenerationStore, step: int, state: dict[str, Any]) -> d
     """A sharded run's state (``meta.fsdp``) with its shards opened for a comparison that reads them a group of
     entries at a time (``job.proof.compare.SECTIONS``; the metadata is read and verified here, no tensor yet); any
     other state as it is, without importing torch.distributed."""
-    if not (state.get("meta") or {}).get("fsdp"):
+    if not sharded(state.get("meta")):
         return state
     from job.proof.compare import SECTIONS
     from job.train.fsdp import ShardedSections
@@ -258,7 +260,7 @@ def with_sections(store: GenerationStore, step: int, state: dict[str, Any]) -> d
 def with_shards(store: GenerationStore, step: int, state: dict[str, Any]) -> dict[str, Any]:
     """A sharded run's state (``meta.fsdp``) with its model and optimizer read whole from the shards
     (``job.train.fsdp.complete_state``); any other state as it is, without importing torch.distributed."""
-    if not (state.get("meta") or {}).get("fsdp"):
+    if not sharded(state.get("meta")):
         return state
     from job.train.fsdp import complete_state
 

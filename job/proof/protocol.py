@@ -22,6 +22,11 @@ Checkpoint cadence: with ``--checkpoint-every 1`` (the default) the continuous a
 step, so the full state is compared at every step after the cut and the plot shows a per-step parameter
 distance; the cut path saves only at the cut, as the protocol says. Note: that is also what keeps a save that
 disturbs the run visible (a continuous path that saved at step k like the cut would share the disturbance).
+
+The protocol owns the four paths and the comparison of every resumed path with the continuous one; everything else
+it proves (the extra cuts, world-size and objective equivalence) is a :class:`job.proof.check.Check` in
+``Protocol.checks``, whose runs start in the phases they name, beside the four paths, and from which the verdicts,
+``failing_checks``, the diagnosis and the report are derived (``Protocol._checks`` is the list).
 """
 
 from __future__ import annotations
@@ -30,29 +35,30 @@ import json
 import logging
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlparse
+from typing import Any, Callable
 
 import torch
 
-from job.proof.compare import Diff, Tolerance, compare_all, compare_cut
-from job.proof.cuts import plan_cuts
+from job.errors import ConfigError
+from job.format.contract import PLAN_FILE
+from job.format.state import History
+from job.proof.check import AFTER, REFERENCE, RESUMED, Check, Job, Resumed, Skipped
+from job.proof.compare import Diff, compare_all, compare_cut
+from job.proof.cuts import CutsCheck, plan_cuts, resume_checks
 from job.proof.diagnose import diagnose_path
 from job.proof.objective import ObjectiveCheck
-from job.train.data import epoch_plan
-from job.train.config import load_task_config
-from job.format.contract import PLAN_FILE
-from job.errors import ConfigError
-from job.export.bundle import export
-from job.format.state import History
-from job.tasks import Task, load_task
-from job.proof.reload import check_in_fresh_process, write_record
-from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv,
-                             load_generation, new_id, read_run_plan, require_success, run_processes, seed_run)
+from job.proof.paths import (Opener, PathResult, RunReader, VerificationIncomplete, absolute_url, load_generation,
+                             read_run_plan, require_success, run_processes, seed_run)
+from job.proof.reload import export_and_check
 from job.proof.report import REPORT_FILE, build_report, environment, plot_png
+from job.proof.settings import ProtocolSettings, train_argv
+from job.proof.verification import VerificationRunner
 from job.proof.world import WorldEquivalence
+from job.tasks import Task, load_task
+from job.train.config import load_task_config
+from job.train.data import epoch_plan
 from storage import GenerationStore
 
 log = logging.getLogger("trainproof.verify")
@@ -61,73 +67,6 @@ COMPARED = ("cut", "resume", "resume_without_rng")
 NEGATIVE = "resume_without_rng"
 REUSED = ("continuous", "cut", NEGATIVE)
 """The paths ``--reuse-reference`` takes from the earlier verification (they do not depend on the resume tested)."""
-DEFAULT_SCHEDULE = {"regression": (10, 5), "tinylm": (8, 3)}
-"""(steps, cut) per built-in task: regression is the fixture of docs/protocol.md (the cut mid-epoch at cursor 20 of 24,
-10 updates crossing into a second epoch); tinylm's default corpus has 5 steps an epoch, so a cut at 3 is
-mid-epoch and 8 updates cross into the second epoch."""
-
-
-@dataclass(kw_only=True)
-class ProtocolSettings:
-    """One ``verify`` invocation (protocol mode). Validation raises ConfigError (exit 2)."""
-
-    store: str
-    """The run location; the verification writes under ``<store>/verification/<id>/``."""
-    task: str = "regression"
-    config: Path | None = None
-    """Task settings file, passed to every path as ``--config``."""
-    steps: int = 10
-    cut: int = 5
-    seed: int = 1234
-    tolerance: Tolerance = field(default_factory=Tolerance)
-    device: str = "auto"
-    checkpoint_every: int = 1
-    """Commit cadence of the continuous and resumed paths (0: only their final state)."""
-    workdir: str | None = None
-    """Where ``<id>/`` goes instead of ``<store>/verification``."""
-    vid: str = field(default_factory=new_id)
-    reuse: str | None = None
-    """Id of an earlier verification whose continuous, cut and negative-control paths are reused (read back,
-    re-checked): a verification of another resume of the same experiment runs only its resumed paths."""
-    timeout: float = 7200.0
-    """Seconds each process may run."""
-    parallel: bool = True
-    """Run independent paths concurrently (each uses the task's own thread count)."""
-    store_args: list[str] = field(default_factory=list)
-    """``--endpoint-url`` / ``--region`` / ``--path-style`` as given to verify, passed on to every process."""
-    export: bool = True
-    world: int = 1
-    """Ranks of every path (> 1: ``train --nproc-per-node W``, gloo on the CPU), plus the world-size equivalence."""
-    fsdp: bool = False
-    """Every path trains sharded (``train --fsdp``); their states are read whole from the shards (job.train.fsdp)."""
-    cuts: list[int] | None = None
-    """Every cut to resume at (``--cuts``); None: the protocol's cut, the epoch boundary and the middle of epoch 1
-    (job.proof.cuts). Recorded in verification.json's ``cuts`` block, not in ``settings``."""
-    objective: bool = True
-    """Run the objective-equivalence check (job.proof.objective); skipped when reusing a reference."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.cut < self.steps:
-            raise ConfigError(f"need 1 <= --cut < --steps (got cut {self.cut}, steps {self.steps})")
-        if self.checkpoint_every < 0 or self.timeout <= 0:
-            raise ConfigError("--checkpoint-every must be >= 0 and --timeout > 0")
-        if self.world < 1:
-            raise ConfigError(f"--world must be >= 1 (got {self.world})")
-        if urlparse(self.store).scheme == "memory" or (self.workdir or "").startswith("memory:"):
-            raise ConfigError("verify runs every path as a separate process: memory:// stores are private to "
-                              "one process; use a folder or s3://")
-
-    def to_json(self) -> dict[str, Any]:
-        """The settings block of verification.json."""
-        return {"task": self.task, "config": None if self.config is None else str(self.config), "steps": self.steps,
-                "cut": self.cut, "seed": self.seed, "atol": self.tolerance.atol, "rtol": self.tolerance.rtol,
-                "device": self.device, "checkpoint_every": self.checkpoint_every, "reused_reference": self.reuse,
-                "world": self.world, "fsdp": self.fsdp, "objective_check": self.objective}
-
-
-def default_schedule(task: str) -> tuple[int, int]:
-    """(steps, cut) for ``task`` when the command line does not say."""
-    return DEFAULT_SCHEDULE.get(task, (10, 5))
 
 
 def verification_base(opener: Opener, store: str, workdir: str | None) -> GenerationStore:
@@ -146,8 +85,11 @@ def history_losses(state: dict[str, Any]) -> list[float]:
     return History.from_state_dict(state["history"]).column("loss")
 
 
-class Protocol:
-    """The four paths, their comparison, and the export of the resumed result."""
+class Protocol(VerificationRunner):
+    """The four paths, their comparison, the checks (:attr:`checks`), and the export of the resumed result."""
+
+    prunes_evidence = True
+    """A passed protocol's generations are removed unless ``--keep-evidence`` (job.proof.verification)."""
 
     def __init__(self, settings: ProtocolSettings, opener: Opener) -> None:
         self.s, self.opener = settings, opener
@@ -165,92 +107,117 @@ class Protocol:
         self.distances: dict[str, dict[int, float]] = {p: {} for p in COMPARED}
         self.meta: dict[str, Any] = {}
         self.export: dict[str, Any] | None = None
-        self.world_check: WorldEquivalence | None = None
-        self.steps_per_epoch = epoch_plan(self.task.num_samples(), self.task.batch_size, settings.world)["steps"]
-        self.extra_cuts, steps = plan_cuts(protocol_cut=settings.cut, steps=settings.steps,
-                                           steps_per_epoch=self.steps_per_epoch, chosen=settings.cuts)
+        self.restore_failed: set[str] = set()
+        """The protocol's resumed paths whose own restore self-check failed (a failed comparison; not read back)."""
+        steps_per_epoch = epoch_plan(self.task.num_samples(), self.task.batch_size, settings.world)["steps"]
+        extra_cuts, steps = plan_cuts(protocol_cut=settings.cut, steps=settings.steps,
+                                      steps_per_epoch=steps_per_epoch, chosen=settings.cuts)
         if steps != settings.steps:  # a later cut needs a longer continuous path
             if settings.reuse:
-                raise ConfigError(f"the cuts {self.extra_cuts} need {steps} continuous steps; the reused reference "
+                raise ConfigError(f"the cuts {extra_cuts} need {steps} continuous steps; the reused reference "
                                   f"has {settings.steps}")
             self.s = settings = replace(settings, steps=steps)
-        self.cut_urls = {name: f"{absolute_url(self.root)}/cuts/{name}"
-                         for c in self.extra_cuts for name in (f"resume_at_{c}", f"cut_at_{c}")}
-        self.cut_paths: dict[str, dict[str, Any]] = {}
-        self.diffs.update({f"resume_at_{c}": {} for c in self.extra_cuts})
-        self.restore_failures: dict[str, dict[str, Any]] = {}
-        self.objective = None if (settings.reuse or not settings.objective) else ObjectiveCheck(
-            task=self.task, task_name=settings.task, config=None if settings.config is None else str(settings.config),
-            seed=settings.seed, device=settings.device, world=settings.world,
-            root_url=f"{absolute_url(self.root)}/objective", store_args=settings.store_args, fsdp=settings.fsdp)
+        self.checks: list[Check] = self._checks(extra_cuts, steps_per_epoch)
+        """Everything proved besides the four paths, in the order of their verdicts in verification.json."""
+
+    def _checks(self, extra_cuts: list[int], steps_per_epoch: int) -> list[Check]:
+        """The verification's checks (job.proof.check): adding one is adding it here."""
+        s, root = self.s, absolute_url(self.root)
+        checks: list[Check] = [CutsCheck(settings=s, extra=extra_cuts, steps_per_epoch=steps_per_epoch, root_url=root,
+                                         continuous_url=self.urls["continuous"], opener=self.opener)]
+        if s.world > 1:
+            checks.append(WorldEquivalence(world=s.world, root_url=f"{root}/world_equivalence", seed=s.seed,
+                                           device=s.device, store_args=s.store_args, opener=self.opener, fsdp=s.fsdp))
+        if s.reuse or not s.objective:  # a reused reference's verification checked the objective already
+            checks.append(Skipped("objective_equivalence", "reused reference" if s.reuse else "--no-objective-check"))
+        else:
+            checks.append(ObjectiveCheck(
+                task=self.task, task_name=s.task, config=None if s.config is None else str(s.config), seed=s.seed,
+                device=s.device, world=s.world, root_url=f"{root}/objective", store_args=s.store_args,
+                opener=self.opener, fsdp=s.fsdp))
+        return checks
 
     def run(self) -> None:
-        """Run and compare every path; export when the comparisons passed. Raises VerificationIncomplete."""
+        """Run and compare every path and every check's runs; export when the comparisons passed.
+        Raises VerificationIncomplete."""
         log.info("verification %s under %s", self.s.vid, absolute_url(self.root))
-        for what, phase in (("continuous and cut paths", self._reference), ("resumed paths", self._resumes),
-                            ("comparison (read back from the store)", self._compare)):
-            t0 = time.monotonic()
-            phase()
-            log.info("%s: %.1f s", what, time.monotonic() - t0)
-        if self.s.world > 1:
-            t0 = time.monotonic()
-            self._world_equivalence()
-            log.info("world-size equivalence (%d ranks vs 1): %.1f s", self.s.world, time.monotonic() - t0)
+        self._timed("continuous and cut paths", lambda: self._phase(REFERENCE))
+        self._timed("resumed paths", lambda: self._phase(RESUMED))
+        self._timed("comparison (read back from the store)", self._compare)
+        self._timed("checks' runs after the comparison", lambda: self._phase(AFTER), unless_idle=True)
         if self.s.export and self.comparisons_passed():
-            t0 = time.monotonic()
-            self._export()
-            log.info("export and fresh-process reload check: %.1f s", time.monotonic() - t0)
+            self._timed("export and fresh-process reload check", self._export)
+
+    @staticmethod
+    def _timed(what: str, step: Callable[[], int | None], *, unless_idle: bool = False) -> None:
+        """Run ``step`` and log how long it took (``unless_idle``: not when it says it started no process)."""
+        t0 = time.monotonic()
+        if step() != 0 or not unless_idle:
+            log.info("%s: %.1f s", what, time.monotonic() - t0)
+
+    def after_pass(self) -> None:
+        """Nothing: what a passed protocol allows (pruning its evidence) is the tail's (job.proof.verification)."""
 
     # -- the paths ------------------------------------------------------------------------------------
-    def train_argv(self, path: str) -> list[str]:
-        """The command line of one path."""
+    def _phase(self, phase: str) -> int:
+        """Start the protocol's paths and every check's runs of ``phase`` together; hand each its results.
+        Returns how many processes ran."""
+        with tempfile.TemporaryDirectory(prefix="trainproof-verify-") as tmp:
+            own = self._jobs(phase)
+            theirs = [(check, check.jobs(phase, Path(tmp))) for check in self.checks]
+            jobs = own + [job for _, listed in theirs for job in listed]
+            if len({name for name, _, _ in jobs}) != len(jobs):
+                raise RuntimeError(f"two runs of the {phase} phase share a name: {[name for name, _, _ in jobs]}")
+            results = run_processes(jobs, timeout=self.s.timeout, parallel=self.s.parallel) if jobs else []
+        done = {r.name: r for r in results}
+        mine = [done[name] for name, _, _ in own]
+        self.paths.update({r.name: r.to_json() for r in mine})
+        for check, listed in theirs:  # every run's entry first: a crash below still leaves them all in the report
+            check.record(phase, [done[name] for name, _, _ in listed])
+        self._collect(phase, mine)
+        for check, listed in theirs:
+            check.compare(phase, [done[name] for name, _, _ in listed])
+        return len(jobs)
+
+    def argv(self, path: str) -> list[str]:
+        """The command line of one of the four paths."""
         s = self.s
-        every = 0 if path == "cut" else s.checkpoint_every
         steps = {"continuous": s.steps, "cut": s.cut}.get(path, s.steps - s.cut)  # resumes: additional steps
-        args = ["--task", s.task, *(["--config", str(s.config)] if s.config else []), "--seed", str(s.seed),
-                "--steps", str(steps), "--checkpoint-every", str(every), "--checkpoint-every-seconds", "0",
-                "--keep", "0", "--resume", "never" if path in ("continuous", "cut") else "auto",
-                "--device", s.device, "--log-format", "json", *s.store_args]
-        if s.world > 1:
-            args = ["--nproc-per-node", str(s.world), *args]
-        args += ["--fsdp"] if s.fsdp else []
-        negative = ["--omit-rng-restore"] if path == NEGATIVE else []
-        return job_argv("train", "--store", self.urls[path], *args, *negative)
+        return train_argv(s, self.urls[path], steps=steps, every=0 if path == "cut" else s.checkpoint_every,
+                          resume=path not in ("continuous", "cut"), negative=path == NEGATIVE)
 
-    def _reference(self) -> None:
-        """The continuous and cut paths, the extra cuts' own cut processes and the objective runs, concurrently."""
-        jobs = [] if self.s.reuse else [(n, self.urls[n], self.train_argv(n)) for n in ("continuous", "cut")]
-        if self.s.reuse:
-            self._adopt_reference()
-        jobs += [(f"cut_at_{c}", self.cut_urls[f"cut_at_{c}"], self.cut_argv(c, resume=False))
-                 for c in self.extra_cuts if not self._continuous_has(c)]
-        jobs += self.objective.jobs() if self.objective else []
-        results = run_processes(jobs, timeout=self.s.timeout, parallel=self.s.parallel) if jobs else []
-        self.paths.update({r.name: r.to_json() for r in results if r.name in PATHS})
-        self.cut_paths.update({r.name: r.to_json() for r in results if r.name.startswith("cut_at_")})
-        require_success([r for r in results if not r.name.startswith("objective/")])
-        if self.objective is not None:
-            self.objective.compare([r for r in results if r.name.startswith("objective/")], self.opener)
+    def _jobs(self, phase: str) -> list[Job]:
+        """The continuous and cut paths (or the reused reference's, adopted), then the resumed ones, each seeded with
+        a copy of the cut's generation."""
+        if phase == REFERENCE:
+            if self.s.reuse:
+                self._adopt_reference()
+                return []
+            return [(p, self.urls[p], self.argv(p)) for p in ("continuous", "cut")]
+        if phase != RESUMED:
+            return []
+        resumed = ("resume",) if self.s.reuse else ("resume", NEGATIVE)  # a reused reference brings its negative
+        cut_store = self.opener(self.urls["cut"])
+        plan, loaded = cut_store.read_file(PLAN_FILE), load_generation(cut_store, self.s.cut)
+        try:  # large files in spools, deleted once copied
+            for p in resumed:
+                seed_run(self.opener(self.urls[p]), plan, loaded, lineage=cut_store)
+        finally:
+            loaded.close()
+        return [(p, self.urls[p], self.argv(p)) for p in resumed]
 
-    def _continuous_has(self, step: int) -> bool:
-        """Whether the continuous path commits generation ``step`` (then an extra cut resumes from it)."""
-        every = self.s.checkpoint_every
-        return step == self.s.steps or bool(every and step % every == 0)
+    def _collect(self, phase: str, results: list[PathResult]) -> None:
+        """The four paths' results: each must have succeeded, each resume from the cut as intended (or failed its
+        own restore self-check: a failed comparison, ``rng_restore``)."""
+        if phase == REFERENCE:
+            require_success(results)
+        elif phase == RESUMED:
+            checked = resume_checks(results, {r.name: self.s.cut for r in results}, negative=NEGATIVE)
+            for name, diff in checked.items():
+                self.diffs[name]["rng_restore"] = diff
+            self.restore_failed = {name for name, diff in checked.items() if not diff.within}
 
-    def cut_argv(self, c: int, *, resume: bool) -> list[str]:
-        """The command line of an extra cut's own cut process (``resume=False``) or of its resumed path."""
-        s = self.s
-        name = f"resume_at_{c}" if resume else f"cut_at_{c}"
-        args = ["--task", s.task, *(["--config", str(s.config)] if s.config else []), "--seed", str(s.seed),
-                "--steps", str(s.steps - c if resume else c),
-                "--checkpoint-every", str(s.checkpoint_every if resume else 0), "--checkpoint-every-seconds", "0",
-                "--keep", "0", "--resume", "auto" if resume else "never", "--device", s.device, "--log-format", "json",
-                *s.store_args]
-        if s.world > 1:
-            args = ["--nproc-per-node", str(s.world), *args]
-        args += ["--fsdp"] if s.fsdp else []
-        return job_argv("train", "--store", self.cut_urls[name], *args)
-
+    # -- reference reuse -------------------------------------------------------------------------------
     def _adopt_reference(self) -> None:
         """Reuse an earlier verification's continuous, cut and negative-control paths: same task, settings and seed,
         or refuse."""
@@ -272,81 +239,44 @@ class Protocol:
             return {}
         return report.get("paths", {}) if isinstance(report, dict) else {}
 
-    def _resumes(self) -> None:
-        cut_store = self.opener(self.urls["cut"])
-        resumed = ("resume",) if self.s.reuse else ("resume", NEGATIVE)  # a reused reference brings its negative
-        plan, loaded = cut_store.read_file(PLAN_FILE), load_generation(cut_store, self.s.cut)
-        try:  # large files in spools, deleted once copied
-            for p in resumed:
-                seed_run(self.opener(self.urls[p]), plan, loaded, lineage=cut_store)
-        finally:
-            loaded.close()
-        for c in self.extra_cuts:  # from the continuous path's own generation c, or from cut_at_<c>
-            source = self.opener(self.urls["continuous"] if self._continuous_has(c) else self.cut_urls[f"cut_at_{c}"])
-            loaded = load_generation(source, c)
-            try:
-                seed_run(self.opener(self.cut_urls[f"resume_at_{c}"]), source.read_file(PLAN_FILE), loaded,
-                         lineage=source)
-            finally:
-                loaded.close()
-        jobs = [(p, self.urls[p], self.train_argv(p)) for p in resumed]
-        jobs += [(f"resume_at_{c}", self.cut_urls[f"resume_at_{c}"], self.cut_argv(c, resume=True))
-                 for c in self.extra_cuts]
-        results = run_processes(jobs, timeout=self.s.timeout, parallel=self.s.parallel)
-        self.paths.update({r.name: r.to_json() for r in results if r.name in PATHS})
-        self.cut_paths.update({r.name: r.to_json() for r in results if r.name not in PATHS})
-        for r in results:
-            # A resume whose own restore self-check failed is a failed comparison (the path names the check),
-            # not a verification that could not complete.
-            failed = r.event("restore_check_failed")
-            if r.code != 0 and failed:
-                self.restore_failures[r.name] = failed
-        require_success([r for r in results if r.name not in self.restore_failures])
-        for r in results:
-            if r.name in self.restore_failures:
-                continue
-            at = self.s.cut if r.name in PATHS else int(r.name.rsplit("_", 1)[1])
-            event = r.event("resume") or {}
-            if event.get("step") != at or event.get("rng_restored") != (r.name != NEGATIVE):
-                raise VerificationIncomplete(f"path {r.name!r} did not resume from step {at} as intended "
-                                             f"(its resume event: {event or 'none'})")
-
-    def _world_equivalence(self) -> None:
-        with tempfile.TemporaryDirectory(prefix="trainproof-verify-") as tmp:
-            self.world_check = WorldEquivalence(
-                world=self.s.world, root_url=f"{absolute_url(self.root)}/world_equivalence", workdir=Path(tmp),
-                seed=self.s.seed, device=self.s.device, timeout=self.s.timeout, parallel=self.s.parallel,
-                store_args=self.s.store_args, opener=self.opener, fsdp=self.s.fsdp)
-            self.world_check.run()
-
     # -- comparison ---------------------------------------------------------------------------------------
     def _compare(self) -> None:
-        s, final = self.s, None
-        resumed = {p: s.cut for p in ("resume", NEGATIVE)} | {f"resume_at_{c}": c for c in self.extra_cuts}
-        for name, event in self.restore_failures.items():
-            self.diffs[name]["rng_restore"] = Diff(exceeded=True, first_step=resumed[name] + 1, detail=str(
-                event.get("detail") or f"generators {event.get('generators')} failed the restore self-check"))
-        resumed = {p: at for p, at in resumed.items() if p not in self.restore_failures}
-        urls = {**self.urls, **self.cut_urls}
-        readers = {p: RunReader(p, urls[p], self.opener) for p in ("continuous", "cut", *resumed)}
+        """Every resumed path (the protocol's and the checks') against the continuous path, state by state, and the
+        cut checkpoint against the continuous path's history prefix."""
+        s = self.s
+        resumed = [Resumed(p, self.urls[p], s.cut, self.diffs[p]) for p in ("resume", NEGATIVE)
+                   if p not in self.restore_failed]
+        resumed += [r for check in self.checks for r in check.resumed()]
+        readers = {p: RunReader(p, url, self.opener) for p, url in (("continuous", self.urls["continuous"]),
+                                                                     ("cut", self.urls["cut"]),
+                                                                     *((r.name, r.url) for r in resumed))}
         cut_state = readers["cut"].state(s.cut)
-        for p in (*resumed, "continuous"):
+        for p in (*(r.name for r in resumed), "continuous"):
             if s.steps not in readers[p].steps:
                 raise VerificationIncomplete(f"path {p!r} committed no generation at step {s.steps} ({readers[p].url})")
-        for p in resumed:
-            if p != NEGATIVE:
-                self.diffs[p]["rng_restore"] = Diff()  # the resume's own self-check passed (the path ran on)
+        final = self._compare_steps(readers, cut_state, resumed)
+        for name, diff in compare_cut(cut_state, final, s.cut, s.tolerance).items():
+            self.diffs["cut"].setdefault(name, Diff()).merge(diff, s.cut)
+        self.losses["continuous"], self.losses["cut"] = history_losses(final), history_losses(cut_state)
+        self.meta = final["meta"]
+
+    def _compare_steps(self, readers: dict[str, RunReader], cut_state: dict[str, Any],
+                       resumed: list[Resumed]) -> dict[str, Any]:
+        """Each continuous state read once and compared with every path that holds that step; the final state."""
+        s, final = self.s, None
+        into = {"cut": self.diffs["cut"], **{r.name: r.diffs for r in resumed}}
         steps = readers["continuous"].steps
         for i, step in enumerate(steps, 1):
             t0 = time.monotonic()
             ref = readers["continuous"].state(step)
             others = {"cut": cut_state} if step == s.cut else {}
-            others |= {p: readers[p].state(step) for p, at in resumed.items() if step > at and step in readers[p].steps}
+            others |= {r.name: readers[r.name].state(step) for r in resumed
+                       if step > r.at and step in readers[r.name].steps}
             # A sharded run's model and optimizer are compared a group of entries at a time, each of the continuous
             # path's groups read once for every path (job.proof.compare): memory is a group, not four states.
             for p, (diffs, distance) in compare_all(ref, others, s.tolerance, self.param_names).items():
                 for name, diff in diffs.items():
-                    self.diffs[p].setdefault(name, Diff()).merge(diff, step)
+                    into[p].setdefault(name, Diff()).merge(diff, step)
                 if distance is not None and p in self.distances:
                     self.distances[p][step] = distance
                 if step == s.steps and p in PATHS and p != "cut":
@@ -357,49 +287,34 @@ class Protocol:
             if others:  # a large state takes a while to read back: say where the comparison is (a toy one: debug)
                 log.log(logging.INFO if took >= 1 else logging.DEBUG, "compared step %d (%d of %d) with %s: %.1f s",
                         step, i, len(steps), ", ".join(others), took)
-        for name, diff in compare_cut(cut_state, final, s.cut, s.tolerance).items():
-            self.diffs["cut"].setdefault(name, Diff()).merge(diff, s.cut)
-        self.losses["continuous"], self.losses["cut"] = history_losses(final), history_losses(cut_state)
-        self.meta = final["meta"]
+        return final
 
-    def comparisons_passed(self) -> bool:
-        """Resume and cut within tolerance, and the negative path diverged."""
-        v = self.verdicts()
-        world = self.s.world == 1 or (v["world_equivalence_passed"] and v["world_negative_detected"])
-        objective = self.objective is None or (v["objective_equivalence_passed"] and v["objective_negative_detected"])
-        return (v["positive"] and v["cut_checkpoint_ok"] and v["negative_divergence_detected"] and world
-                and v["cuts_passed"] and objective)
-
-    def verdicts(self) -> dict[str, Any]:
-        """The verdicts of verification.json (false for anything not compared yet)."""
+    def _verdicts_of_paths(self) -> dict[str, bool]:
+        """The four paths' verdicts (false for anything not compared yet)."""
         resume, cut, negative = (self.diffs[p] for p in ("resume", "cut", NEGATIVE))
         positive = bool(resume) and all(d.within for d in resume.values())
         cut_ok = bool(cut) and all(d.within for d in cut.values())
         diverged = (bool(negative) and not any(d.problems for d in negative.values())
                     and any(not d.within for d in negative.values()))
+        return {"positive": positive, "negative_divergence_detected": diverged, "cut_checkpoint_ok": cut_ok}
+
+    def comparisons_passed(self) -> bool:
+        """Resume and cut within tolerance, the negative path diverged, and every check passed (its negative control,
+        if it has one, detected)."""
+        return all(self._verdicts_of_paths().values()) and all(check.ok() for check in self.checks)
+
+    def verdicts(self) -> dict[str, Any]:
+        """The verdicts of verification.json (false for anything not compared yet): the four paths', the export's,
+        then each check's own keys."""
         export_ok = None if self.export is None else bool(self.export["reload_check"]["passed"])
         exported = export_ok is True or not self.s.export
-        w = self.world_check
-        world = {} if self.s.world == 1 else {
-            "world_equivalence_passed": w is not None and w.passed,
-            "world_negative_detected": w is not None and w.negative_detected}
-        world_ok = all(world.values())
-        extra = [self.diffs[f"resume_at_{c}"] for c in self.extra_cuts]
-        cuts_ok = all(bool(d) and all(x.within for x in d.values()) for d in extra)
-        o = self.objective
-        objective = {} if o is None else {"objective_equivalence_passed": o.passed,
-                                          "objective_negative_detected": o.negative_detected}
-        objective_ok = all(objective.values())
-        return {"all_checks_passed": (positive and cut_ok and diverged and exported and world_ok and cuts_ok
-                                      and objective_ok),
-                "positive": positive, "negative_divergence_detected": diverged,
-                "cut_checkpoint_ok": cut_ok, "export_reload_ok": export_ok, "cuts_passed": cuts_ok,
-                **world, **objective}
+        return {"all_checks_passed": self.comparisons_passed() and exported, **self._verdicts_of_paths(),
+                "export_reload_ok": export_ok, **{k: v for check in self.checks for k, v in check.verdicts().items()}}
 
     def failing_checks(self) -> list[str]:
-        """``path.check`` of every failed check (for the negative path: no divergence, or a structural problem)."""
-        failing = [f"{p}.{n}" for p in ("cut", "resume", *(f"resume_at_{c}" for c in self.extra_cuts))
-                   for n, d in self.diffs[p].items() if not d.within]
+        """``path.check`` of every failed check (for the negative path: no divergence, or a structural problem),
+        then the export's, then each check's (job.proof.check)."""
+        failing = [f"{p}.{n}" for p in ("cut", "resume") for n, d in self.diffs[p].items() if not d.within]
         negative = self.diffs[NEGATIVE]
         broken = [f"{NEGATIVE}.{n}" for n, d in negative.items() if d.problems]
         if negative and not broken and all(d.within for d in negative.values()):
@@ -407,37 +322,17 @@ class Protocol:
         failing += broken
         if self.export is not None and not self.export["reload_check"]["passed"]:
             failing.append("export.reload_check")
-        if self.world_check is not None:
-            failing += self.world_check.failing()
-        if self.objective is not None:
-            failing += self.objective.failing()
-        return failing
+        return failing + [name for check in self.checks for name in check.failing()]
 
     def diagnosis(self) -> list[str]:
-        """Likely causes of the failed checks (job.proof.diagnose, job.proof.objective), for the reader."""
+        """Likely causes of the failed checks (job.proof.diagnose, and each check's own), for the reader."""
         out = diagnose_path("resume", self.diffs["resume"], self.s.cut + 1)
-        for c in self.extra_cuts:
-            out += diagnose_path(f"resume_at_{c}", self.diffs[f"resume_at_{c}"], c + 1)
-        return out + (self.objective.diagnosis() if self.objective is not None else [])
-
-    def cuts_json(self) -> dict[str, Any]:
-        """The ``cuts`` block of verification.json: every cut resumed at, and where each extra one came from."""
-        return {"protocol_cut": self.s.cut, "extra": self.extra_cuts, "all": sorted({self.s.cut, *self.extra_cuts}),
-                "chosen": "--cuts" if self.s.cuts is not None else "default (epoch boundary, middle of epoch 1)",
-                "steps": self.s.steps, "steps_per_epoch": self.steps_per_epoch,
-                "resumed_from": {str(c): ("continuous path's generation" if self._continuous_has(c)
-                                          else f"cut_at_{c}") for c in self.extra_cuts},
-                "passed": {str(c): bool(self.diffs[f"resume_at_{c}"])
-                           and all(d.within for d in self.diffs[f"resume_at_{c}"].values()) for c in self.extra_cuts},
-                "paths": self.cut_paths}
+        return out + [line for check in self.checks for line in check.diagnosis()]
 
     # -- export -----------------------------------------------------------------------------------------
     def _export(self) -> None:
-        bundle = export(self.opener(self.urls["resume"]), step=self.s.steps, task=self.s.task)
-        record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task,
-                                        store_args=self.s.store_args, timeout=self.s.timeout)
-        location = write_record(bundle.dest, bundle.step, record)
-        self.export = {**bundle.to_json(), "reload_check": record, "reload_check_location": location}
+        self.export = export_and_check(self.opener(self.urls["resume"]), step=self.s.steps, task=self.s.task,
+                                       store_args=self.s.store_args, timeout=self.s.timeout).to_json()
 
     # -- report -----------------------------------------------------------------------------------------
     def report(self, error: str | None = None) -> dict[str, Any]:
@@ -451,15 +346,13 @@ class Protocol:
                               "max_parameter_diff": None if params is None else params.max_abs},
                  "parameter_distance": {p: {str(k): v for k, v in d.items()} for p, d in self.distances.items()},
                  "losses": self.losses}
-        if self.s.world > 1:
-            extra["world_equivalence"] = None if self.world_check is None else self.world_check.to_json()
-        extra["cuts"] = self.cuts_json()
-        extra["objective_equivalence"] = (self.objective.to_json() if self.objective is not None else
-                                          {"skipped": "reused reference" if self.s.reuse else "--no-objective-check"})
+        for check in self.checks:
+            extra.update(check.sections())
         extra["diagnosis"] = self.diagnosis()
+        diffs = {**self.diffs, **{p: d for check in self.checks for p, d in check.checks().items()}}
         return build_report(
             kind="protocol", vid=self.s.vid, location=absolute_url(self.root), store=self.s.store, verdicts=verdicts,
-            failing=self.failing_checks(), settings=self.s.to_json(), paths=self.paths, diffs=self.diffs,
+            failing=self.failing_checks(), settings=self.s.to_json(), paths=self.paths, diffs=diffs,
             tol=self.s.tolerance, step_recovered=self.s.cut, env=environment(self.task, self.meta),
             export=self.export, extra=extra, error=error)
 

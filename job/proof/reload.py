@@ -11,6 +11,9 @@ Identical checksums prove the copy; only a reload proves the content is enough t
 
 The result is written next to the bundle (``step-%08d.reload-check.json``), never into it: a committed
 generation is immutable, and the check must read what a consumer reads, i.e. the committed bundle.
+
+:func:`export_and_check` is the one sequence export -> fresh-process check -> record that ``trainproof export``,
+the verifier, a deadline's finishing export and ``plan --measure`` all run; each maps its errors its own way.
 """
 
 from __future__ import annotations
@@ -18,17 +21,19 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from job.export.bundle import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, evaluate_weights, sha256_of
+from job.export.bundle import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, Bundle, evaluate_weights, export, sha256_of
 from job.errors import ConfigError
 from storage.limits import loads_untrusted
 from job.tasks import load_task, trusted_task
 from job.format.state import StateError, load_weights_only
-from job.proof.paths import VerificationIncomplete, job_argv, run_processes
+from job.proof.paths import VerificationIncomplete, absolute_url, job_argv, run_processes
 from storage import GenerationStore
 from storage.spool import Spool, spool_dir
 from storage.manifest import step_dir
@@ -165,3 +170,47 @@ def write_record(dest: GenerationStore, step: int, record: dict[str, Any]) -> st
     name = record_name(step)
     dest.write_file(name, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
     return f"{dest.url.rstrip('/')}/{name}"
+
+
+@dataclass(frozen=True)
+class Checked:
+    """An export bundle and the record of its reload check in a fresh process."""
+
+    bundle: Bundle
+    record: dict[str, Any]
+    """What the check printed (:func:`reload_check`), with its command line and exit code."""
+    location: str | None
+    """Where the record was written next to the bundle; None when the caller did not keep it."""
+
+    @property
+    def passed(self) -> bool:
+        """Every comparison of the reload check passed."""
+        return bool(self.record["passed"])
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``export`` block of verification.json."""
+        return {**self.bundle.to_json(), "reload_check": self.record, "reload_check_location": self.location}
+
+
+def export_and_check(run: GenerationStore, *, task: str | None, store_args: list[str], timeout: float,
+                     step: int | None = None, dest: GenerationStore | None = None, ends_at: float | None = None,
+                     exported: Callable[[Bundle], None] | None = None, keep_record: bool = True) -> Checked:
+    """Export generation ``step`` of ``run`` (default: the newest usable one) under ``dest`` (default
+    ``<run>/exports``), reload it in a fresh ``reload-check`` process, and write the record next to the bundle.
+
+    ``timeout``: seconds the reload check may run; ``ends_at`` (a ``time.monotonic()`` value) instead gives it what
+    is left until then once the export is committed (at least a second): a deadline counts the export's own time.
+    ``exported`` is told about the bundle as soon as it is committed, before the check (a command line says so
+    while the check runs). ``keep_record=False`` writes nothing beside the bundle (a measurement's scratch run).
+    Raises what :func:`job.export.bundle.export` raises (ConfigError ...), VerificationIncomplete when the check
+    printed no record, and StoreError/OSError from the store; a check that ran and failed is ``passed`` False.
+    """
+    bundle = export(run, step=step, dest=dest, task=task)
+    if exported is not None:
+        exported(bundle)
+    if ends_at is not None:
+        timeout = max(ends_at - time.monotonic(), 1.0)
+    record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, store_args=store_args,
+                                    timeout=timeout)
+    location = write_record(bundle.dest, bundle.step, record) if keep_record else None
+    return Checked(bundle, record, location)

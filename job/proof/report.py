@@ -147,7 +147,9 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     if world:
         console.print(_world_table(world))
         keys += ["world_equivalence_passed", "world_negative_detected"]
-    keys += [k for k in ("cuts_passed", "objective_equivalence_passed", "objective_negative_detected") if k in report]
+    # Every check's verdicts (job.proof.check: ``<check>_passed``, ``<check>_negative_detected``), as the report has
+    # them; the four paths' other two (cut checkpoint, export) are in the table and the export line.
+    keys += [k for k in report if k.endswith(("_passed", "_detected")) and k not in keys]
     if report.get("cuts"):
         console.print(f"cuts resumed at: {report['cuts']['all']} (continuous path: {report['cuts']['steps']} steps)")
     if report.get("audit_span"):

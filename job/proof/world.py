@@ -30,8 +30,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from job.format.state import History
-from job.proof.paths import Opener, RunReader, VerificationIncomplete, job_argv, require_success, run_processes
+from job.format.layout import flag as layout_flag
+from job.proof.check import AFTER, Check, Job
+from job.proof.equivalence import max_differences, same_experience
+from job.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv, require_success
 
 TOLERANCE = 1e-9
 """Absolute, float64: measured W vs 1 differences are ~1e-12 (tests/test_dist_equivalence.py)."""
@@ -60,51 +62,67 @@ def equivalence_steps(world: int) -> int:
     return 2 * 3
 
 
-class WorldEquivalence:
-    """Run and compare the three world-equivalence runs under ``root_url``."""
+class WorldEquivalence(Check):
+    """The three world-equivalence runs under ``root_url``, started after the protocol's paths were compared."""
 
-    def __init__(self, *, world: int, root_url: str, workdir: Path, seed: int, device: str, timeout: float,
-                 parallel: bool, store_args: list[str], opener: Opener, fsdp: bool = False) -> None:
+    def __init__(self, *, world: int, root_url: str, seed: int, device: str, store_args: list[str], opener: Opener,
+                 fsdp: bool = False) -> None:
         self.world, self.root_url, self.seed, self.device = world, root_url.rstrip("/"), seed, device
-        self.timeout, self.parallel, self.store_args, self.opener = timeout, parallel, store_args, opener
-        self.workdir = workdir
+        self.store_args, self.opener = store_args, opener
         self.fsdp = fsdp
         """Every run sharded (``train --fsdp``), the one-rank reference too: the same state format on both sides."""
         self.urls = {r: f"{self.root_url}/{r}" for r in RUNS}
+        self.started = False
+        """Whether its runs were started: before, its block of verification.json is null (the verification stopped
+        earlier), as is its verdict false."""
         self.paths: dict[str, dict[str, Any]] = {}
         self.diffs: dict[str, dict[str, float]] = {}
         self.same_experience: dict[str, bool] = {}
 
-    def _config_file(self, name: str, batch: int) -> str:
-        path = self.workdir / f"world-equivalence-{name}.json"
+    def _config_file(self, scratch: Path, name: str, batch: int) -> str:
+        path = scratch / f"world-equivalence-{name}.json"
         path.write_text(json.dumps({**equivalence_config(self.world), "batch_size": batch}))
         return str(path)
 
-    def argv(self, run: str) -> list[str]:
-        """The command line of one equivalence run."""
+    def argv(self, run: str, scratch: Path) -> list[str]:
+        """The command line of one equivalence run (its task settings written under ``scratch``)."""
         one = run == "one_rank"
-        cfg = self._config_file("one" if one else "w", PER_RANK_BATCH * (self.world if one else 1))
+        cfg = self._config_file(scratch, "one" if one else "w", PER_RANK_BATCH * (self.world if one else 1))
         world = [] if one else ["--nproc-per-node", str(self.world)]
         # The negative control is an explicit (hidden) option of the path's command line, never an environment
         # variable a pod spec could set by mistake.
         negative = ["--negative-control", "per-rank-mean"] if run == "per_rank_mean" else []
-        return job_argv("train", "--store", self.urls[run], *world, *negative, "--task", EQUIVALENCE_TASK, "--config", cfg,
-                        "--seed", str(self.seed), "--steps", str(equivalence_steps(self.world)),
+        return job_argv("train", "--store", self.urls[run], *world, *negative, "--task", EQUIVALENCE_TASK,
+                        "--config", cfg, "--seed", str(self.seed), "--steps", str(equivalence_steps(self.world)),
                         "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
                         "--resume", "never", "--device", self.device, "--log-format", "json", *self.store_args,
-                        *(["--fsdp"] if self.fsdp else []))
+                        *layout_flag(self.fsdp))
 
-    def run(self) -> None:
-        """Launch the three runs (the negative one with ``--negative-control per-rank-mean``), read back, compare."""
-        results = run_processes([(r, self.urls[r], self.argv(r)) for r in RUNS], timeout=self.timeout,
-                                parallel=self.parallel)
-        self.paths = {r.name: r.to_json() for r in results}
+    def jobs(self, phase: str, scratch: Path) -> list[Job]:
+        """The three runs (the negative one with ``--negative-control per-rank-mean``), after the protocol's paths:
+        they need nothing of them, and W-rank runs beside the protocol's W-rank paths would crowd the machine."""
+        if phase != AFTER:
+            return []
+        self.started = True
+        return [(r, self.urls[r], self.argv(r, scratch)) for r in RUNS]
+
+    def record(self, phase: str, results: list[PathResult]) -> None:
+        """Its runs' entries, in the ``world_equivalence`` block."""
+        if phase == AFTER:
+            self.paths = {r.name: r.to_json() for r in results}
+
+    def compare(self, phase: str, results: list[PathResult]) -> None:
+        """Read the three runs back from the store and compare W ranks (and the negative control) with one rank."""
+        if phase != AFTER:
+            return
         require_success(results)
         steps = equivalence_steps(self.world)
-        states = {}
-        for r in RUNS:
-            reader = RunReader(f"world_equivalence/{r}", self.urls[r], self.opener)
-            states[r] = reader.state(steps, whole=True)
+        self.compare_states({r: RunReader(f"world_equivalence/{r}", self.urls[r], self.opener).state(steps, whole=True)
+                             for r in RUNS})
+
+    def compare_states(self, states: dict[str, dict[str, Any]]) -> None:
+        """Compare the runs' final states (by run name) with ``one_rank``; VerificationIncomplete when a run did not
+        train with the world it was started with."""
         if states["w_ranks"]["meta"].get("world") != self.world or states["one_rank"]["meta"].get("world") != 1:
             raise VerificationIncomplete(f"world-equivalence runs ran with worlds "
                                          f"{states['one_rank']['meta'].get('world')} / "
@@ -137,6 +155,14 @@ class WorldEquivalence:
             out.append("world_negative: per-rank mean not detected")
         return out
 
+    def verdicts(self) -> dict[str, bool]:
+        """``world_equivalence_passed`` and ``world_negative_detected``."""
+        return {"world_equivalence_passed": self.passed, "world_negative_detected": self.negative_detected}
+
+    def sections(self) -> dict[str, Any]:
+        """``world_equivalence``: :meth:`to_json` once its runs started, null before."""
+        return {"world_equivalence": self.to_json() if self.started else None}
+
     def to_json(self) -> dict[str, Any]:
         """The ``world_equivalence`` block of verification.json."""
         return {
@@ -153,29 +179,3 @@ class WorldEquivalence:
                                  "detected": self.negative_detected},
             "paths": self.paths,
         }
-
-
-def same_experience(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Same samples in the same steps, same target counts, learning rates and epochs (exact)."""
-    ha, hb = History.from_state_dict(a["history"]), History.from_state_dict(b["history"])
-    if len(ha) != len(hb):
-        return False
-    keys = ("sample_ids", "sample_offsets", "targets", "lr", "epoch")
-    for k in keys:
-        x, y = a["history"].get(k), b["history"].get(k)
-        if x is None or y is None or x.shape != y.shape or not bool((x == y).all()):
-            return False
-    return True
-
-
-def max_differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """Largest absolute difference of parameters (and buffers), optimizer moments and per-step losses."""
-    opt_a, opt_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    loss_a, loss_b = a["history"]["loss"], b["history"]["loss"]
-    return {
-        "parameters": max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"]
-                          if a["model"][k].is_floating_point()),
-        "optimizer": max(float((opt_a[i][k] - opt_b[i][k]).abs().max())
-                         for i in opt_a for k in opt_a[i] if opt_a[i][k].is_floating_point()),
-        "losses": float((loss_a - loss_b).abs().max()) if loss_a.shape == loss_b.shape else float("inf"),
-    }
