@@ -137,7 +137,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "base_commit_s": base_commit, "step": records[-1]["step"] if records else None,
             "blocked_s": [r["blocked_s"] for r in periodic], "save_s": [r["seconds"] for r in periodic],
             "bytes": records[0]["bytes"] if records else None, "memory_ratio": memory,
-            "copy_s": statistics.median(copies), "waits": sum(1 for _, _, n, _ in probe.events if n == "checkpoint_wait")}
+            "copy_s": statistics.median(copies),
+            "waits": sum(1 for _, _, n, _ in probe.events if n == "checkpoint_wait")}
 
 
 def _baseline_writes(url: str, generation: str, repeats: int = 5) -> list[float]:
@@ -251,7 +252,8 @@ def versions() -> dict[str, str]:
 
     import job
 
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip()
     return {"python": platform.python_version(), "torch": torch.__version__, "trainproof": job.__version__,
             "git": rev, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, {platform.platform()}"}
@@ -318,7 +320,8 @@ def main() -> None:
     table = summarise(results, args)
     out_dir = ROOT / "bench" / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(["python", "bench/bench_async_stall.py", *sys.argv[1:]]), "store": "S3 (moto server on loopback)" if args.s3 else args.store_root or "local folder (tmp)",
+    meta = {"command": " ".join(["python", "bench/bench_async_stall.py", *sys.argv[1:]]),
+            "store": "S3 (moto server on loopback)" if args.s3 else args.store_root or "local folder (tmp)",
             **versions()}
     (out_dir / "async_stall.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
     (out_dir / "async_stall.md").write_text(table)
@@ -328,7 +331,7 @@ def main() -> None:
 
 def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     med = statistics.median
-    lines = [f"| state | mode | ratio | value | goal | detail |", "|---|---|---|---:|---|---|"]
+    lines = ["| state | mode | ratio | value | goal | detail |", "|---|---|---|---:|---|---|"]
     for mib in sorted({r["mib"] for r in results}):
         runs = {m: [r for r in results if r["mib"] == mib and r["mode"] == m] for m in args.modes.split(",")}
         size = next((r["bytes"] for r in results if r["mib"] == mib and r["bytes"]), None)
@@ -342,7 +345,8 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             steady = [b for r in runs[mode] for b in r["blocked_s"][1:]]  # buffers already allocated
             save = med([med(r["save_s"]) for r in runs[mode] if r["save_s"]])
             waits = sum(r["waits"] for r in runs[mode])
-            lines.append(f"| {label} | {mode} | stall | {blocked / copy:.2f} | {GOALS['stall']} | blocked {blocked:.3f} s "
+            lines.append(f"| {label} | {mode} | stall | {blocked / copy:.2f} "
+                         f"| {GOALS['stall']} | blocked {blocked:.3f} s "
                          f"per checkpoint vs copy to host {copy:.3f} s"
                          + (f" (after the first checkpoint: {med(steady):.3f} s, stall {med(steady) / copy:.2f})"
                             if steady and mode == "async" else "")
@@ -351,18 +355,24 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 tput = med([r["steps_per_s"] for r in runs[mode]])
                 # Paired by repetition (the runs of one repetition ran back to back): load drifts between them less.
                 paired = med([a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[mode], runs["none"])])
-                lines.append(f"| {label} | {mode} | throughput | {paired:.2f} | {GOALS['throughput']} | median of paired "
-                             f"ratios; medians {tput:.2f} vs {base:.2f} steps/s, a checkpoint every {args.every} steps |")
-            pairs = [(med(r["save_s"]), med(r["base_commit_s"])) for r in runs[mode] if r["save_s"] and r.get("base_commit_s")]
+                lines.append(f"| {label} | {mode} | throughput | {paired:.2f} "
+                             f"| {GOALS['throughput']} | median of paired "
+                             f"ratios; medians {tput:.2f} vs {base:.2f} "
+                             f"steps/s, a checkpoint every {args.every} steps |")
+            pairs = [(med(r["save_s"]), med(r["base_commit_s"])) for r in runs[mode]
+                     if r["save_s"] and r.get("base_commit_s")]
             if pairs:
                 s3 = args.s3 or str(args.store_root or "").startswith("s3://")
                 base_name = "boto3 upload_fileobj" if s3 else "copy + fsync"
-                lines.append(f"| {label} | {mode} | commit | {med([a / b for a, b in pairs]):.2f} | {GOALS['commit']} | "
+                lines.append(f"| {label} | {mode} | commit | "
+                             f"{med([a / b for a, b in pairs]):.2f} | {GOALS['commit']} | "
                              f"write + read-back verify + commit {med([a for a, _ in pairs]):.2f} s vs {base_name} of "
                              f"the same bytes {med([b for _, b in pairs]):.2f} s (median of paired ratios) |")
-            resumes = [(r["resume_s"], r["base_load_s"], r.get("first_step_s", 0.0)) for r in runs[mode] if r.get("resume_s")]
+            resumes = [(r["resume_s"], r["base_load_s"], r.get("first_step_s", 0.0)) for r in runs[mode]
+                       if r.get("resume_s")]
             if resumes:
-                lines.append(f"| {label} | {mode} | resume | {med([a / b for a, b, _ in resumes]):.2f} | {GOALS['resume']} | "
+                lines.append(f"| {label} | {mode} | resume | "
+                             f"{med([a / b for a, b, _ in resumes]):.2f} | {GOALS['resume']} | "
                              f"process start → ready {med([a for a, _, _ in resumes]):.2f} s (first step done "
                              f"{med([c for _, _, c in resumes]):.2f} s) vs fresh process GET + torch.load "
                              f"{med([b for _, b, _ in resumes]):.2f} s |")

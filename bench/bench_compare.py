@@ -37,11 +37,11 @@ TASK = "bench.bigmodel:factory"
 def child(mode: str, run: str, others: int) -> dict:
     """One measured comparison in this (fresh) process."""
     from bench.bench_sharded import PeakRSS
+    from job.format.contract import read_run_plan
     from job.proof.compare import Tolerance, compare_all
     from job.proof.paths import RunReader
     from job.proof.protocol import parameter_names
     from job.tasks import load_task
-    from job.format.contract import read_run_plan
     from storage import open_store
 
     store = open_store(run)

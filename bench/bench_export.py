@@ -45,12 +45,12 @@ def child(mode: str, run: str, out: str) -> dict:
     from safetensors.torch import save
 
     from bench.bench_sharded import PeakRSS
-    from job.tasks import load_task
-    from job.format.contract import read_run_plan
     from job.export.bundle import _bf16, evaluate_weights, export
-    from job.train.fsdp import full_state
     from job.export.standalone import export_program
+    from job.format.contract import read_run_plan
     from job.format.state import STATE_FILE, decode
+    from job.tasks import load_task
+    from job.train.fsdp import full_state
     from storage import open_store
 
     store = open_store(run)

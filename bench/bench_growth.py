@@ -82,7 +82,8 @@ def main() -> None:
     table = "\n".join(lines) + "\n"
     out_dir = ROOT / "bench" / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "growth.json").write_text(json.dumps({"command": " ".join(["python", "bench/bench_growth.py", *sys.argv[1:]]),
+    command = " ".join(["python", "bench/bench_growth.py", *sys.argv[1:]])
+    (out_dir / "growth.json").write_text(json.dumps({"command": command,
                                                      "runs": results}, indent=2))
     print(table)
 

@@ -336,7 +336,7 @@ def main() -> None:
         s = summary[key]
         print(f"{label:55} {s['median_s']:9.2f} {s['median_mib_s']:7.0f} {s['min_s']:7.2f} {s['max_s']:7.2f} "
               f"{s['spread_pct']:6.0f}%")
-    print(f"\nthroughput ratio store/boto3 (goal >= 0.90):")
+    print("\nthroughput ratio store/boto3 (goal >= 0.90):")
     print(f"  write        {ratio_write:.2f}   (per rep, paired: {', '.join(f'{r:.2f}' for r in paired_w)}; "
           f"median {statistics.median(paired_w):.2f})")
     print(f"  verify read  {ratio_read:.2f}   (per rep, paired: {', '.join(f'{r:.2f}' for r in paired_r)}; "
@@ -355,7 +355,8 @@ def main() -> None:
             "config": {"mib": args.mib, "reps": args.reps, "server": args.server, "alternatives": args.alternatives,
                        "store": {"part_mib": 16, "write_concurrency": 8, "read_block_mib": 50, "read_concurrency": 8,
                                  "checksum": "when_required (custom endpoint)"},
-                       "boto3": {"TransferConfig": "default", "multipart_threshold_mib": 8, "multipart_chunksize_mib": 8,
+                       "boto3": {"TransferConfig": "default", "multipart_threshold_mib": 8,
+                                 "multipart_chunksize_mib": 8,
                                  "max_concurrency": 10, "checksum": "when_required", "max_attempts": 1}},
             "environment": {"cpus": os.cpu_count(), "python": platform.python_version(),
                             "loadavg_before": load_before, "loadavg_after": load_after,

@@ -33,8 +33,8 @@ from rich.console import Console
 from rich.table import Table
 
 from job.train.config import TrainConfig
-from job.train.progress import Reporter
 from job.train.loop import train
+from job.train.progress import Reporter
 
 DEFAULT_MODEL = {"d_model": 128, "n_heads": 4, "n_layers": 4, "d_ff": 512, "max_len": 64, "min_len": 16,
                  "n_sequences": 512, "batch_size": 16, "micro_batch_size": 8, "vocab_size": 256}

@@ -25,8 +25,8 @@ Writes ``bench/out/verify_overhead.json``. Not run by CI.
 from __future__ import annotations
 
 import argparse
-import resource
 import json
+import resource
 import shlex
 import shutil
 import statistics

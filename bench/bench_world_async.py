@@ -126,8 +126,8 @@ def main() -> int:
                                          if e.get("event") == "checkpoint" and e["step"] < args.steps],
                              "seconds": [e["seconds"] for e in result["events"]
                                          if e.get("event") == "checkpoint" and e["step"] < args.steps],
-                             "waited": [sum(w["seconds"] for w in result["events"] if w.get("event") == "checkpoint_wait"
-                                            and w["step"] == e["step"])
+                             "waited": [sum(w["seconds"] for w in result["events"]
+                                            if w.get("event") == "checkpoint_wait" and w["step"] == e["step"])
                                         for e in result["events"]
                                         if e.get("event") == "checkpoint" and e["step"] < args.steps]}
                 shutil.rmtree(store, ignore_errors=True)

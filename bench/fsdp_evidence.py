@@ -3,7 +3,8 @@
 ``.venv/bin/python bench/fsdp_evidence.py [--folder DIR]`` starts 2 processes (torch.multiprocessing, gloo,
 CPU), wraps a small MLP with ``fully_shard``, runs forward/backward/Adam step, takes the sharded state with
 ``get_state_dict``, ``dcp.save``s it to a local folder, then reloads it into a fresh 2-process world and a
-1-process world and compares every tensor exactly; then saves from 1 process and loads into 2. Each check prints one line ``ok <what>`` or
+1-process world and compares every tensor exactly; then saves from 1 process and loads into 2. Each check prints one
+line ``ok <what>`` or
 ``FAIL <what>: <ExceptionType>: <message>``; docs/fsdp.md records what this printed.
 """
 
@@ -115,7 +116,8 @@ def _run(rank: int, world: int, folder: str, mode: str) -> None:
         if rank == 0:
             print(f"   rank 0 holds {tuple(local.shape)} of {tuple(model[0].weight.shape)} (layer 0 weight)",
                   flush=True)
-        msd, osd = _check(rank, f"[world {world}] get_state_dict (sharded DTensors)", lambda: get_state_dict(model, opt))
+        msd, osd = _check(rank, f"[world {world}] get_state_dict "
+                                "(sharded DTensors)", lambda: get_state_dict(model, opt))
         _check(rank, f"[world {world}] dcp.save to a local folder",
                lambda: dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder))
         full = _flat(_full({"model": msd, "optim": osd}))

@@ -4,8 +4,13 @@ Knows nothing about training: a generation is a set of named byte files plus a `
 Remote backends are imported lazily, so a local run imports nothing remote.
 """
 
-from storage.errors import (CommitConflictError, CorruptGenerationError, StoreConfigError, StoreError,
-                            StoreUnavailableError)
+from storage.errors import (
+                            CommitConflictError,
+                            CorruptGenerationError,
+                            StoreConfigError,
+                            StoreError,
+                            StoreUnavailableError,
+)
 from storage.generations import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, GenerationInfo, Loaded
 from storage.limits import Limits, redact_url
 from storage.options import RetryPolicy, StoreOptions

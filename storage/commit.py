@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 import uuid
 
+from storage import digest as dg
 from storage import manifest as mf
 from storage.backend import read_at_most
-from storage import digest as dg
 from storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError
 from storage.generations import Check, Ctx, anchor, scan
 from storage.pieces import nbytes
@@ -137,7 +137,8 @@ def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tu
     log.warning("%s/%s already exists without a %s (left by a killed or concurrent writer); "
                 "writing this attempt's copy %s beside it", name, fname, mf.MARKER, obj)
     try:
-        size, sha = ctx.io(f"write {name}/{obj}", lambda: ctx.backend.write(ctx.path(name, obj), data, create_only=True))
+        size, sha = ctx.io(f"write {name}/{obj}",
+                           lambda: ctx.backend.write(ctx.path(name, obj), data, create_only=True))
         if spooled:
             _same_as_source(name, obj, (size, sha), (length, expected))
     except FileExistsError:  # the attempt id is ours alone: a 412 here is our own re-sent PUT

@@ -1,6 +1,7 @@
 """A file's sha256, kept per part so that a large file can be verified part by part, and hashed on many cores.
 
-A file of at most one part (:func:`default_part_bytes`, 32 MiB by default) is identified by its plain sha256, as before. A
+A file of at most one part (:func:`default_part_bytes`, 32 MiB by default) is identified by its plain sha256, as before.
+A
 longer file is cut into parts of that size (the last one shorter); its manifest entry lists every part's
 sha256 (``parts``) and the part size (``part_bytes``), and its ``sha256`` is the *hash list* root: the sha256 of
 the parts' binary digests, in order. The root still names the file's whole content (any changed byte changes
@@ -94,7 +95,8 @@ def of_parts(parts: list[str], part_bytes: int) -> Digest:
 
 class FileHasher:
     """``hashlib``-like (``update``, ``hexdigest``): the :class:`Digest` of the bytes fed to it, whatever the sizes
-    of the pieces (a part boundary may fall inside one). ``part_bytes``: default :func:`default_part_bytes`; :meth:`plain`: one part
+    of the pieces (a part boundary may fall inside one). ``part_bytes``: default :func:`default_part_bytes`;
+    :meth:`plain`: one part
     whatever the size (the plain sha256, for entries that list no parts)."""
 
     def __init__(self, part_bytes: int | None = None) -> None:

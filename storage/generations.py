@@ -17,9 +17,18 @@ from typing import Callable
 
 from storage import manifest as mf
 from storage import signing
+from storage.backend import (
+    CHUNK,
+    Backend,
+    Entry,
+    ReadsIntoBuffers,
+    hash_object,
+    join,
+    read_at_most,
+    read_hashed,
+    reads_in_parallel,
+)
 from storage.digest import FileHasher, cores, hasher_for
-from storage.backend import (CHUNK, Backend, Entry, ReadsIntoBuffers, hash_object, join, read_at_most, read_hashed,
-                             reads_in_parallel)
 from storage.errors import CorruptGenerationError
 from storage.limits import Limits
 from storage.pieces import as_pieces
@@ -100,7 +109,8 @@ class Ctx:
     def matches(self, path: str, source) -> bool:
         """Whether the object at ``path`` holds exactly the bytes of ``source`` (bytes-like or
         :class:`storage.pieces.Pieces`), read back as parallel ranges and compared part by part (a memcmp, ~6x
-        cheaper than hashing them again; the caller hashed ``source``). An object longer than ``source`` shows in the ``size + 1`` probe."""
+        cheaper than hashing them again; the caller hashed ``source``). An object longer than ``source`` shows in the
+        ``size + 1`` probe."""
         pieces, equal = as_pieces(source), [True]
         if pieces.nbytes == 0:
             return hash_object(self.backend, path, 0)[0] == 0
@@ -165,7 +175,8 @@ def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None,
         return GenerationInfo(status=CORRUPT, reason=f"{mf.MARKER} is not a regular file", **base)
     if entries[mf.MARKER].size > ctx.limits.manifest_bytes:  # never read a huge "manifest"
         return GenerationInfo(status=CORRUPT, reason=(
-            f"{mf.MARKER} is {entries[mf.MARKER].size} bytes, over {ctx.limits.manifest_bytes} (Limits.manifest_bytes)"),
+            f"{mf.MARKER} is {entries[mf.MARKER].size} bytes, over "
+            f"{ctx.limits.manifest_bytes} (Limits.manifest_bytes)"),
             **base)
     try:
         raw = ctx.io(f"read {name}/{mf.MARKER}",
@@ -273,7 +284,8 @@ def _missing_is_corrupt(name: str, fname: str):
 def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable | None = None,
                    discard: Callable = lambda payload: None):
     """The object of file ``fname``, read and checked against its manifest entry (size, sha256), re-read once on a
-    mismatch. ``fetch(path, size, hasher) -> (payload, bytes seen, digest)``: default, the bytes in memory (never more than
+    mismatch. ``fetch(path, size, hasher) -> (payload, bytes seen, digest)``: default, the bytes in memory (never more
+    than
     ``size + 1`` of them: an object swapped for a huge one is not read whole); ``discard(payload)`` drops a
     payload that did not match (a spool file)."""
     obj = mf.object_name(fname, meta)

@@ -95,7 +95,8 @@ class StoreOptions:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "StoreOptions":
-        """Options from the standard AWS variables (and ``TRAINPROOF_S3_*``), then ``overrides`` (None values ignored)."""
+        """Options from the standard AWS variables (and ``TRAINPROOF_*``), then ``overrides`` (None values
+        ignored). Every setting is read here, once: a bad value is a StoreConfigError naming the variable."""
         env = os.environ if env is None else env
         try:
             base = cls(

@@ -66,7 +66,8 @@ def _reason(ctx: Ctx, folder: str) -> str:
     """The REASON file's reason, read defensively (capped, strict JSON, a string): it is printed by ``ls``."""
     cap = ctx.limits.small_json_bytes
     try:
-        raw = ctx.io(f"read {folder}/REASON", lambda: read_at_most(ctx.backend, ctx.path(QUARANTINE, folder, "REASON"), cap))
+        reason = ctx.path(QUARANTINE, folder, "REASON")
+        raw = ctx.io(f"read {folder}/REASON", lambda: read_at_most(ctx.backend, reason, cap))
         reason = loads_untrusted(raw, what="REASON", max_bytes=cap)
     except FileNotFoundError:
         return "(no REASON file: the move was interrupted)"

@@ -37,7 +37,8 @@ DEFAULT_GRACE_SECONDS = 6 * 3600.0
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionPolicy:
-    """What retention keeps. Validated once, here; passed whole to :func:`plan_retention` and :func:`apply_retention`."""
+    """What retention keeps. Validated once, here; passed whole to :func:`plan_retention` and
+    :func:`apply_retention`."""
 
     keep: int
     """Complete generations of this run to keep (>= 1: the newest complete generation is never deleted)."""

@@ -60,7 +60,8 @@ def _connection_fault(exc: BaseException) -> bool:
     name = type(exc).__name__
     module = type(exc).__module__ or ""
     if module.startswith(("botocore", "aiohttp", "urllib3")) and any(
-        word in name for word in ("Connection", "Timeout", "IncompleteRead", "ResponseParser", "Disconnected", "Payload")
+        word in name
+        for word in ("Connection", "Timeout", "IncompleteRead", "ResponseParser", "Disconnected", "Payload")
     ):
         return True
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS

@@ -20,12 +20,12 @@ from typing import Iterator
 
 from storage.backend import CHUNK, Entry, FsspecBackend, Source, iter_chunks
 from storage.digest import FileHasher, digest_bytes
-from storage.pieces import Pieces
-from storage.spool import Spool
 from storage.errors import StoreConfigError
 from storage.limits import redact_url
 from storage.options import StoreOptions
+from storage.pieces import Pieces
 from storage.retry import RetryStats, is_transient, retry_or_unavailable
+from storage.spool import Spool
 
 log = logging.getLogger("trainproof.storage")
 
@@ -109,7 +109,8 @@ class S3Backend(FsspecBackend):
             # upload already completed): the object may well be there.  The caller's read-back verify checks its
             # bytes, so claiming it here is safe.
             if self.exists(path):
-                log.warning("the write of %s reported a lost completion but the object exists; verify will check it", path)
+                log.warning("the write of %s reported a lost completion "
+                            "but the object exists; verify will check it", path)
                 if isinstance(data, Spool):
                     return data.size, data.sha256
                 return len(data), digest_bytes(data)
@@ -168,7 +169,8 @@ class S3Backend(FsspecBackend):
             # A completion whose response was lost (connection reset, timeout) may have landed: an object of our
             # size is claimed instead of re-uploading everything; the caller's read-back verify checks its bytes.
             if is_transient(exc) and self._size(path) == size:
-                log.warning("the write of %s reported a lost completion but the object exists; verify will check it", path)
+                log.warning("the write of %s reported a lost completion "
+                            "but the object exists; verify will check it", path)
                 return
             raise
 
@@ -261,7 +263,8 @@ class S3Backend(FsspecBackend):
         try:
             self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
         except FileNotFoundError:
-            raise StoreConfigError(f"bucket '{bucket}' does not exist at {where}: create it or fix the --store URL") from None
+            raise StoreConfigError(f"bucket '{bucket}' does not exist at "
+                                   f"{where}: create it or fix the --store URL") from None
         except PermissionError:
             raise StoreConfigError(
                 f"access to bucket '{bucket}' at {where} was refused (403): check AWS_ACCESS_KEY_ID/"
@@ -270,7 +273,8 @@ class S3Backend(FsspecBackend):
             name = type(exc).__name__
             if name == "NoCredentialsError":
                 raise StoreConfigError(
-                    "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an IAM role") from None
+                    "no AWS credentials found: set "
+                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an IAM role") from None
             if "Connect" in name or "Endpoint" in name or isinstance(exc, (ConnectionError, TimeoutError)):
                 raise ConnectionError(f"cannot reach the S3 endpoint {where} ({name}): if it keeps failing, check "
                                       "AWS_ENDPOINT_URL / --endpoint-url") from None
@@ -304,7 +308,8 @@ class S3Backend(FsspecBackend):
                 if started is not None and now - started.timestamp() < older_than:
                     continue  # may belong to a live writer
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
-                log.warning("aborted an unfinished multipart upload of s3://%s/%s (left by a killed writer)", bucket, up["Key"])
+                log.warning("aborted an unfinished multipart upload "
+                            "of s3://%s/%s (left by a killed writer)", bucket, up["Key"])
                 aborted += 1
             if not page.get("IsTruncated"):
                 return aborted

@@ -22,8 +22,8 @@ import os
 import tempfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from contextlib import closing
+from dataclasses import dataclass
 from itertools import islice
 from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar
 

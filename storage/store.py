@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable
 from urllib.parse import urlparse
 
@@ -15,8 +15,19 @@ from storage.backend import FsspecBackend, LocalBackend, join, read_at_most
 from storage.commit import LATEST, commit_generation, mark_usable, write_part
 from storage.digest import Digest, of_parts
 from storage.errors import CorruptGenerationError, StoreConfigError, StoreError
-from storage.generations import (COMPLETE, CORRUPT, Check, Ctx, GenerationInfo, Loaded, in_chain, load, read_parts, scan,
-                                 verify_hashes)
+from storage.generations import (
+    COMPLETE,
+    CORRUPT,
+    Check,
+    Ctx,
+    GenerationInfo,
+    Loaded,
+    in_chain,
+    load,
+    read_parts,
+    scan,
+    verify_hashes,
+)
 from storage.limits import loads_untrusted, redact_url
 from storage.options import RetryPolicy, StoreOptions
 from storage.quarantine import list_quarantined, quarantine
@@ -283,10 +294,12 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
         return GenerationStore(LocalBackend(), root, url, options)
     if scheme == "memory":
         from fsspec.implementations.memory import MemoryFileSystem
-        return GenerationStore(FsspecBackend(MemoryFileSystem()), "/" + (parsed.netloc + parsed.path).strip("/"), url, options)
+        root = "/" + (parsed.netloc + parsed.path).strip("/")
+        return GenerationStore(FsspecBackend(MemoryFileSystem()), root, url, options)
     if scheme in ("s3", "s3a"):
         return _open_s3(url, parsed, options)
-    raise StoreConfigError(f"unsupported store URL scheme {scheme!r} in {redact_url(url)}: use s3://, file://, a folder, or memory://")
+    raise StoreConfigError(f"unsupported store URL scheme {scheme!r} in {redact_url(url)}: "
+                           "use s3://, file://, a folder, or memory://")
 
 
 def _refuse_file_ancestor(url: str, root: str) -> None:
@@ -321,15 +334,18 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     def prepare(store: GenerationStore) -> None:
         if options.create_only == "private":
             return  # nobody else writes here: no probe object, no sweep (see StoreOptions.create_only)
-        if not store._io("probe create-only writes", lambda: backend.probe_create_only(join(root, ".trainproof-probe"))):
+        probe = join(root, ".trainproof-probe")
+        if not store._io("probe create-only writes", lambda: backend.probe_create_only(probe)):
             where = redact_url(options.endpoint_url) if options.endpoint_url else "AWS S3"
             if options.create_only == "require":
                 raise StoreConfigError(
                     f"the S3 endpoint {where} ignores If-None-Match: * (create-only writes), so two writers could "
                     "both commit one step; upgrade the server, or accept the risk with TRAINPROOF_S3_CREATE_ONLY=weak")
-            log.warning("the S3 endpoint %s ignores create-only writes; continuing in weak mode (one writer only!)", where)
+            log.warning("the S3 endpoint %s ignores create-only writes; "
+                        "continuing in weak mode (one writer only!)", where)
         if options.sweep_multipart_older_than is not None and prefix:
-            store._io("sweep multipart uploads", lambda: backend.sweep_multipart(bucket, prefix, options.sweep_multipart_older_than))
+            older = options.sweep_multipart_older_than
+            store._io("sweep multipart uploads", lambda: backend.sweep_multipart(bucket, prefix, older))
 
     return GenerationStore(backend, root, url, options, _prepare=prepare, _stats=stats)
 

@@ -20,7 +20,8 @@ EndpointArg = Annotated[Optional[str], typer.Option("--endpoint-url", envvar="TR
 RegionArg = Annotated[Optional[str], typer.Option("--region", envvar="TRAINPROOF_REGION",
                                                   help="S3 region. Default: AWS_REGION / AWS_DEFAULT_REGION.")]
 PathStyleArg = Annotated[Optional[bool], typer.Option("--path-style/--virtual-host-style",
-                                                      help="S3 addressing. Default: path style when an endpoint is set.")]
+                                                      help="S3 addressing. Default: path "
+                                                           "style when an endpoint is set.")]
 
 
 class UsageError(Exception):

@@ -13,10 +13,16 @@ from typing import Annotated, Any, Optional
 import typer
 
 from job.cli.app import app
-from job.cli.common import (EXIT_FAILURE, EndpointArg, PathStyleArg, RegionArg, UsageError, fail, handled,
-                        store_cli_args)
-from job.lifecycle.planner import (Plan, PlanInputs, format_duration, make_plan, parse_duration, plan_document,
-                         plan_from_measurements)
+from job.cli.common import EXIT_FAILURE, EndpointArg, PathStyleArg, RegionArg, UsageError, fail, handled, store_cli_args
+from job.lifecycle.planner import (
+    Plan,
+    PlanInputs,
+    format_duration,
+    make_plan,
+    parse_duration,
+    plan_document,
+    plan_from_measurements,
+)
 
 _D = "Duration: 90s, 10m, 6h, 7d, 1h30m or plain seconds."
 
@@ -33,8 +39,10 @@ def plan_command(
     restart_seconds: Annotated[str, typer.Option("--restart-seconds",
                                                  help=f"From an interruption to training again. {_D}")] = "180",
     export_seconds: Annotated[str, typer.Option("--export-seconds", help=f"The final export bundle. {_D}")] = "300",
-    verify_seconds: Annotated[str, typer.Option("--verify-seconds", help=f"The equivalence verification. {_D}")] = "600",
-    safety: Annotated[float, typer.Option("--safety", help="Multiplier on the finishing work and the emergency save.")] = 1.5,
+    verify_seconds: Annotated[str, typer.Option("--verify-seconds", help="The equivalence "
+                                                                         f"verification. {_D}")] = "600",
+    safety: Annotated[float, typer.Option("--safety", help="Multiplier on the finishing "
+                                                           "work and the emergency save.")] = 1.5,
     rollback: Annotated[str, typer.Option("--rollback", help=f"How far back kept generations must reach. {_D}")] = "2h",
     start: Annotated[Optional[str], typer.Option("--start", help="When the rental started (ISO time, default: now); "
                                                  "gives the absolute deadline.")] = None,
@@ -104,7 +112,8 @@ def render(plan: Plan) -> str:
         + (f", step {i.step_s:g}s" if i.step_s is not None else ""),
         f"  checkpoint interval    {f(plan.interval_s)} ({plan.interval_s} s; Young: {plan.young_s:.0f} s){steps}",
         f"  expected overhead      {plan.overhead_fraction:.1%} "
-        f"(checkpoints {plan.checkpoint_fraction:.1%}, rework and restarts {plan.overhead_fraction - plan.checkpoint_fraction:.1%})",
+        f"(checkpoints {plan.checkpoint_fraction:.1%}, rework and restarts "
+        f"{plan.overhead_fraction - plan.checkpoint_fraction:.1%})",
         f"  lost per interruption  {f(plan.lost_per_interruption_s)} (half an interval and a save, plus the restart)",
         f"  interruptions          {plan.expected_interruptions:.1f} expected over the rental",
         f"  retention              keep {plan.keep} (reaching back {f(i.rollback_s)})",
@@ -113,7 +122,8 @@ def render(plan: Plan) -> str:
         f"  deadline               {plan.deadline} after the start" + (f" = {at}" if at else ""),
         f"  first drill            save -> stop -> resume early on: costs about {f(plan.drill_s)}",
         "train with:",
-        f"  trainproof train --checkpoint-every-seconds {plan.interval_s} --keep {plan.keep} --deadline {at or plan.deadline}"
+        f"  trainproof train --checkpoint-every-seconds {plan.interval_s} "
+        f"--keep {plan.keep} --deadline {at or plan.deadline}"
         + (f"   (or --checkpoint-every {plan.interval_steps})" if plan.interval_steps is not None else ""),
     ]
     lines += [f"warning: {w}" for w in plan.warnings]

@@ -74,7 +74,8 @@ def ls_command(
             "store": run.url, "latest_hint": hint, "newest_complete_step": newest,
             "generations": [{"name": g.name, "step": g.step, "status": g.status, "reason": g.reason,
                              "bytes": g.bytes, "mtime": g.mtime,
-                             "world": (g.manifest or {}).get("world"), "created_at": (g.manifest or {}).get("created_at")}
+                             "world": (g.manifest or {}).get("world"),
+                             "created_at": (g.manifest or {}).get("created_at")}
                             for g in gens],
             "quarantined": [{"name": n, "reason": r} for n, r in quarantined],
         }
@@ -118,7 +119,8 @@ def gc_command(
         "--keep-verifications", min=0, help="Keep the N newest verifications (<run>/verification/<id>/ with a "
         "report) and remove older ones entirely; one without a report (running) is never removed.")] = None,
     grace_hours: Annotated[float, typer.Option("--grace-hours", min=0.0,
-                                               help="Collect partial generations only once this old (never younger than 60 s: a "
+                                               help="Collect partial generations only once "
+                                                    "this old (never younger than 60 s: a "
                                                     "writer may still be committing).")] = 6.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")] = False,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
@@ -138,7 +140,8 @@ def gc_command(
     delete_verb, keep_verb = ("would delete", "would keep") if dry_run else ("deleted", "kept")
     if keep is not None:
         if not any(g.status == COMPLETE for g in run.scan(contract=contract)):
-            raise UsageError(f"{shown(run.url)} has no complete generation of this run: nothing can be collected safely")
+            raise UsageError(f"{shown(run.url)} has no complete generation "
+                             "of this run: nothing can be collected safely")
         # Only this run's generations (its plan.json's contract) count as "newest" or "old": a stranger's folder
         # never pushes ours out. Retention re-verifies the newest kept generation before deleting anything.
         doomed = run.apply_retention(RetentionPolicy(keep=keep, grace_seconds=grace_hours * 3600, contract=contract),

@@ -3,23 +3,32 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import datetime, timezone
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 import job
-
 from job.cli.app import app
-from job.cli.common import EXIT_PREEMPTED, EndpointArg, PathStyleArg, RegionArg, StoreArg, fail, handled, open_run, setup_logging
-from job.train.config import TrainConfig, load_task_config
+from job.cli.common import (
+    EXIT_PREEMPTED,
+    EndpointArg,
+    PathStyleArg,
+    RegionArg,
+    StoreArg,
+    fail,
+    handled,
+    open_run,
+    setup_logging,
+)
 from job.errors import ConfigError, TrainError
 from job.lifecycle.finish import Finisher
 from job.lifecycle.signals import Deadline, StopRequest
 from job.lifecycle.spot import PROVIDERS, SpotConfig, SpotWatcher
+from job.train.config import TrainConfig, load_task_config
 
 
 def _opt(env: str, help: str) -> Any:
@@ -64,7 +73,8 @@ def train_command(
     device: Annotated[str, _opt("DEVICE", "auto, cpu or cuda.")] = "auto",
     log_every: Annotated[int, _opt("LOG_EVERY", "Log every N steps.")] = 1,
     log_format: Annotated[str, _opt("LOG_FORMAT", "auto (rich on a terminal), rich or json.")] = "auto",
-    nproc_per_node: Annotated[int, _opt("NPROC_PER_NODE", "Ranks on this node (> 1: launch them; DDP, or FSDP2 with --fsdp).")] = 1,
+    nproc_per_node: Annotated[int, _opt("NPROC_PER_NODE", "Ranks on this node (> 1: launch "
+                                                          "them; DDP, or FSDP2 with --fsdp).")] = 1,
     nnodes: Annotated[int, _opt("NNODES", "Nodes of a multi-node launch (each runs this command).")] = 1,
     node_rank: Annotated[int, _opt("NODE_RANK", "This node's index in a multi-node launch.")] = 0,
     master_addr: Annotated[str, _opt("MASTER_ADDR", "Host of node 0 (rendezvous).")] = "127.0.0.1",
@@ -161,7 +171,8 @@ def _deadline_work(cfg: TrainConfig) -> dict[str, Any]:
         return {}
     # The reload check is a fresh process like this one: our own start-up so far (torch imported) measures it.
     startup_s = min(time.monotonic() - job.IMPORTED_AT, 120.0)
-    return {"deadline": Deadline(cfg.deadline, margin_s=cfg.deadline_margin_s), "finisher": Finisher(startup_s, cfg.task)}
+    return {"deadline": Deadline(cfg.deadline, margin_s=cfg.deadline_margin_s),
+            "finisher": Finisher(startup_s, cfg.task)}
 
 
 def _spot_config(provider: str, endpoint: str | None, interval: float) -> SpotConfig:

@@ -15,8 +15,20 @@ from typing import Annotated, Any, Optional
 import typer
 
 from job.cli.app import app
-from job.cli.common import (store_cli_args, EXIT_FAILURE, EXIT_OK, EXIT_USAGE, EndpointArg, PathStyleArg, RegionArg, StoreArg, UsageError,
-                        fail, handled, setup_logging)
+from job.cli.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    EndpointArg,
+    PathStyleArg,
+    RegionArg,
+    StoreArg,
+    UsageError,
+    fail,
+    handled,
+    setup_logging,
+    store_cli_args,
+)
 from job.errors import TrainError
 from storage import StoreError, StoreOptions, open_store
 

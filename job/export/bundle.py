@@ -43,16 +43,16 @@ import torch
 
 from job.errors import ConfigError
 from job.format import history
-from job.format.shard_files import is_sharded_file
-from job.format.state import STATE_FILE, History, decode
-from storage.backend import CHUNK
-from storage.digest import FileHasher
-from storage.spool import Spool, SpoolWriter, spool_dir
-from job.tasks import Task, load_task, trusted_task
 from job.format.contract import PLAN_FILE, absolute_url, read_run_plan
 from job.format.layout import sharded
+from job.format.shard_files import is_sharded_file
+from job.format.state import STATE_FILE, History, decode
+from job.tasks import Task, load_task, trusted_task
 from storage import COMPLETE, GenerationStore
+from storage.backend import CHUNK
+from storage.digest import FileHasher
 from storage.manifest import step_dir
+from storage.spool import Spool, SpoolWriter, spool_dir
 
 log = logging.getLogger("trainproof.export")
 EXPORT_SCHEMA = "trainproof.export/1"
@@ -199,8 +199,14 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
     metrics.json; retention may have deleted the generations holding the oldest rows."""
     from job.export.bundle_readme import readme
     from job.export.plot import loss_png
-    from job.export.standalone import (EVAL_DATA_FILE, MODEL_FILE, PROGRAM_FILE, PROGRAM_INPUTS_FILE, export_program,
-                                      standalone)
+    from job.export.standalone import (
+        EVAL_DATA_FILE,
+        MODEL_FILE,
+        PROGRAM_FILE,
+        PROGRAM_INPUTS_FILE,
+        export_program,
+        standalone,
+    )
     from job.export.tensorfile import map_safetensors, write_safetensors
 
     weights = {k: v.detach().cpu().contiguous() for k, v in state["model"].items()}  # no copy of host weights
@@ -333,7 +339,8 @@ def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> 
         "dtype": str(task.dtype).removeprefix("torch."), "seed": plan["seed"], "objective": plan["objective"],
         "contract": plan["contract"], "step": state["progress"]["step"], "code_version": meta.get("code_version"),
         "versions": meta.get("versions"), "trained_on": meta.get("device"), "amp": meta.get("amp"),
-        "weights": {"bf16": BF16_FILE, "bf16_safetensors": BF16_SAFETENSORS, "full_precision": fp_name}, "source": source,
+        "weights": {"bf16": BF16_FILE, "bf16_safetensors": BF16_SAFETENSORS, "full_precision": fp_name},
+        "source": source,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -41,12 +41,15 @@ def readme(*, metric_name: str, metric: float, fp_name: str, bf16_names: list[st
     rows = [
         (", ".join(f"`{n}`" for n in bf16_names), "model weights, floating tensors in bfloat16"),
         (f"`{fp_name}`", "the same weights in full precision"),
-        ("`config.json`", "task, task settings (`task_config`), dtype, seed, run contract, source generation, versions"),
-        ("`metrics.json`", f"final loss, evaluation ({metric_name} {metric:.6g} in full precision), steps, samples seen"),
+        ("`config.json`", "task, task settings (`task_config`), dtype, "
+                          "seed, run contract, source generation, versions"),
+        ("`metrics.json`", f"final loss, evaluation ({metric_name} {metric:.6g} "
+                           "in full precision), steps, samples seen"),
         ("`data.json`", "data identity (sha256) and data position"),
     ]
     if has_model_py:
-        rows.append((f"`{MODEL_FILE}`", "the architecture and the evaluation in plain torch (`build_model`, `evaluate`)"))
+        rows.append((f"`{MODEL_FILE}`", "the architecture and the evaluation in "
+                                        "plain torch (`build_model`, `evaluate`)"))
         rows.append((f"`{EVAL_DATA_FILE}`", "the exact batches of the recorded evaluation"))
     traced = bool(program_note and program_note.startswith("traced"))
     if traced:
@@ -68,9 +71,10 @@ torch release and thread count).
 For the bfloat16 weights, load `model_bf16.safetensors` instead: `load_state_dict` casts them back to the
 model's dtype (the metric then moves within `metrics.json`'s `bf16_tolerance`)."""
     elif traced:
-        load = f"""This task's architecture is not known to the exporter, so there is no `model.py`; `{PROGRAM_FILE}` runs the
-model without its code. In a virtualenv with only `torch` and `safetensors`, from this folder (the difference
-is 0 with the same torch release and thread count; this program accepts only the traced input shapes):
+        load = f"""This task's architecture is not known to the exporter, so there is no `model.py`;
+`{PROGRAM_FILE}` runs the model without its code. In a virtualenv with only `torch` and `safetensors`, from this
+folder (the difference is 0 with the same torch release and thread count; this program accepts only the traced
+input shapes):
 
 ```python
 {PROGRAM_SNIPPET}```

@@ -111,7 +111,8 @@ def _tinylm(task: Task, _model: nn.Module) -> Standalone:
 
     cfg = task.cfg  # type: ignore[attr-defined]
     # The held-out slice exactly as TinyLMTask.evaluate builds it.
-    heldout = tinylm.make_corpus(replace(cfg, corpus_seed=cfg.corpus_seed + 1, n_sequences=max(8, cfg.n_sequences // 4)))
+    heldout = tinylm.make_corpus(replace(cfg, corpus_seed=cfg.corpus_seed + 1,
+                                         n_sequences=max(8, cfg.n_sequences // 4)))
     data: dict[str, torch.Tensor] = {}
     for i, start in enumerate(range(0, len(heldout), cfg.micro_batch_size)):
         batch = tinylm._pad(heldout[start : start + cfg.micro_batch_size], torch.device("cpu"))
@@ -158,7 +159,8 @@ def standalone(spec: str, task: Task) -> Standalone | None:
 def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor], str]:
     """``model.pt2``: the model holding ``weights``, traced by ``torch.export`` on the first input of its evaluation.
 
-    Returns (the ``torch.export.ExportedProgram``, for ``torch.export.save``; example, note): ``example`` holds that input (``arg_0``, ``arg_1``, ...) and the model's
+    Returns (the ``torch.export.ExportedProgram``, for ``torch.export.save``; example, note): ``example`` holds that
+    input (``arg_0``, ``arg_1``, ...) and the model's
     output on it (``output``), for ``program_inputs.safetensors``. (None, {}, why) when the model cannot be traced
     with positional tensor inputs and a tensor output (the bundle is still complete without it).
     """

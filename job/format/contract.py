@@ -38,9 +38,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from job.errors import ConfigError, ContractError
-from storage import redact_url
 from job.format.layout import Layout, sharded
 from job.format.state import STATE_SCHEMA
+from storage import redact_url
 
 PLAN_SCHEMA = "trainproof.plan/1"
 PLAN_FILE = "plan.json"

@@ -29,6 +29,7 @@ from storage.errors import StoreError
 from storage.manifest import step_dir
 from storage.spool import spool_dir
 
+
 class MissingGeneration(StateError):
     """The generation holding the next older rows is not in the run (retention deleted it, or it was quarantined)."""
 
@@ -92,7 +93,8 @@ def _previous(fetch: Fetch, need: int, newer: int, before: str) -> History:
     """Generation ``need``'s rows, checked to end exactly where generation ``newer``'s chain starts."""
     prev = fetch(need)
     if prev is None:
-        raise MissingGeneration(f"the history before step {need + 1} is in {step_dir(need)}, which the run no longer has "
+        raise MissingGeneration(f"the history before step {need + 1} is in "
+                                f"{step_dir(need)}, which the run no longer has "
                          f"(deleted by retention?): {step_dir(newer)} chains from it")
     if prev["progress"].get("step") != need:
         raise StateError(f"{step_dir(need)} holds the state of step {prev['progress'].get('step')!r}")
@@ -106,7 +108,8 @@ def _previous(fetch: Fetch, need: int, newer: int, before: str) -> History:
         raise StateError(
             f"history chain broken: the rows of {step_dir(need)} (steps {rows.first}..{need}) hash to "
             f"{rows.digest[:16]}..., but {step_dir(newer)} chains from {before[:16]}...: a history row of "
-            f"{step_dir(need)} was changed after {step_dir(newer)} was written, or the generations are of different runs")
+            f"{step_dir(need)} was changed after {step_dir(newer)} "
+            "was written, or the generations are of different runs")
     return rows
 
 

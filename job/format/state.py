@@ -241,7 +241,8 @@ def _le_bytes(values: array) -> bytes:
 def check_chain(chain: Any) -> dict[str, Any]:
     """Refuse a ``history_chain`` section of the wrong shape; return it."""
     ok = (isinstance(chain, dict) and type(chain.get("first")) is int and chain["first"] >= 1
-          and all(isinstance(chain.get(k), str) and len(chain[k]) == 64 and _is_hex(chain[k]) for k in ("before", "digest")))
+          and all(isinstance(chain.get(k), str) and len(chain[k]) == 64 and _is_hex(chain[k])
+                  for k in ("before", "digest")))
     if not ok:
         raise StateError(f"the state's history_chain is malformed: {chain!r:.200}")
     if chain["first"] == 1 and chain["before"] != HISTORY_GENESIS:

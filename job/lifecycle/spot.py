@@ -4,11 +4,11 @@ A notice goes through the same path as SIGTERM (a flag the loop reads at the nex
 step, commit, exit 75), so the emergency checkpoint starts up to two minutes (AWS) or 30 seconds (GCP, Azure)
 before the machine disappears, instead of at the very end of the grace period.
 
-| provider | endpoint (default base)                                              | notice                                   |
-|----------|-----------------------------------------------------------------------|------------------------------------------|
-| aws      | ``/latest/meta-data/spot/instance-action`` (IMDSv2 token, v1 fallback) | 200 with JSON ``{"action": ..., "time": ...}``; 404 = none |
-| gcp      | ``/computeMetadata/v1/instance/preempted`` (``Metadata-Flavor: Google``) | body ``TRUE``                            |
-| azure    | ``/metadata/scheduledevents?api-version=2020-07-01`` (``Metadata: true``) | an event with ``EventType`` ``Preempt``  |
+- aws: ``/latest/meta-data/spot/instance-action`` (IMDSv2 token, v1 fallback); a notice is a 200 with JSON
+  ``{"action": ..., "time": ...}``, a 404 means none;
+- gcp: ``/computeMetadata/v1/instance/preempted`` (``Metadata-Flavor: Google``); a notice is the body ``TRUE``;
+- azure: ``/metadata/scheduledevents?api-version=2020-07-01`` (``Metadata: true``); a notice is an event with
+  ``EventType`` ``Preempt``.
 
 The base URL is configurable (``--spot-endpoint``), which is how the tests serve a notice on loopback.
 """

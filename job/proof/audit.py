@@ -41,21 +41,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from job.format.layout import flag as layout_flag, sharded
-from job.proof.compare import Diff, Tolerance, compare_all
-from job.format.contract import PLAN_FILE
 from job.errors import ConfigError, StateError
 from job.format import history
-from job.format.state import decode_generation
-from job.tasks import load_task, trusted_task
-from job.proof.protocol import parameter_names, verification_base
-from job.proof.paths import (Opener, RunReader, VerificationIncomplete, absolute_url, job_argv, new_id, read_run_plan,
-                             require_success, run_processes, seed_run, with_sections)
-from job.proof.report import build_report, environment
-from job.proof.verification import VerificationRunner
+from job.format.contract import PLAN_FILE
 from job.format.identity import code_version
+from job.format.layout import flag as layout_flag
+from job.format.layout import sharded
 from job.format.protect import AUDITED_FILE
 from job.format.shard_files import is_sharded_file
+from job.format.state import decode_generation
+from job.proof.compare import Diff, Tolerance, compare_all
+from job.proof.paths import (
+    Opener,
+    RunReader,
+    VerificationIncomplete,
+    absolute_url,
+    job_argv,
+    new_id,
+    read_run_plan,
+    require_success,
+    run_processes,
+    seed_run,
+    with_sections,
+)
+from job.proof.protocol import parameter_names, verification_base
+from job.proof.report import build_report, environment
+from job.proof.verification import VerificationRunner
+from job.tasks import load_task, trusted_task
 from storage import COMPLETE, StoreError
 from storage.spool import spool_dir
 

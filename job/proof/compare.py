@@ -23,8 +23,8 @@ from typing import Any, Callable
 import torch
 
 from job.errors import ConfigError, StateError
-from job.train.data import permutation_of
 from job.format.state import History
+from job.train.data import permutation_of
 
 
 @dataclass(frozen=True, kw_only=True)

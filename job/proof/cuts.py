@@ -35,8 +35,7 @@ from job.format.contract import PLAN_FILE
 from job.proof.check import REFERENCE, RESUMED, Check, Job, Resumed
 from job.proof.compare import Diff
 from job.proof.diagnose import diagnose_path
-from job.proof.paths import (Opener, PathResult, VerificationIncomplete, load_generation, require_success,
-                             seed_run)
+from job.proof.paths import Opener, PathResult, VerificationIncomplete, load_generation, require_success, seed_run
 from job.proof.settings import ProtocolSettings, train_argv
 
 

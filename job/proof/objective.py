@@ -19,7 +19,8 @@ The runs (each a real ``train`` process, the W-rank ones through the real launch
 
 They train ``train --objective-check`` (job.tasks.objective.ObjectiveCheckTask): the task's
 ``deterministic_objective()`` variant (the built-ins switch dropout, gain and noise off) with every
-``nn.Dropout`` and ``nn.MultiheadAttention`` dropout at 0, in float64, for :data:`STEPS` steps. Parameters, optimizer moments (Adam's first
+``nn.Dropout`` and ``nn.MultiheadAttention`` dropout at 0, in float64, for :data:`STEPS` steps. Parameters, optimizer
+moments (Adam's first
 moment is the gradient itself, scaled) and per-step losses are compared with ``single``: within
 :data:`TOLERANCE` (absolute, float64; measured ~1e-16 to 1e-13), and the negative control must differ
 by more. Not bitwise: another split adds the same terms in another order.
@@ -33,8 +34,8 @@ from typing import Any
 
 from job.format.layout import flag as layout_flag
 from job.proof.check import REFERENCE, Check, Job
-from job.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv
 from job.proof.equivalence import max_differences, same_experience
+from job.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv
 from job.tasks import Task
 from job.train.data import epoch_plan
 
@@ -159,7 +160,8 @@ class ObjectiveCheck(Check):
         if not bad:
             return []
         worst = max(max(self.diffs[n].values()) for n in bad)
-        return [f"objective check ({', '.join(bad)} vs one micro-batch; max |diff| {_g(worst)} > {TOLERANCE:g}): {HINT}"]
+        return [f"objective check ({', '.join(bad)} vs one micro-batch; "
+                f"max |diff| {_g(worst)} > {TOLERANCE:g}): {HINT}"]
 
     def verdicts(self) -> dict[str, bool]:
         """``objective_equivalence_passed`` and ``objective_negative_detected``."""

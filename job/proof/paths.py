@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from job.format.layout import sharded
-from job.format.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F401 - re-exported
-from job.train.launch import entry_argv
 from job.errors import StateError
+from job.format.contract import PLAN_FILE, absolute_url, read_run_plan  # noqa: F401 - re-exported
 from job.format.history import assemble
+from job.format.layout import sharded
 from job.format.shard_files import METADATA_FILE, is_sharded_file
 from job.format.state import STATE_FILE, decode, decode_generation
+from job.train.launch import entry_argv
 from storage import COMPLETE, GenerationStore, redact_url
 from storage.spool import spool_dir
 
@@ -61,7 +61,8 @@ class PathResult:
     def to_json(self) -> dict[str, Any]:
         """The path's entry in verification.json (the command as one shell line)."""
         resume = self.event("resume")
-        return {"store": redact_url(self.url), "command": shlex.join(redact_url(a) if "://" in a else a for a in self.argv),
+        return {"store": redact_url(self.url),
+                "command": shlex.join(redact_url(a) if "://" in a else a for a in self.argv),
                 "exit_code": self.code,
                 "seconds": round(self.seconds, 3), "resumed_from": None if resume is None else resume.get("step"),
                 "rng_restored": None if resume is None else resume.get("rng_restored")}

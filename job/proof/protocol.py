@@ -49,8 +49,18 @@ from job.proof.compare import Diff, compare_all, compare_cut
 from job.proof.cuts import CutsCheck, plan_cuts, resume_checks
 from job.proof.diagnose import diagnose_path
 from job.proof.objective import ObjectiveCheck
-from job.proof.paths import (Opener, PathResult, RunReader, VerificationIncomplete, absolute_url, load_generation,
-                             read_run_plan, require_success, run_processes, seed_run)
+from job.proof.paths import (
+    Opener,
+    PathResult,
+    RunReader,
+    VerificationIncomplete,
+    absolute_url,
+    load_generation,
+    read_run_plan,
+    require_success,
+    run_processes,
+    seed_run,
+)
 from job.proof.reload import export_and_check
 from job.proof.report import REPORT_FILE, build_report, environment, plot_png
 from job.proof.settings import ProtocolSettings, train_argv

@@ -28,15 +28,15 @@ from typing import Any, Callable
 
 import torch
 
-from job.export.bundle import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, Bundle, evaluate_weights, export, sha256_of
 from job.errors import ConfigError
-from storage.limits import loads_untrusted
-from job.tasks import load_task, trusted_task
+from job.export.bundle import BF16_FILE, BF16_RTOL, EXACT_RTOL, SUMS_FILE, Bundle, evaluate_weights, export, sha256_of
 from job.format.state import StateError, load_weights_only
 from job.proof.paths import VerificationIncomplete, absolute_url, job_argv, run_processes
+from job.tasks import load_task, trusted_task
 from storage import GenerationStore
-from storage.spool import Spool, spool_dir
+from storage.limits import loads_untrusted
 from storage.manifest import step_dir
+from storage.spool import Spool, spool_dir
 
 RELOAD_SCHEMA = "trainproof.reload_check/1"
 MAX_RECORD_BYTES = 1 << 20

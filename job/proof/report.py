@@ -24,8 +24,8 @@ from rich.table import Table
 
 import job
 from job.proof.compare import Diff, Tolerance
-from job.tasks import Task
 from job.proof.paths import PACKAGE_ROOT, child_env
+from job.tasks import Task
 from storage import GenerationStore
 
 log = logging.getLogger("trainproof.verify")

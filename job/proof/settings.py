@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from job.format.layout import flag as layout_flag
 from job.errors import ConfigError
+from job.format.layout import flag as layout_flag
 from job.proof.compare import Tolerance
 from job.proof.paths import job_argv, new_id
 

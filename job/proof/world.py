@@ -7,7 +7,8 @@ batch. It runs three extra ``train`` processes under ``<id>/world_equivalence/``
 - ``one_rank``: one rank, per-rank batch ``W * b`` (the global batch);
 - ``w_ranks``: W ranks (trainproof's launcher, gloo on the CPU), per-rank batch ``b``;
 - ``per_rank_mean``: the same W ranks with the loss normalised per rank (the mean of per-rank means, the
-  hidden option ``--negative-control per-rank-mean`` of the path's ``train``): the negative control, which must be detected.
+  hidden option ``--negative-control per-rank-mean`` of the path's ``train``): the negative control, which must be
+  detected.
 
 Why an internal configuration and not the user's task: each rank draws dropout masks and noise from its
 own stream (:func:`job.train.dist.rank_seed`), so with per-rank randomness a W-rank run is another, equally valid,

@@ -57,9 +57,9 @@ from typing import Any, Callable
 import torch
 
 from job.errors import TrainError
+from job.format.state import encode_history, encode_spool
 from job.train.checkpoint import Checkpointer
 from job.train.progress import Reporter
-from job.format.state import encode_history, encode_spool
 
 
 @dataclass(kw_only=True)

@@ -36,15 +36,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from job.train.dist import Collectives
 from job.errors import TrainError
-from job.train.progress import Reporter
 from job.format.shard_files import METADATA_FILE
-from job.format.state import (HISTORY_FILE, STATE_FILE, decode, decode_history, decode_rank_part, encode_history,
-                             encode_rank_part, encode_spool, rank_file)
+from job.format.state import (
+    HISTORY_FILE,
+    STATE_FILE,
+    decode,
+    decode_history,
+    decode_rank_part,
+    encode_history,
+    encode_rank_part,
+    encode_spool,
+    rank_file,
+)
+from job.train.dist import Collectives
+from job.train.progress import Reporter
 from storage import GenerationStore, RetentionPolicy
 from storage.errors import CommitConflictError, StoreError
 from storage.spool import Spool
+
 
 class SaveClock:
     """Step and/or wall-clock cadence of periodic checkpoints."""

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from job.train import rng
 from job.errors import ConfigError, StateError
+from job.train import rng
 
 DATA_SCHEMA = "trainproof.data/3"  # /3: O(1): the generator before the epoch's draw replaces the permutation
 
@@ -146,7 +146,8 @@ def permutation_of(state: Any, num_samples: int) -> torch.Tensor | None:
     try:
         gen.bit_generator.state = state["epoch_generator"]
     except (TypeError, ValueError, KeyError) as exc:
-        raise StateError(f"data position's epoch_generator is not a PCG64 state ({type(exc).__name__}: {exc})") from None
+        raise StateError("data position's epoch_generator is not a "
+                         f"PCG64 state ({type(exc).__name__}: {exc})") from None
     perm = draw_permutation(gen, num_samples)
     if rng.generator_state(gen) != state["generator"]:
         raise StateError("data position refused: redrawing the epoch's permutation from its epoch_generator does "

@@ -25,11 +25,11 @@ import json
 import logging
 from typing import Any
 
+from job.errors import StateError, TrainError
 from job.format.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
-from job.train.dist import Collectives, PeerError
-from job.errors import ContractError, StateError, TrainError
 from job.format.shard_files import is_sharded_file
 from job.format.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
+from job.train.dist import Collectives, PeerError
 from storage import COMPLETE, GenerationStore, Loaded
 from storage.errors import CorruptGenerationError, StoreError
 from storage.manifest import step_dir

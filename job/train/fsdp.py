@@ -19,7 +19,8 @@ resumed by any world size with ``--allow-world-change``: DCP reshards (``load_sh
 
 Saving (every rank): ``get_state_dict`` gives the model and optimizer as sharded DTensors; :func:`sharded_state`
 hands them to the Checkpointer (by default through a host snapshot of this rank's shards, on the save thread:
-job.train.async_save), which writes them with ``write_sharded`` (each rank its own shard file) and commits them in the same ``COMPLETE.json`` as ``training_state.pt`` (which then holds empty
+job.train.async_save), which writes them with ``write_sharded`` (each rank its own shard file) and commits them in the
+same ``COMPLETE.json`` as ``training_state.pt`` (which then holds empty
 ``model``/``optimizer`` sections and ``meta.fsdp``) and the rank files. No rank ever holds the full state.
 
 Loading (:func:`load_generation`, every rank): the freshly wrapped model and optimizer give the sharded state to

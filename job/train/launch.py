@@ -18,7 +18,8 @@ This launcher keeps the exit-code contract (README, "Exit codes") for the whole 
 
 Multi-node: run the launcher on every node with ``--nnodes N --node-rank i --master-addr HOST
 --master-port P`` (a static rendezvous hosted by node 0). Node 0's launcher keeps the store up until every
-other node's launcher reports its ranks exited (at most ``exit_barrier_s``), as torchrun's agent does. Under torchrun's elastic rendezvous,
+other node's launcher reports its ranks exited (at most ``exit_barrier_s``), as torchrun's agent does. Under torchrun's
+elastic rendezvous,
 ``trainproof train`` runs unchanged as a worker; the job's exit code is then torchrun's (1 for a
 preemption). Workers get SIGTERM when their launcher dies (Linux), so an orphaned rank still commits.
 """

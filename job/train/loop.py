@@ -37,7 +37,7 @@ from job.train.data import epoch_plan
 from job.train.device import configure_determinism, resolve_device
 from job.train.discover import agree_plan
 from job.train.progress import Reporter, make_reporter
-from job.train.resume import ResumeOptions, Resumed, resume
+from job.train.resume import Resumed, ResumeOptions, resume
 from job.train.run import Run, build_run, capture_rank_part, capture_state, train_step
 from job.train.saver import Capture, final_commit_skip, make_saver
 from job.train.stops import DeadlinePolicy, FinishWork, NoDeadline, NoStop, StopFlags
@@ -361,7 +361,8 @@ class Trainer:
             "resumed_from": self.resumed.step, "epoch": run.sampler.epoch, "last_loss": last.get("loss"),
             "next_lr": run.lr(), "checkpoints": self.checkpointer.records,
             "save_seconds_max": max(saves) if saves else None, "throughput": self.reporter.throughput(),
-            "signals": self.stop.signals, "notices": self.stop.notices, "export": outcome.export, "device": str(self.device), "code_version": code_version(),
+            "signals": self.stop.signals, "notices": self.stop.notices, "export": outcome.export,
+            "device": str(self.device), "code_version": code_version(),
             "ranks_signalled": self.ranks_signalled, "world": self.world, "world_changes": self.resumed.world_changes,
             "bitwise_comparable": not self.resumed.world_changes, "code_changes": self.resumed.code_changes,
             "started_at": self.started_at.isoformat(timespec="seconds"),

@@ -23,14 +23,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from job.train import rng
-from job.train.data import EpochSampler
 from job.errors import ConfigError, StateError
 from job.format.layout import Layout
 from job.format.state import STATE_SCHEMA, History
 from job.tasks.base import Task, TaskContext
+from job.train import rng
+from job.train.data import EpochSampler
 from job.train.dist import Collectives, DistEnv, rank_seed, rank_slice
 from job.train.parallel import Strategy, strategy_for
+
 
 @dataclass(kw_only=True)
 class Run:
