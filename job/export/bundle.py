@@ -339,6 +339,7 @@ def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> 
         "dtype": str(task.dtype).removeprefix("torch."), "seed": plan["seed"], "objective": plan["objective"],
         "contract": plan["contract"], "step": state["progress"]["step"], "code_version": meta.get("code_version"),
         "versions": meta.get("versions"), "trained_on": meta.get("device"), "amp": meta.get("amp"),
+        "autocast": meta.get("autocast"),
         "weights": {"bf16": BF16_FILE, "bf16_safetensors": BF16_SAFETENSORS, "full_precision": fp_name},
         "source": source,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
