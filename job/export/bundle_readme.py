@@ -84,8 +84,8 @@ model's dtype (the metric then moves within `metrics.json`'s `bf16_tolerance`)."
     elif traced:
         load = f"""This task's architecture is not known to the exporter, so there is no `model.py`;
 `{PROGRAM_FILE}` runs the model without its code. In a virtualenv with only `torch` and `safetensors`, from this
-folder (the difference is 0 with the same torch release and thread count; this program accepts only the traced
-input shapes):
+folder (the difference is 0 with the same torch release and thread count; which input shapes the program
+accepts is in the table above: with a dynamic batch, any number of rows):
 
 ```python
 {PROGRAM_SNIPPET}```
