@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -172,15 +174,44 @@ def test_from_pretrained_in_an_interpreter_without_trainproof_reproduces_the_met
     assert printed["hf_eval"] == metrics["eval"]["value"] == printed["recorded"], (printed, metrics["eval"])
 
 
-def test_verify_with_the_objective_check_passes_and_its_export_reloads_with_from_pretrained(tmp_path):
-    result = _job("verify", "--store", str(tmp_path / "v"), "--task", HF, "--config", str(QUICK), "--id", "v")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((tmp_path / "v" / "verification" / "v" / "verification.json").read_text())
+def readme_hf_commands() -> list[str]:
+    """The command lines of README.md's "Hugging Face models" ``bash`` block, verbatim."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n### Hugging Face models\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "README.md's 'Hugging Face models' section has no ```bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_the_readme_hf_block_runs_as_written_verify_passes_and_the_export_reloads_with_from_pretrained(tmp_path):
+    """README's block (train, verify with the objective check, export) in one bash script from the repository root,
+    with ``bash scripts/dev.sh`` replaced by the console script it execs, the run folder moved into tmp_path and 100
+    steps cut to 12. The export's and the verifier's reload checks load the Hugging Face directory with from_pretrained
+    in a process that cannot import trainproof and reproduce the recorded metric."""
+    trainproof = Path(sys.executable).parent / "trainproof"
+    store = tmp_path / "llama"
+    lines = readme_hf_commands()
+    assert [line.split()[2] for line in lines] == ["train", "verify", "export"], lines
+    script = "\n".join(line.replace("bash scripts/dev.sh ", f"{shlex.quote(str(trainproof))} ")
+                        .replace("./runs/llama", shlex.quote(str(store))).replace("--max-steps 100", "--max-steps 12")
+                        for line in lines)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_") and k != "PYTHONPATH"}
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, text=True, capture_output=True,
+                            env={**env, "TRAINPROOF_LOG_FORMAT": "json"}, timeout=900)
+    assert result.returncode == 0, f"{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert load_state(store)["progress"]["step"] == 12
+    (vid,) = [p.name for p in (store / "verification").iterdir() if p.is_dir()]
+    report = json.loads((store / "verification" / vid / "verification.json").read_text())
     assert report["all_checks_passed"] and report["failing_checks"] == []
     assert report["objective_equivalence_passed"] and report["objective_negative_detected"]
-    assert report["environment"]["precision"] == "float32 + bfloat16 autocast"
+    assert report["environment"]["precision"] == "float32 + bfloat16 autocast"  # the quick configuration's bf16
     check = report["export"]["reload_check"]["checks"]["hf_from_pretrained"]
     assert check["passed"] and check["architecture"] == "LlamaForCausalLM" and check["abs_diff"] == 0.0
+    record = json.loads((store / "exports" / "step-00000012.reload-check.json").read_text())
+    check = record["checks"]["hf_from_pretrained"]
+    assert record["passed"] and check["passed"] and check["trainproof_importable"] == []
+    assert check["reloaded"] == record["recorded"]  # the task's own held-out loss, from the directory's model
+    assert (store / "exports" / "hf" / "step-00000012" / "model.safetensors").is_file()
 
 
 # -- pretrained weights -------------------------------------------------------------------------------------
