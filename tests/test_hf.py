@@ -123,6 +123,9 @@ def test_the_export_holds_a_sharded_hf_directory_the_bundle_vouches_for(runs):
     assert record["passed"] and check["passed"] and check["abs_diff"] == 0.0 and check["trainproof_importable"] == []
     metrics = json.loads((runs.bundle / "metrics.json").read_text())
     assert metrics["hf"]["value"] == metrics["eval"]["value"] and metrics["hf"]["equals_eval"] is True
+    readme = (runs.bundle / "README.md").read_text()
+    assert f'from_pretrained("../hf/step-{STEPS:08d}")' in readme and readme.count("```python") == 1
+    assert config["standalone"]["program"] == "not needed: the Hugging Face directory rebuilds it"
 
 
 @pytest.fixture(scope="module")

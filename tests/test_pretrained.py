@@ -85,3 +85,24 @@ def test_a_sharded_run_starts_from_the_file_like_a_replicated_one(task_module, t
     assert losses[0] == losses[1] and len(losses[0]) == 3, losses
     seeded = run(tmp_path / "seeded", "--task", "pretask:factory", "--nproc-per-node", "2", "--max-steps", "1", env=env)
     assert seeded.code == 0 and seeded.last("step")["loss"] != losses[0][0]  # the file, not the seeded init
+
+
+def test_the_contract_holds_the_pretrained_sha256_and_a_chosen_precision_and_nothing_for_older_runs():
+    """``init_sha256`` and ``precision`` enter the contract only when used: a run without them keeps the contract it
+    always had (an upgrade refuses no existing run); with them, another file or precision is another experiment,
+    named even when the task's settings do not mention it (the file in code, not in config())."""
+    from job.format.contract import build_plan, differences
+
+    base = {"task": "t:f", "task_config": {}, "data_identity": "d" * 64, "seed": 1, "world": 1, "objective": "o",
+            "code_version": "c"}
+    plain = build_plan(**base)
+    assert build_plan(**base, precision="auto", init=[])["contract"] == plain["contract"]
+    assert "precision" not in plain and "init_sha256" not in plain
+    a, b = build_plan(**base, init=["a" * 64]), build_plan(**base, init=["b" * 64])
+    bf16 = build_plan(**base, precision="bf16")
+    assert len({plain["contract"], a["contract"], b["contract"], bf16["contract"]}) == 4
+    assert differences(a, b) == ["init_sha256: the pretrained weights (stored sha256 aaaaaaaaaaaa..., "
+                                 "now sha256 bbbbbbbbbbbb...)"]
+    assert differences(plain, a) == ["init_sha256: the pretrained weights (stored none: the seeded initialisation, "
+                                     "now sha256 aaaaaaaaaaaa...)"]
+    assert differences(plain, bf16) == ["precision (stored 'auto', now 'bf16')"]

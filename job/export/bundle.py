@@ -250,6 +250,7 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
         # torch.export costs seconds (10+ on first use) on every export, verify included: only where no model.py
         # can rebuild the architecture does the bundle need a program to be loadable without the task's code.
         program, example, program_note = (None, {}, "not needed: model.py rebuilds it") if alone else \
+            (None, {}, "not needed: the Hugging Face directory rebuilds it") if hf is not None else \
             export_program(task, weights)
         rows = History.from_state_dict(state["history"])
         covered = history_covered or {"first_step": state["history_chain"]["first"],

@@ -92,6 +92,9 @@ accepts is in the table above: with a dynamic batch, any number of rows):
 
 To train further or evaluate, rebuild the model with the task's own code (`config.json` names it and its
 settings) and load `{fp_name}` with `safetensors.torch.load_file`."""
+    elif hf_folder:
+        load = ("The model is a `transformers` model: load it from its Hugging Face directory (below), or rebuild it "
+                f"with the task's own code (`config.json` names it and its settings) and load `{fp_name}`.")
     else:
         load = ("This task's architecture is not known to the exporter, so there is no `model.py`, and "
                 f"`torch.export` could not trace it ({program_note}): rebuild the model with the task's own code "
