@@ -98,6 +98,7 @@ def test_the_hf_example_in_bf16_stops_on_sigterm_with_75_and_resumes_bitwise(run
     assert plan["precision"] == "bf16"
 
 
+@pytest.mark.slow  # the contract test in tests/test_pretrained.py names the field in process
 def test_another_precision_is_another_experiment(runs, tmp_path):
     config = tmp_path / "fp32.json"
     config.write_text(json.dumps({**json.loads(QUICK.read_text()), "precision": "fp32"}))
@@ -277,6 +278,7 @@ def test_a_flipped_byte_in_the_pretrained_weights_is_refused_by_name(runs, tmp_p
 
 
 @pytest.mark.s3
+@pytest.mark.slow  # the local file takes the same path through the store (download_file, hashed spool)
 def test_pretrained_weights_from_an_s3_url_are_read_through_the_store(runs, tmp_path, s3_env):
     from storage import open_store
 

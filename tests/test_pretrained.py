@@ -106,3 +106,29 @@ def test_the_contract_holds_the_pretrained_sha256_and_a_chosen_precision_and_not
     assert differences(plain, a) == ["init_sha256: the pretrained weights (stored none: the seeded initialisation, "
                                      "now sha256 aaaaaaaaaaaa...)"]
     assert differences(plain, bf16) == ["precision (stored 'auto', now 'bf16')"]
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_download_file_spools_a_file_with_its_plain_sha256_and_refuses_what_it_must(kind, tmp_path):
+    """The store call pretrained weights come through: the spool's sha256 is what ``sha256sum`` prints (not the part
+    digest of a generation's manifest), and a missing file, a file over the cap or a path are refused."""
+    import uuid
+
+    from storage import open_store
+
+    store = open_store(f"memory://dl-{uuid.uuid4().hex[:8]}/m" if kind == "memory" else str(tmp_path / "m"))
+    data = os.urandom(3 * 2**20 + 17)
+    store.write_file("w.safetensors", data)
+    spool = store.download_file("w.safetensors", directory=str(tmp_path))
+    try:
+        assert spool.sha256 == hashlib.sha256(data).hexdigest() and spool.size == len(data)
+        with open(spool.path, "rb") as fh:
+            assert fh.read() == data
+    finally:
+        spool.unlink()
+    with pytest.raises(FileNotFoundError):
+        store.download_file("missing.safetensors")
+    with pytest.raises(ValueError, match="more than the 1024 allowed"):
+        store.download_file("w.safetensors", max_bytes=1024)
+    with pytest.raises(ValueError, match="path separator"):
+        store.download_file("../w.safetensors")
