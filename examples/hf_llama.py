@@ -24,10 +24,9 @@ swap it for another source of token ids and the rest stays.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never reach for the network
 
@@ -36,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
+from examples.charlm import warmup_then_inverse_sqrt  # noqa: E402  (the same schedule as the char-level example)
 from job.tasks import PRECISIONS, DatasetTask, Pretrained, config_from_dict, require, sha256_of  # noqa: E402
 
 TRAIN_FILES = ["bisect.py", "colorsys.py", "fnmatch.py", "heapq.py", "queue.py", "sched.py", "shlex.py",
@@ -178,15 +178,6 @@ def per_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            reduction="none").view(targets.shape)
-
-
-def warmup_then_inverse_sqrt(warmup: int) -> Callable[[int], float]:
-    """LambdaLR factor: linear warm-up over ``warmup`` steps, then ``sqrt(warmup / step)``."""
-
-    def factor(step: int) -> float:
-        return (step + 1) / warmup if step < warmup else math.sqrt(warmup / (step + 1))
-
-    return factor
 
 
 def factory(config: dict[str, Any]) -> DatasetTask:

@@ -59,13 +59,18 @@ def _closure(*names: str) -> list[md.Distribution]:
 def torch_only_site(tmp_path_factory) -> Path:
     """A folder of links to torch, safetensors and their dependencies only (what `pip install torch safetensors`
     puts in a fresh virtualenv)."""
-    site = tmp_path_factory.mktemp("torch-only-site")
-    for dist in _closure("torch", "safetensors"):
+    site = link_site(tmp_path_factory.mktemp("torch-only-site"), "torch", "safetensors")
+    assert not {"job", "storage", "numpy", "trainproof"} & {p.name for p in site.iterdir()}
+    return site
+
+
+def link_site(site: Path, *names: str) -> Path:
+    """``site`` filled with links to the top-level folders and modules of ``names`` and their dependencies."""
+    for dist in _closure(*names):
         for top in {Path(str(f)).parts[0] for f in dist.files or []}:
             source = Path(dist.locate_file(top))
             if top not in ("..", "__pycache__") and source.exists() and not (site / top).exists():
                 (site / top).symlink_to(source)
-    assert not {"job", "storage", "numpy", "trainproof"} & {p.name for p in site.iterdir()}
     return site
 
 

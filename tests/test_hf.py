@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -31,7 +30,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_bundle_standalone import _closure
+from tests.test_bundle_standalone import link_site
+from tests.test_examples import readme_commands
 from tests.test_train_helpers import differences, finish, load_state, run, start
 
 pytest.importorskip("transformers")  # the optional extra `[hf]`; the test extras install it
@@ -132,12 +132,8 @@ def test_the_export_holds_a_sharded_hf_directory_the_bundle_vouches_for(runs):
 @pytest.fixture(scope="module")
 def transformers_only_site(tmp_path_factory) -> Path:
     """A folder of links to transformers, torch, safetensors and their dependencies only (no trainproof)."""
-    site = tmp_path_factory.mktemp("transformers-only-site")
-    for dist in _closure("transformers", "torch", "safetensors", "tokenizers"):
-        for top in {Path(str(f)).parts[0] for f in dist.files or []}:
-            source = Path(dist.locate_file(top))
-            if top not in ("..", "__pycache__") and source.exists() and not (site / top).exists():
-                (site / top).symlink_to(source)
+    site = link_site(tmp_path_factory.mktemp("transformers-only-site"), "transformers", "torch", "safetensors",
+                     "tokenizers")
     assert not {"job", "storage", "trainproof", "examples"} & {p.name for p in site.iterdir()}
     return site
 
@@ -178,15 +174,6 @@ def test_from_pretrained_in_an_interpreter_without_trainproof_reproduces_the_met
     assert printed["hf_eval"] == metrics["eval"]["value"] == printed["recorded"], (printed, metrics["eval"])
 
 
-def readme_hf_commands() -> list[str]:
-    """The command lines of README.md's "Hugging Face models" ``bash`` block, verbatim."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n### Hugging Face models\n", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "README.md's 'Hugging Face models' section has no ```bash block"
-    return [line for line in block.group(1).splitlines() if line.strip()]
-
-
 def test_the_readme_hf_block_runs_as_written_verify_passes_and_the_export_reloads_with_from_pretrained(tmp_path):
     """README's block (train, verify with the objective check, export) in one bash script from the repository root,
     with ``bash scripts/dev.sh`` replaced by the console script it execs, the run folder moved into tmp_path and 100
@@ -194,7 +181,7 @@ def test_the_readme_hf_block_runs_as_written_verify_passes_and_the_export_reload
     in a process that cannot import trainproof and reproduce the recorded metric."""
     trainproof = Path(sys.executable).parent / "trainproof"
     store = tmp_path / "llama"
-    lines = readme_hf_commands()
+    lines = readme_commands("### Hugging Face models")
     assert [line.split()[2] for line in lines] == ["train", "verify", "export"], lines
     script = "\n".join(line.replace("bash scripts/dev.sh ", f"{shlex.quote(str(trainproof))} ")
                         .replace("./runs/llama", shlex.quote(str(store))).replace("--max-steps 100", "--max-steps 12")
