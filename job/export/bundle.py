@@ -143,7 +143,7 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
         if hf_files:  # before the bundle, whose config.json lists the directory's files
             from job.export.hf import commit_directory
 
-            commit_directory(dest, loaded.info.step, hf_files, **commit)
+            commit_directory(dest, loaded.info.step, hf_files, check=check_file, digest=sha256_of, **commit)
         info = dest.commit(loaded.info.step, files, check=check_file, digests={"export": BF16_FILE},
                            extra={"kind": "export", "source": source}, **commit)
     finally:

@@ -22,7 +22,6 @@ trainproof (job.proof.hf_reload).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import tempfile
@@ -123,10 +122,10 @@ def directory(task: Task, weights: dict[str, torch.Tensor], spooled: Callable[[C
     """The Hugging Face directory of ``weights`` when the task's model is a ``transformers`` model, else None.
 
     ``spooled(write)``: a spool file filled by ``write(out)`` and its plain sha256 (job.export.bundle ``_spooled``)."""
+    if not is_transformers_model(_model_class_probe(task)):
+        return None
     with torch.random.fork_rng(devices=[]):
         model = task.build_model()
-    if not is_transformers_model(model):
-        return None
     model.to(dtype=task.dtype).load_state_dict(weights)
     files, sums = _config_files(model, task), {}
     groups = _shards(weights, shard_bytes())
@@ -151,6 +150,17 @@ def directory(task: Task, weights: dict[str, torch.Tensor], spooled: Callable[[C
     if out.eval_data is not None:
         out.value = run_eval(model, out.eval_data, threads)
     return out
+
+
+def _model_class_probe(task: Task) -> nn.Module:
+    """The task's model built on the meta device (no memory, no initialisation work), only to learn its class; on a
+    model that cannot be built there, a real one."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                return task.build_model()
+        except Exception:  # noqa: BLE001  (user code that insists on real tensors: build it for real)
+            return task.build_model()
 
 
 def _config_files(model: nn.Module, task: Task) -> dict[str, Any]:
@@ -222,15 +232,6 @@ def _json(value: Any) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
 
 
-def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    """Small tensors (the evaluation batches) as safetensors bytes."""
-    from job.export.tensorfile import write_safetensors
-
-    out = io.BytesIO()
-    write_safetensors(out, tensors)
-    return out.getvalue()
-
-
 def records(hf: HFDirectory, step: int, metric: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``hf`` blocks of the bundle's config.json (where the directory is and the sha256 of each of its files)
     and metrics.json (``hf_eval.py``'s value at export, and whether it equals the task's own metric)."""
@@ -247,35 +248,34 @@ def records(hf: HFDirectory, step: int, metric: float) -> tuple[dict[str, Any], 
                     "value": hf.value, "equals_eval": hf.value == metric}
 
 
-def commit_directory(dest: Any, step: int, files: dict[str, Any], *, contract: str, world: int,
-                     code_version: str) -> None:
-    """Commit the directory's files as generation ``step`` of ``<dest>/hf`` (write -> verify -> mark usable), before
-    the bundle that lists them. One already committed there with the same files (an export that stopped between the
-    two commits) is kept; one with other files is refused (ConfigError): choose another --dest."""
+def commit_directory(dest: Any, step: int, files: dict[str, Any], *, check: Callable[[str, Any], None],
+                     digest: Callable[[Any], str], contract: str, world: int, code_version: str) -> None:
+    """Commit the directory's files as generation ``step`` of ``<dest>/hf`` (write -> verify -> mark usable, ``check``
+    run on each file read back), before the bundle that lists them. One already committed there with the same files
+    (``digest``: a file's plain sha256; an export that stopped between the two commits) is kept; one with other files
+    is refused (ConfigError): choose another --dest."""
     from job.errors import ConfigError
-    from job.export.bundle import check_file, sha256_of
     from storage import COMPLETE
     from storage.manifest import step_dir
 
     folder = dest.child(HF_FOLDER)
     if any(g.step == step and g.status == COMPLETE for g in folder.scan()):
-        theirs = {n: m["sha256"] for n, m in folder.generation(step).manifest["files"].items()}
-        ours = {n: sha256_of(d) for n, d in files.items()}
-        if set(theirs) == set(ours) and all(len(v) == 64 for v in theirs.values()) and _same(folder, step, ours):
+        theirs = set(folder.generation(step).manifest["files"])
+        ours = {n: digest(d) for n, d in files.items()}
+        if theirs == set(ours) and _same(folder, step, ours, digest):
             return
         raise ConfigError(f"{folder.url}/{step_dir(step)} already holds another Hugging Face directory; "
                           "choose another --dest")
-    folder.commit(step, files, contract=contract, world=world, code_version=code_version, check=check_file,
+    folder.commit(step, files, contract=contract, world=world, code_version=code_version, check=check,
                   extra={"kind": "hf-directory"})
 
 
-def _same(folder: Any, step: int, ours: dict[str, str]) -> bool:
+def _same(folder: Any, step: int, ours: dict[str, str], digest: Callable[[Any], str]) -> bool:
     """Whether the committed directory's files have the plain sha256 ``ours`` (read back and hashed)."""
-    from job.export.bundle import sha256_of
     from storage.spool import spool_dir
 
     loaded = folder.load(step, spool_dir=spool_dir(), spool_from=1 << 20)
     try:
-        return all(sha256_of(loaded.files[n]) == ours[n] for n in ours)
+        return all(digest(loaded.files[n]) == ours[n] for n in ours)
     finally:
         loaded.close()
