@@ -4,7 +4,8 @@ in an interpreter that cannot import trainproof.
 The directory is read back from ``<dest>/hf/step-%08d/`` (every file against its own ``COMPLETE.json``) and must hold
 exactly the files, with the sha256, that the bundle's ``config.json`` lists; the files are copied into a local
 folder, and a fresh ``python -I`` process, in which importing ``job`` or ``storage`` fails, loads it with
-``AutoModelForCausalLM.from_pretrained`` (offline: ``HF_HUB_OFFLINE=1``, no remote code) and re-runs the held-out
+``from_pretrained`` of the class its ``config.json`` names (``LlamaForCausalLM``; ``AutoModelForCausalLM`` when
+transformers has no such class; offline: ``HF_HUB_OFFLINE=1``, no remote code) and re-runs the held-out
 evaluation of ``hf_eval.py`` (trainproof's own source text, never the copy read from the store), which must
 reproduce the value ``metrics.json`` records under ``hf`` exactly (same bytes, same CPU kernels and thread count).
 """
@@ -44,8 +45,13 @@ for name in ("job", "storage"):
         pass
 folder, source, with_eval = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 import torch
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(folder)
+import transformers
+# The class config.json names, if transformers has it (a causal LM, a classifier, ...), else the causal-LM auto class.
+arch = (json.load(open(folder + "/config.json")).get("architectures") or [""])[0]
+cls = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
+if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+    cls = transformers.AutoModelForCausalLM
+model = cls.from_pretrained(folder)
 result = {"trainproof_importable": reachable, "architecture": type(model).__name__,
           "parameters": sum(p.numel() for p in model.parameters())}
 if with_eval:
