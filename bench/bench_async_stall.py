@@ -274,6 +274,7 @@ def main() -> None:
     ap.add_argument("--resume-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--load-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--summarise", default=None, metavar="JSON", help="only re-print the table of an earlier run")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "out"), help="where async_stall.json/.md go")
     args = ap.parse_args()
     if args.summarise:
         print(summarise(json.loads(Path(args.summarise).read_text())["runs"], args))
@@ -318,7 +319,7 @@ def main() -> None:
                       f"{[round(b, 3) for b in res['blocked_s']]}, copy {res['copy_s']:.3f} s, "
                       f"memory {res['memory_ratio']}", file=sys.stderr, flush=True)
     table = summarise(results, args)
-    out_dir = ROOT / "bench" / "out"
+    out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["python", "bench/bench_async_stall.py", *sys.argv[1:]]),
             "store": "S3 (moto server on loopback)" if args.s3 else args.store_root or "local folder (tmp)",

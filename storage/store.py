@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -28,11 +29,12 @@ from storage.generations import (
     scan,
     verify_hashes,
 )
-from storage.limits import loads_untrusted, redact_url
+from storage.limits import loads_untrusted, plain_name_problem, redact_url
 from storage.options import RetryPolicy, StoreOptions
 from storage.quarantine import list_quarantined, quarantine
 from storage.retention import DEFAULT_GRACE_SECONDS, RetentionPolicy, apply_retention
 from storage.retry import RetryStats, retry_or_unavailable
+from storage.spool import Spool, download
 
 log = logging.getLogger("trainproof.storage")
 __all__ = ["GenerationStore", "open_store", "DEFAULT_GRACE_SECONDS"]
@@ -222,6 +224,36 @@ class GenerationStore:
         if max_bytes is None:
             return self._io(f"read {name}", lambda: self.backend.read(path))
         return self._io(f"read {name}", lambda: read_at_most(self.backend, path, max_bytes))
+
+    def download_file(self, name: str, *, max_bytes: int | None = None, directory: str | None = None) -> Spool:
+        """A file under the store's root (a plain name) fetched into a new local spool file (``directory``, default
+        ``storage.spool.spool_dir()``) in parallel ranged reads, hashed as it arrives: the spool's ``sha256`` is the
+        *plain* sha256 of the bytes read (what ``sha256sum`` prints), for the caller to compare with what it
+        expects. FileNotFoundError when there is no such file; ValueError when it is larger than ``max_bytes``
+        (default ``Limits.file_bytes``) or changed size while being read. The caller deletes the spool."""
+        problem = plain_name_problem(name)
+        if problem:
+            raise ValueError(f"cannot download {name!r}: {problem}")
+        cap = self.options.limits.file_bytes if max_bytes is None else max_bytes
+        listed = self._io(f"list {name}", lambda: self.backend.listdir(self.root, prefix=name))
+        found = [e for e in listed if e.name == name and not e.is_dir and not e.is_special]
+        if not found:
+            raise FileNotFoundError(f"{redact_url(self.url)}/{name} does not exist")
+        size = found[0].size
+        if size > cap:
+            raise ValueError(f"{redact_url(self.url)}/{name} is {size} bytes, more than the {cap} allowed")
+        path = join(self.root, name)
+        read = lambda start, end: self.backend.read_range(path, start, end)  # noqa: E731
+
+        def fetch() -> Spool:
+            spool, seen, sha = download(read, size, directory, part_size=self.options.part_size,
+                                        concurrency=self.options.concurrency, hasher=hashlib.sha256())
+            if seen != size:
+                spool.unlink()
+                raise ValueError(f"{redact_url(self.url)}/{name} changed size while it was read "
+                                 f"({size} bytes listed, {seen} read)")
+            return spool
+        return self._io(f"download {name}", fetch)
 
     def read_json(self, name: str, *, max_bytes: int | None = None) -> object:
         """A run-level JSON file (plan.json, summary.json…), parsed defensively (``storage.limits``): ValueError

@@ -59,13 +59,18 @@ def _closure(*names: str) -> list[md.Distribution]:
 def torch_only_site(tmp_path_factory) -> Path:
     """A folder of links to torch, safetensors and their dependencies only (what `pip install torch safetensors`
     puts in a fresh virtualenv)."""
-    site = tmp_path_factory.mktemp("torch-only-site")
-    for dist in _closure("torch", "safetensors"):
+    site = link_site(tmp_path_factory.mktemp("torch-only-site"), "torch", "safetensors")
+    assert not {"job", "storage", "numpy", "trainproof"} & {p.name for p in site.iterdir()}
+    return site
+
+
+def link_site(site: Path, *names: str) -> Path:
+    """``site`` filled with links to the top-level folders and modules of ``names`` and their dependencies."""
+    for dist in _closure(*names):
         for top in {Path(str(f)).parts[0] for f in dist.files or []}:
             source = Path(dist.locate_file(top))
             if top not in ("..", "__pycache__") and source.exists() and not (site / top).exists():
                 (site / top).symlink_to(source)
-    assert not {"job", "storage", "numpy", "trainproof"} & {p.name for p in site.iterdir()}
     return site
 
 
@@ -139,7 +144,7 @@ def factory(config):
 """
 
 
-def test_a_traceable_task_unknown_to_the_exporter_gets_a_program_that_runs_without_its_code(
+def test_a_traceable_task_unknown_to_the_exporter_gets_a_program_that_runs_without_its_code_at_any_batch_size(
         tmp_path, torch_only_site, monkeypatch):
     (tmp_path / "usertask.py").write_text(USER_TASK)
     monkeypatch.syspath_prepend(str(tmp_path))  # the exporter imports the task, as `trainproof export` would
@@ -158,6 +163,22 @@ def test_a_traceable_task_unknown_to_the_exporter_gets_a_program_that_runs_witho
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "TRAINPROOF-REACHABLE []" and lines[-1] == "max |output - recorded|: 0.0", lines
+    assert "the batch) dynamic" in readme
+
+    # The program's batch dimension is dynamic: it runs at batch sizes other than the traced one (4), equal to the
+    # model rebuilt with the exported weights.
+    import torch
+    from safetensors.torch import load_file
+
+    program = torch.export.load(str(bundle / "model.pt2")).module()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    model.load_state_dict(load_file(str(bundle / "model.safetensors")))
+    traced = load_file(str(bundle / "program_inputs.safetensors"))["arg_0"]
+    assert traced.shape[0] == 4
+    for rows in (1, 7):
+        x = torch.linspace(-1, 1, rows * 2, dtype=torch.float64).reshape(rows, 2)
+        with torch.no_grad():
+            assert torch.equal(program(x), model(x)), rows
 
 
 def test_a_bundle_of_an_untraceable_unknown_task_says_so_and_has_no_snippet():

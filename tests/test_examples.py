@@ -293,12 +293,12 @@ def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, m
         assert final_state(tmp_path / name)["progress"]["step"] == 8
 
 
-def readme_commands() -> list[str]:
-    """The command lines of the first ``bash`` block of README.md's "Train your own model" section, verbatim."""
+def readme_commands(heading: str = "## Train your own model") -> list[str]:
+    """The command lines of the first ``bash`` block under README.md's ``heading`` (to the next heading), verbatim."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Train your own model\n", 1)[1].split("\n## ", 1)[0]
+    section = re.split(r"\n#{2,3} ", readme.split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "README.md's 'Train your own model' section has no ```bash block"
+    assert block, f"README.md's {heading!r} section has no ```bash block"
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from job.train import rng
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def test_cuda_generators_restore_exactly_on_every_device():

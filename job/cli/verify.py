@@ -188,6 +188,10 @@ def export_command(
     record = checked.record
     print(f"reload check ({record['metric']}): recorded {record['recorded']:.10g}, reloaded bf16 "
           f"{record['reloaded_bf16']:.10g}: {'passed' if checked.passed else 'FAILED'} -> {checked.location}")
+    hf = record["checks"].get("hf_from_pretrained")
+    if hf is not None:  # a transformers model's Hugging Face directory (job.proof.hf_reload)
+        print(f"Hugging Face directory {hf.get('directory')}: from_pretrained without trainproof "
+              f"{'reproduced the metric' if hf.get('passed') else 'FAILED: ' + str(hf.get('why') or hf.get('error'))}")
     raise typer.Exit(EXIT_OK if checked.passed else EXIT_FAILURE)
 
 

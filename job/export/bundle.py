@@ -134,13 +134,21 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
     existing = _existing(dest, loaded.info.step, source, task_name)
     if existing is not None:
         return existing
-    files = build_files(load_task(task_name, plan["task_config"]), plan, state, source, assembled.to_json())
+    hf_files: dict[str, Any] = {}  # a transformers model's Hugging Face directory (job.export.hf)
+    files = build_files(load_task(task_name, plan["task_config"]), plan, state, source, assembled.to_json(),
+                        hf_out=hf_files)
+    commit = {"contract": plan["contract"], "world": plan.get("world", 1),
+              "code_version": state["meta"].get("code_version", "")}
     try:
-        info = dest.commit(loaded.info.step, files, contract=plan["contract"], world=plan.get("world", 1),
-                           code_version=state["meta"].get("code_version", ""), check=check_file,
-                           digests={"export": BF16_FILE}, extra={"kind": "export", "source": source})
+        if hf_files:  # before the bundle, whose config.json lists the directory's files
+            from job.export.hf import commit_directory
+
+            commit_directory(dest, loaded.info.step, hf_files, check=check_file, digest=sha256_of, **commit)
+        info = dest.commit(loaded.info.step, files, check=check_file, digests={"export": BF16_FILE},
+                           extra={"kind": "export", "source": source}, **commit)
     finally:
         discard(files)
+        discard(hf_files)
     return _bundle(dest, info.step, info.manifest, reused=False, task=task_name)
 
 
@@ -184,7 +192,8 @@ def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reuse
 
 # -- the files --------------------------------------------------------------------------------------------
 def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source: dict[str, Any],
-                history_covered: dict[str, Any] | None = None, *, directory: str | None = None) -> dict[str, Any]:
+                history_covered: dict[str, Any] | None = None, *, directory: str | None = None,
+                hf_out: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every file of the bundle (SHA256SUMS last, over the others): the three weight files as spool files
     (``storage.spool.Spool``, in ``directory``, default ``spool_dir()``), the rest as bytes. The caller hands them
     to the store and deletes the spools (:func:`discard`); on an error here they are deleted already.
@@ -196,7 +205,11 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
     anonymous memory is one model built to evaluate (or trace) them at a time.
 
     ``history_covered``: which steps ``state``'s history holds (job.format.history ``Assembled.to_json``), recorded in
-    metrics.json; retention may have deleted the generations holding the oldest rows."""
+    metrics.json; retention may have deleted the generations holding the oldest rows.
+
+    ``hf_out``: when given and the task's model is a ``transformers`` model, filled with the files of its Hugging
+    Face directory (job.export.hf, spooled weights among them: the caller commits and discards them too), which
+    config.json and metrics.json then describe (``hf``)."""
     from job.export.bundle_readme import readme
     from job.export.plot import loss_png
     from job.export.standalone import (
@@ -226,10 +239,18 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
         files[BF16_FILE], sums[BF16_FILE] = _spooled(lambda out: torch.save(bf16, out), directory)
         metric, threads = evaluate_weights(task, weights)
         metric_bf16, _ = evaluate_weights(task, bf16)
+        hf = None
+        if hf_out is not None:
+            from job.export import hf as hf_export
+
+            hf = hf_export.directory(task, weights, lambda write: _spooled(write, directory), threads)
+            hf_out.update(hf.files if hf is not None else {})
+        hf_config, hf_metrics = hf_export.records(hf, step_of(state), metric) if hf is not None else ({}, {})
         alone = standalone(plan["task"], task)
         # torch.export costs seconds (10+ on first use) on every export, verify included: only where no model.py
         # can rebuild the architecture does the bundle need a program to be loadable without the task's code.
         program, example, program_note = (None, {}, "not needed: model.py rebuilds it") if alone else \
+            (None, {}, "not needed: the Hugging Face directory rebuilds it") if hf is not None else \
             export_program(task, weights)
         rows = History.from_state_dict(state["history"])
         covered = history_covered or {"first_step": state["history_chain"]["first"],
@@ -241,13 +262,19 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
         files.update({
             "config.json": _json({**_config(task, plan, state, source, FP_FILE),
                                   "model_args": alone.model_args if alone else {},
-                                  "standalone": {"model_py": alone is not None, "program": program_note}}),
-            "metrics.json": _json({**_metrics(task, plan, state, metric, metric_bf16, threads), "history": covered}),
+                                  "standalone": {"model_py": alone is not None, "program": program_note},
+                                  **({"hf": hf_config} if hf_config else {})}),
+            "metrics.json": _json({**_metrics(task, plan, state, metric, metric_bf16, threads), "history": covered,
+                                   **({"hf": hf_metrics} if hf_metrics else {})}),
             "data.json": _json(_data(task, plan, state)),
             "README.md": readme(metric_name=task.eval_metric, metric=metric, fp_name=FP_FILE,
                                 bf16_names=[BF16_SAFETENSORS, BF16_FILE], has_model_py=alone is not None,
-                                program_note=program_note, has_plot=plot is not None).encode(),
+                                program_note=program_note, has_plot=plot is not None,
+                                hf_folder=hf_config.get("folder"), hf_eval=bool(hf and hf.eval_data)).encode(),
         })
+        if hf is not None and hf.eval_data is not None:
+            files[hf_export.HF_EVAL_FILE] = hf_export.HF_EVAL.encode()
+            files[hf_export.HF_EVAL_DATA_FILE] = _safetensors_bytes(hf.eval_data)
         if alone is not None:
             files[MODEL_FILE], files[EVAL_DATA_FILE] = alone.source.encode(), _safetensors_bytes(alone.eval_data)
         if program is not None:  # saved straight into a spool: the program holds the weights
@@ -260,8 +287,14 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
                                    for name, data in sorted(files.items())).encode()
     except BaseException:
         discard(files)
+        discard(hf_out or {})
         raise
     return files
+
+
+def step_of(state: dict[str, Any]) -> int:
+    """The step a state was taken at."""
+    return int(state["progress"]["step"])
 
 
 def discard(files: dict[str, Any]) -> None:
@@ -339,6 +372,7 @@ def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> 
         "dtype": str(task.dtype).removeprefix("torch."), "seed": plan["seed"], "objective": plan["objective"],
         "contract": plan["contract"], "step": state["progress"]["step"], "code_version": meta.get("code_version"),
         "versions": meta.get("versions"), "trained_on": meta.get("device"), "amp": meta.get("amp"),
+        "autocast": meta.get("autocast"),
         "weights": {"bf16": BF16_FILE, "bf16_safetensors": BF16_SAFETENSORS, "full_precision": fp_name},
         "source": source,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -35,9 +35,17 @@ print("max |output - recorded|:", float((output - example["output"]).abs().max()
 """
 
 
+HF_SNIPPET = """\
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained("{folder}")  # a local copy of that folder
+"""
+
+
 def readme(*, metric_name: str, metric: float, fp_name: str, bf16_names: list[str], has_model_py: bool,
-           program_note: str | None, has_plot: bool) -> str:
-    """The bundle's README.md."""
+           program_note: str | None, has_plot: bool, hf_folder: str | None = None, hf_eval: bool = False) -> str:
+    """The bundle's README.md (``hf_folder``: where the Hugging Face directory of a ``transformers`` model lies,
+    relative to the bundles' folder; ``hf_eval``: the bundle holds ``hf_eval.py`` and its data)."""
     rows = [
         (", ".join(f"`{n}`" for n in bf16_names), "model weights, floating tensors in bfloat16"),
         (f"`{fp_name}`", "the same weights in full precision"),
@@ -57,6 +65,9 @@ def readme(*, metric_name: str, metric: float, fp_name: str, bf16_names: list[st
         rows.append((f"`{PROGRAM_INPUTS_FILE}`", "an input it was traced on (`arg_0`, ...) and the model's `output`"))
     if has_plot:
         rows.append(("`loss.png`", "the training loss per step"))
+    if hf_eval:
+        rows.append(("`hf_eval.py`, `hf_eval_data.safetensors`", "the held-out evaluation over the Hugging Face "
+                                                                 "directory's model, and its batches"))
     rows.append(("`SHA256SUMS`", "checksums: `sha256sum -c SHA256SUMS`"))
     table = "\n".join(f"| {name} | {holds} |" for name, holds in rows)
     if has_model_py:
@@ -73,18 +84,23 @@ model's dtype (the metric then moves within `metrics.json`'s `bf16_tolerance`)."
     elif traced:
         load = f"""This task's architecture is not known to the exporter, so there is no `model.py`;
 `{PROGRAM_FILE}` runs the model without its code. In a virtualenv with only `torch` and `safetensors`, from this
-folder (the difference is 0 with the same torch release and thread count; this program accepts only the traced
-input shapes):
+folder (the difference is 0 with the same torch release and thread count; which input shapes the program
+accepts is in the table above: with a dynamic batch, any number of rows):
 
 ```python
 {PROGRAM_SNIPPET}```
 
 To train further or evaluate, rebuild the model with the task's own code (`config.json` names it and its
 settings) and load `{fp_name}` with `safetensors.torch.load_file`."""
+    elif hf_folder:
+        load = ("The model is a `transformers` model: load it from its Hugging Face directory (below), or rebuild it "
+                f"with the task's own code (`config.json` names it and its settings) and load `{fp_name}`.")
     else:
         load = ("This task's architecture is not known to the exporter, so there is no `model.py`, and "
                 f"`torch.export` could not trace it ({program_note}): rebuild the model with the task's own code "
                 f"(`config.json` names it and its settings) and load `{fp_name}` with `safetensors.torch.load_file`.")
+    if hf_folder:
+        load += hf_section(hf_folder, hf_eval)
     return f"""# trainproof export bundle
 
 | file | holds |
@@ -100,3 +116,24 @@ settings) and load `{fp_name}` with `safetensors.torch.load_file`."""
 trainproof itself (to train, verify or export more) comes from {INSTALL}.
 The package named `trainproof` on the public package index is another project.
 """
+
+
+def hf_section(folder: str, hf_eval: bool) -> str:
+    """The README's paragraph on the Hugging Face directory of a ``transformers`` model."""
+    text = f"""
+
+## Hugging Face
+
+The model is a `transformers` model: `../{folder}/` (beside this bundle's folder, committed before it; `config.json`
+lists each of its files with its sha256 under `hf`) is a Hugging Face directory: `config.json`, the weights
+(`model.safetensors`, or shards with `model.safetensors.index.json`), the tokenizer files. With `transformers`
+installed and no trainproof:
+
+```python
+{HF_SNIPPET.format(folder="../" + folder)}```"""
+    if hf_eval:
+        text += f"""
+
+`python hf_eval.py ../{folder}` (from this folder) loads it that way and re-runs the held-out evaluation, printing
+the value `metrics.json` records under `hf` (exactly, with the same torch release and thread count)."""
+    return text

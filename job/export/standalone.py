@@ -11,7 +11,8 @@ interpreter that cannot import ``job`` and checks it reproduces ``metrics.json``
     build_model(config: dict) -> nn.Module          # config: the bundle's config.json
     evaluate(model, data: dict[str, Tensor]) -> float   # data: eval_data.safetensors; reproduces metrics.json
 
-Other tasks get no ``model.py`` (their README says so) and rely on ``model.pt2`` where tracing works.
+Other tasks get no ``model.py`` (their README says so) and rely on ``model.pt2`` where tracing works; its batch
+dimension is dynamic where the model allows (any batch size from 1), else the traced shapes only.
 """
 
 from __future__ import annotations
@@ -192,10 +193,27 @@ def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[Any, d
             output = model(*args)
         if not isinstance(output, torch.Tensor):
             return None, {}, "not traced: the model's output is not one tensor"
-        program = torch.export.export(model, args)
+        program, dynamic = _export_batch_dynamic(model, args)
     except Exception as exc:  # noqa: BLE001  (any tracing failure only means: no model.pt2)
         log.info("no %s: torch.export could not trace the model (%s)", PROGRAM_FILE, type(exc).__name__)
         return None, {}, f"not traced: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     example = {f"arg_{i}": a.contiguous() for i, a in enumerate(args)} | {"output": output.detach().contiguous()}
     shapes = [list(a.shape) for a in args]
+    if dynamic:
+        return program, example, (f"traced with torch.export on input shapes {shapes}, the first dimension (the "
+                                  "batch) dynamic: any batch size from 1 runs")
     return program, example, f"traced with torch.export on input shapes {shapes} (static shapes: these only)"
+
+
+def _export_batch_dynamic(model: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[Any, bool]:
+    """``torch.export.export`` of ``model`` on ``args`` with their first dimension (the batch, the same size in every
+    input) dynamic from 1 up, when the model allows it; otherwise with static shapes. Returns (program, dynamic)."""
+    sizes = {a.shape[0] for a in args if a.dim() >= 1}
+    if len(sizes) == 1 and all(a.dim() >= 1 for a in args):
+        batch = torch.export.Dim("batch", min=1)
+        try:
+            return torch.export.export(model, args, dynamic_shapes=tuple({0: batch} for _ in args)), True
+        except Exception as exc:  # noqa: BLE001  (a model that fixes its batch, e.g. by a reshape: static then)
+            log.info("%s: the batch dimension cannot be dynamic (%s); static shapes", PROGRAM_FILE,
+                     type(exc).__name__)
+    return torch.export.export(model, args), False

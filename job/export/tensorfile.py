@@ -35,9 +35,11 @@ MAX_HEADER = 100 * 2**20  # the library's own cap on a header
 
 
 def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor],
-                      cast: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
+                      cast: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      metadata: dict[str, str] | None = None) -> int:
     """Write ``tensors`` (``cast`` applied to each, one at a time) to ``out`` as a safetensors file, byte for byte
-    what ``safetensors.torch.save`` returns for the cast tensors; return the bytes written. Memory: one cast tensor
+    what ``safetensors.torch.save`` returns for the cast tensors (and ``metadata``, the header's string map, e.g.
+    ``{"format": "pt"}`` that Hugging Face loaders look for); return the bytes written. Memory: one cast tensor
     at a time (a contiguous CPU tensor that needs no cast is written from its own memory)."""
     cast = cast or (lambda t: t)
     shapes: dict[str, tuple[torch.dtype, list[int]]] = {}
@@ -47,7 +49,7 @@ def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor],
             raise ValueError(f"{name}: dtype {dtype} cannot be written to safetensors here")
         shapes[name] = (dtype, list(tensor.shape))
     order = sorted(shapes, key=lambda n: (-_RANK[shapes[n][0]], n))
-    header: dict[str, Any] = {}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in order:
         dtype, shape = shapes[name]

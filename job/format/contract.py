@@ -10,7 +10,12 @@ The contract (docs/protocol.md) is sha256 over:
 - the seed,
 - ``fsdp: true`` when the run trains sharded (``train --fsdp``; absent otherwise, so a replicated run's
   contract is what it always was): its generations hold shards, not one state, so a run cannot switch.
-  plan.json also records the whole layout (job.format.layout, outside the hash).
+  plan.json also records the whole layout (job.format.layout, outside the hash),
+- ``precision`` when the task sets one (``bf16``, ``fp16``, ``fp32``; absent for ``auto``, the device's default,
+  so the contract of a run that never chose is what it always was),
+- ``init_sha256``: the sha256 of each pretrained weights file the model starts from (job.tasks ``Pretrained``;
+  absent when it starts from the seeded initialisation). Not its location: the same bytes elsewhere are the
+  same start, and a resume never reads the file again.
 
 ``plan.json`` is written once, create-only, on the first start. Every later start recomputes the fields
 from its own options and compares them with the stored plan: a different task config, data, seed or
@@ -45,7 +50,8 @@ from storage import redact_url
 PLAN_SCHEMA = "trainproof.plan/1"
 PLAN_FILE = "plan.json"
 # Compared in this order on restart; the first difference is reported (with the others listed).
-CONTRACT_FIELDS = ("task", "task_config", "data_identity", "seed", "world", "objective", "state_schema", "fsdp")
+CONTRACT_FIELDS = ("task", "task_config", "data_identity", "seed", "world", "objective", "state_schema", "fsdp",
+                   "precision", "init_sha256")
 
 
 def canonical_json(value: Any) -> bytes:
@@ -61,11 +67,13 @@ def sha256_hex(data: bytes) -> str:
 def build_plan(
     *, task: str, task_config: dict[str, Any], data_identity: str, seed: int, world: int, objective: str,
     code_version: str, epoch_plan: dict[str, Any] | None = None, layout: Layout | None = None,
+    precision: str = "auto", init: list[str] | None = None,
 ) -> dict[str, Any]:
     """The run's plan: its identity fields, the derived contract hash, and when/what wrote it.
 
     ``layout`` (job.format.layout; default: replicated over ``world``) is recorded as ``layout`` and, when
-    sharded, as the ``fsdp: true`` field the contract hash has always covered."""
+    sharded, as the ``fsdp: true`` field the contract hash has always covered. ``precision`` (the task's, when not
+    ``auto``) and ``init`` (the sha256 of the pretrained weights files, when any) enter the hash too."""
     plan: dict[str, Any] = {
         "schema": PLAN_SCHEMA,
         "task": task,
@@ -77,6 +85,10 @@ def build_plan(
         "state_schema": STATE_SCHEMA,
     }
     plan.update((layout or Layout(world=world)).record())
+    if precision != "auto":
+        plan["precision"] = precision
+    if init:
+        plan["init_sha256"] = list(init)
     plan["config_sha256"] = sha256_hex(canonical_json({"task": task, "task_config": task_config}))
     plan["contract"] = contract_of(plan)
     plan["code_version"] = code_version
@@ -98,6 +110,9 @@ def contract_of(plan: dict[str, Any]) -> str:
     }
     if sharded(plan):
         fields["fsdp"] = True
+    for optional in ("precision", "init_sha256"):  # absent unless chosen: older runs keep their contract
+        if plan.get(optional) not in (None, "auto", []):
+            fields[optional] = plan[optional]
     return sha256_hex(canonical_json(fields))
 
 
@@ -108,6 +123,13 @@ def differences(stored: dict[str, Any], new: dict[str, Any], *, ignore: tuple[st
         a, b = stored.get(field), new.get(field)
         if field == "fsdp":  # the layout: absent means replicated (DDP); plans before ``layout`` have only ``fsdp``
             a, b = sharded(stored), sharded(new)
+        if field == "precision":  # absent means auto
+            a, b = a or "auto", b or "auto"
+        if field == "init_sha256":  # absent means the seeded initialisation
+            a, b = _init_text(a), _init_text(b)
+            if a != b:
+                out.append(f"init_sha256: the pretrained weights (stored {a}, now {b})")
+            continue
         if a == b:
             continue
         if field == "task_config" and stored.get("task") != new.get("task"):
@@ -180,6 +202,15 @@ def read_plan(store: Any) -> dict[str, Any]:
 def _keys(store: Any) -> Any:
     """The store's signing keys (``storage.signing.Keyring``), None when signing is off."""
     return getattr(getattr(store, "options", None), "signing", None)
+
+
+def _init_text(value: Any) -> str:
+    """The pretrained weights' sha256 as a short, printable text (the list comes from plan.json: untrusted)."""
+    if not value:
+        return "none: the seeded initialisation"
+    if not isinstance(value, list):
+        return _short(value)
+    return "sha256 " + ", ".join(str(v)[:12] + "..." for v in value[:4]) + (" ..." if len(value) > 4 else "")
 
 
 def _short(value: Any) -> str:

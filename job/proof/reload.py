@@ -92,6 +92,10 @@ def _check(dest: GenerationStore, step: int, files: dict[str, Any], task: str) -
         "sha256sums": {"passed": _sums_ok(files, sums)},
         "bf16_dtype": {"passed": not not_bf16, **({"not_bf16": not_bf16[:5]} if not_bf16 else {})},
     }
+    if "hf" in config:  # a transformers model's Hugging Face directory, loaded without trainproof (job.proof.hf_reload)
+        from job.proof import hf_reload
+
+        checks["hf_from_pretrained"] = hf_reload.check(dest, step, files, config, metrics)
     return {
         "schema": RELOAD_SCHEMA, "bundle": f"{dest.url.rstrip('/')}/{step_dir(step)}", "step": step,
         "pid": os.getpid(), "files_verified_against": "COMPLETE.json (size and sha256 of every file)",

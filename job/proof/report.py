@@ -57,7 +57,8 @@ def environment(task: Task, meta: dict[str, Any]) -> dict[str, Any]:
     """Versions, device, threads, precision and determinism settings of the compared runs."""
     versions = meta.get("versions") or {}
     device = str(meta.get("device", "unknown"))
-    amp = " + float16 autocast (GradScaler)" if meta.get("amp") else ""
+    autocast = meta.get("autocast") or ("float16" if meta.get("amp") else None)  # older states: amp (float16) only
+    amp = "" if not autocast else f" + {autocast} autocast" + (" (GradScaler)" if autocast == "float16" else "")
     cuda = device.startswith("cuda")
     return {
         "python": versions.get("python", platform.python_version()), "torch": versions.get("torch", torch.__version__),

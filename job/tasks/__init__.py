@@ -14,7 +14,16 @@ from typing import Any
 
 from job.errors import ConfigError
 from job.tasks.adapter import AdaptedBatch, DatasetTask, dataset_digest
-from job.tasks.base import Task, TaskContext, config_from_dict, eval_mode, require, sha256_of
+from job.tasks.base import (
+    PRECISIONS,
+    Pretrained,
+    Task,
+    TaskContext,
+    config_from_dict,
+    eval_mode,
+    require,
+    sha256_of,
+)
 
 BUILTIN_TASKS = {
     "regression": "job.tasks.regression:make_task",
@@ -22,7 +31,8 @@ BUILTIN_TASKS = {
 }
 
 __all__ = [
-    "BUILTIN_TASKS", "AdaptedBatch", "ConfigError", "DatasetTask", "Task", "TaskContext", "config_from_dict",
+    "BUILTIN_TASKS", "PRECISIONS", "AdaptedBatch", "ConfigError", "DatasetTask", "Pretrained", "Task", "TaskContext",
+    "config_from_dict",
     "dataset_digest", "eval_mode", "load_task", "require", "sha256_of",
 ]
 

@@ -30,7 +30,7 @@ import copy
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from job.errors import ConfigError
-from job.tasks.base import Task, TaskContext, eval_mode, require
+from job.tasks.base import Pretrained, Task, TaskContext, check_precision, eval_mode, require
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -83,7 +83,9 @@ class DatasetTask(Task):
     - ``data_identity``: a sha256 hex of the exact data; default: computed over every sample once;
     - ``eval_dataset``: held-out samples for :meth:`evaluate` (the per-target mean loss), or None;
     - ``objective``, ``cpu_threads`` (default 1: bitwise-reproducible CPU runs), ``dtype``,
-      ``supports_cuda``, ``default_steps``: as on :class:`Task`.
+      ``supports_cuda``, ``default_steps``, ``precision`` (``auto``, ``bf16``, ``fp16``, ``fp32``), ``tokenizer``:
+      as on :class:`Task`;
+    - ``pretrained``: weights files (:class:`~job.tasks.base.Pretrained`) the model starts from on a fresh start.
     """
 
     def __init__(
@@ -96,7 +98,8 @@ class DatasetTask(Task):
         collate: Callable[[list[Any]], Any] = default_collate, data_identity: str | None = None,
         eval_dataset: Dataset | None = None, eval_metric: str = "loss", objective: str = "per_target_mean_v1",
         cpu_threads: int | None = 1, dtype: torch.dtype = torch.float32, supports_cuda: bool = True,
-        default_steps: int = 10,
+        default_steps: int = 10, precision: str = "auto", pretrained: Sequence[Pretrained] = (),
+        tokenizer: Any = None,
     ) -> None:
         require(isinstance(config, Mapping), f"config must be a dict of settings, not {type(config).__name__}")
         try:
@@ -128,7 +131,13 @@ class DatasetTask(Task):
         # Instance attributes shadow the Task class defaults the trainer reads.
         self.grad_clip, self.eval_metric, self.objective = grad_clip, eval_metric, objective
         self.cpu_threads, self.dtype, self.supports_cuda = cpu_threads, dtype, supports_cuda
-        self.default_steps = default_steps
+        self.default_steps, self.precision, self.tokenizer = default_steps, check_precision(precision), tokenizer
+        require(all(isinstance(p, Pretrained) for p in pretrained),
+                "DatasetTask: pretrained must be a list of job.tasks.Pretrained(url=..., sha256=...)")
+        self._pretrained = list(pretrained)
+
+    def pretrained(self) -> list[Pretrained]:
+        return list(self._pretrained)
 
     def deterministic_objective(self) -> DatasetTask:
         """This task without ``augment`` (the objective check's variant; it switches dropout modules off itself)."""

@@ -64,6 +64,14 @@ class Task(abc.ABC):
     fsdp: bool = False
     """True: always train sharded with FSDP2, as ``train --fsdp`` asks (a model too large for one device). It
     enters the run's plan: a run cannot change between sharded and replicated training."""
+    precision: str = "auto"
+    """Mixed precision of the forward passes (see :data:`PRECISIONS`): ``auto`` (float16 autocast with a GradScaler
+    where :meth:`use_amp` says, by default on CUDA; nothing on the CPU), ``bf16`` (bfloat16 autocast, no GradScaler,
+    on any device, the CPU included), ``fp16`` (float16 autocast with a GradScaler on any device) or ``fp32`` (no
+    autocast). Any value but ``auto`` enters the run contract: a run cannot change its precision."""
+    tokenizer: Any = None
+    """A Hugging Face tokenizer (anything with ``save_pretrained(folder)``) that an export of a ``transformers`` model
+    writes into its Hugging Face directory; None: no tokenizer files."""
 
     @property
     @abc.abstractmethod
@@ -148,8 +156,24 @@ class Task(abc.ABC):
         return self
 
     def use_amp(self, device: torch.device) -> bool:
-        """Whether to run forward passes under float16 autocast with a GradScaler."""
+        """With ``precision = "auto"``: whether to run forward passes under float16 autocast with a GradScaler."""
         return device.type == "cuda"
+
+    def autocast_dtype(self, device: torch.device) -> torch.dtype | None:
+        """The autocast dtype of the forward passes on ``device`` (None: no autocast), from :attr:`precision`. A
+        GradScaler runs with float16 only: bfloat16 keeps float32's exponent range, so its gradients do not
+        underflow the way float16's do."""
+        precision = check_precision(self.precision)
+        if precision == "auto":
+            return torch.float16 if self.use_amp(device) else None
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+
+    def pretrained(self) -> list[Pretrained]:
+        """Weights files the model starts from on a fresh start, instead of its seeded initialisation (the
+        trainer reads and verifies them, then loads them into :meth:`build_model`'s model: job.train.pretrained).
+        Their sha256 enter the run contract; a resume never reads them (the checkpoint holds the weights).
+        Default: none."""
+        return []
 
     eval_metric: str = "metric"
     """Name of what :meth:`evaluate` returns (recorded in export bundles), e.g. ``mse``."""
@@ -161,6 +185,40 @@ class Task(abc.ABC):
         user's task: ``trainproof export`` refuses a task without it.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement evaluate(model)")
+
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+"""The values of :attr:`Task.precision`."""
+
+
+def check_precision(value: Any) -> str:
+    """``value`` when it is one of :data:`PRECISIONS`, else ConfigError (exit 2) naming them."""
+    if value not in PRECISIONS:
+        raise ConfigError(f"precision {value!r} is not one of {list(PRECISIONS)}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pretrained:
+    """A weights file a task starts from: a safetensors file at ``url`` whose plain sha256 (what ``sha256sum``
+    prints) is ``sha256``.
+
+    ``url``: a local path, ``file:///abs/path``, or an object of an S3 bucket (``s3://bucket/key``), read through the
+    store layer with the run's credentials and settings. The file is refused by name unless its bytes hash to
+    ``sha256``; its tensors are loaded by name into the model (every parameter and buffer of the model must be
+    covered, by this file or another of the task's :meth:`Task.pretrained` files; a tensor the model ties to another,
+    e.g. an output layer sharing the embedding, may be left out)."""
+
+    url: str
+    sha256: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.strip():
+            raise ConfigError(f"pretrained weights: url must be a path or URL, got {self.url!r}")
+        if not (isinstance(self.sha256, str) and len(self.sha256) == 64
+                and all(c in "0123456789abcdef" for c in self.sha256)):
+            raise ConfigError(f"pretrained weights {self.url}: sha256 must be the file's sha256 as 64 lowercase hex "
+                              f"digits (`sha256sum FILE` prints it), got {self.sha256!r}")
 
 
 @contextlib.contextmanager

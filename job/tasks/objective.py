@@ -25,6 +25,7 @@ class ObjectiveCheckTask(Task):
 
     dtype = torch.float64
     cpu_threads = 1
+    precision = "fp32"  # float64 arithmetic: no autocast, whatever the task trains with
 
     def __init__(self, task: Task, *, batch_size: int | None = None, micro_batch_size: int | None = None) -> None:
         self.inner = task.deterministic_objective()
@@ -85,6 +86,9 @@ class ObjectiveCheckTask(Task):
 
     def use_amp(self, device: torch.device) -> bool:
         return False  # float64 arithmetic: no autocast
+
+    def pretrained(self) -> list[Any]:
+        return self.inner.pretrained()  # the same starting point as the run it checks
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

@@ -95,6 +95,14 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     return {"model": msd, "optim": osd}
 
 
+def load_full_model(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Whole (unsharded) tensors by name into the sharded ``model``: each rank keeps its own shard of each (a fresh
+    start from pretrained weights; a tied entry left out of ``tensors`` is loaded through its twin)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
 def load_generation(model: nn.Module, optimizer: torch.optim.Optimizer, store: GenerationStore, step: int, *,
                     world: int, contract: str, allow_world_change: bool) -> GenerationInfo:
     """Load the model and optimizer state of sharded generation ``step`` into the wrapped ``model`` and

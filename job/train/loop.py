@@ -92,7 +92,7 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
         plan = agree_plan(store, build_plan(
             task=cfg.task, task_config=task.config(), data_identity=task.data_identity(), seed=cfg.seed,
             world=env.world, objective=task.objective, code_version=code_version(), epoch_plan=plan_of_epoch,
-            layout=layout,
+            layout=layout, precision=task.precision, init=[p.sha256 for p in task.pretrained()],
         ), sync)
         rep = reporter or (make_reporter(cfg.log_format, log_every=cfg.log_every) if env.rank == 0
                            else RankReporter(env.rank))
@@ -344,7 +344,8 @@ class Trainer:
             "objective": self.task.objective, "data_identity": self.plan["data_identity"],
             "code_version": code_version(), "code_changes": self.resumed.code_changes,
             "versions": runtime_versions(), "device": str(self.device),
-            "amp": run.use_amp, "epoch_plan": self.epoch_plan, **self.layout.record(),
+            "amp": run.use_amp, "autocast": None if run.autocast is None else str(run.autocast).removeprefix("torch."),
+            "epoch_plan": self.epoch_plan, **self.layout.record(),
             # Per invocation, like the trainer's settings: the step this process restored (None: a fresh start).
             "trainer": {**self.cfg.recorded(), "resumed_from": self.resumed.step},
         }

@@ -10,7 +10,7 @@ a 2-D mesh, tensor parallel) is a new strategy here and a new value of :class:`j
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -49,6 +49,10 @@ class Strategy(Protocol):
         """Before the rest of the state is restored: load what :meth:`capture` saved (every rank). Returns why the
         generation is corrupt (a byte disagrees with its manifest: fall back to an older one), or None."""
 
+    def load_initial(self, model: nn.Module, names: list[str], get: Callable[[str], torch.Tensor]) -> None:
+        """On a fresh start from pretrained weights (job.train.pretrained): put tensor ``get(name)`` of every name into
+        the placed model (every rank, from the same verified file)."""
+
 
 class Replicated:
     """Every rank holds the whole model and optimizer; DDP sums the gradients when world > 1."""
@@ -80,6 +84,11 @@ class Replicated:
              world: int, contract: str, allow_world_change: bool) -> str | None:
         """Nothing beside the state: the model and optimizer are restored from it (job.train.run)."""
         return None
+
+    def load_initial(self, model: nn.Module, names: list[str], get: Callable[[str], torch.Tensor]) -> None:
+        from job.train.pretrained import copy_into
+
+        copy_into(model, names, get)  # into the parameters DDP and the optimizer already hold
 
 
 class Sharded:
@@ -137,6 +146,11 @@ class Sharded:
                 raise
             return str(exc)
         return None
+
+    def load_initial(self, model: nn.Module, names: list[str], get: Callable[[str], torch.Tensor]) -> None:
+        from job.train import fsdp
+
+        fsdp.load_full_model(model, {name: get(name) for name in names})
 
 
 def strategy_for(layout: Layout) -> Strategy:

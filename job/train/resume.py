@@ -29,6 +29,7 @@ from job.format.state import Expected, check_consistency
 from job.train.discover import load_agreed, quarantine_corrupt
 from job.train.dist import Collectives
 from job.train.parallel import Strategy
+from job.train.pretrained import start_from_pretrained
 from job.train.progress import Reporter
 from job.train.run import RestoreCheckError, Run, restore_state
 from storage import COMPLETE, INCOMPLETE, GenerationStore
@@ -110,8 +111,13 @@ def resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Coll
 
 
 def _fresh(c: _Context) -> Resumed:
-    """A fresh start: the world is compared with the one plan.json recorded."""
+    """A fresh start: the world is compared with the one plan.json recorded; a task that starts from pretrained
+    weights gets them now (job.train.pretrained: read, verified and loaded on a fresh start only)."""
     changes = _decide_world(c, c.plan["world"], step=0, history=[], source=f"plan.json of {c.store.url}")
+    files = c.run.task.pretrained()
+    if files:
+        loaded = start_from_pretrained(files, c.parallel.load_initial, c.run.model)
+        c.reporter.event("pretrained", **loaded)
     return Resumed(world_changes=changes)
 
 

@@ -46,6 +46,9 @@ class Run:
     sampler: EpochSampler
     np_gen: np.random.Generator
     use_amp: bool
+    """Whether the forward passes run under autocast (in ``autocast``)."""
+    autocast: torch.dtype | None = None
+    """The autocast dtype (job.tasks.Task ``autocast_dtype``): float16 with the GradScaler, bfloat16 without."""
     history: History = field(default_factory=History)
     step: int = 0
     samples_seen: int = 0
@@ -102,11 +105,13 @@ def build_run(task: Task, device: torch.device, seed: int, *, env: DistEnv | Non
     model, wrapper = parallel.place(task, device, env, sync)
     optimizer = task.build_optimizer(model)
     scheduler = task.build_scheduler(optimizer)
-    use_amp = task.use_amp(device)
-    scaler = parallel.grad_scaler(device, use_amp)
+    autocast = task.autocast_dtype(device)
+    # A GradScaler only for float16: bfloat16 has float32's exponent range, so its gradients need no scaling.
+    scaler = parallel.grad_scaler(device, autocast == torch.float16)
     sampler = EpochSampler(task.num_samples(), rng.data_generator(seed))
     return Run(task=task, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
-               scaler=scaler, sampler=sampler, np_gen=np_gen, use_amp=use_amp, env=env, sync=sync,
+               scaler=scaler, sampler=sampler, np_gen=np_gen, use_amp=autocast is not None, autocast=autocast,
+               env=env, sync=sync,
                ddp=wrapper, parallel=parallel, per_rank_mean=per_rank_mean, microbatch_mean=microbatch_mean)
 
 
@@ -158,9 +163,9 @@ def train_step(run: Run) -> dict[str, Any]:
 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
-    if not run.use_amp:
+    if run.autocast is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=run.device.type, dtype=torch.float16)
+    return torch.autocast(device_type=run.device.type, dtype=run.autocast)
 
 
 def _optimizer_update(run: Run) -> None:
