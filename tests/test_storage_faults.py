@@ -1,5 +1,7 @@
 """The S3 store under injected faults: a FaultProxy (tests/support/faultproxy.py) sits on loopback between
-s3fs/aiobotocore and moto's server, so every fault goes through the real HTTP stack.
+s3fs/aiobotocore and the session's Ceph RADOS Gateway, so every fault goes through the real HTTP stack. A server
+that ignores ``If-None-Match`` is simulated by the proxy deleting that header, which breaks the request's
+signature on RGW: those tests run against moto, which does not check signatures.
 
 Organised by what the store must do on S3 (storage/s3.py says why, fact by fact):
 - transient faults (503 SlowDown, 500, connection resets, lost responses, stalls) are retried by the one retry
@@ -53,17 +55,32 @@ def proxy(s3_server):
         yield p
 
 
-@pytest.fixture
-def bucket(s3_server):
-    """A unique bucket, emptied afterwards (the session's moto server keeps every object until it stops)."""
-    name = s3_server.create_bucket()
+def _emptied_bucket(server):
+    """A unique bucket, emptied afterwards (the session's server keeps every object until it stops)."""
+    name = server.create_bucket()
     yield name
-    client = s3_server.boto3_client()
+    client = server.boto3_client()
     for up in client.list_multipart_uploads(Bucket=name).get("Uploads", []):
         client.abort_multipart_upload(Bucket=name, Key=up["Key"], UploadId=up["UploadId"])
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
         for obj in page.get("Contents", []):
             client.delete_object(Bucket=name, Key=obj["Key"])
+
+
+@pytest.fixture
+def bucket(s3_server):
+    yield from _emptied_bucket(s3_server)
+
+
+@pytest.fixture
+def moto_bucket(moto_server):
+    yield from _emptied_bucket(moto_server)
+
+
+@pytest.fixture
+def moto_proxy(moto_server):
+    with FaultProxy(moto_server.endpoint, seed=0, upstream_timeout=30, idle_timeout=30) as p:
+        yield p
 
 
 @pytest.fixture
@@ -120,7 +137,7 @@ def requests(proxy, method, path_contains):
 
 
 def fresh(s3_server, bucket, run="prefix/run"):
-    """A second client straight to moto (no proxy, no faults): what a restarted job would see."""
+    """A second client straight to the server (no proxy, no faults): what a restarted job would see."""
     return open_store(f"s3://{bucket}/{run}", options(s3_server.endpoint))
 
 
@@ -361,7 +378,8 @@ def test_losing_the_marker_race_mid_commit_is_a_conflict_not_a_success(s3_server
 # -- the create-only probe -------------------------------------------------------------------------------------
 def strip_if_none_match() -> Fault:
     """A rule that never fires but deletes ``If-None-Match`` from the request the proxy forwards (``when`` gets the
-    live header object the proxy relays): moto then behaves like a server that silently ignores the condition."""
+    live header object the proxy relays): moto then behaves like a server that silently ignores the condition.
+    (RGW refuses such a request: the header is signed.)"""
 
     def strip(method, target, headers):
         del headers["If-None-Match"]
@@ -370,23 +388,23 @@ def strip_if_none_match() -> Fault:
     return Fault("internal", when=strip)
 
 
-def test_an_endpoint_that_ignores_if_none_match_is_refused(s3_server, proxy, bucket):
-    proxy.set_faults([strip_if_none_match()])
-    store = store_via(proxy, bucket)
+def test_an_endpoint_that_ignores_if_none_match_is_refused(moto_server, moto_proxy, moto_bucket):
+    moto_proxy.set_faults([strip_if_none_match()])
+    store = store_via(moto_proxy, moto_bucket)
     with pytest.raises(StoreConfigError, match="If-None-Match"):
         commit(store, 1)
     with pytest.raises(StoreConfigError, match="If-None-Match"):
         store.write_file("plan.json", b"{}", create_only=True)
-    listing = s3_server.boto3_client().list_objects_v2(Bucket=bucket, Prefix="prefix/run/")
+    listing = moto_server.boto3_client().list_objects_v2(Bucket=moto_bucket, Prefix="prefix/run/")
     assert [o["Key"] for o in listing.get("Contents", [])] == []  # nothing written, probe keys cleaned up
 
 
-def test_weak_create_only_mode_proceeds_with_a_warning(s3_server, proxy, bucket, logs):
-    proxy.set_faults([strip_if_none_match()])
-    store = store_via(proxy, bucket, create_only="weak")
+def test_weak_create_only_mode_proceeds_with_a_warning(moto_server, moto_proxy, moto_bucket, logs):
+    moto_proxy.set_faults([strip_if_none_match()])
+    store = store_via(moto_proxy, moto_bucket, create_only="weak")
     commit(store, 1)
     assert any("ignores create-only writes" in r.getMessage() and r.levelno == logging.WARNING for r in logs.records)
-    assert fresh(s3_server, bucket).load_latest(contract=C, world=1).info.step == 1
+    assert fresh(moto_server, moto_bucket).load_latest(contract=C, world=1).info.step == 1
 
 
 def test_probe_survives_a_lost_response_on_its_first_put(s3_server, proxy, bucket):
