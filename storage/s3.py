@@ -4,7 +4,9 @@ What this module owns, each rule answering something S3 and S3-compatible server
 - one retry layer: botocore gets ``total_max_attempts=1`` and s3fs ``retries=1``; tenacity in
   ``storage.retry`` retries whole operations;
 - per-endpoint checksum settings (``when_required`` for non-AWS endpoints);
-- create-only writes with ``If-None-Match: *`` (412 → FileExistsError) and a probe that the endpoint honours it;
+- create-only writes with ``If-None-Match: *`` (412 → FileExistsError) and a probe that the endpoint honours it,
+  on a plain PUT and on a multipart completion; where only the PUT honours it (Ceph RGW 16 completes a multipart
+  upload over an existing key and replaces it), a large file's key is claimed by a create-only PUT first;
 - no listing cache (``use_listings_cache=False`` and ``refresh=True`` on every listing);
 - no partial object on failure (``pipe_file`` aborts its multipart upload; streamed files are discarded);
 - a sweep of unfinished multipart uploads under the run prefix.
@@ -18,12 +20,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-from storage.backend import CHUNK, Entry, FsspecBackend, Source, iter_chunks
+from storage.backend import CHUNK, IN_MEMORY, Entry, FsspecBackend, Source, iter_chunks
 from storage.digest import FileHasher, digest_bytes
 from storage.errors import StoreConfigError
 from storage.limits import redact_url
 from storage.options import StoreOptions
-from storage.pieces import Pieces
+from storage.pieces import Pieces, nbytes
 from storage.retry import RetryStats, is_transient, retry_or_unavailable
 from storage.spool import Spool
 
@@ -48,6 +50,14 @@ class S3Backend(FsspecBackend):
 
     parallel_ranges = True
     """Large objects are read back and downloaded as parallel ranged GETs (``storage.spool``)."""
+
+    multipart_create_only = False
+    """Whether this endpoint refuses (412) a CompleteMultipartUpload with ``If-None-Match: *`` over an existing key,
+    as AWS, MinIO and moto do; set by :meth:`probe_create_only`. Until a probe says so (and on servers that replace
+    the object instead, like Ceph RGW 16), a create-only multipart write first *claims* its key: a create-only PUT
+    of an empty object, which such servers do refuse when the key exists, and only then uploads over its own
+    claim. So no create-only write ever replaces an object another writer made; a writer that finds the key taken
+    gets FileExistsError, as on AWS (and the commit writes its attempt's copy beside it, ``storage.commit``)."""
 
     def __init__(self, options: StoreOptions, stats: RetryStats | None = None) -> None:
         import s3fs  # lazy: only S3 runs pay for aiobotocore
@@ -88,37 +98,49 @@ class S3Backend(FsspecBackend):
         try:
             if isinstance(data, Spool):
                 if data.size >= 2 * part:  # parts read from the file in parallel: never the whole object in memory
+                    create_only = self._claim(path, create_only)
                     return self._write_multipart(path, data.size, data.read_range, create_only, sha=data.sha256)
                 data = data.read_range(0, data.size)
             if isinstance(data, Pieces):
                 if data.nbytes >= 2 * part:  # each part joined from the pieces it spans: one part per worker
+                    create_only = self._claim(path, create_only)
                     return self._write_multipart(path, data.nbytes, data.read, create_only,
                                                  hash_source=lambda: digest_bytes(data))
                 data = data.tobytes()
             if not isinstance(data, (bytes, bytearray, memoryview)):
-                return self._write_stream(path, data, create_only)
+                return self._write_stream(path, data, self._claim(path, create_only))
             data = bytes(data) if not isinstance(data, bytes) else data
             if len(data) < 2 * part:
                 size, sha = len(data), digest_bytes(data)
                 self.fs.pipe_file(path, data, mode="create" if create_only else "overwrite")
                 return size, sha
             view = memoryview(data)
+            create_only = self._claim(path, create_only)
             return self._write_multipart(path, len(data), lambda a, b: bytes(view[a:b]), create_only)
         except FileNotFoundError:
             # s3fs reports a CompleteMultipartUpload whose response was lost as NoSuchUpload (its re-send finds the
-            # upload already completed): the object may well be there.  The caller's read-back verify checks its
-            # bytes, so claiming it here is safe.
-            if self.exists(path):
+            # upload already completed): the object may well be there, with our size (an empty claim is not).  The
+            # caller's read-back verify checks its bytes, so claiming it here is safe.
+            size = data.size if isinstance(data, Spool) else nbytes(data) if isinstance(data, IN_MEMORY) else None
+            if size is not None and self._size(path) == size:
                 log.warning("the write of %s reported a lost completion "
                             "but the object exists; verify will check it", path)
-                if isinstance(data, Spool):
-                    return data.size, data.sha256
-                return len(data), digest_bytes(data)
+                return size, data.sha256 if isinstance(data, Spool) else digest_bytes(data)
             raise
         except OSError as exc:
             if _is_precondition_failed(exc) and not isinstance(exc, FileExistsError):
                 raise FileExistsError(f"{path} already exists (412 Precondition Failed)") from exc
             raise
+
+    def _claim(self, path: str, create_only: bool) -> bool:
+        """Before a create-only write that may end in a multipart completion on an endpoint whose completions are
+        not create-only: take the key with a create-only PUT of an empty object (FileExistsError when it exists),
+        so the upload that follows replaces only this writer's own claim. Returns the ``create_only`` to pass on
+        (False once claimed: the key is ours)."""
+        if not create_only or self.multipart_create_only:
+            return create_only
+        self.fs.pipe_file(path, b"", mode="create")
+        return False
 
     def _write_multipart(self, path: str, size: int, read_range, create_only: bool, *,
                          sha: str | None = None, hash_source=None) -> tuple[int, str]:
@@ -281,21 +303,45 @@ class S3Backend(FsspecBackend):
             raise
 
     def probe_create_only(self, scratch: str) -> bool:
-        """Create the same scratch key twice with ``If-None-Match: *``; True when the second is refused.
-        Some servers accept and silently ignore the header, which would let two writers both commit."""
+        """Whether a second create-only PUT of one scratch key is refused (``If-None-Match: *``). Some servers accept
+        and silently ignore the header, which would let two writers both commit. When it is refused, also probe a
+        multipart completion over that key (:attr:`multipart_create_only`)."""
         key = f"{scratch}/probe-{uuid.uuid4().hex}"
         try:
             try:
                 self.write(key, b"1", create_only=True)
-            except FileExistsError:  # our own first PUT, re-sent after a lost response, was refused: it works
-                return True
-            try:
                 self.write(key, b"2", create_only=True)
-            except FileExistsError:
+            except FileExistsError:  # the second PUT, or our first one re-sent after a lost response
+                self.multipart_create_only = self._refuses_completion_over(key)
                 return True
             return False
         finally:
             self.delete(key)
+
+    def _refuses_completion_over(self, key: str) -> bool:
+        """Whether a CompleteMultipartUpload with ``If-None-Match: *`` over the existing ``key`` is refused (412);
+        a refused upload stays open on some servers (moto), so it is aborted either way."""
+        bucket, name, _ = self.fs.split_path(key)
+        upload = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=name)["UploadId"]
+        try:
+            etag = self.fs.call_s3("upload_part", Bucket=bucket, Key=name, UploadId=upload, PartNumber=1,
+                                   Body=b"3")["ETag"]
+            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=name, UploadId=upload,
+                            MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]}, IfNoneMatch="*")
+        except OSError as exc:
+            if not _is_precondition_failed(exc):
+                raise
+            refused = True
+        else:
+            refused = False
+            log.info("the S3 endpoint %s completes a multipart upload over an existing object despite "
+                        "If-None-Match: * (only plain PUTs are create-only there): large files claim their name with "
+                        "a create-only PUT before uploading", redact_url(self.options.endpoint_url or "AWS S3"))
+        try:
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload)
+        except Exception:  # completed (nothing to abort), or left for the multipart sweep
+            pass
+        return refused
 
     def sweep_multipart(self, bucket: str, prefix: str, older_than: float) -> int:
         """Abort unfinished multipart uploads under ``prefix`` started more than ``older_than`` s ago."""

@@ -407,6 +407,39 @@ def test_weak_create_only_mode_proceeds_with_a_warning(moto_server, moto_proxy, 
     assert fresh(moto_server, moto_bucket).load_latest(contract=C, world=1).info.step == 1
 
 
+@pytest.mark.parametrize("server, honoured", [("s3_server", False), ("moto_server", True)], ids=["rgw", "moto"])
+def test_the_probe_tells_whether_multipart_completions_are_create_only(server, honoured, request, logs):
+    """Ceph RGW 16 completes a multipart upload over an existing key despite ``If-None-Match: *`` (and replaces
+    the object); moto refuses it with 412 as AWS does. The probe leaves neither an object nor an open upload."""
+    srv = request.getfixturevalue(server)
+    name = srv.create_bucket()
+    store = prepared(open_store(f"s3://{name}/prefix/run", options(srv.endpoint)))
+    assert store.backend.multipart_create_only is honoured
+    said = [r for r in logs.records if "completes a multipart upload over an existing object" in r.getMessage()]
+    assert len(said) == (0 if honoured else 1)
+    client = srv.boto3_client()
+    assert [o["Key"] for o in client.list_objects_v2(Bucket=name).get("Contents", [])] == ["prefix/run/plan.json"]
+    assert client.list_multipart_uploads(Bucket=name).get("Uploads", []) == []
+
+
+def test_a_lost_response_on_a_multipart_claim_still_commits(s3_server, proxy, bucket, big_payload):
+    """On RGW a large file's key is claimed by an empty create-only PUT first. aiohttp re-sends that PUT after the
+    lost response, gets 412 from our own claim, and the commit takes the taken-name path: a copy under this
+    attempt's name, which the manifest names and which verifies."""
+    store = prepared(store_via(proxy, bucket))
+    assert store.backend.multipart_create_only is False
+
+    def empty_put(method, target, headers):
+        return headers.get("Content-Length") == "0" and "big.bin" in target and "uploadId" not in target
+
+    proxy.set_faults([Fault("reset_after_forward", methods={"PUT"}, when=empty_put, max_count=1)])
+    commit(store, 1, files_for(1, big_payload))
+    assert proxy.stats.injected["reset_after_forward"] == 1
+    loaded = fresh(s3_server, bucket).load(1)
+    assert loaded.files["big.bin"] == big_payload
+    assert re.search(r"^big\.[0-9a-f]{12}\.bin$", loaded.info.manifest["files"]["big.bin"]["object"])
+
+
 def test_probe_survives_a_lost_response_on_its_first_put(s3_server, proxy, bucket):
     proxy.set_faults([Fault("reset_after_forward", methods={"PUT"}, path_contains=".trainproof-probe/",
                             max_count=1)])
