@@ -553,3 +553,24 @@ def test_one_bad_part_does_not_fail_every_attempt(s3_server, proxy, bucket, big_
     proxy.set_faults([Fault("slowdown", methods={"PUT"}, when=first_try_of_part_2)])
     commit(store, 1, {"big.bin": big_payload})
     assert fresh(s3_server, bucket).load(1).files["big.bin"] == big_payload
+
+
+@pytest.mark.parametrize("size, part, expected", [
+    (1 * MiB, 8 * MiB, 8 * MiB),
+    (10_000 * 8 * MiB, 8 * MiB, 8 * MiB),  # exactly 10 000 parts: the configured size still fits
+    (10_000 * 8 * MiB + 1, 8 * MiB, 9 * MiB),
+    (100 * 10**9, 8 * MiB, 10 * MiB),  # a 100 GB state (8 MiB parts would be 11 921)
+    (5 * 2**40, 8 * MiB, 525 * MiB),  # S3's largest object
+])
+def test_the_part_size_grows_so_no_upload_needs_more_than_10000_parts(size, part, expected):
+    got = storage.s3.part_size_for(size, part)
+    assert got == expected and -(-size // got) <= storage.s3.MAX_PARTS and got % MiB == 0
+
+
+def test_an_upload_over_the_part_limit_goes_up_in_larger_parts(s3_server, proxy, bucket, big_payload, monkeypatch):
+    monkeypatch.setattr(storage.s3, "MAX_PARTS", 3)  # 33 MiB in 8 MiB parts would be 5: 11 MiB parts instead
+    store = prepared(store_via(proxy, bucket))
+    commit(store, 1, {"big.bin": big_payload})
+    parts = [e for e in requests(proxy, "PUT", "partNumber=") if "big.bin" in e.target]
+    assert len(parts) == 3 and {e.status for e in parts} == {200}
+    assert fresh(s3_server, bucket).load(1).files["big.bin"] == big_payload
