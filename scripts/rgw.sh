@@ -223,6 +223,7 @@ watch_owner() {  # a detached watcher: once process $1 is gone (or the daemons w
   local owner=$1 me
   me=$(readlink -f "${BASH_SOURCE[0]}")
   kill -0 "$owner" 2>/dev/null || fail "RGW_OWNER_PID=$owner is not a running process"
+  # shellcheck disable=SC2016  # the watcher's own $1/$2/$RGW_DIR, expanded when it runs
   RGW_DIR=$dir setsid bash -c 'while kill -0 "$1" 2>/dev/null && [ -f "$RGW_DIR/pids" ]; do sleep 2; done
     [ ! -f "$RGW_DIR/pids" ] || bash "$2" stop' rgw-watch "$owner" "$me" </dev/null >/dev/null 2>&1 &
 }

@@ -36,11 +36,13 @@ def s3_server():
     stopped when the session ends); tests isolate themselves with a unique bucket each. Skipped, with the reason,
     where it cannot start (``TRAINPROOF_TEST_RGW=require`` fails instead; ``=0`` skips without trying)."""
     try:
-        server = rgw.session_server()
+        server, why = rgw.session_server(), None
     except rgw.Unavailable as exc:
-        if rgw.mode() == "require":
-            pytest.fail(f"TRAINPROOF_TEST_RGW=require but {exc}", pytrace=False)
-        pytest.skip(f"no S3 server: {exc}")
+        why = str(exc)
+    if why is not None and rgw.mode() == "require":
+        pytest.fail(f"TRAINPROOF_TEST_RGW=require but {why}", pytrace=False)
+    if why is not None:
+        pytest.skip(f"no S3 server: {why}")
     with _hermetic_aws_env():
         yield server
 
@@ -99,6 +101,11 @@ def pytest_collection_modifyitems(config, items):
     """Heavy modules first (``HEAVY_FIRST``). ``slow`` tests (longer real-process variants of behaviour a faster
     test already covers) run only with ``TRAINPROOF_SLOW=1``; the default run deselects them and says how many
     it left out."""
+    for item in items:  # `-m s3` selects every test that talks to an S3 server, whichever way it gets one
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if {"s3_server", "s3_env", "moto_server"} & set(getattr(item, "fixturenames", ())) or \
+                params.get("store_url") == "s3" or str(params.get("backend", "")).startswith("s3"):
+            item.add_marker(pytest.mark.s3)
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)) if item.module else len(rank))
     if os.environ.get("TRAINPROOF_SLOW") == "1":

@@ -68,9 +68,9 @@ class RGWServer:
 
 def mode() -> str:
     value = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
-    if value not in ("auto", "require", "0"):
-        raise ValueError(f"{MODE_ENV} must be auto, require or 0, got {value!r}")
-    return value
+    if value not in ("auto", "1", "require", "0"):
+        raise ValueError(f"{MODE_ENV} must be auto (or 1), require or 0, got {value!r}")
+    return "auto" if value == "1" else value
 
 
 def prepare_session() -> str | None:
@@ -105,8 +105,6 @@ def _locked(path: str):
 
 def session_server() -> RGWServer:
     """This session's gateway, started by the first caller; Unavailable (the reason) when it cannot run here."""
-    if mode() == "0":
-        raise Unavailable(f"{MODE_ENV}=0")
     state = os.environ.get(STATE_ENV)
     if not state:  # outside a pytest session set up by tests/conftest.py (a bench script): a private folder
         state = prepare_session() or os.environ[STATE_ENV]
@@ -114,7 +112,12 @@ def session_server() -> RGWServer:
     rgw_dir, failed = os.path.join(state, "rgw"), os.path.join(state, "unavailable")
     with _locked(os.path.join(state, "lock")):
         if os.path.exists(failed):  # another worker tried already: do not pay the start again
-            raise Unavailable(open(failed).read().strip())
+            with open(failed) as fh:
+                raise Unavailable(fh.read().strip())
+        if mode() == "0":
+            with open(failed, "w") as fh:
+                fh.write(f"{MODE_ENV}=0")
+            raise Unavailable(f"{MODE_ENV}=0")
         env_file = os.path.join(rgw_dir, "env")
         if os.path.exists(env_file) and _alive(rgw_dir):
             return RGWServer(_read_env(env_file)["RGW_ENDPOINT"], rgw_dir)
