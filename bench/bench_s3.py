@@ -17,8 +17,9 @@ raw tools and the peers, at each ``--sizes`` MiB of state; every measurement is 
     .venv/bin/python bench/bench_s3.py --sizes 1024,4096 --reps 3        # starts its own RGW (root: installs it)
     AWS_ENDPOINT_URL=http://... .venv/bin/python bench/bench_s3.py --bucket B --sizes 1024   # an existing server
 
-Medians per measurement, the ratios of the issue's goals, the machine and versions go to stdout and
-``bench/out/s3.json``. Objects are deleted after each measurement (a 4 GiB state is 4 GiB in RGW's sparse file).
+Medians per measurement, the ratios of the goals, the machine and versions go to stdout and ``--out``
+(default ``bench/out/s3.json``). Objects are deleted after each measurement (a 4 GiB state is 4 GiB in RGW's
+sparse file).
 """
 
 from __future__ import annotations
@@ -409,6 +410,7 @@ def main() -> None:
     ap.add_argument("--part-mib", type=int, default=8, help="part size of the raw tuned clients")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--work", default=None, help="local folder for the state file and spools (default: temp)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "s3.json"))
     args = ap.parse_args()
     from tests.support import rgw
     from tests.support.s3server import dummy_aws_env
@@ -447,8 +449,8 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
         if own:
             rgw.end_session(own)
-    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "out", "s3.json"), "w") as fh:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
         json.dump(report, fh, indent=1)
     print(f"skipped: {skipped}")
 
