@@ -26,9 +26,8 @@ import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
-from typing import Any
 
-from tests.support.s3server import DUMMY_KEY, DUMMY_SECRET, make_boto3_client, make_s3fs, unique_bucket_name
+from tests.support.s3server import DUMMY_KEY, DUMMY_SECRET, Clients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "rgw.sh")
@@ -42,7 +41,7 @@ class Unavailable(RuntimeError):
     """The gateway could not be started here; the message says why (one line)."""
 
 
-class RGWServer:
+class RGWServer(Clients):
     """A running gateway: ``endpoint`` is ``http://127.0.0.1:PORT``; buckets are made with the suite's keys."""
 
     def __init__(self, endpoint: str, state_dir: str, started_s: float = 0.0) -> None:
@@ -53,17 +52,6 @@ class RGWServer:
 
     def __repr__(self) -> str:
         return f"RGWServer({self.endpoint!r})"
-
-    def boto3_client(self, endpoint_url: str | None = None, **kwargs: Any):
-        return make_boto3_client(endpoint_url or self.endpoint, **kwargs)
-
-    def s3fs(self, endpoint_url: str | None = None, **kwargs: Any):
-        return make_s3fs(endpoint_url or self.endpoint, **kwargs)
-
-    def create_bucket(self, name: str | None = None) -> str:
-        name = name or unique_bucket_name()
-        self.boto3_client().create_bucket(Bucket=name)
-        return name
 
 
 def mode() -> str:
