@@ -28,7 +28,7 @@ Writes ``bench/out/async_stall.json`` and ``bench/out/async_stall.md``. Not run 
 
     .venv/bin/python bench/bench_async_stall.py                               # 64 and 256 MiB, local folder, 5 runs
     .venv/bin/python bench/bench_async_stall.py --sizes 64,256,1024 --modes async,none
-    .venv/bin/python bench/bench_async_stall.py --store-root s3://bucket/bench  # AWS_ENDPOINT_URL for MinIO/moto
+    .venv/bin/python bench/bench_async_stall.py --store-root s3://bucket/bench  # AWS_ENDPOINT_URL for MinIO/RGW
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def _baseline_writes(url: str, generation: str, repeats: int = 5) -> list[float]
                 with open(local, "rb") as fh:
                     client.upload_fileobj(fh, bucket, f"{key}.baseline-{i}")
                 out.append(time.perf_counter() - t0)
-                client.delete_object(Bucket=bucket, Key=f"{key}.baseline-{i}")  # keep moto's memory flat
+                client.delete_object(Bucket=bucket, Key=f"{key}.baseline-{i}")  # keep the server's disk flat
             else:
                 dst = os.path.join(os.path.dirname(src), f".baseline-{i}")
                 t0 = time.perf_counter()
@@ -267,7 +267,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
     ap.add_argument("--checkpoints", type=int, default=4, help="checkpoints per run (steps = every x this)")
     ap.add_argument("--store-root", default=None, help="folder or s3:// prefix (default: a temporary folder)")
-    ap.add_argument("--s3", action="store_true", help="train against a moto S3 server on loopback (tests/support)")
+    ap.add_argument("--s3", action="store_true",
+                    help="train against a throw-away Ceph RADOS Gateway on loopback (scripts/rgw.sh; stopped at exit)")
     ap.add_argument("--resume", action="store_true", help="also measure resume: a fresh process resuming each async "
                     "run vs a fresh process doing one GET + torch.load")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -286,12 +287,15 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="tp-async-bench-") if args.store_root is None else None
     root = args.store_root or tmp.name
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if args.s3:
-        from tests.support.s3server import S3Server, dummy_aws_env
+    if args.s3:  # a throw-away Ceph RADOS Gateway (scripts/rgw.sh), stopped when this process exits
+        from tests.support import rgw
+        from tests.support.s3server import dummy_aws_env
 
-        server = S3Server().start()  # threads of this (parent) process serve the children's requests
+        os.environ.update(dummy_aws_env())
+        rgw.prepare_session()
+        server = rgw.session_server()
         env.update(dummy_aws_env(), AWS_ENDPOINT_URL=server.endpoint)
-        os.environ.update(dummy_aws_env(), AWS_ENDPOINT_URL=server.endpoint)
+        os.environ.update(AWS_ENDPOINT_URL=server.endpoint)
         root = f"s3://{server.create_bucket()}/bench"
     results: list[dict[str, Any]] = []
     for mib in [float(s) for s in args.sizes.split(",")]:
@@ -314,7 +318,7 @@ def main() -> None:
                     print(f"  resume {res['resume_s']:.2f} s (first step done {res['first_step_s']:.2f} s) vs "
                           f"GET + torch.load {res['base_load_s']:.2f} s",
                           file=sys.stderr, flush=True)
-                _drop(res.pop("store"))  # keep the disk (or moto's memory) flat
+                _drop(res.pop("store"))  # keep the disk (or the gateway's sparse file) flat
                 print(f"{mib:g} MiB {mode} #{rep}: {res['steps_per_s']:.2f} step/s, blocked "
                       f"{[round(b, 3) for b in res['blocked_s']]}, copy {res['copy_s']:.3f} s, "
                       f"memory {res['memory_ratio']}", file=sys.stderr, flush=True)
@@ -322,7 +326,7 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["python", "bench/bench_async_stall.py", *sys.argv[1:]]),
-            "store": "S3 (moto server on loopback)" if args.s3 else args.store_root or "local folder (tmp)",
+            "store": "S3 (Ceph RADOS Gateway on loopback)" if args.s3 else args.store_root or "local folder (tmp)",
             **versions()}
     (out_dir / "async_stall.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
     (out_dir / "async_stall.md").write_text(table)

@@ -18,6 +18,8 @@
 #   RGW_ACCESS_KEY, RGW_SECRET_KEY   the S3 user's keys (default trainproof-test / trainproof-test-secret)
 #   RGW_TIMEOUT   seconds to wait for each daemon (default 180)
 #   RGW_NO_INSTALL=1   never call apt-get (fail instead when the packages are missing)
+#   RGW_OWNER_PID      stop the daemons and delete the state folder once this process has exited (a test session
+#                      killed before its clean-up leaves nothing running)
 #
 # Facts this script is built on (Ceph 16.2, Debian 12): with auth off radosgw waits minutes for its monitor
 # session unless the messenger modes are crc; a short paxos propose interval makes radosgw's pool creation take
@@ -212,8 +214,18 @@ RGW_SECRET_KEY=$secret
 RGW_REGION=us-east-1
 RGW_DIR=$dir
 EOF
+  [ -z "${RGW_OWNER_PID:-}" ] || watch_owner "$RGW_OWNER_PID"
   say "ready in $(($(date +%s) - started)) s"
   cat "$dir/env"
+}
+
+watch_owner() {  # a detached watcher: once process $1 is gone (or the daemons were stopped), stop and clean up
+  local owner=$1 me
+  me=$(readlink -f "${BASH_SOURCE[0]}")
+  kill -0 "$owner" 2>/dev/null || fail "RGW_OWNER_PID=$owner is not a running process"
+  # shellcheck disable=SC2016  # the watcher's own $1/$2/$RGW_DIR, expanded when it runs
+  RGW_DIR=$dir setsid bash -c 'while kill -0 "$1" 2>/dev/null && [ -f "$RGW_DIR/pids" ]; do sleep 2; done
+    [ ! -f "$RGW_DIR/pids" ] || bash "$2" stop' rgw-watch "$owner" "$me" </dev/null >/dev/null 2>&1 &
 }
 
 case "${1:-}" in

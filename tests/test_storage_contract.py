@@ -9,16 +9,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 
 import pytest
 
 from storage.retention import RetentionPolicy
-from storage import (COMPLETE, FOREIGN, INCOMPLETE, CommitConflictError, CorruptGenerationError,
+from storage import (COMPLETE, FOREIGN, INCOMPLETE, CommitConflictError, CorruptGenerationError, StoreOptions,
                      open_store)
+from storage.pieces import Pieces
+from storage.spool import SpoolWriter
 from storage.manifest import MARKER, SCHEMA
 from storage.backend import join
 
 C = "contract-a"
+MiB = 2**20
 
 
 def commit(store, step, payload=None, **kw):
@@ -203,6 +207,28 @@ def test_run_files_create_only(store_url):
     assert store.read_file("plan.json") == b"{}"
     with pytest.raises(FileNotFoundError):
         store.read_file("nope.json")
+
+
+@pytest.mark.parametrize("source", ["bytes", "pieces", "spool"])
+def test_a_create_only_write_of_any_size_never_replaces_an_existing_object(store_url, source, tmp_path):
+    """Large sources go up as multipart uploads on S3, whose completion Ceph RGW does not make create-only: the
+    store must refuse the second write there too, and leave the first object's bytes in place."""
+    store = open_store(store_url, StoreOptions.from_env(part_size=5 * MiB))
+    first, second = os.urandom(11 * MiB), os.urandom(11 * MiB)  # over 2 parts: the multipart path on S3
+
+    def as_source(data):
+        if source == "pieces":
+            return Pieces([memoryview(data)[: 3 * MiB], memoryview(data)[3 * MiB:]])
+        if source == "spool":
+            with SpoolWriter(str(tmp_path)) as w:
+                w.write(data)
+            return w.finish()
+        return data
+
+    store.write_file("big.bin", as_source(first), create_only=True)
+    with pytest.raises(FileExistsError):
+        store.write_file("big.bin", as_source(second), create_only=True)
+    assert store.read_file("big.bin") == first
 
 
 def test_empty_store_has_no_latest(store_url):

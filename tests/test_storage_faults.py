@@ -1,5 +1,7 @@
 """The S3 store under injected faults: a FaultProxy (tests/support/faultproxy.py) sits on loopback between
-s3fs/aiobotocore and moto's server, so every fault goes through the real HTTP stack.
+s3fs/aiobotocore and the session's Ceph RADOS Gateway, so every fault goes through the real HTTP stack. A server
+that ignores ``If-None-Match`` is simulated by the proxy deleting that header, which breaks the request's
+signature on RGW: those tests run against moto, which does not check signatures.
 
 Organised by what the store must do on S3 (storage/s3.py says why, fact by fact):
 - transient faults (503 SlowDown, 500, connection resets, lost responses, stalls) are retried by the one retry
@@ -53,17 +55,32 @@ def proxy(s3_server):
         yield p
 
 
-@pytest.fixture
-def bucket(s3_server):
-    """A unique bucket, emptied afterwards (the session's moto server keeps every object until it stops)."""
-    name = s3_server.create_bucket()
+def _emptied_bucket(server):
+    """A unique bucket, emptied afterwards (the session's server keeps every object until it stops)."""
+    name = server.create_bucket()
     yield name
-    client = s3_server.boto3_client()
+    client = server.boto3_client()
     for up in client.list_multipart_uploads(Bucket=name).get("Uploads", []):
         client.abort_multipart_upload(Bucket=name, Key=up["Key"], UploadId=up["UploadId"])
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
         for obj in page.get("Contents", []):
             client.delete_object(Bucket=name, Key=obj["Key"])
+
+
+@pytest.fixture
+def bucket(s3_server):
+    yield from _emptied_bucket(s3_server)
+
+
+@pytest.fixture
+def moto_bucket(moto_server):
+    yield from _emptied_bucket(moto_server)
+
+
+@pytest.fixture
+def moto_proxy(moto_server):
+    with FaultProxy(moto_server.endpoint, seed=0, upstream_timeout=30, idle_timeout=30) as p:
+        yield p
 
 
 @pytest.fixture
@@ -120,7 +137,7 @@ def requests(proxy, method, path_contains):
 
 
 def fresh(s3_server, bucket, run="prefix/run"):
-    """A second client straight to moto (no proxy, no faults): what a restarted job would see."""
+    """A second client straight to the server (no proxy, no faults): what a restarted job would see."""
     return open_store(f"s3://{bucket}/{run}", options(s3_server.endpoint))
 
 
@@ -361,7 +378,8 @@ def test_losing_the_marker_race_mid_commit_is_a_conflict_not_a_success(s3_server
 # -- the create-only probe -------------------------------------------------------------------------------------
 def strip_if_none_match() -> Fault:
     """A rule that never fires but deletes ``If-None-Match`` from the request the proxy forwards (``when`` gets the
-    live header object the proxy relays): moto then behaves like a server that silently ignores the condition."""
+    live header object the proxy relays): moto then behaves like a server that silently ignores the condition.
+    (RGW refuses such a request: the header is signed.)"""
 
     def strip(method, target, headers):
         del headers["If-None-Match"]
@@ -370,23 +388,56 @@ def strip_if_none_match() -> Fault:
     return Fault("internal", when=strip)
 
 
-def test_an_endpoint_that_ignores_if_none_match_is_refused(s3_server, proxy, bucket):
-    proxy.set_faults([strip_if_none_match()])
-    store = store_via(proxy, bucket)
+def test_an_endpoint_that_ignores_if_none_match_is_refused(moto_server, moto_proxy, moto_bucket):
+    moto_proxy.set_faults([strip_if_none_match()])
+    store = store_via(moto_proxy, moto_bucket)
     with pytest.raises(StoreConfigError, match="If-None-Match"):
         commit(store, 1)
     with pytest.raises(StoreConfigError, match="If-None-Match"):
         store.write_file("plan.json", b"{}", create_only=True)
-    listing = s3_server.boto3_client().list_objects_v2(Bucket=bucket, Prefix="prefix/run/")
+    listing = moto_server.boto3_client().list_objects_v2(Bucket=moto_bucket, Prefix="prefix/run/")
     assert [o["Key"] for o in listing.get("Contents", [])] == []  # nothing written, probe keys cleaned up
 
 
-def test_weak_create_only_mode_proceeds_with_a_warning(s3_server, proxy, bucket, logs):
-    proxy.set_faults([strip_if_none_match()])
-    store = store_via(proxy, bucket, create_only="weak")
+def test_weak_create_only_mode_proceeds_with_a_warning(moto_server, moto_proxy, moto_bucket, logs):
+    moto_proxy.set_faults([strip_if_none_match()])
+    store = store_via(moto_proxy, moto_bucket, create_only="weak")
     commit(store, 1)
     assert any("ignores create-only writes" in r.getMessage() and r.levelno == logging.WARNING for r in logs.records)
-    assert fresh(s3_server, bucket).load_latest(contract=C, world=1).info.step == 1
+    assert fresh(moto_server, moto_bucket).load_latest(contract=C, world=1).info.step == 1
+
+
+@pytest.mark.parametrize("server, honoured", [("s3_server", False), ("moto_server", True)], ids=["rgw", "moto"])
+def test_the_probe_tells_whether_multipart_completions_are_create_only(server, honoured, request, logs):
+    """Ceph RGW 16 completes a multipart upload over an existing key despite ``If-None-Match: *`` (and replaces
+    the object); moto refuses it with 412 as AWS does. The probe leaves neither an object nor an open upload."""
+    srv = request.getfixturevalue(server)
+    name = srv.create_bucket()
+    store = prepared(open_store(f"s3://{name}/prefix/run", options(srv.endpoint)))
+    assert store.backend.multipart_create_only is honoured
+    said = [r for r in logs.records if "completes a multipart upload over an existing object" in r.getMessage()]
+    assert len(said) == (0 if honoured else 1)
+    client = srv.boto3_client()
+    assert [o["Key"] for o in client.list_objects_v2(Bucket=name).get("Contents", [])] == ["prefix/run/plan.json"]
+    assert client.list_multipart_uploads(Bucket=name).get("Uploads", []) == []
+
+
+def test_a_lost_response_on_a_multipart_claim_still_commits(s3_server, proxy, bucket, big_payload):
+    """On RGW a large file's key is claimed by an empty create-only PUT first. aiohttp re-sends that PUT after the
+    lost response, gets 412 from our own claim, and the commit takes the taken-name path: a copy under this
+    attempt's name, which the manifest names and which verifies."""
+    store = prepared(store_via(proxy, bucket))
+    assert store.backend.multipart_create_only is False
+
+    def empty_put(method, target, headers):
+        return headers.get("Content-Length") == "0" and "big.bin" in target and "uploadId" not in target
+
+    proxy.set_faults([Fault("reset_after_forward", methods={"PUT"}, when=empty_put, max_count=1)])
+    commit(store, 1, files_for(1, big_payload))
+    assert proxy.stats.injected["reset_after_forward"] == 1
+    loaded = fresh(s3_server, bucket).load(1)
+    assert loaded.files["big.bin"] == big_payload
+    assert re.search(r"^big\.[0-9a-f]{12}\.bin$", loaded.info.manifest["files"]["big.bin"]["object"])
 
 
 def test_probe_survives_a_lost_response_on_its_first_put(s3_server, proxy, bucket):
@@ -501,4 +552,25 @@ def test_one_bad_part_does_not_fail_every_attempt(s3_server, proxy, bucket, big_
 
     proxy.set_faults([Fault("slowdown", methods={"PUT"}, when=first_try_of_part_2)])
     commit(store, 1, {"big.bin": big_payload})
+    assert fresh(s3_server, bucket).load(1).files["big.bin"] == big_payload
+
+
+@pytest.mark.parametrize("size, part, expected", [
+    (1 * MiB, 8 * MiB, 8 * MiB),
+    (10_000 * 8 * MiB, 8 * MiB, 8 * MiB),  # exactly 10 000 parts: the configured size still fits
+    (10_000 * 8 * MiB + 1, 8 * MiB, 9 * MiB),
+    (100 * 10**9, 8 * MiB, 10 * MiB),  # a 100 GB state (8 MiB parts would be 11 921)
+    (5 * 2**40, 8 * MiB, 525 * MiB),  # S3's largest object
+])
+def test_the_part_size_grows_so_no_upload_needs_more_than_10000_parts(size, part, expected):
+    got = storage.s3.part_size_for(size, part)
+    assert got == expected and -(-size // got) <= storage.s3.MAX_PARTS and got % MiB == 0
+
+
+def test_an_upload_over_the_part_limit_goes_up_in_larger_parts(s3_server, proxy, bucket, big_payload, monkeypatch):
+    monkeypatch.setattr(storage.s3, "MAX_PARTS", 3)  # 33 MiB in 8 MiB parts would be 5: 11 MiB parts instead
+    store = prepared(store_via(proxy, bucket))
+    commit(store, 1, {"big.bin": big_payload})
+    parts = [e for e in requests(proxy, "PUT", "partNumber=") if "big.bin" in e.target]
+    assert len(parts) == 3 and {e.status for e in parts} == {200}
     assert fresh(s3_server, bucket).load(1).files["big.bin"] == big_payload

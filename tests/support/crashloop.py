@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def payload(step: int, size_scale: int = 1) -> dict[str, bytes]:
     """Deterministic, step-specific content, so a checker can tell whose bytes it reads."""
-    size = (50_000 + (step * 7919) % 400_000) * size_scale
+    size = (50_000 + (step * 104_729) % 400_000) * size_scale
     seed = hashlib.sha256(f"step-{step}".encode()).digest()
     state = (seed * (size // len(seed) + 1))[:size]
     return {"training_state.pt": state, "meta.json": f'{{"step": {step}}}'.encode()}
@@ -42,6 +42,7 @@ def writer(url: str, keep: int, size_scale: int) -> None:
     step = latest.info.step + 1 if latest else 1
     print("ready", flush=True)
     while True:
+        print(f"committing {step}", flush=True)
         store.commit(step, payload(step, size_scale), contract=CONTRACT, world=1, code_version="crashloop")
         print(f"committed {step}", flush=True)
         # Grace 0: abandoned partials below the newest commit go at once, so kills also land inside deletions
@@ -58,6 +59,9 @@ class Report:
     checks: int = 0
     partials_seen: int = 0
     """Kills that left an incomplete newest generation: proof that kills landed inside a commit."""
+    claims_seen: int = 0
+    """Kills that left an empty object in the newest incomplete generation: on an S3 server whose multipart
+    completions are not create-only (Ceph RGW), a large file's claimed key whose upload the kill cut short."""
     kill_phase: Counter = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
 
@@ -83,18 +87,23 @@ def check_store(url: str, last_reported: int, report: Report) -> None:
         report.failures.append(f"step {last_reported} was reported committed but discovery finds {newest}")
     if gens and gens[-1].status != COMPLETE:
         report.partials_seen += 1
+        if any(e.size == 0 and not e.is_dir and not e.name.startswith(".") for e in store.list_dir(gens[-1].name)):
+            report.claims_seen += 1
     bad = [g for g in gens if g.status not in (COMPLETE, "incomplete")]
     if bad:
         report.failures.append(f"unexpected statuses after a kill: {[(g.name, g.status, g.reason) for g in bad]}")
 
 
 def _scale(data: bytes, step: int) -> int:
-    return max(1, len(data) // (50_000 + (step * 7919) % 400_000))
+    return max(1, len(data) // (50_000 + (step * 104_729) % 400_000))
 
 
 def run(url: str, kills: int, *, seed: int = 0, keep: int = 2, size_scale: int = 1, max_delay: float = 0.25,
-        env: dict | None = None, progress=None) -> Report:
-    """Start the writer, SIGKILL it after a random delay, check the store, repeat ``kills`` times."""
+        env: dict | None = None, progress=None, after_commits: int = 0) -> Report:
+    """Start the writer, SIGKILL it after a random delay, check the store, repeat ``kills`` times.
+    ``after_commits``: the delay starts when a random one (the first to this) of the writer's commits starts, or at
+    once (a chance in ``after_commits + 1``), so that kills land inside commits even on a store whose first write
+    costs more than a commit (S3: the create-only probe)."""
     rng = random.Random(seed)
     report = Report()
     last_reported = 0
@@ -106,10 +115,14 @@ def run(url: str, kills: int, *, seed: int = 0, keep: int = 2, size_scale: int =
         if ready.strip() != "ready":
             proc.kill()
             raise RuntimeError(f"writer failed to start: {ready!r} {proc.stderr.read()[-2000:]}")
+        seen, starts = [], rng.randint(0, after_commits)
+        while starts and (line := proc.stdout.readline()):
+            seen.append(line)
+            starts -= line.startswith("committing ")
         time.sleep(rng.uniform(0, max_delay))
         proc.send_signal(signal.SIGKILL)
         out, _err = proc.communicate(timeout=60)
-        lines = [ln for ln in out.splitlines() if ln.startswith("committed ")]
+        lines = [ln.strip() for ln in [*seen, *out.splitlines()] if ln.startswith("committed ")]
         report.kills += 1
         report.commits_seen += len(lines)
         report.kill_phase["after first commit" if lines else "during first commit"] += 1

@@ -1,6 +1,6 @@
 """A small fault-injecting HTTP/1.1 reverse proxy on loopback, for S3 client tests.
 
-Put it between a client (boto3, s3fs/aiobotocore) and moto's server::
+Put it between a client (boto3, s3fs/aiobotocore) and an S3 server (RGW, moto)::
 
     with S3Server() as s3, FaultProxy(s3.endpoint) as proxy:
         client = s3.boto3_client(proxy.endpoint)
@@ -459,7 +459,12 @@ class _Handler(BaseHTTPRequestHandler):
             no_body = method == "HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
             streaming = not no_body and resp.length is not None and not resp.chunked
             data = b""
-            if not no_body and not streaming:
+            if no_body:
+                # Mark the (empty) response read: http.client keeps an unread HEAD/204 response as the connection's
+                # current one, and the next request on a kept-alive upstream (RGW; moto closes every connection)
+                # would then fail with ResponseNotReady.
+                resp.read()
+            elif not streaming:
                 data = resp.read()
                 headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
                 headers.append(("Content-Length", str(len(data))))

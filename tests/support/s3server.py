@@ -87,6 +87,7 @@ except ImportError:  # pragma: no cover - surfaced as a clear error on use
     ThreadedMotoServer = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "Clients",
     "DUMMY_KEY",
     "DUMMY_SECRET",
     "REGION",
@@ -244,7 +245,29 @@ def make_s3fs(
     return fs
 
 
-class S3Server:
+class Clients:
+    """Client helpers of a server whose ``endpoint`` is set (moto's :class:`S3Server`, the Ceph gateway of
+    ``tests.support.rgw``): a test does not care which server it got."""
+
+    endpoint: str
+
+    def boto3_client(self, endpoint_url: str | None = None, **kwargs: Any):
+        """boto3 S3 client for this server (or ``endpoint_url``, e.g. a FaultProxy in front of
+        it); kwargs go to :func:`make_boto3_client`."""
+        return make_boto3_client(endpoint_url or self.endpoint, **kwargs)
+
+    def s3fs(self, endpoint_url: str | None = None, **kwargs: Any):
+        """s3fs filesystem for this server (or ``endpoint_url``); kwargs go to :func:`make_s3fs`."""
+        return make_s3fs(endpoint_url or self.endpoint, **kwargs)
+
+    def create_bucket(self, name: str | None = None) -> str:
+        """Create a bucket (unique name if none given) directly on the server; returns its name."""
+        name = name or unique_bucket_name()
+        self.boto3_client().create_bucket(Bucket=name)
+        return name
+
+
+class S3Server(Clients):
     """moto S3 server on loopback. Context manager; ``.endpoint`` is ``http://127.0.0.1:PORT``."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, quiet: bool = True):
@@ -297,22 +320,6 @@ class S3Server:
             raise RuntimeError("S3Server is not started")
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
-
-    # -- helpers -------------------------------------------------------------------------------
-    def boto3_client(self, endpoint_url: str | None = None, **kwargs: Any):
-        """boto3 S3 client for this server (or ``endpoint_url``, e.g. a FaultProxy in front of
-        it); kwargs go to :func:`make_boto3_client`."""
-        return make_boto3_client(endpoint_url or self.endpoint, **kwargs)
-
-    def s3fs(self, endpoint_url: str | None = None, **kwargs: Any):
-        """s3fs filesystem for this server (or ``endpoint_url``); kwargs go to :func:`make_s3fs`."""
-        return make_s3fs(endpoint_url or self.endpoint, **kwargs)
-
-    def create_bucket(self, name: str | None = None) -> str:
-        """Create a bucket (unique name if none given) directly on the server; returns its name."""
-        name = name or unique_bucket_name()
-        self.boto3_client().create_bucket(Bucket=name)
-        return name
 
     def _moto_api(self, path: str, data: bytes = b"") -> bytes:
         # text/plain: werkzeug would parse urllib's default form content type away from .data
