@@ -9,7 +9,10 @@ The contract (docs/protocol.md) is sha256 over:
 - the objective name (``global_token_mean_v1`` for tinylm, ``mse_mean_v1`` for regression),
 - the seed,
 - ``fsdp: true`` when the run trains sharded (``train --fsdp``; absent otherwise, so a replicated run's
-  contract is what it always was): its generations hold shards, not one state, so a run cannot switch.
+  contract is what it always was): its generations hold shards, not one state, so a run cannot switch;
+- ``data_pipeline`` when the task builds its batches ahead (``Task.build_batch``, job.train.pipeline): how the
+  per-sample generators are derived, which changes results. Absent for a task built with ``make_batch`` (its
+  contract is unchanged); the worker count and the prefetch depth never enter it, since they change nothing.
   plan.json also records the whole layout (job.format.layout, outside the hash).
 
 ``plan.json`` is written once, create-only, on the first start. Every later start recomputes the fields
@@ -45,7 +48,8 @@ from storage import redact_url
 PLAN_SCHEMA = "trainproof.plan/1"
 PLAN_FILE = "plan.json"
 # Compared in this order on restart; the first difference is reported (with the others listed).
-CONTRACT_FIELDS = ("task", "task_config", "data_identity", "seed", "world", "objective", "state_schema", "fsdp")
+CONTRACT_FIELDS = ("task", "task_config", "data_identity", "seed", "world", "objective", "state_schema", "fsdp",
+                   "data_pipeline")
 
 
 def canonical_json(value: Any) -> bytes:
@@ -61,6 +65,7 @@ def sha256_hex(data: bytes) -> str:
 def build_plan(
     *, task: str, task_config: dict[str, Any], data_identity: str, seed: int, world: int, objective: str,
     code_version: str, epoch_plan: dict[str, Any] | None = None, layout: Layout | None = None,
+    data_pipeline: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run's plan: its identity fields, the derived contract hash, and when/what wrote it.
 
@@ -77,6 +82,8 @@ def build_plan(
         "state_schema": STATE_SCHEMA,
     }
     plan.update((layout or Layout(world=world)).record())
+    if data_pipeline is not None:
+        plan["data_pipeline"] = data_pipeline
     plan["config_sha256"] = sha256_hex(canonical_json({"task": task, "task_config": task_config}))
     plan["contract"] = contract_of(plan)
     plan["code_version"] = code_version
@@ -98,6 +105,8 @@ def contract_of(plan: dict[str, Any]) -> str:
     }
     if sharded(plan):
         fields["fsdp"] = True
+    if plan.get("data_pipeline") is not None:
+        fields["data_pipeline"] = plan["data_pipeline"]
     return sha256_hex(canonical_json(fields))
 
 
