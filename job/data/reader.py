@@ -23,6 +23,7 @@ them on its first read (a client's connections and threads do not survive a fork
 from __future__ import annotations
 
 import bisect
+import hashlib
 import os
 from typing import Any
 
@@ -101,6 +102,10 @@ class ShardedDataset:
                 index = self._index(s)
                 out.append(int(index[k + 1] - index[k]) // self._dtype.itemsize)
         return out
+
+    def take(self, start: int, stop: int) -> Samples:
+        """Samples ``start``..``stop - 1`` as a dataset of their own (a training split and a held-out one)."""
+        return Samples(self, start, stop)
 
     def verify(self) -> int:
         """Read every part of every shard from the store and check it (``trainproof data verify``); bytes read."""
@@ -194,3 +199,35 @@ class ShardedDataset:
             if listed[name] != size:
                 raise DataError(f"dataset {self.url}: shard {name} is {listed[name]} bytes, {DATASET_FILE} says "
                                 f"{size}: restore it or pack the dataset again")
+
+
+class Samples:
+    """A contiguous range of a :class:`ShardedDataset`'s samples, renumbered from 0; its ``data_identity`` is the
+    dataset's identity with the range."""
+
+    def __init__(self, dataset: ShardedDataset, start: int, stop: int) -> None:
+        if not 0 <= start < stop <= len(dataset):
+            raise ConfigError(f"samples {start}..{stop} are not a non-empty range of the dataset's {len(dataset)}")
+        self.dataset, self.start, self.stop = dataset, start, stop
+
+    @property
+    def data_identity(self) -> str:
+        return hashlib.sha256(f"{self.dataset.data_identity}[{self.start}:{self.stop}]".encode()).hexdigest()
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def _ids(self, ids: list[int]) -> list[int]:
+        for i in ids:
+            if not 0 <= int(i) < len(self):
+                raise IndexError(f"sample {i} is outside the range's {len(self)} samples")
+        return [self.start + int(i) for i in ids]
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.dataset.__getitems__(self._ids([i]))[0]
+
+    def __getitems__(self, ids: list[int]) -> list[np.ndarray]:
+        return self.dataset.__getitems__(self._ids(ids))
+
+    def lengths(self, ids: list[int]) -> list[int]:
+        return self.dataset.lengths(self._ids(ids))

@@ -163,7 +163,7 @@ class Trainer:
         past = left is not None and left <= 0 and self.finisher is not None
         try:
             if not past:
-                run.batches = self._open_batches(run, target)
+                run.batches = self._open_batches(run)
             reason = "deadline" if past else self._loop(run, target)
             self._close_batches(run)  # before the final commit: what the workers prefetched is never saved
             committed = self._finish_saves(run, reason)  # the end, or the boundary after a stop request
@@ -210,10 +210,10 @@ class Trainer:
         return (self.task.num_workers if c.data_workers is None else c.data_workers,
                 self.task.prefetch if c.prefetch is None else c.prefetch)
 
-    def _open_batches(self, run: Run, target: int) -> Any:
-        """The micro-batches of steps run.step+1..target (job.train.pipeline), from the sampler's restored position."""
+    def _open_batches(self, run: Run) -> Any:
+        """The micro-batches of the steps from run.step + 1 on (job.train.pipeline), from the restored position."""
         workers, prefetch = self._workers()
-        return open_batches(self.task, run.sampler, seed=self.cfg.seed, first=run.step + 1, last=target,
+        return open_batches(self.task, run.sampler, seed=self.cfg.seed, first=run.step + 1,
                             world=self.world, rank=self.rank, workers=workers, prefetch=prefetch,
                             pin_memory=self.device.type == "cuda")
 
@@ -223,7 +223,7 @@ class Trainer:
         if batches is not None and getattr(batches, "workers", 0):
             seconds = batches.close()
             self.reporter.event("data_workers_stopped", step=run.step, workers=batches.workers,
-                                seconds=round(seconds, 3))
+                                seconds=round(seconds, 3), left_running=batches.left_running)
         elif batches is not None:
             batches.close()
 

@@ -18,6 +18,7 @@ in the training process, at the step, as before (:class:`InProcess`).
 from __future__ import annotations
 
 import copy
+import itertools
 import multiprocessing
 import time
 from typing import Any, Iterator, Protocol
@@ -74,16 +75,21 @@ class InProcess:
 
 
 class Lookahead:
-    """The requests of steps ``first``..``last``, from a copy of the sampler (the real one is never advanced here)."""
+    """The requests of steps ``first`` onwards, from a copy of the sampler (the real one is never advanced here).
 
-    def __init__(self, sampler: EpochSampler, *, seed: int, first: int, last: int, global_batch: int, world: int,
-                 rank: int, micro: int) -> None:
+    It does not stop at the run's target: a run that reaches its target has batches in flight exactly as a
+    preempted one does, so the verifier's cut path (a run stopped at its target) checkpoints in the same situation
+    as a SIGTERM, and a position taken from the workers instead of the trainer is caught there. What the workers
+    build past the target is dropped with them."""
+
+    def __init__(self, sampler: EpochSampler, *, seed: int, first: int, global_batch: int, world: int, rank: int,
+                 micro: int) -> None:
         self.sampler = copy.deepcopy(sampler)
-        self.seed, self.first, self.last = seed, first, last
+        self.seed, self.first = seed, first
         self.global_batch, self.world, self.rank, self.micro = global_batch, world, rank, micro
 
     def __iter__(self) -> Iterator[BatchRequest]:
-        for step in range(self.first, self.last + 1):
+        for step in itertools.count(self.first):
             ids = self.sampler.next_ids(self.global_batch)
             for i, chunk in enumerate(micro_batches(ids, self.world, self.rank, self.micro)):
                 yield BatchRequest(seed=self.seed, step=step, micro=i, epoch=self.sampler.epoch,
@@ -117,6 +123,10 @@ class WorkerBatches:
 
     def __init__(self, task: Task, lookahead: Lookahead, *, workers: int, prefetch: int, pin_memory: bool) -> None:
         self.task, self.workers, self.prefetch = task, workers, prefetch
+        self.lookahead = lookahead
+        self.left_running = 0
+        """Worker processes still alive after :meth:`close` (0 unless one could not be stopped)."""
+        """The requests being built: its sampler is where the workers are, never what a checkpoint holds."""
         self.loader = DataLoader(
             _Builds(task), sampler=lookahead, batch_size=None, collate_fn=_as_built, num_workers=workers,
             prefetch_factor=prefetch if workers else None, pin_memory=pin_memory,
@@ -150,6 +160,7 @@ class WorkerBatches:
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
+        self.left_running = sum(w.is_alive() for w in getattr(it, "_workers", []))
         return time.perf_counter() - t0
 
 
@@ -168,12 +179,12 @@ def check_workers(task: Task, workers: int) -> None:
                           "/ TRAINPROOF_DATA_WORKERS")
 
 
-def open_batches(task: Task, sampler: EpochSampler, *, seed: int, first: int, last: int, world: int, rank: int,
-                 workers: int, prefetch: int, pin_memory: bool) -> BatchSource:
-    """The batch source of steps ``first``..``last`` for this rank."""
+def open_batches(task: Task, sampler: EpochSampler, *, seed: int, first: int, world: int, rank: int, workers: int,
+                 prefetch: int, pin_memory: bool) -> BatchSource:
+    """The batch source of steps ``first`` onwards for this rank, from ``sampler``'s position (not advanced)."""
     check_workers(task, workers)
     if not task.builds_batches:
         return InProcess(task)
-    lookahead = Lookahead(sampler, seed=seed, first=first, last=last, global_batch=task.batch_size * world,
+    lookahead = Lookahead(sampler, seed=seed, first=first, global_batch=task.batch_size * world,
                           world=world, rank=rank, micro=task.micro_batch_size)
     return WorkerBatches(task, lookahead, workers=workers, prefetch=prefetch, pin_memory=pin_memory)
