@@ -219,6 +219,10 @@ def test_data_pack_and_verify_from_the_command_line(cli, tmp_path, cache):  # no
     assert again.exit_code == 2 and "already holds a dataset" in again.stderr
     both = cli("data", "pack", str(tmp_path / "x"), "--tokens", str(tmp_path / "tokens.npy"), "--records", "y.npy")
     assert both.exit_code == 2 and "exactly one of" in both.stderr
+    np.save(tmp_path / "rows.npy", np.arange(60, dtype=np.float32).reshape(10, 2, 3))
+    result = cli("data", "pack", str(tmp_path / "rows"), "--records", str(tmp_path / "rows.npy"))
+    assert result.exit_code == 0 and json.loads(result.stdout)["shape"] == [2, 3], result.output
+    assert (ShardedDataset(str(tmp_path / "rows"))[9] == np.arange(54, 60).reshape(2, 3)).all()
     files = [tmp_path / f"f{i}.bin" for i in range(5)]
     for i, f in enumerate(files):
         f.write_bytes(bytes(range(i * 10)))

@@ -211,3 +211,29 @@ def test_workers_for_a_task_that_builds_in_the_training_process_are_refused_befo
     assert result.code == 2 and "data workers need a task that implements build_batch" in result.stderr
     assert not (tmp_path / "run" / "plan.json").exists()
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_bucket_dataset_example_of_the_docs_runs_as_written(tmp_path):
+    """docs/tasks.md's tokenlm block in one bash script from the repository root, with its folders moved into tmp_path
+    and its sizes cut (8 MiB to 0.1, 50 and 100 steps to 6 and 12): the second command resumes with four workers."""
+    import re
+    import shlex
+    import sys
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "tasks.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "examples.tokenlm" in b)
+    script = (block.replace("./datasets/", f"{shlex.quote(str(tmp_path))}/datasets/")
+              .replace("./runs/", f"{shlex.quote(str(tmp_path))}/runs/")
+              .replace("> lm.json", f"> {shlex.quote(str(tmp_path / 'lm.json'))}")
+              .replace("--config lm.json", f"--config {shlex.quote(str(tmp_path / 'lm.json'))}")
+              .replace("--mib 8", "--mib 0.1").replace("--max-steps 50", "--max-steps 6")
+              .replace("--max-steps 100", "--max-steps 12"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_") and k != "PYTHONPATH"}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", TRAINPROOF_LOG_FORMAT="json",
+               TRAINPROOF_DATA_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=Path(__file__).resolve().parent.parent,
+                            env=env, text=True, capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    starts = [e for e in parse_events(result.stdout) if e.get("event") == "start"]
+    assert [(e["step"], e["data_workers"]) for e in starts] == [(0, 2), (6, 4)]
+    assert final_state(tmp_path / "runs" / "lm")["progress"]["step"] == 12

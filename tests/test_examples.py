@@ -281,7 +281,8 @@ def doc_modules() -> dict[str, str]:
 
 def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, monkeypatch):
     modules = doc_modules()
-    assert set(modules) == {"mytask", "lines"}, sorted(modules)  # the adapter one and the from-scratch one
+    # the adapter one, the from-scratch one, and the latter with its batches built by workers
+    assert set(modules) == {"mytask", "lines", "wlines"}, sorted(modules)
     for name, body in modules.items():
         (tmp_path / f"{name}.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -300,6 +301,8 @@ def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, m
         losses = [e["loss"] for e in events(out) if e["event"] == "step"]
         assert len(losses) == 8 and losses[-1] < losses[0], (name, losses)
         assert final_state(tmp_path / name)["progress"]["step"] == 8
+        started = next(e for e in events(out) if e["event"] == "start")
+        assert started["data_workers"] == {"mytask": 0, "lines": None, "wlines": 2}[name]
 
 
 def readme_commands() -> list[str]:
