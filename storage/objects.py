@@ -17,7 +17,8 @@ lasts (job.data's bucket datasets). This module is that reader; it knows nothing
   passes the bound it re-lists the folder and removes the least recently used parts. A cached part is not hashed
   again: it was verified when fetched, and the folder is local scratch (never the bucket).
 
-Memory of a read: the parts being fetched (``concurrency`` at most, one part each) plus the ranges returned.
+Memory of a read: at most ``concurrency`` parts being fetched and one being cut into the ranges wanted, plus the
+ranges returned.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from storage import digest as dg
 from storage.errors import StoreError
 from storage.limits import plain_name_problem
+from storage.spool import in_order
 
 if TYPE_CHECKING:
     from storage.store import GenerationStore
@@ -228,12 +231,11 @@ def _unlink(path: str) -> None:
 
 
 class ObjectReader:
-    """Byte ranges of objects of ``store``, every part verified before use, through ``cache``. Thread-safe; one per
-    process (a forked child makes its own: its threads and its store's client do not survive the fork)."""
+    """Byte ranges of objects of ``store``, every part verified before use, through ``cache``. One per process (a
+    forked child makes its own: its store's client does not survive the fork)."""
 
     def __init__(self, store: GenerationStore, cache: PartCache, *, concurrency: int = 8) -> None:
         self.store, self.cache, self.concurrency = store, cache, max(1, concurrency)
-        self._pool: ThreadPoolExecutor | None = None
         self.fetched_bytes = 0
         """Bytes read from the store by this reader (cache misses)."""
 
@@ -258,19 +260,31 @@ class ObjectReader:
                 missing.append((entries[name], i))
             else:
                 got.update(zip(((name, i, a, b) for a, b in local), found))
-        for (entry, i), data in zip(missing, self._map(lambda part: _fetch(self.store, *part), missing)):
-            self.cache.put(entry.parts[i], data)
-            self.fetched_bytes += len(data)
-            got.update(((entry.name, i, a, b), data[a:b]) for a, b in need[(entry.name, i)])
+        # At most ``concurrency`` parts in memory: each is cached and cut into the pieces wanted, then dropped.
+        fetched = in_order(lambda part: _fetch(self.store, *part), missing, min(self.concurrency, len(missing)),
+                           "trainproof-object") if missing else (_ for _ in ())
+        with closing(fetched):
+            for (entry, i), data in fetched:
+                self.cache.put(entry.parts[i], data)
+                self.fetched_bytes += len(data)
+                got.update(((entry.name, i, a, b), data[a:b]) for a, b in need[(entry.name, i)])
+                del data
         return [b"".join(got[(entry.name, *piece)] for piece in self._pieces(entry, start, end))
                 for entry, start, end in wanted]
 
-    def verify(self, entry: ObjectEntry) -> None:
-        """Read and check every part of ``entry`` from the store (cached or not), caching what it read."""
-        everything = range(len(entry.parts))
-        for i, data in zip(everything, self._map(lambda i: _fetch(self.store, entry, i), everything)):
-            self.fetched_bytes += len(data)
-            self.cache.put(entry.parts[i], data)
+    def verify(self, entries: list[ObjectEntry]) -> int:
+        """Read every part of ``entries`` from the store (cached or not) and check it, ``concurrency`` parts in flight
+        across objects (memory: that many parts), caching what it read; the bytes read."""
+        parts = [(entry, i) for entry in entries for i in range(len(entry.parts))]
+        read = 0
+        with closing(in_order(lambda part: _fetch(self.store, *part), parts, self.concurrency,
+                              "trainproof-object")) as fetched:
+            for (entry, i), data in fetched:
+                self.cache.put(entry.parts[i], data)
+                read += len(data)
+                del data
+        self.fetched_bytes += read
+        return read
 
     @staticmethod
     def _pieces(entry: ObjectEntry, start: int, end: int) -> list[tuple[int, int, int]]:
@@ -278,17 +292,3 @@ class ObjectReader:
         step = entry.part_bytes
         return [(i, max(start, i * step) - i * step, min(end, (i + 1) * step) - i * step)
                 for i in range(start // step, -(-end // step))] if end > start else []
-
-    def _map(self, fn, items):
-        items = list(items)
-        if len(items) <= 1:
-            return [fn(i) for i in items]
-        pool = self._pool_here()
-        return pool.map(fn, items)
-
-    def _pool_here(self) -> ThreadPoolExecutor:
-        pid = os.getpid()
-        if self._pool is None or getattr(self, "_pool_pid", None) != pid:
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="trainproof-object")
-            self._pool_pid = pid
-        return self._pool
