@@ -157,7 +157,7 @@ class PartCache:
         self.directory, self.max_bytes = directory, max_bytes
         os.makedirs(directory, exist_ok=True)
         self._lock = threading.Lock()
-        self._bytes = self._evict() if self._listed_bytes() > max_bytes else self._listed_bytes()
+        self._bytes = self._evict()  # a folder left over a smaller bound is brought under this one now
 
     def path(self, sha: str) -> str:
         return os.path.join(self.directory, sha[:2], sha)
@@ -208,13 +208,12 @@ class PartCache:
                 found.append((st.st_mtime, st.st_size, entry.path))
         return found
 
-    def _listed_bytes(self) -> int:
-        return sum(size for _, size, _ in self._files())
-
     def _evict(self) -> int:
-        """Remove the least recently used parts until the folder holds at most 3/4 of the bound; its new total."""
+        """The folder's total; when over the bound, after removing the least recently used parts down to 3/4 of it."""
         files = sorted(self._files())
         total = sum(size for _, size, _ in files)
+        if total <= self.max_bytes:
+            return total
         for _, size, path in files:
             if total <= self.max_bytes * 3 // 4:
                 break

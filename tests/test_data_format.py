@@ -164,6 +164,7 @@ def _tamper(doc: dict, how: str) -> dict:
         "part digest": lambda: shard["parts"].__setitem__(0, "0" * 64),
         "part count": lambda: shard.update(parts=shard["parts"][:-1]),
         "part size": lambda: shard.update(part_bytes=1),
+        "huge part": lambda: (shard.update(part_bytes=32 * 2**20), shard.pop("parts")),
         "index": lambda: shard.update(index_offset=0),
         "identity": lambda: doc.update(identity="f" * 64),
         "no shards": lambda: doc.update(shards=[]),
@@ -177,6 +178,7 @@ def _tamper(doc: dict, how: str) -> dict:
     ("shape", "shape is not"), ("huge record", "larger than"), ("samples", "do not add up"),
     ("name", "invalid name"), ("duplicate", "do not add up|twice"), ("size", r"is \d+ bytes, not \d+ records"),
     ("part digest", "do not hash to its sha256"), ("part count", r"need \d+ part digest"), ("part size", "part_bytes"),
+    ("huge part", "more than 16777216"),
     ("index", "records dataset has an index"), ("identity", "recorded identity"), ("no shards", "1..1000000"),
 ])
 def test_a_hostile_manifest_is_refused_naming_what_is_wrong(tmp_path, how, message):

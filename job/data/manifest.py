@@ -39,6 +39,10 @@ MANIFEST_BYTES = 64 * 2**20
 MAX_SHARDS = 1_000_000
 MAX_SAMPLES = 2**40
 MAX_RECORD_BYTES = 64 * 2**20
+MAX_PART_BYTES = 16 * 2**20
+"""Largest part a manifest may ask a reader to fetch for one sample (memory: a few of them per reading process)."""
+MAX_SHARD_SAMPLES = 2**23
+"""Most samples of one ``samples`` shard: its index (8 bytes a sample, read whole) stays under 64 MiB."""
 _DTYPE = re.compile(r"^(\|u1|\|i1|\|b1|<[iu][248]|<f[248])\Z")
 INDEX_DTYPE = np.dtype("<i8")
 
@@ -133,6 +137,9 @@ def _check_shape(kind: str, shape: Any, dtype: str) -> None:
 
 def _shard(meta: Any, kind: str, limits: Limits) -> Shard:
     entry = parse_entry(meta, max_bytes=limits.file_bytes)
+    if entry.part_bytes > MAX_PART_BYTES:
+        raise ValueError(f"{DATASET_FILE}: shard {entry.name!r} has parts of {entry.part_bytes} bytes, more than "
+                         f"{MAX_PART_BYTES}")
     samples, offset = meta.get("samples"), meta.get("index_offset")
     if not _is_int(samples) or not 1 <= samples <= MAX_SAMPLES:
         raise ValueError(f"{DATASET_FILE}: shard {entry.name!r} holds no sample count in 1..{MAX_SAMPLES}")
@@ -140,6 +147,8 @@ def _shard(meta: Any, kind: str, limits: Limits) -> Shard:
         if offset is not None:
             raise ValueError(f"{DATASET_FILE}: shard {entry.name!r} of a records dataset has an index")
         return Shard(entry=entry, samples=samples)
+    if samples > MAX_SHARD_SAMPLES:
+        raise ValueError(f"{DATASET_FILE}: shard {entry.name!r} holds more than {MAX_SHARD_SAMPLES} samples")
     if not _is_int(offset) or offset + INDEX_DTYPE.itemsize * (samples + 1) != entry.size or offset < 0:
         raise ValueError(f"{DATASET_FILE}: shard {entry.name!r}: index_offset does not leave room for exactly "
                          f"{samples + 1} offsets at its end")

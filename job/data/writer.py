@@ -14,11 +14,19 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from job.data.manifest import DATASET_FILE, INDEX_DTYPE, MAX_RECORD_BYTES, Manifest, Shard
+from job.data.manifest import (
+    DATASET_FILE,
+    INDEX_DTYPE,
+    MAX_PART_BYTES,
+    MAX_RECORD_BYTES,
+    MAX_SHARD_SAMPLES,
+    Manifest,
+    Shard,
+)
 from job.errors import ConfigError, DataError
 from storage import GenerationStore, StoreOptions, open_store
 from storage.errors import StoreConfigError
-from storage.objects import MAX_OBJECT_PART, MIN_OBJECT_PART, write_verified
+from storage.objects import MIN_OBJECT_PART, write_verified
 
 SHARD_BYTES = 64 * 2**20
 """Default shard size: large enough that a bucket holds few objects, small enough to write and re-read quickly."""
@@ -49,8 +57,8 @@ def open_dataset_store(url: str, options: StoreOptions | None = None) -> Generat
 class _Packer:
     def __init__(self, url: str, *, kind: str, dtype: np.dtype, shape: tuple[int, ...], shard_bytes: int,
                  part_bytes: int, source: dict[str, Any] | None, options: StoreOptions | None) -> None:
-        if not MIN_OBJECT_PART <= part_bytes <= MAX_OBJECT_PART:
-            raise ConfigError(f"part size {part_bytes} bytes is outside {MIN_OBJECT_PART}..{MAX_OBJECT_PART}")
+        if not MIN_OBJECT_PART <= part_bytes <= MAX_PART_BYTES:
+            raise ConfigError(f"part size {part_bytes} bytes is outside {MIN_OBJECT_PART}..{MAX_PART_BYTES}")
         if shard_bytes < part_bytes:
             raise ConfigError(f"shard size {shard_bytes} bytes is smaller than the part size {part_bytes}")
         self.url, self.kind, self.dtype, self.shape = url, kind, np.dtype(dtype).newbyteorder("<"), shape
@@ -67,7 +75,8 @@ class _Packer:
         """Append ``count`` samples held back to back in ``samples`` (a whole shard's records at once, or one
         sample of any size), starting a new shard first when they would not fit the one being filled."""
         data = np.ascontiguousarray(samples, dtype=self.dtype).tobytes()
-        if len(self._offsets) > 1 and self._offsets[-1] + len(data) > self.shard_bytes:
+        full = len(self._offsets) - 1 + count > MAX_SHARD_SAMPLES and self.kind == "samples"
+        if len(self._offsets) > 1 and (self._offsets[-1] + len(data) > self.shard_bytes or full):
             self._flush()
         each = len(data) // count
         self._chunks.append(data)
