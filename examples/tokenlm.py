@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from examples.charlm import CharTransformer, per_token_loss, warmup_then_inverse_sqrt
+from examples.charlm import CharTransformer, TransformerConfig, per_token_loss, warmup_then_inverse_sqrt
 from job.data import ShardedDataset, pack_records, token_windows
 from job.errors import TrainError
 from job.tasks import DatasetTask, config_from_dict, require
@@ -40,36 +40,24 @@ VOCAB = 256
 
 
 @dataclass(kw_only=True)
-class TokenLMConfig:
-    """Data, model and optimisation settings (the model is examples.charlm's transformer)."""
+class TokenLMConfig(TransformerConfig):
+    """The dataset, the augmentation, and examples.charlm's model and optimiser settings."""
 
     dataset: str = ""
-    """URL of the packed dataset (``pack`` below): s3://bucket/prefix, a folder, memory://name."""
-    context: int = 64
-    """Tokens each window predicts; must match the dataset's windows (``context + 1`` tokens each)."""
+    """URL of the packed dataset (``pack`` below): s3://bucket/prefix, a folder, memory://name. ``context`` must
+    match its windows (``context + 1`` tokens each)."""
     eval_windows: int = 64
     """The dataset's last windows, held out for ``evaluate``."""
     input_noise: float = 0.02
     """Probability of replacing an input token with a random one (augmentation, per window's own generator)."""
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 2
-    d_ff: int = 256
-    dropout: float = 0.1
-    batch_size: int = 16
     micro_batch_size: int = 8
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 20
-    grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(bool(self.dataset), "tokenlm: set 'dataset' to the packed dataset's URL (python -m examples.tokenlm "
                                     "pack URL)")
-        require(self.context >= 2 and self.eval_windows >= 1, "tokenlm: need context >= 2 and eval_windows >= 1")
-        require(0.0 <= self.input_noise < 1.0 and 0.0 <= self.dropout < 1.0, "tokenlm: noise and dropout in [0, 1)")
-        require(self.d_model % self.n_heads == 0, "tokenlm: d_model must be a multiple of n_heads")
-        require(1 <= self.micro_batch_size <= self.batch_size, "tokenlm: need 1 <= micro_batch_size <= batch_size")
+        require(self.eval_windows >= 1 and 0.0 <= self.input_noise < 1.0,
+                "tokenlm: need eval_windows >= 1 and input_noise in [0, 1)")
 
 
 def windows(batch: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +90,9 @@ def factory(config: dict[str, Any]) -> DatasetTask:
     held_out = len(data) - cfg.eval_windows
     require(held_out >= cfg.batch_size, f"tokenlm: {len(data)} windows leave fewer than a batch after the held-out "
                                         f"{cfg.eval_windows}")
-    lm = argparse.Namespace(**{**asdict(cfg), "context": cfg.context})  # examples.charlm's model settings
     return DatasetTask(
         dataset=data.take(0, held_out), eval_dataset=data.take(held_out, len(data)), collate=windows,
-        build_model=lambda: CharTransformer(VOCAB, lm), per_sample_loss=per_token_loss,
+        build_model=lambda: CharTransformer(VOCAB, cfg), per_sample_loss=per_token_loss,
         targets_per_sample=cfg.context, config=asdict(cfg),
         augment=InputNoise(cfg.input_noise) if cfg.input_noise else None,
         batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,

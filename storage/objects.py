@@ -30,20 +30,22 @@ import re
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from itertools import islice
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from storage import digest as dg
 from storage.errors import StoreError
 from storage.limits import plain_name_problem
-from storage.spool import in_order
 
 if TYPE_CHECKING:
     from storage.store import GenerationStore
 
 log = logging.getLogger("trainproof.storage")
+T = TypeVar("T")
+R = TypeVar("R")
 _SHA = re.compile(r"^[0-9a-f]{64}\Z")
 MIN_OBJECT_PART = 4096
 MAX_OBJECT_PART = 256 * dg.MiB
@@ -222,6 +224,30 @@ class PartCache:
         return total
 
 
+def _as_done(fn: Callable[[T], R], items: list[T], workers: int) -> Iterator[tuple[T, R]]:
+    """``(item, fn(item))`` as each call completes, on up to ``workers`` threads, a new call started for each result
+    taken: never more than ``workers`` results in memory, and no thread idle behind a slow one (unlike
+    ``storage.spool.in_order``, which keeps the order a stream needs). Close the generator to stop early."""
+    if not items:
+        return
+    queued = iter(items)
+    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="trainproof-object") as pool:
+        running = {pool.submit(fn, item): item for item in islice(queued, workers)}
+        try:
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    item = running.pop(future)
+                    result = future.result()
+                    for nxt in islice(queued, 1):
+                        running[pool.submit(fn, nxt)] = nxt
+                    yield item, result
+                    del result
+        finally:
+            for future in running:
+                future.cancel()
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -260,9 +286,7 @@ class ObjectReader:
             else:
                 got.update(zip(((name, i, a, b) for a, b in local), found))
         # At most ``concurrency`` parts in memory: each is cached and cut into the pieces wanted, then dropped.
-        fetched = in_order(lambda part: _fetch(self.store, *part), missing, min(self.concurrency, len(missing)),
-                           "trainproof-object") if missing else (_ for _ in ())
-        with closing(fetched):
+        with closing(_as_done(lambda part: _fetch(self.store, *part), missing, self.concurrency)) as fetched:
             for (entry, i), data in fetched:
                 self.cache.put(entry.parts[i], data)
                 self.fetched_bytes += len(data)
@@ -276,8 +300,7 @@ class ObjectReader:
         across objects (memory: that many parts), caching what it read; the bytes read."""
         parts = [(entry, i) for entry in entries for i in range(len(entry.parts))]
         read = 0
-        with closing(in_order(lambda part: _fetch(self.store, *part), parts, self.concurrency,
-                              "trainproof-object")) as fetched:
+        with closing(_as_done(lambda part: _fetch(self.store, *part), parts, self.concurrency)) as fetched:
             for (entry, i), data in fetched:
                 self.cache.put(entry.parts[i], data)
                 read += len(data)

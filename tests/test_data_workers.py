@@ -237,3 +237,26 @@ def test_the_bucket_dataset_example_of_the_docs_runs_as_written(tmp_path):
     starts = [e for e in parse_events(result.stdout) if e.get("event") == "start"]
     assert [(e["step"], e["data_workers"]) for e in starts] == [(0, 2), (6, 4)]
     assert final_state(tmp_path / "runs" / "lm")["progress"]["step"] == 12
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_data_worker_killed_mid_run_ends_the_run_with_one_line(dataset, tmp_path):
+    """SIGKILL to one worker (what the kernel's OOM killer does): DataLoader notices in the training process, which
+    ends with exit 1 (a restart resumes from the last commit) and one line naming the worker, not a traceback."""
+    proc = train(tmp_path / "run", dataset, "--data-workers", "2", env={"TPHOOK_STEP_DELAY": "0.3"})
+    seen = []
+    while not any(e.get("event") == "step" and e["step"] >= 2 for e in parse_events("".join(seen))):
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        seen.append(line)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    result = finish(proc)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]
+    assert result.code == 1 and len(errors) == 1, result.stderr[-2000:]
+    assert f"a data worker died: DataLoader worker (pid {workers[0]})" in errors[0] and "killed" in errors[0]
+    assert "Traceback" not in result.stderr and processes_of(tmp_path / "run") == []

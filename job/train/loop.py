@@ -36,7 +36,7 @@ from job.train.config import TrainConfig
 from job.train.data import epoch_plan
 from job.train.device import configure_determinism, resolve_device
 from job.train.discover import agree_plan
-from job.train.pipeline import check_workers, open_batches, pipeline_record
+from job.train.pipeline import check_workers, open_batches, pipeline_record, worker_failure
 from job.train.progress import Reporter, make_reporter
 from job.train.resume import Resumed, ResumeOptions, resume
 from job.train.run import Run, build_run, capture_rank_part, capture_state, train_step
@@ -167,10 +167,13 @@ class Trainer:
             reason = "deadline" if past else self._loop(run, target)
             self._close_batches(run)  # before the final commit: what the workers prefetched is never saved
             committed = self._finish_saves(run, reason)  # the end, or the boundary after a stop request
-        except BaseException:
+        except BaseException as exc:
             self._close_batches(run)
             self._land_in_flight_save()
-            raise
+            failure = worker_failure(exc)  # a dead data worker: one line, not DataLoader's traceback
+            if failure is None:
+                raise
+            raise failure from None
         finished = self._finish(run, unbounded=past) if reason == "deadline" else None
         exit_code = EXIT_OK if run.step >= target or (finished or {}).get("ok") else EXIT_STOPPED
         if past and exit_code != EXIT_OK:

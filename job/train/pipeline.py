@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import itertools
 import multiprocessing
+import signal
 import time
 from typing import Any, Iterator, Protocol
 
@@ -142,15 +143,30 @@ class WorkerBatches:
             key, data, error = next(self._it)
         except StopIteration:
             raise RuntimeError(f"the data pipeline ended before step {request.step}") from None
-        except RuntimeError as exc:  # a worker died (killed for memory, a crash): DataLoader says which
-            if "DataLoader worker" not in str(exc):
+        except Exception as exc:  # a worker died (killed for memory, a crash): DataLoader says so, or its pipe breaks
+            failure = worker_failure(exc) or self._dead_worker()
+            if failure is None:
                 raise
-            raise TrainError(f"data worker failed at step {request.step}: {str(exc).splitlines()[0]}") from None
+            raise failure from None
         if error is not None:
             raise _ERRORS.get(error[0], TrainError)(error[1])
         if key != request.key():  # the lookahead and the loop split the steps differently: a trainer bug
             raise RuntimeError(f"data pipeline out of step: built {key[:3]} for the step's {request.key()[:3]}")
         return self.task.batch_to_device(data, ctx.device)
+
+    def _dead_worker(self) -> TrainError | None:
+        """The failure naming a worker that has ended (waiting a moment for it to be reaped), None when all live."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            dead = [w for w in getattr(self._it, "_workers", []) if w.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not dead:
+            return None
+        code = dead[0].exitcode
+        how = f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with {code}"
+        return worker_failure(RuntimeError(f"DataLoader worker (pid {dead[0].pid}) {how}"))
 
     def close(self) -> float:
         """Stop the workers: each finishes the batch in hand and exits (DataLoader's own shutdown, which gives a
@@ -162,6 +178,16 @@ class WorkerBatches:
             shutdown()
         self.left_running = sum(w.is_alive() for w in getattr(it, "_workers", []))
         return time.perf_counter() - t0
+
+
+def worker_failure(exc: BaseException) -> TrainError | None:
+    """The one-line failure (exit 1) for DataLoader's report of a dead worker, None for anything else. DataLoader
+    raises it from its SIGCHLD handler, so it may surface anywhere in the training thread, not only here."""
+    text = str(exc).strip()
+    if isinstance(exc, RuntimeError) and text.startswith("DataLoader worker"):
+        return TrainError(f"a data worker died: {text.splitlines()[0]} (killed for memory? fewer --data-workers or "
+                          "a smaller --prefetch need less); the run resumes from its last commit")
+    return None
 
 
 def _fork() -> Any:
