@@ -260,3 +260,14 @@ def test_a_data_worker_killed_mid_run_ends_the_run_with_one_line(dataset, tmp_pa
     assert result.code == 1 and len(errors) == 1, result.stderr[-2000:]
     assert f"a data worker died: DataLoader worker (pid {workers[0]})" in errors[0] and "killed" in errors[0]
     assert "Traceback" not in result.stderr and processes_of(tmp_path / "run") == []
+
+
+@pytest.mark.slow  # two launches of two ranks; the lookahead's per-rank requests are checked by default (above)
+def test_two_ranks_with_workers_end_as_two_ranks_without(dataset, tmp_path):
+    """Two ranks (DDP on gloo), each with two workers building only its own micro-batches of every step, end in the
+    state two ranks reach building them in their own processes."""
+    runs = {w: finish(train(tmp_path / f"w{w}", dataset, "--nproc-per-node", "2", "--data-workers", str(w)),
+                      timeout=600) for w in (0, 2)}
+    assert [r.code for r in runs.values()] == [0, 0], [r.stderr[-2000:] for r in runs.values()]
+    a, b = (final_state(tmp_path / f"w{w}") for w in (0, 2))
+    assert a["meta"]["world"] == 2 and differences(without_invocation(a), without_invocation(b)) == []
