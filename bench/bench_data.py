@@ -255,16 +255,20 @@ def bench_s3(reps: int, mib: int = 256, part_kib: int = 1024) -> dict[str, Any]:
     sides = {"verified": lambda: read_store(url, cache), "store_ranges": lambda: read_ranges(url, concurrency),
              "boto3": lambda: read_raw(url, concurrency)}
     runs: dict[str, list[float]] = {side: [] for side in sides}
+    cpu: dict[str, list[float]] = {side: [] for side in sides}
     for rep in range(reps):
         order = list(sides) if rep % 2 == 0 else list(reversed(sides))  # alternate who goes first
         for side in order:
+            c0 = _cpu()
             seconds, read = sides[side]()
             assert read >= mib * 2**20 - 68, (side, read)
             runs[side].append(read / 2**20 / seconds)
+            cpu[side].append((_cpu() - c0) * 1000 / (read / 2**20))  # every side runs in this process's threads
     shutil.rmtree(cache, ignore_errors=True)
     rate = {side: statistics.median(values) for side, values in runs.items()}
     return {"dataset": url, "mib": mib, "part_kib": part_kib, "concurrency": concurrency, "sha256_mib_per_s": _sha(),
             **{f"mib_per_s_{side}": value for side, value in rate.items()},
+            **{f"cpu_ms_per_mib_{side}": statistics.median(values) for side, values in cpu.items()},
             "ratio": rate["verified"] / rate["boto3"], "ratio_to_store_ranges": rate["verified"] / rate["store_ranges"],
             "runs": runs}
 
