@@ -286,9 +286,8 @@ class ObjectReader:
             else:
                 got.update(zip(((name, i, a, b) for a, b in local), found))
         # At most ``concurrency`` parts in memory: each is cached and cut into the pieces wanted, then dropped.
-        with closing(_as_done(lambda part: _fetch(self.store, *part), missing, self.concurrency)) as fetched:
+        with closing(_as_done(self._fetch_cached, missing, self.concurrency)) as fetched:
             for (entry, i), data in fetched:
-                self.cache.put(entry.parts[i], data)
                 self.fetched_bytes += len(data)
                 got.update(((entry.name, i, a, b), data[a:b]) for a, b in need[(entry.name, i)])
                 del data
@@ -300,13 +299,19 @@ class ObjectReader:
         across objects (memory: that many parts), caching what it read; the bytes read."""
         parts = [(entry, i) for entry in entries for i in range(len(entry.parts))]
         read = 0
-        with closing(_as_done(lambda part: _fetch(self.store, *part), parts, self.concurrency)) as fetched:
-            for (entry, i), data in fetched:
-                self.cache.put(entry.parts[i], data)
+        with closing(_as_done(self._fetch_cached, parts, self.concurrency)) as fetched:
+            for _, data in fetched:
                 read += len(data)
                 del data
         self.fetched_bytes += read
         return read
+
+    def _fetch_cached(self, part: tuple[ObjectEntry, int]) -> bytes:
+        """Part ``i`` of ``entry`` fetched, verified and cached (on a fetching thread: the writes overlap too)."""
+        entry, i = part
+        data = _fetch(self.store, entry, i)
+        self.cache.put(entry.parts[i], data)
+        return data
 
     @staticmethod
     def _pieces(entry: ObjectEntry, start: int, end: int) -> list[tuple[int, int, int]]:
