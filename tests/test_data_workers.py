@@ -29,7 +29,7 @@ from job.train.data import EpochSampler
 from job.train.pipeline import Lookahead, micro_batches
 from job.train.rng import data_generator
 from tests.test_examples import final_state, without_invocation
-from tests.test_train_helpers import differences, finish, parse_events, start
+from tests.test_train_helpers import ROOT, differences, entry_module, finish, parse_events, start, train_cmd, train_env
 from tests.test_verify_helpers import read_report
 
 TASK = "examples.tokenlm:factory"
@@ -51,13 +51,20 @@ def dataset(tmp_path_factory) -> dict[str, Any]:
     return {"url": url, "identity": identity, "config": str(config), "cache": str(root / "cache")}
 
 
-def train(store: Path, dataset: dict[str, Any], *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return start(store, "--task", TASK, "--config", dataset["config"], "--max-steps", str(TARGET), *args,
-                 env={"TRAINPROOF_DATA_CACHE": dataset["cache"], **(env or {})})
+def train(store: Path, dataset: dict[str, Any], *args: str, env: dict[str, str] | None = None,
+          group: bool = False) -> subprocess.Popen:
+    """A training process of the example; ``group``: in a process group of its own (its workers join it)."""
+    args = ("--task", TASK, "--config", dataset["config"], "--max-steps", str(TARGET), *args)
+    env = {"TRAINPROOF_DATA_CACHE": dataset["cache"], **(env or {})}
+    if not group:
+        return start(store, *args, env=env)
+    return subprocess.Popen(train_cmd(store, *args, module=entry_module(env)), cwd=ROOT, env=train_env(env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
-def stop_at(proc: subprocess.Popen, step: int) -> Any:
-    """SIGTERM ``proc`` once it reports ``step`` (the next batches are being built by then); its Result."""
+def stop_at(proc: subprocess.Popen, step: int, *, group: bool = False) -> Any:
+    """SIGTERM ``proc`` (its whole process group with ``group``: the workers get it too, as from a terminal's
+    Ctrl-C or a shell's kill 0) once it reports ``step`` (the next batches are being built by then); its Result."""
     seen = []
     while True:
         line = proc.stdout.readline()
@@ -65,7 +72,10 @@ def stop_at(proc: subprocess.Popen, step: int) -> Any:
         seen.append(line)
         if any(e.get("event") == "step" and e["step"] >= step for e in parse_events(line)):
             break
-    proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     result = finish(proc)
     result.events = parse_events("".join(seen)) + result.events
     return result
@@ -116,14 +126,15 @@ def test_zero_two_and_four_workers_end_in_identical_states(continuous, dataset):
 
 
 def _interrupted(tmp_path: Path, dataset: dict[str, Any], env: dict[str, str] | None = None) -> tuple[Path, list]:
-    """Two SIGTERMs at random steps (2 then 4 workers), then the rest with none; the store and the stop steps."""
+    """Two SIGTERMs at random steps (2 then 4 workers; the second to the whole process group, workers included),
+    then the rest with none; the store and the stop steps."""
     store, draw = tmp_path / "run", random.Random()
     first = draw.randint(2, 9)
     second = draw.randint(first + 3, 19)
     env = {"TPHOOK_STEP_DELAY": "0.1", **(env or {})}  # steps long enough for the signal to land mid-run
     stops = []
-    for workers, step in ((2, first), (4, second)):
-        result = stop_at(train(store, dataset, "--data-workers", str(workers), env=env), step)
+    for workers, step, group in ((2, first, False), (4, second, True)):
+        result = stop_at(train(store, dataset, "--data-workers", str(workers), env=env, group=group), step, group=group)
         stopped = result.last("stopped")
         assert result.code == 75 and stopped["reason"] == "signal", result.stderr
         assert stopped["committed_step"] == stopped["step"] >= step  # the step in flight finished and committed

@@ -1,8 +1,9 @@
 """``ShardedDataset``: a packed dataset read from its bucket, verified part by part, as a map-style dataset.
 
 ``dataset[i]`` is sample ``i`` as a NumPy array (a record of the manifest's shape, or a 1-D sample of its own
-length); ``dataset.__getitems__(ids)`` reads a micro-batch's samples at once, fetching the parts it needs from every
-shard in parallel (DatasetTask asks for micro-batches that way, in its DataLoader workers). Reads go through the
+length); ``dataset.__getitems__(ids)`` reads a micro-batch's samples at once, fetching the uncached parts they need
+from every shard in parallel, a bounded number at a time (DatasetTask asks for micro-batches that way, in its
+DataLoader workers). Reads go through the
 store layer (``storage.objects``): ranged reads, retried, each part verified against the manifest before a byte of
 it is used, kept in a local cache of bounded size shared by the processes of the machine:
 
@@ -84,7 +85,7 @@ class ShardedDataset:
         return self.__getitems__([i])[0]
 
     def __getitems__(self, ids: list[int]) -> list[np.ndarray]:
-        """Samples ``ids``, in order: every part they need fetched at once (in parallel), verified."""
+        """Samples ``ids``, in order: the uncached parts they need fetched in parallel, each verified."""
         located = [self._locate(i) for i in ids]
         ranges = [self._range(shard, k) for shard, k in located]
         raw = self._read([(self.manifest.shards[s].entry, a, b) for s, (a, b) in zip((s for s, _ in located), ranges)])
