@@ -269,7 +269,8 @@ def test_a_data_worker_killed_mid_run_ends_the_run_with_one_line(dataset, tmp_pa
     result = finish(proc)
     errors = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]
     assert result.code == 1 and len(errors) == 1, result.stderr[-2000:]
-    assert f"a data worker died: DataLoader worker (pid {workers[0]})" in errors[0] and "killed" in errors[0]
+    # Worded by DataLoader's SIGCHLD handler or by the step that found the worker gone, whichever saw it first
+    assert "a data worker died: DataLoader worker (pid" in errors[0] and str(workers[0]) in errors[0], errors
     assert "Traceback" not in result.stderr and processes_of(tmp_path / "run") == []
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import itertools
 import multiprocessing
+import os
 import signal
 import time
 from typing import Any, Iterator, Protocol
@@ -134,7 +135,7 @@ class WorkerBatches:
             # A private generator: DataLoader draws its workers' base seed from this, never from torch's global
             # generator, whose state is the trainer's (dropout) and would then depend on the worker count.
             generator=torch.Generator(),
-            multiprocessing_context=_fork() if workers else None,
+            multiprocessing_context=_fork() if workers else None, worker_init_fn=_own_process_group,
         )
         self._it: Any = iter(self.loader)
 
@@ -144,7 +145,7 @@ class WorkerBatches:
         except StopIteration:
             raise RuntimeError(f"the data pipeline ended before step {request.step}") from None
         except Exception as exc:  # a worker died (killed for memory, a crash): DataLoader says so, or its pipe breaks
-            failure = worker_failure(exc) or self._dead_worker()
+            failure = self._dead_worker() or worker_failure(exc)
             if failure is None:
                 raise
             raise failure from None
@@ -188,6 +189,18 @@ def worker_failure(exc: BaseException) -> TrainError | None:
         return TrainError(f"a data worker died: {text.splitlines()[0]} (killed for memory? fewer --data-workers or "
                           "a smaller --prefetch need less); the run resumes from its last commit")
     return None
+
+
+def _own_process_group(worker_id: int) -> None:
+    """In each worker: leave the trainer's process group. A signal for the group (a terminal's Ctrl-C, ``kill 0``,
+    an init that signals every process) then reaches only the trainer, which finishes its step and stops the workers
+    itself; DataLoader's workers would otherwise die of a SIGTERM not sent by their parent (torch's handler) and turn
+    a clean stop into a failure. The trainer's own shutdown and a dead trainer (DataLoader's watchdog) still end
+    them."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # not permitted here (e.g. already a group leader): the worker stays in the trainer's group
+        pass
 
 
 def _fork() -> Any:
