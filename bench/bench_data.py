@@ -191,7 +191,8 @@ def pack_bench_dataset(bucket: str, mib: int, part_kib: int) -> str:
     try:
         from job.data import ShardedDataset
 
-        ShardedDataset(url, cache_dir=tempfile.mkdtemp())
+        with tempfile.TemporaryDirectory() as nothing_cached:
+            ShardedDataset(url, cache_dir=nothing_cached)
         return url  # packed by an earlier run
     except Exception:  # noqa: BLE001 - not there yet
         pass
@@ -213,7 +214,8 @@ def read_store(url: str, cache: str) -> tuple[float, int]:
 def read_raw(url: str, concurrency: int) -> tuple[float, int]:
     from job.data import ShardedDataset
 
-    data = ShardedDataset(url, cache_dir=tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory() as nothing_cached:  # only the manifest is read
+        data = ShardedDataset(url, cache_dir=nothing_cached)
     bucket, prefix = url[len("s3://"):].split("/", 1)
     client = _boto3_client()
     spans = [(f"{prefix}/{s.entry.name}", *s.entry.span(i)) for s in data.manifest.shards
@@ -235,7 +237,8 @@ def read_ranges(url: str, concurrency: int) -> tuple[float, int]:
     no verification, no cache. The difference to :func:`read_store` is what job.data and storage.objects add."""
     from job.data import ShardedDataset
 
-    data = ShardedDataset(url, cache_dir=tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory() as nothing_cached:  # only the manifest is read
+        data = ShardedDataset(url, cache_dir=nothing_cached)
     store = data._store
     spans = [(s.entry.name, *s.entry.span(i)) for s in data.manifest.shards for i in range(len(s.entry.parts))]
     t0 = time.perf_counter()
