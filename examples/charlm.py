@@ -36,15 +36,11 @@ EVAL_FILES = ["graphlib.py"]
 
 
 @dataclass(kw_only=True)
-class CharLMConfig:
-    """Data, model and optimisation settings; the defaults train in about a minute on one CPU thread."""
+class TransformerConfig:
+    """The model's and the optimiser's settings (examples.tokenlm trains the same model on a bucket dataset)."""
 
-    files: list[str] = field(default_factory=lambda: list(TRAIN_FILES))
-    """Training files, relative to the standard library folder; read in this order."""
-    eval_files: list[str] = field(default_factory=lambda: list(EVAL_FILES))
-    """Held-out files for :meth:`DatasetTask.evaluate` (the export's metric)."""
     context: int = 64
-    """Characters per training window (each window predicts ``context`` next characters)."""
+    """Tokens per training window (each window predicts ``context`` next tokens)."""
     d_model: int = 64
     """Embedding width."""
     n_heads: int = 4
@@ -69,15 +65,29 @@ class CharLMConfig:
     """Max global gradient norm (0 disables clipping)."""
 
     def __post_init__(self) -> None:
-        require(len(self.files) >= 1 and len(self.eval_files) >= 1, "charlm: need at least one file and eval file")
-        require(self.context >= 2, "charlm: context must be >= 2")
+        name = type(self).__name__
+        require(self.context >= 2, f"{name}: context must be >= 2")
         require(self.d_model >= 1 and self.n_heads >= 1 and self.d_model % self.n_heads == 0,
-                "charlm: d_model must be a positive multiple of n_heads")
-        require(self.n_layers >= 1 and self.d_ff >= 1, "charlm: n_layers and d_ff must be >= 1")
-        require(0.0 <= self.dropout < 1.0, "charlm: dropout must be in [0, 1)")
-        require(1 <= self.micro_batch_size <= self.batch_size, "charlm: need 1 <= micro_batch_size <= batch_size")
+                f"{name}: d_model must be a positive multiple of n_heads")
+        require(self.n_layers >= 1 and self.d_ff >= 1, f"{name}: n_layers and d_ff must be >= 1")
+        require(0.0 <= self.dropout < 1.0, f"{name}: dropout must be in [0, 1)")
+        require(1 <= self.micro_batch_size <= self.batch_size, f"{name}: need 1 <= micro_batch_size <= batch_size")
         require(self.lr > 0 and self.weight_decay >= 0 and self.warmup_steps >= 1 and self.grad_clip >= 0,
-                "charlm: need lr > 0, weight_decay >= 0, warmup_steps >= 1, grad_clip >= 0")
+                f"{name}: need lr > 0, weight_decay >= 0, warmup_steps >= 1, grad_clip >= 0")
+
+
+@dataclass(kw_only=True)
+class CharLMConfig(TransformerConfig):
+    """Data, model and optimisation settings; the defaults train in about a minute on one CPU thread."""
+
+    files: list[str] = field(default_factory=lambda: list(TRAIN_FILES))
+    """Training files, relative to the standard library folder; read in this order."""
+    eval_files: list[str] = field(default_factory=lambda: list(EVAL_FILES))
+    """Held-out files for :meth:`DatasetTask.evaluate` (the export's metric)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(len(self.files) >= 1 and len(self.eval_files) >= 1, "charlm: need at least one file and eval file")
 
 
 def read_sources(names: list[str]) -> tuple[str, list[tuple[str, str]]]:
@@ -114,7 +124,7 @@ class CharWindows(Dataset):
 class CharTransformer(nn.Module):
     """Decoder-only transformer: token + learned position embeddings, pre-norm causal blocks, linear head."""
 
-    def __init__(self, vocab_size: int, cfg: CharLMConfig) -> None:
+    def __init__(self, vocab_size: int, cfg: TransformerConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.context, cfg.d_model)

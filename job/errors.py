@@ -32,3 +32,10 @@ class StateError(TrainError):
     """
 
     exit_code = 2
+
+
+class DataError(TrainError):
+    """The training data cannot be read as its manifest says (a damaged or missing shard of a bucket dataset, a
+    sample that cannot be built): exit 2, since a restart would read the same bytes again."""
+
+    exit_code = 2

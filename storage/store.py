@@ -262,6 +262,12 @@ class GenerationStore:
         cap = self.options.limits.manifest_bytes if max_bytes is None else max_bytes
         return loads_untrusted(self.read_file(name, max_bytes=cap), what=name, max_bytes=cap)
 
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of a run-level object (fewer when it ends sooner), retried like every read;
+        FileNotFoundError when missing. What ``storage.objects`` reads verified parts with."""
+        path = join(self.root, name)
+        return self._io(f"read {name} bytes {start}..{end}", lambda: self.backend.read_range(path, start, end))
+
     def exists(self, name: str) -> bool:
         return self._io(f"check {name}", lambda: self.backend.exists(join(self.root, name)))
 

@@ -95,7 +95,7 @@ HEAVY_FIRST = ("test_hf", "test_verify_fsdp", "test_verify_world", "test_dist_eq
                "test_verify", "test_examples", "test_multinode", "test_train_fsdp", "test_verify_cuts",
                "test_verify_objective", "test_trust_audit", "test_trust_resume", "test_async_checkpoint",
                "test_async_world", "test_train_deadline", "test_export", "test_code_identity", "test_sharded", "test_signing_train",
-               "test_storage_faults", "test_storage_crash")
+               "test_storage_faults", "test_storage_crash", "test_data_workers", "test_data_s3")
 
 
 def pytest_collection_modifyitems(config, items):

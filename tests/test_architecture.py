@@ -1,8 +1,9 @@
 """The layout is the architecture: parts import only downwards, nothing imports in a cycle, no test switches.
 
 Parts of ``job`` in dependency order (a module may import its own part and the parts below it):
-cli → lifecycle → proof → export → train → format, tasks → errors (and the package root). ``format`` (what a
-generation holds) and ``tasks`` (what is trained) are side by side: neither imports the other. ``storage`` never imports ``job``;
+cli → lifecycle → proof → export → train → format, tasks, data → errors (and the package root). ``format`` (what a
+generation holds), ``tasks`` (what is trained) and ``data`` (datasets in the bucket) are side by side: none imports
+another. ``storage`` never imports ``job``;
 ``job`` never imports an S3 library; nothing in the product imports ``tests`` or reads a ``TRAINPROOF_TEST_``
 variable. These are static checks over every import statement, including those inside functions.
 """
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PART_RANK = {"__main__": 7, "cli": 6, "lifecycle": 5, "proof": 4, "export": 3, "train": 2, "format": 1, "tasks": 1,
-             "errors": 0, "": 0}
+             "data": 1, "errors": 0, "": 0}
 REMOTE_LIBS = ("s3fs", "botocore", "boto3", "aiobotocore")
 
 
@@ -58,7 +59,7 @@ def _part(module: str) -> str:
 
 
 def test_every_part_of_job_exists_with_a_docstring_saying_what_it_owns():
-    for part in ("cli", "lifecycle", "proof", "export", "train", "format", "tasks"):
+    for part in ("cli", "lifecycle", "proof", "export", "train", "format", "tasks", "data"):
         doc = ast.get_docstring(ast.parse((ROOT / "job" / part / "__init__.py").read_text()))
         assert doc and len(doc) > 80, f"job/{part}/__init__.py needs a docstring saying what it owns"
     assert not [p.name for p in (ROOT / "job").glob("*.py") if p.name not in ("__init__.py", "__main__.py",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -31,7 +32,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from job.tasks import ConfigError, DatasetTask, TaskContext, dataset_digest, load_task
+from job.tasks import BatchRequest, ConfigError, DatasetTask, dataset_digest, load_task
 from storage import open_store
 from tests.test_train_helpers import differences
 
@@ -97,9 +98,10 @@ def squared_error(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return err.squeeze(1) if err.shape[1] == 1 else err
 
 
-def ctx(seed: int = 0) -> TaskContext:
-    """A TaskContext on the CPU with a NumPy generator seeded ``seed``."""
-    return TaskContext(np_rng=np.random.Generator(np.random.PCG64(seed)), device=CPU)
+def built(task: DatasetTask, ids: list[int], *, seed: int = 0, epoch: int = 0) -> Any:
+    """The micro-batch of ``ids`` as the trainer gets it: built (as a worker would) and moved to the CPU."""
+    request = BatchRequest(seed=seed, step=1, micro=0, epoch=epoch, sample_ids=tuple(ids))
+    return task.batch_to_device(task.build_batch(request), CPU)
 
 
 # -- the adapter, in process --------------------------------------------------------------------------------
@@ -110,16 +112,16 @@ def test_adapter_returns_the_sum_of_per_target_losses_and_their_exact_count(targ
     model = task.build_model().to(torch.float64)
     ids = [7, 2, 9]
     assert task.count_targets(ids) == 3 * targets_per_sample
-    batch = task.make_batch(ids, ctx())
+    batch = built(task, ids)
     x, y = task.dataset.tensors
     expected = ((model(x[ids]) - y[ids]) ** 2).sum()
     got = task.loss_sum(model, batch)
     assert got.shape == () and torch.equal(got, expected)
     assert not torch.equal(got, expected / task.count_targets(ids))  # a sum, not a mean
     # Sums over micro-batches divided by the step's count == the mean over the whole step (what the trainer does).
-    whole = task.loss_sum(model, task.make_batch([7, 2, 9, 4], ctx())) / task.count_targets([7, 2, 9, 4])
-    split = (task.loss_sum(model, task.make_batch([7, 2, 9], ctx()))
-             + task.loss_sum(model, task.make_batch([4], ctx()))) / task.count_targets([7, 2, 9, 4])
+    whole = task.loss_sum(model, built(task, [7, 2, 9, 4])) / task.count_targets([7, 2, 9, 4])
+    split = (task.loss_sum(model, built(task, [7, 2, 9]))
+             + task.loss_sum(model, built(task, [4]))) / task.count_targets([7, 2, 9, 4])
     torch.testing.assert_close(split, whole, rtol=1e-15, atol=0.0)
 
 
@@ -135,14 +137,14 @@ def test_adapter_refuses_a_reduced_or_misshapen_loss(loss, message):
     task = line_task(loss)
     model = task.build_model().to(torch.float64)
     with pytest.raises(ConfigError, match=message):
-        task.loss_sum(model, task.make_batch([0, 1, 2], ctx()))
+        task.loss_sum(model, built(task, [0, 1, 2]))
 
 
 def test_adapter_refuses_a_per_sample_loss_where_per_target_losses_are_due():
     # 3 targets a sample: a loss already summed per sample would make the count (and so the mean) wrong by 3x.
     task = line_task(lambda m, b: squared_error(m, b).sum(dim=1), targets_per_sample=3)
     with pytest.raises(ConfigError, match=r"shape \(2,\), expected \(2, 3\)"):
-        task.loss_sum(task.build_model().to(torch.float64), task.make_batch([0, 1], ctx()))
+        task.loss_sum(task.build_model().to(torch.float64), built(task, [0, 1]))
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -162,18 +164,25 @@ def test_adapter_refuses_settings_that_cannot_define_a_run(kwargs, message):
         DatasetTask(**{**base, **kwargs})
 
 
-def test_adapter_identity_follows_the_data_and_augmentation_draws_only_from_the_run_generator():
+def test_adapter_identity_follows_the_data_and_augmentation_draws_only_from_each_samples_generators():
     a, b = line_task(squared_error), line_task(squared_error)
     assert a.data_identity() == b.data_identity() == dataset_digest(a.dataset)
     assert line_task(squared_error, rows=11).data_identity() != a.data_identity()
-    noisy = line_task(squared_error, augment=lambda s, rng: (s[0] + float(rng.normal()), s[1]))
-    first, again, other = (noisy.make_batch([1, 2], ctx(seed)).data[0] for seed in (5, 5, 6))
-    assert torch.equal(first, again) and not torch.equal(first, other)
+    # The sample's own generator, and torch's global one (seeded from the same (seed, epoch, sample) for the call).
+    noisy = line_task(squared_error, augment=lambda s, rng: (s[0] + float(rng.normal()) + float(torch.rand(())), s[1]))
+    first, again = (built(noisy, [1, 2], seed=5).data[0] for _ in range(2))
+    assert torch.equal(first, again)
+    for other in (built(noisy, [1, 2], seed=6), built(noisy, [1, 2], seed=5, epoch=1)):
+        assert not (other.data[0] == first).any()
+    # A sample's augmentation does not depend on the batch it lands in, its place there, or what ran before.
+    assert torch.equal(built(noisy, [2, 7], seed=5).data[0][0], first[1])
     torch.manual_seed(1)
     state = torch.get_rng_state()
     np_state = np.random.get_state()[1].copy()
-    noisy.make_batch([1, 2], ctx())
+    python_state = random.getstate()
+    built(noisy, [1, 2])
     assert torch.equal(torch.get_rng_state(), state) and (np.random.get_state()[1] == np_state).all()
+    assert random.getstate() == python_state
 
 
 def test_adapter_casts_floating_inputs_to_the_task_dtype_and_keeps_integer_ones():
@@ -181,7 +190,7 @@ def test_adapter_casts_floating_inputs_to_the_task_dtype_and_keeps_integer_ones(
     task = DatasetTask(dataset=TensorDataset(x, labels), build_model=lambda: torch.nn.Linear(2, 4),
                        per_sample_loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"),
                        config={}, batch_size=2, dtype=torch.float64)
-    inputs, targets = task.make_batch([0, 3], ctx()).data
+    inputs, targets = built(task, [0, 3]).data
     assert (inputs.dtype, targets.dtype) == (torch.float64, torch.int64) and targets.tolist() == [0, 3]
 
 
@@ -272,7 +281,8 @@ def doc_modules() -> dict[str, str]:
 
 def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, monkeypatch):
     modules = doc_modules()
-    assert set(modules) == {"mytask", "lines"}, sorted(modules)  # the adapter one and the from-scratch one
+    # the adapter one, the from-scratch one, and the latter with its batches built by workers
+    assert set(modules) == {"mytask", "lines", "wlines"}, sorted(modules)
     for name, body in modules.items():
         (tmp_path / f"{name}.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -291,6 +301,8 @@ def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, m
         losses = [e["loss"] for e in events(out) if e["event"] == "step"]
         assert len(losses) == 8 and losses[-1] < losses[0], (name, losses)
         assert final_state(tmp_path / name)["progress"]["step"] == 8
+        started = next(e for e in events(out) if e["event"] == "start")
+        assert started["data_workers"] == {"mytask": 0, "lines": None, "wlines": 2}[name]
 
 
 def readme_commands(heading: str = "## Train your own model") -> list[str]:

@@ -7,7 +7,8 @@ imports it except ``job.__main__`` and the console script. Command bodies stay t
 spot notices, deadlines, planning).
 
 One module per command group, each adding its commands to :data:`job.cli.app.app`:
-``train`` (train), ``store`` (ls, gc), ``verify`` (verify, export, reload-check), ``plan`` (plan).
+``train`` (train), ``store`` (ls, gc), ``verify`` (verify, export, reload-check), ``plan`` (plan),
+``data`` (data pack, data verify).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import importlib
 
 from job.cli.app import app
 
-COMMAND_MODULES = ("job.cli.store", "job.cli.train", "job.cli.verify", "job.cli.plan")
+COMMAND_MODULES = ("job.cli.store", "job.cli.train", "job.cli.verify", "job.cli.plan", "job.cli.data")
 
 
 def _register() -> None:

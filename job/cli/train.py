@@ -96,6 +96,12 @@ def train_command(
                                       "the final step is committed only when its measured commit time fits; "
                                       "else exit 75 from the commit in flight. Kubernetes: match "
                                       "terminationGracePeriodSeconds (150 in infra/k8s); AWS spot 120.")] = 25.0,
+    data_workers: Annotated[Optional[int], _opt("DATA_WORKERS", "DataLoader worker processes that load, decode, "
+                                                "augment and collate micro-batches ahead of the step (default: the "
+                                                "task's num_workers; 0: in the training process). Never changes "
+                                                "results: a run may resume with another count.")] = None,
+    prefetch: Annotated[Optional[int], _opt("PREFETCH", "Micro-batches each data worker builds ahead (default: "
+                                            "the task's prefetch, 2).")] = None,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Train; resume from the latest valid generation. Exit 0 done (target reached, or deadline reached with a
@@ -119,7 +125,8 @@ def train_command(
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
                 allow_code_change=allow_code_change, objective_check=objective_check, batch_size=batch_size,
                 micro_batch_size=micro_batch_size,
-                sync_checkpoint=sync_checkpoint, stop_grace_s=stop_grace, fsdp=fsdp,
+                sync_checkpoint=sync_checkpoint, stop_grace_s=stop_grace, fsdp=fsdp, data_workers=data_workers,
+                prefetch=prefetch,
             )
             run_store = open_run(store, endpoint_url, region, path_style)
             cfg.deadline = _run_deadline(run_store, deadline, rental_ends)

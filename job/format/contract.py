@@ -9,13 +9,16 @@ The contract (docs/protocol.md) is sha256 over:
 - the objective name (``global_token_mean_v1`` for tinylm, ``mse_mean_v1`` for regression),
 - the seed,
 - ``fsdp: true`` when the run trains sharded (``train --fsdp``; absent otherwise, so a replicated run's
-  contract is what it always was): its generations hold shards, not one state, so a run cannot switch.
-  plan.json also records the whole layout (job.format.layout, outside the hash),
+  contract is what it always was): its generations hold shards, not one state, so a run cannot switch;
 - ``precision`` when the task sets one (``bf16``, ``fp16``, ``fp32``; absent for ``auto``, the device's default,
   so the contract of a run that never chose is what it always was),
 - ``init_sha256``: the sha256 of each pretrained weights file the model starts from (job.tasks ``Pretrained``;
   absent when it starts from the seeded initialisation). Not its location: the same bytes elsewhere are the
-  same start, and a resume never reads the file again.
+  same start, and a resume never reads the file again,
+- ``data_pipeline`` when the task builds its batches ahead (``Task.build_batch``, job.train.pipeline): how the
+  per-sample generators are derived, which changes results. Absent for a task built with ``make_batch`` (its
+  contract is unchanged); the worker count and the prefetch depth never enter it, since they change nothing.
+  plan.json also records the whole layout (job.format.layout, outside the hash).
 
 ``plan.json`` is written once, create-only, on the first start. Every later start recomputes the fields
 from its own options and compares them with the stored plan: a different task config, data, seed or
@@ -51,7 +54,7 @@ PLAN_SCHEMA = "trainproof.plan/1"
 PLAN_FILE = "plan.json"
 # Compared in this order on restart; the first difference is reported (with the others listed).
 CONTRACT_FIELDS = ("task", "task_config", "data_identity", "seed", "world", "objective", "state_schema", "fsdp",
-                   "precision", "init_sha256")
+                   "precision", "init_sha256", "data_pipeline")
 
 
 def canonical_json(value: Any) -> bytes:
@@ -67,7 +70,7 @@ def sha256_hex(data: bytes) -> str:
 def build_plan(
     *, task: str, task_config: dict[str, Any], data_identity: str, seed: int, world: int, objective: str,
     code_version: str, epoch_plan: dict[str, Any] | None = None, layout: Layout | None = None,
-    precision: str = "auto", init: list[str] | None = None,
+    precision: str = "auto", init: list[str] | None = None, data_pipeline: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run's plan: its identity fields, the derived contract hash, and when/what wrote it.
 
@@ -89,6 +92,8 @@ def build_plan(
         plan["precision"] = precision
     if init:
         plan["init_sha256"] = list(init)
+    if data_pipeline is not None:
+        plan["data_pipeline"] = data_pipeline
     plan["config_sha256"] = sha256_hex(canonical_json({"task": task, "task_config": task_config}))
     plan["contract"] = contract_of(plan)
     plan["code_version"] = code_version
@@ -113,6 +118,8 @@ def contract_of(plan: dict[str, Any]) -> str:
     for optional in ("precision", "init_sha256"):  # absent unless chosen: older runs keep their contract
         if plan.get(optional) not in (None, "auto", []):
             fields[optional] = plan[optional]
+    if plan.get("data_pipeline") is not None:
+        fields["data_pipeline"] = plan["data_pipeline"]
     return sha256_hex(canonical_json(fields))
 
 

@@ -31,7 +31,8 @@ Opener = Callable[[str], GenerationStore]
 # inherited TRAINPROOF_MAX_STEPS would fight the path's own options, so the verifier passes everything
 # explicitly instead. The signing keys (TRAINPROOF_SIGNING_KEY*) are kept too: a path must sign its own
 # generations and accept the run's signed plan.json and generation it is seeded with.
-_KEPT_PREFIXES = ("TRAINPROOF_S3_", "TRAINPROOF_ENDPOINT_URL", "TRAINPROOF_REGION", "TRAINPROOF_SIGNING_KEY")
+_KEPT_PREFIXES = ("TRAINPROOF_S3_", "TRAINPROOF_ENDPOINT_URL", "TRAINPROOF_REGION", "TRAINPROOF_SIGNING_KEY",
+                  "TRAINPROOF_DATA_CACHE")
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 """The repository (or site-packages) folder holding ``job`` and ``storage``: put on a child's PYTHONPATH."""
 

@@ -1,7 +1,8 @@
 """Tasks: what is trained. The built-ins and the loader for ``--task package.module:factory``.
 
 Owns: the :class:`~job.tasks.base.Task` interface (model, optimizer, scheduler, sample ids -> micro-batch,
-summed loss, target count), the built-in ``regression`` and ``tinylm`` tasks, and loading a user's task.
+summed loss, target count), what a worker is asked to build and the generators it may draw from
+(``job.tasks.batches``), the built-in ``regression`` and ``tinylm`` tasks, and loading a user's task.
 May import only ``job.errors``: a task knows nothing of the loop, checkpoints or storage.
 """
 
@@ -24,6 +25,7 @@ from job.tasks.base import (
     require,
     sha256_of,
 )
+from job.tasks.batches import BatchRequest, sample_generators, sample_rng
 
 BUILTIN_TASKS = {
     "regression": "job.tasks.regression:make_task",
@@ -31,9 +33,9 @@ BUILTIN_TASKS = {
 }
 
 __all__ = [
-    "BUILTIN_TASKS", "PRECISIONS", "AdaptedBatch", "ConfigError", "DatasetTask", "Pretrained", "Task", "TaskContext",
-    "config_from_dict",
-    "dataset_digest", "eval_mode", "load_task", "require", "sha256_of",
+    "BUILTIN_TASKS", "PRECISIONS", "AdaptedBatch", "BatchRequest", "ConfigError", "DatasetTask", "Pretrained", "Task",
+    "TaskContext", "config_from_dict", "dataset_digest", "eval_mode", "load_task", "require", "sample_generators",
+    "sample_rng", "sha256_of",
 ]
 
 

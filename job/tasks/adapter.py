@@ -7,12 +7,20 @@ The adapter does the parts of a task that are easy to get subtly wrong:
   the shape and returns their **sum**, and :meth:`count_targets` is the exact count
   (``len(ids) * targets_per_sample``), so the trainer's global mean is exact under gradient accumulation
   and across ranks. A mean (a scalar) or a wrongly shaped loss is refused with a ConfigError (exit 2);
+- **batches built ahead**: the adapter implements :meth:`build_batch`, so its micro-batches are loaded, augmented
+  and collated by ``num_workers`` DataLoader worker processes ahead of the step (0: in the training process), and
+  moved to the device when the step consumes them. A dataset with ``__getitems__(ids)`` (a bucket dataset,
+  job.data) is asked for a micro-batch's samples at once;
 - **randomness**: samples come from ``dataset[i]``, which must be deterministic; augmentation goes through
-  ``augment(sample, np_rng)`` with the run's checkpointed NumPy generator. Dropout and other PyTorch draws
-  use the global generator, which the trainer owns too. The adapter itself draws nothing;
+  ``augment(sample, rng)`` with the sample's own generator, derived from (run seed, epoch, sample id)
+  (job.tasks.batches), so a sample's augmentation is the same whatever the worker count or a resume; Python's
+  ``random``, NumPy's and torch's global generators are seeded from it too for the call. Dropout and other draws
+  of the model use torch's global generator in the training process, which the trainer owns. The adapter itself
+  draws nothing;
 - **the run contract**: ``config`` (the complete, resolved settings of the user's factory) is what
   :meth:`config` returns, so ``factory(task.config())`` must rebuild the same task (the export's reload
-  check and ``verify --audit`` do exactly that); ``data_identity`` defaults to a sha256 over every sample.
+  check and ``verify --audit`` do exactly that); ``data_identity`` defaults to the dataset's own
+  ``data_identity`` attribute (a bucket dataset's manifest digest), else a sha256 over every sample.
 
 Example::
 
@@ -38,7 +46,10 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from job.errors import ConfigError
-from job.tasks.base import Pretrained, Task, TaskContext, check_precision, eval_mode, require
+from job.tasks.base import Pretrained, Task, check_precision, eval_mode, require
+from job.tasks.batches import BatchRequest, sample_generators, to_device
+
+__all__ = ["AdaptedBatch", "DatasetTask", "OPTIMIZERS", "dataset_digest", "to_device"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -59,6 +70,12 @@ class AdaptedBatch:
     targets: int
     """Targets the per-target loss must cover (``samples * targets_per_sample``)."""
 
+    def pin_memory(self) -> AdaptedBatch:
+        """The batch with its tensors in page-locked memory (DataLoader's ``pin_memory`` calls this on CUDA runs)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return AdaptedBatch(data=pin_memory(self.data), samples=self.samples, targets=self.targets)
+
 
 class DatasetTask(Task):
     """A task from a map-style ``torch.utils.data.Dataset`` (see the module docstring).
@@ -77,10 +94,14 @@ class DatasetTask(Task):
       (e.g. ``{"betas": [0.9, 0.95]}``);
     - ``lr_schedule(step) -> factor``: a plain function for ``LambdaLR``, or None for a constant rate;
     - ``grad_clip``: max global gradient norm, or None;
-    - ``augment(sample, np_rng) -> sample``: per-sample augmentation with the run's NumPy generator;
+    - ``augment(sample, rng) -> sample``: per-sample augmentation with the sample's own NumPy generator (run seed,
+      epoch, sample id: job.tasks.batches);
+    - ``num_workers`` / ``prefetch``: DataLoader worker processes building micro-batches ahead, and micro-batches
+      each builds ahead (``train --data-workers`` / ``--prefetch`` override them; neither changes results);
     - ``collate``: list of samples -> batch (default ``torch.utils.data.default_collate``); the batch's
       tensors are then moved to the run's device, floating-point ones cast to ``dtype``;
-    - ``data_identity``: a sha256 hex of the exact data; default: computed over every sample once;
+    - ``data_identity``: a sha256 hex of the exact data; default: the dataset's ``data_identity`` attribute when it
+      has one (job.data's bucket datasets), else computed over every sample once;
     - ``eval_dataset``: held-out samples for :meth:`evaluate` (the per-target mean loss), or None;
     - ``objective``, ``cpu_threads`` (default 1: bitwise-reproducible CPU runs), ``dtype``,
       ``supports_cuda``, ``default_steps``, ``precision`` (``auto``, ``bf16``, ``fp16``, ``fp32``), ``tokenizer``:
@@ -99,7 +120,7 @@ class DatasetTask(Task):
         eval_dataset: Dataset | None = None, eval_metric: str = "loss", objective: str = "per_target_mean_v1",
         cpu_threads: int | None = 1, dtype: torch.dtype = torch.float32, supports_cuda: bool = True,
         default_steps: int = 10, precision: str = "auto", pretrained: Sequence[Pretrained] = (),
-        tokenizer: Any = None,
+        tokenizer: Any = None, num_workers: int = 0, prefetch: int = 2,
     ) -> None:
         require(isinstance(config, Mapping), f"config must be a dict of settings, not {type(config).__name__}")
         try:
@@ -120,6 +141,8 @@ class DatasetTask(Task):
         require(grad_clip is None or grad_clip > 0, "DatasetTask: grad_clip must be > 0 or None")
         require(data_identity is None or _is_sha256(data_identity),
                  "DatasetTask: data_identity must be a sha256 hex digest (64 lowercase hex digits)")
+        require(isinstance(num_workers, int) and num_workers >= 0, "DatasetTask: num_workers must be >= 0")
+        require(isinstance(prefetch, int) and prefetch >= 1, "DatasetTask: prefetch must be >= 1")
         self.dataset, self.eval_dataset = dataset, eval_dataset
         self._build_model, self._per_sample_loss = build_model, per_sample_loss
         self._batch_size, self._micro_batch_size = batch_size, micro
@@ -127,7 +150,9 @@ class DatasetTask(Task):
         self._optimizer = (OPTIMIZERS[optimizer], {"lr": lr, "weight_decay": weight_decay,
                                                     **dict(optimizer_options or {})})
         self._lr_schedule, self._augment, self._collate = lr_schedule, augment, collate
-        self._data_identity = data_identity
+        own = getattr(dataset, "data_identity", None)  # a bucket dataset knows its manifest's digest
+        self._data_identity = data_identity or (own if _is_sha256(own) else None)
+        self.num_workers, self.prefetch = num_workers, prefetch
         # Instance attributes shadow the Task class defaults the trainer reads.
         self.grad_clip, self.eval_metric, self.objective = grad_clip, eval_metric, objective
         self.cpu_threads, self.dtype, self.supports_cuda = cpu_threads, dtype, supports_cuda
@@ -186,14 +211,24 @@ class DatasetTask(Task):
     def count_targets(self, sample_ids: list[int]) -> int:
         return len(sample_ids) * self.targets_per_sample
 
-    def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> AdaptedBatch:
-        samples = [self.dataset[i] for i in sample_ids]
+    def build_batch(self, request: BatchRequest) -> AdaptedBatch:
+        """The request's samples read (at once when the dataset has ``__getitems__``), each augmented with its own
+        generator, and collated, on the CPU (in a worker process when ``num_workers`` > 0)."""
+        ids = list(request.sample_ids)
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = list(getitems(ids)) if callable(getitems) else [self.dataset[i] for i in ids]
         if self._augment is not None:
-            samples = [self._augment(s, ctx.np_rng) for s in samples]
+            augmented = []
+            for i, sample in zip(ids, samples):
+                with sample_generators(request.seed, request.epoch, i) as rng:
+                    augmented.append(self._augment(sample, rng))
+            samples = augmented
+        return AdaptedBatch(data=self._collate(samples), samples=len(ids), targets=self.count_targets(ids))
+
+    def batch_to_device(self, batch: AdaptedBatch, device: torch.device) -> AdaptedBatch:
         # Floating inputs in the model's dtype (the trainer casts the model to ``dtype``, not the data).
-        data = to_device(self._collate(samples), ctx.device, self.dtype)
-        return AdaptedBatch(data=data, samples=len(sample_ids),
-                            targets=self.count_targets(sample_ids))
+        return AdaptedBatch(data=to_device(batch.data, device, self.dtype), samples=batch.samples,
+                            targets=batch.targets)
 
     def loss_sum(self, model: nn.Module, batch: AdaptedBatch) -> torch.Tensor:
         losses = self._per_sample_loss(model, batch.data)
@@ -227,22 +262,6 @@ class DatasetTask(Task):
                 total += float(self.loss_sum(model, batch).double())
                 count += batch.targets
         return total / count
-
-
-def to_device(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
-    """``data`` with every tensor (inside dicts, lists and tuples) moved to ``device``, floating-point ones
-    cast to ``dtype`` when given (integer tensors such as labels and token ids keep theirs)."""
-    if isinstance(data, torch.Tensor):
-        if dtype is not None and data.is_floating_point():
-            return data.to(device=device, dtype=dtype, non_blocking=True)
-        return data.to(device, non_blocking=True)
-    if isinstance(data, Mapping):
-        return {k: to_device(v, device, dtype) for k, v in data.items()}
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
-        return type(data)(*(to_device(v, device, dtype) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(to_device(v, device, dtype) for v in data)
-    return data
 
 
 def dataset_digest(dataset: Dataset) -> str:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from job.errors import ConfigError
+from job.tasks.batches import BatchRequest, to_device
 
 C = TypeVar("C")
 
@@ -72,6 +73,13 @@ class Task(abc.ABC):
     tokenizer: Any = None
     """A Hugging Face tokenizer (anything with ``save_pretrained(folder)``) that an export of a ``transformers`` model
     writes into its Hugging Face directory; None: no tokenizer files."""
+    num_workers: int = 0
+    """DataLoader worker processes that build micro-batches ahead of the step (:meth:`build_batch`); 0 builds them
+    in the training process. ``train --data-workers`` overrides it. It never changes results, so it is not part of
+    the run contract (a run may resume with another count)."""
+    prefetch: int = 2
+    """Micro-batches each worker builds ahead (DataLoader's ``prefetch_factor``); ``train --prefetch`` overrides
+    it. Not part of the contract either."""
 
     @property
     @abc.abstractmethod
@@ -111,9 +119,29 @@ class Task(abc.ABC):
         """Number of real targets (rows, tokens) in these samples, known before any forward pass."""
         return len(sample_ids)
 
-    @abc.abstractmethod
     def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> Any:
-        """Build one micro-batch from sample ids (augmentation randomness drawn here)."""
+        """Build one micro-batch from sample ids in the training process, on ``ctx.device`` (augmentation drawn
+        from ``ctx.np_rng``). Implement this or :meth:`build_batch`."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither make_batch nor build_batch")
+
+    def build_batch(self, request: BatchRequest) -> Any:
+        """Build one micro-batch on the CPU, in a DataLoader worker process (``num_workers`` > 0) or in the
+        training process: load, decode, augment and collate ``request.sample_ids``. Random draws come from
+        ``request.rng(sample_id)`` (or :func:`job.tasks.batches.sample_generators`); see job.tasks.batches. The
+        result travels between processes (picklable; tensors go through shared memory). Implementing this
+        instead of :meth:`make_batch` is what lets the trainer build batches ahead with workers."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement build_batch")
+
+    @property
+    def builds_batches(self) -> bool:
+        """Whether the trainer builds this task's micro-batches through :meth:`build_batch` (ahead, possibly in
+        workers) rather than :meth:`make_batch`: true when a subclass implements it."""
+        return type(self).build_batch is not Task.build_batch
+
+    def batch_to_device(self, batch: Any, device: torch.device) -> Any:
+        """A batch :meth:`build_batch` made, on ``device`` for the step that consumes it. Default: every tensor
+        moved there, floating-point ones cast to ``dtype``."""
+        return to_device(batch, device, self.dtype)
 
     @abc.abstractmethod
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from job.tasks.base import Task, TaskContext, require
+from job.tasks.batches import BatchRequest
 
 
 class ObjectiveCheckTask(Task):
@@ -35,6 +36,7 @@ class ObjectiveCheckTask(Task):
         self.objective, self.grad_clip = self.inner.objective, self.inner.grad_clip
         self.supports_cuda, self.default_steps = self.inner.supports_cuda, self.inner.default_steps
         self.eval_metric, self.fsdp = self.inner.eval_metric, task.fsdp
+        self.num_workers, self.prefetch = self.inner.num_workers, self.inner.prefetch
 
     @property
     def batch_size(self) -> int:
@@ -80,6 +82,16 @@ class ObjectiveCheckTask(Task):
 
     def make_batch(self, sample_ids: list[int], ctx: TaskContext) -> Any:
         return _float64(self.inner.make_batch(sample_ids, ctx))
+
+    @property
+    def builds_batches(self) -> bool:
+        return self.inner.builds_batches
+
+    def build_batch(self, request: BatchRequest) -> Any:
+        return self.inner.build_batch(request)
+
+    def batch_to_device(self, batch: Any, device: torch.device) -> Any:
+        return _float64(self.inner.batch_to_device(batch, device))
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return self.inner.loss_sum(model, batch)

@@ -84,6 +84,11 @@ class TrainConfig:
     sync_checkpoint: bool = False
     """Commit checkpoints inline, blocking training for the whole save (the behaviour before asynchronous
     checkpoints, job.train.async_save), on every rank."""
+    data_workers: int | None = None
+    """DataLoader worker processes building micro-batches ahead of the step (job.train.pipeline); None: the task's
+    ``num_workers``. Never changes results, so not part of the contract: a run may resume with another count."""
+    prefetch: int | None = None
+    """Micro-batches each data worker builds ahead; None: the task's ``prefetch``. Not part of the contract."""
     stop_grace_s: float = 25.0
     """Seconds the platform grants between SIGTERM (or a spot notice) and SIGKILL. After a stop request the
     final step is committed only when the measured commit time fits what is left; otherwise the run exits 75
@@ -117,6 +122,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+        if self.data_workers is not None and not 0 <= self.data_workers <= 256:
+            raise ConfigError(f"--data-workers must be in 0..256 (got {self.data_workers})")
+        if self.prefetch is not None and not 1 <= self.prefetch <= 1024:
+            raise ConfigError(f"--prefetch must be in 1..1024 (got {self.prefetch})")
         if self.stop_grace_s <= 0:
             raise ConfigError(f"--stop-grace must be > 0 seconds (got {self.stop_grace_s})")
         if self.deadline is not None and self.deadline <= datetime.now(timezone.utc):
@@ -145,7 +154,8 @@ class TrainConfig:
             "negative_control": self.negative_control, "allow_code_change": self.allow_code_change,
             "objective_check": self.objective_check, "batch_size": self.batch_size,
             "micro_batch_size": self.micro_batch_size, "sync_checkpoint": self.sync_checkpoint,
-            "stop_grace_s": self.stop_grace_s, "fsdp": self.fsdp,
+            "stop_grace_s": self.stop_grace_s, "fsdp": self.fsdp, "data_workers": self.data_workers,
+            "prefetch": self.prefetch,
         }
 
 

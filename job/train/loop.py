@@ -36,6 +36,7 @@ from job.train.config import TrainConfig
 from job.train.data import epoch_plan
 from job.train.device import configure_determinism, resolve_device
 from job.train.discover import agree_plan
+from job.train.pipeline import check_workers, open_batches, pipeline_record, worker_failure
 from job.train.progress import Reporter, make_reporter
 from job.train.resume import Resumed, ResumeOptions, resume
 from job.train.run import Run, build_run, capture_rank_part, capture_state, train_step
@@ -82,6 +83,7 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
     task = load_task(cfg.task, cfg.task_config)
     if cfg.objective_check:  # the verifier's objective-equivalence run (job.proof.objective)
         task = ObjectiveCheckTask(task, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size)
+    check_workers(task, task.num_workers if cfg.data_workers is None else cfg.data_workers)
     device = resolve_device(cfg.device, task, env)
     configure_determinism(task, device)
     # Before any collective: a refused epoch plan ends every rank with exit 2 at once, no rendezvous.
@@ -93,6 +95,7 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
             task=cfg.task, task_config=task.config(), data_identity=task.data_identity(), seed=cfg.seed,
             world=env.world, objective=task.objective, code_version=code_version(), epoch_plan=plan_of_epoch,
             layout=layout, precision=task.precision, init=[p.sha256 for p in task.pretrained()],
+            data_pipeline=pipeline_record(task),
         ), sync)
         rep = reporter or (make_reporter(cfg.log_format, log_every=cfg.log_every) if env.rank == 0
                            else RankReporter(env.rank))
@@ -160,11 +163,18 @@ class Trainer:
         left = self.deadline.seconds_left()
         past = left is not None and left <= 0 and self.finisher is not None
         try:
+            if not past:
+                run.batches = self._open_batches(run)
             reason = "deadline" if past else self._loop(run, target)
+            self._close_batches(run)  # before the final commit: what the workers prefetched is never saved
             committed = self._finish_saves(run, reason)  # the end, or the boundary after a stop request
-        except BaseException:
+        except BaseException as exc:
+            self._close_batches(run)
             self._land_in_flight_save()
-            raise
+            failure = worker_failure(exc)  # a dead data worker: one line, not DataLoader's traceback
+            if failure is None:
+                raise
+            raise failure from None
         finished = self._finish(run, unbounded=past) if reason == "deadline" else None
         exit_code = EXIT_OK if run.step >= target or (finished or {}).get("ok") else EXIT_STOPPED
         if past and exit_code != EXIT_OK:
@@ -198,6 +208,29 @@ class Trainer:
             self.reporter.step(record, target=target)
         return "target"
 
+    def _workers(self) -> tuple[int, int]:
+        """(data workers, prefetch depth): this invocation's options, else the task's defaults."""
+        c = self.cfg
+        return (self.task.num_workers if c.data_workers is None else c.data_workers,
+                self.task.prefetch if c.prefetch is None else c.prefetch)
+
+    def _open_batches(self, run: Run) -> Any:
+        """The micro-batches of the steps from run.step + 1 on (job.train.pipeline), from the restored position."""
+        workers, prefetch = self._workers()
+        return open_batches(self.task, run.sampler, seed=self.cfg.seed, first=run.step + 1,
+                            world=self.world, rank=self.rank, workers=workers, prefetch=prefetch,
+                            pin_memory=self.device.type == "cuda")
+
+    def _close_batches(self, run: Run) -> None:
+        """Stop the data workers (once); their prefetched batches are dropped, the position is what was consumed."""
+        batches, run.batches = run.batches, None
+        if batches is not None and getattr(batches, "workers", 0):
+            seconds = batches.close()
+            self.reporter.event("data_workers_stopped", step=run.step, workers=batches.workers,
+                                seconds=round(seconds, 3), left_running=batches.left_running)
+        elif batches is not None:
+            batches.close()
+
     def _resume_options(self) -> ResumeOptions:
         c = self.cfg
         return ResumeOptions(mode=c.resume, seed=c.seed, allow_world_change=c.allow_world_change,
@@ -209,6 +242,7 @@ class Trainer:
                             world=self.world, contract=self.plan["contract"], store=self.store.url,
                             epoch_plan=self.epoch_plan, world_changes=self.resumed.world_changes,
                             checkpoint=self.saver.mode, fsdp=self.layout.sharded, layout=self.layout.name,
+                            data_workers=self._workers()[0] if self.task.builds_batches else None,
                             deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat(),
                             **({"deadline_reserve_s": round(self.deadline.finish_s, 3)} if self.finisher else {}))
         self.reporter.begin(step=run.step, target=target)

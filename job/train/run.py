@@ -27,10 +27,12 @@ from job.errors import ConfigError, StateError
 from job.format.layout import Layout
 from job.format.state import STATE_SCHEMA, History
 from job.tasks.base import Task, TaskContext
+from job.tasks.batches import BatchRequest
 from job.train import rng
 from job.train.data import EpochSampler
 from job.train.dist import Collectives, DistEnv, rank_seed, rank_slice
 from job.train.parallel import Strategy, strategy_for
+from job.train.pipeline import BatchSource, InProcess, micro_batches
 
 
 @dataclass(kw_only=True)
@@ -65,6 +67,10 @@ class Run:
     """The verifier's negative control (``--negative-control per-rank-mean``): normalise each rank's loss by
     its *own* target count and average the ranks (the mean of per-rank means), the classic mistake the
     global objective avoids. Never on for training."""
+    seed: int = 0
+    """The run seed (the per-sample generators of batches built ahead derive from it)."""
+    batches: BatchSource | None = None
+    """Where each micro-batch comes from (job.train.pipeline): None builds them with ``make_batch`` at the step."""
     microbatch_mean: bool = False
     """The objective check's negative control (``--negative-control mean-of-microbatch-means``): normalise each
     micro-batch by its *own* target count and average the step's micro-batches (over every rank), the mistake
@@ -72,6 +78,7 @@ class Run:
 
     def __post_init__(self) -> None:
         self.sync = self.sync or Collectives(self.env)
+        self.batches = self.batches or InProcess(self.task)
 
     @property
     def cuda(self) -> bool:
@@ -112,7 +119,8 @@ def build_run(task: Task, device: torch.device, seed: int, *, env: DistEnv | Non
     return Run(task=task, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
                scaler=scaler, sampler=sampler, np_gen=np_gen, use_amp=autocast is not None, autocast=autocast,
                env=env, sync=sync,
-               ddp=wrapper, parallel=parallel, per_rank_mean=per_rank_mean, microbatch_mean=microbatch_mean)
+               ddp=wrapper, parallel=parallel, per_rank_mean=per_rank_mean, microbatch_mean=microbatch_mean,
+               seed=seed)
 
 
 def train_step(run: Run) -> dict[str, Any]:
@@ -128,7 +136,7 @@ def train_step(run: Run) -> dict[str, Any]:
     task, world = run.task, run.env.world
     ids = run.sampler.next_ids(run.global_batch)
     mine = rank_slice(ids, world, run.env.rank)
-    chunks = [mine[i : i + task.micro_batch_size] for i in range(0, len(mine), task.micro_batch_size)]
+    chunks = micro_batches(ids, world, run.env.rank, task.micro_batch_size)
     counts = [task.count_targets(c) for c in chunks]
     local = sum(counts)
     # One all-reduce gives the global count and whether any rank has nothing to train on: every rank then
@@ -145,7 +153,9 @@ def train_step(run: Run) -> dict[str, Any]:
     loss_total = torch.zeros((), dtype=torch.float64, device=run.device)
     ctx = TaskContext(np_rng=run.np_gen, device=run.device)
     for i, chunk in enumerate(chunks):
-        batch = task.make_batch(chunk, ctx)
+        # Built ahead by workers, or here and now (job.train.pipeline); either way for exactly these ids.
+        batch = run.batches.batch(BatchRequest(seed=run.seed, step=run.step + 1, micro=i, epoch=run.sampler.epoch,
+                                               sample_ids=tuple(chunk)), ctx)
         # Gradients are reduced once per step, on the last micro-batch's backward; the earlier ones accumulate.
         with run.parallel.accumulate(run.model, run.ddp, last=i == len(chunks) - 1):
             with _autocast(run):

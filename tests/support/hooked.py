@@ -27,6 +27,9 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          own restore self-check fails (the trainer exits 2 with a
                          ``restore_check_failed`` event);
                          ``crash`` fail while restoring (the process exits 1)
+``TPHOOK_SAVE_PREFETCHED`` ``1``: every checkpoint holds the data position the DataLoader workers were asked to
+                         build up to (job.train.pipeline's lookahead) instead of the one the trainer consumed: the
+                         bug of loaders that checkpoint their own prefetching iterator
 ``TPHOOK_DUMP_LOADED``   a path: right after a sharded run (``--fsdp``) loaded its model and optimizer shards,
                          gather them whole (every rank) and ``torch.save`` them there (rank 0), flattened to
                          ``model.<fqn>`` / ``optim.state.<fqn>.<key>`` / ``optim.param_groups``: a test compares
@@ -138,6 +141,32 @@ def _dump_full(model: Any, optimizer: Any, path: str) -> None:
         torch.save({k.lstrip("."): v for k, v in full.items()}, path)
 
 
+def _save_prefetched() -> None:
+    from job.train import loop, run
+
+    part, open_batches, opened = run.capture_rank_part, loop.open_batches, []
+
+    @functools.wraps(open_batches)
+    def remembered(*args: Any, **kwargs: Any) -> Any:
+        batches = open_batches(*args, **kwargs)
+        opened.append(batches)  # the final commit comes after the workers were stopped: remember where they were
+        return batches
+
+    @functools.wraps(part)
+    def prefetched_part(live: Any) -> dict[str, Any]:
+        ahead = getattr(opened[-1], "lookahead", None) if opened else None
+        if ahead is None:
+            return part(live)
+        consumed, live.sampler = live.sampler, ahead.sampler  # where the workers are, not where the trainer is
+        try:
+            return part(live)
+        finally:
+            live.sampler = consumed
+
+    loop.open_batches = remembered
+    run.capture_rank_part = loop.capture_rank_part = prefetched_part
+
+
 def install() -> None:
     """Patch the trainer in this process as the ``TPHOOK_*`` variables say, and wrap the processes it starts."""
     from job.train import checkpoint, launch, loop, resume
@@ -185,6 +214,8 @@ def install() -> None:
             return info
 
         fsdp.load_generation = dumping_load
+    if os.environ.get("TPHOOK_SAVE_PREFETCHED") == "1":
+        _save_prefetched()
     kinds = _sabotages()
     if kinds:
         restore = resume.restore_state
