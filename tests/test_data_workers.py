@@ -181,6 +181,34 @@ def test_the_lookahead_asks_for_exactly_what_the_steps_consume():
     assert (original.permutation, original.cursor) == (None, 0)  # the trainer's own sampler is never advanced
 
 
+def test_a_run_built_without_a_pipeline_trains_as_the_trainers_pipeline_does(dataset, monkeypatch):
+    """build_run alone (no batch source given: what benchmarks and embedders use) builds a build_batch task's
+    micro-batches in this process under the requests' own generators, exactly as the trainer's pipeline with
+    zero workers does; before, it called make_batch, which DatasetTask does not implement."""
+    import torch
+
+    from job.tasks import load_task
+    from job.train.pipeline import open_batches
+    from job.train.run import build_run, train_step
+
+    monkeypatch.setenv("TRAINPROOF_DATA_CACHE", dataset["cache"])
+    config = json.loads(Path(dataset["config"]).read_text())
+    runs = []
+    for pipeline in (False, True):  # one after the other: build_run seeds the process's global generators
+        run = build_run(load_task(TASK, config), torch.device("cpu"), 5)
+        if pipeline:
+            run.batches = open_batches(run.task, run.sampler, seed=5, first=1, world=1, rank=0, workers=0,
+                                       prefetch=2, pin_memory=False)
+        for _ in range(3):
+            train_step(run)
+        run.batches.close()
+        runs.append(run)
+    plain, piped = runs
+    for (name, a), b in zip(plain.model.state_dict().items(), piped.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert plain.sampler.cursor == piped.sampler.cursor and plain.step == piped.step == 3
+
+
 @pytest.mark.slow  # the default suite catches the same bug in the resumed path's checkpoints (test_data_s3)
 def test_verify_catches_the_workers_position_saved_at_the_cut(dataset, tmp_path):
     """Every path saving the workers' position: the cut's checkpoint is ahead of what it trained on, so the resumed

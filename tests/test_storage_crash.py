@@ -29,7 +29,7 @@ def test_sigkill_during_multipart_commits_on_rgw(s3_env):
     # Kills are aimed at commits (after_commits): a writer's first commit also pays the create-only probe.
     env = {**os.environ, "TRAINPROOF_PART_SIZE_MB": "5"}
     report = run(f"s3://{s3_env}/crash/run", S3_KILLS, seed=3, max_delay=0.8, size_scale=60, env=env,
-                 after_commits=2)
+                 after_commits=2, aim_claims=True)
     assert report.failures == []
     assert report.kills == S3_KILLS and report.checks > 0
     assert report.max_step > 3, "the writer should have committed between kills"

@@ -62,7 +62,9 @@ class BatchSource(Protocol):
 
 
 class InProcess:
-    """A task's ``make_batch``, called in the training process when the step runs (the run's generators)."""
+    """Each micro-batch built in the training process when the step runs: a task's ``make_batch`` (the run's
+    generators), or its ``build_batch`` under the request's own generators (as a worker would build it, so a
+    :class:`job.train.run.Run` made without a pipeline trains exactly as one with workers)."""
 
     workers = 0
 
@@ -70,7 +72,11 @@ class InProcess:
         self.task = task
 
     def batch(self, request: BatchRequest, ctx: TaskContext) -> Any:
-        return self.task.make_batch(list(request.sample_ids), ctx)
+        if not self.task.builds_batches:
+            return self.task.make_batch(list(request.sample_ids), ctx)
+        with batch_generators(request):
+            built = self.task.build_batch(request)
+        return self.task.batch_to_device(built, ctx.device)
 
     def close(self) -> float:
         return 0.0

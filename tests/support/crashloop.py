@@ -37,6 +37,8 @@ def writer(url: str, keep: int, size_scale: int) -> None:
     from storage import RetentionPolicy, open_store
 
     logging.basicConfig(level=logging.ERROR)
+    if url.startswith("s3://"):
+        _announce_claims()
     store = open_store(url)
     latest = store.load_latest(contract=CONTRACT, world=1)
     step = latest.info.step + 1 if latest else 1
@@ -49,6 +51,23 @@ def writer(url: str, keep: int, size_scale: int) -> None:
         # and partials don't pile up (each one costs discovery a listing).  Safe here: this is the only writer.
         store.apply_retention(RetentionPolicy(keep=keep, grace_seconds=0, i_know_no_writer_is_active=True))
         step += 1
+
+
+def _announce_claims() -> None:
+    """Print ``claimed`` each time the S3 backend has claimed a key with its empty create-only PUT (the store's own
+    code runs unchanged; this only observes it), so the runner can aim a kill between a claim and its multipart
+    completion instead of hoping a random delay lands there."""
+    from storage.s3 import S3Backend
+
+    claim = S3Backend._claim
+
+    def observed(self, path: str, create_only: bool) -> bool:
+        result = claim(self, path, create_only)
+        if create_only and not result:
+            print(f"claimed {path}", flush=True)
+        return result
+
+    S3Backend._claim = observed
 
 
 @dataclass
@@ -99,11 +118,13 @@ def _scale(data: bytes, step: int) -> int:
 
 
 def run(url: str, kills: int, *, seed: int = 0, keep: int = 2, size_scale: int = 1, max_delay: float = 0.25,
-        env: dict | None = None, progress=None, after_commits: int = 0) -> Report:
+        env: dict | None = None, progress=None, after_commits: int = 0, aim_claims: bool = False) -> Report:
     """Start the writer, SIGKILL it after a random delay, check the store, repeat ``kills`` times.
     ``after_commits``: the delay starts when a random one (the first to this) of the writer's commits starts, or at
     once (a chance in ``after_commits + 1``), so that kills land inside commits even on a store whose first write
-    costs more than a commit (S3: the create-only probe)."""
+    costs more than a commit (S3: the create-only probe). ``aim_claims`` (S3): every third kill waits for the writer
+    to claim a large file's key and is killed at once, so kills land before a multipart completion on any machine
+    (random delays alone missed that window in 12 kills on a fast one)."""
     rng = random.Random(seed)
     report = Report()
     last_reported = 0
@@ -119,7 +140,12 @@ def run(url: str, kills: int, *, seed: int = 0, keep: int = 2, size_scale: int =
         while starts and (line := proc.stdout.readline()):
             seen.append(line)
             starts -= line.startswith("committing ")
-        time.sleep(rng.uniform(0, max_delay))
+        delay = rng.uniform(0, max_delay)
+        if aim_claims and i % 3 == 2:  # every third kill: at once after a claim (the writer announces each one)
+            while (line := proc.stdout.readline()) and not line.startswith("claimed "):
+                seen.append(line)
+            delay = 0.0
+        time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         out, _err = proc.communicate(timeout=60)
         lines = [ln.strip() for ln in [*seen, *out.splitlines()] if ln.startswith("committed ")]
