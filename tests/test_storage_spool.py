@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import tracemalloc
 from dataclasses import replace
 
@@ -74,6 +75,38 @@ def test_download_stops_at_a_short_object_and_reports_it(tmp_path):
     try:
         assert seen == len(data) and sha == hashlib.sha256(data).hexdigest()
         assert open(spool.path, "rb").read() == data
+    finally:
+        spool.unlink()
+
+
+@pytest.mark.parametrize("extra", [1, 0, -5, -(PART + 3)])  # longer than claimed, exact, short, short by parts
+def test_a_download_of_many_digest_parts_hashes_them_on_the_fetching_threads(tmp_path, extra):
+    """A digest of 2 MiB parts over 1 MiB ranges: each digest part is fetched, hashed and written by one thread;
+    the answer (bytes seen, root digest, spool bytes) is the in-order path's, whatever the object's true length."""
+    from storage.digest import FileHasher, digest_bytes
+
+    size, digest_part, part = 7 * 2**20 + 11, 2 * 2**20, 2**20
+    data = os.urandom(size + max(extra, 0))[: size + extra]
+    threads, ranges = set(), []
+
+    def read(a, b):
+        threads.add(threading.current_thread().name)
+        ranges.append((a, b))
+        return data[a:b]
+
+    spool, seen, sha = download(read, size, str(tmp_path), part_size=part, concurrency=3,
+                                hasher=FileHasher(digest_part))
+    try:
+        reference = FileHasher(digest_part)
+        expected_seen, expected_sha = hashed_ranges(lambda a, b: data[a:b], size, part_size=part, concurrency=3,
+                                                    hasher=reference)
+        assert (seen, sha) == (expected_seen, expected_sha)
+        if extra == 0:
+            assert seen == size and sha == digest_bytes(data, part_bytes=digest_part)
+        else:  # longer: the probe byte is seen; shorter: it stops at the end (the caller refuses either)
+            assert seen == min(size + 1, len(data))
+        assert open(spool.path, "rb").read() == data[:size]
+        assert max(b - a for a, b in ranges) <= part + 1 and len(threads) > 1
     finally:
         spool.unlink()
 
