@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support import container
 from tests.support.s3server import dummy_aws_env
@@ -243,3 +246,118 @@ def test_s3_on_loopback_train_audit_export(docker_run, s3_env, s3_server):
     assert code == 0, err[-3000:]
     code, _, err = docker_run.run("ls", "--store", store, "--json", opts=opts, env=aws)
     assert code == 0, err[-2000:]
+
+
+# --- Compose: the documented sequence --------------------------------------------------------------------------------
+
+COMPOSE = container.ROOT / "infra" / "compose.yaml"
+STANDIN = "trainproof-minio-standin:test"
+
+
+def compose_for_this_engine(path: Path) -> dict:
+    """infra/compose.yaml as Debian's docker-compose 1.29 on an engine without a bridge runs it: every other line as
+    users have it. Compose v1 refuses the top-level `name:` (the project name comes from -p instead); there is no
+    bridge network, so every service uses the host's (loopback) network, `minio` names 127.0.0.1 and MinIO's
+    published ports go (they mean nothing on the host's network); the build context is made absolute."""
+    doc = yaml.safe_load(COMPOSE.read_text())
+    doc.pop("name")
+    for svc in doc["services"].values():
+        svc["network_mode"] = "host"
+        svc["extra_hosts"] = ["minio:127.0.0.1"]
+        if "build" in svc:
+            svc["build"]["context"] = str(container.ROOT)
+    doc["services"]["minio"].pop("ports")
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return doc
+
+
+def test_the_compose_copy_differs_only_where_compose_v1_and_host_networking_require(tmp_path):
+    ours = compose_for_this_engine(tmp_path / "compose.yaml")
+    theirs = yaml.safe_load(COMPOSE.read_text())
+    assert set(theirs) - set(ours) == {"name"}
+    for name, svc in theirs["services"].items():
+        mine = dict(ours["services"][name])
+        assert mine.pop("network_mode") == "host" and mine.pop("extra_hosts") == ["minio:127.0.0.1"]
+        if "build" in svc:
+            mine["build"] = {**mine["build"], "context": svc["build"]["context"]}
+        expected = {k: v for k, v in svc.items() if not (name == "minio" and k == "ports")}
+        assert mine == expected, name
+
+
+@pytest.fixture(scope="module")
+def standin(engine, image, s3_server):
+    """The MinIO stand-in image, relaying 127.0.0.1:9000 to the suite's S3 server (built in seconds)."""
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", 9000)) == 0:
+            pytest.fail("127.0.0.1:9000 is taken: the compose file's MinIO port must be free for the compose test",
+                        pytrace=False)
+    target = s3_server.endpoint.split("://", 1)[1]
+    out = engine.cli("build", "-q", "--network", "host", "--build-arg", f"IMAGE={image.tag}", "--build-arg",
+                     f"S3_TARGET={target}", "-t", STANDIN, str(Path(__file__).parent / "support" / "compose"),
+                     timeout=600)
+    assert out.returncode == 0, out.stderr
+    return STANDIN
+
+
+def test_the_documented_compose_sequence(engine, image, standin, s3_env, tmp_path):
+    """docs/deploy.md's sequence: up -> kill -s SIGTERM train (exit 75, a commit) -> run --rm cli ls -> up -d train
+    (resumes, done) -> run --rm verify -> down -v. `up` without --build: the image is the session's test image
+    (TRAINPROOF_IMAGE); --build would build the product's CUDA image, whose base cannot be pulled here."""
+    if not shutil.which("docker-compose"):
+        pytest.fail("no docker-compose (Debian: apt-get install docker-compose; scripts/docker.sh install)",
+                    pytrace=False)
+    compose_file = tmp_path / "compose.yaml"
+    compose_for_this_engine(compose_file)
+    project = f"tp-compose-{uuid.uuid4().hex[:8]}"
+    env = {**engine.env(), "TRAINPROOF_IMAGE": image.tag, "MINIO_IMAGE": standin, "MC_IMAGE": standin,
+           "MINIO_ROOT_USER": dummy_aws_env()["AWS_ACCESS_KEY_ID"],
+           "MINIO_ROOT_PASSWORD": dummy_aws_env()["AWS_SECRET_ACCESS_KEY"],
+           "TRAINPROOF_BUCKET": f"{s3_env}-compose", "TRAINPROOF_MAX_STEPS": "400", "TRAINPROOF_CHECKPOINT_EVERY": "50",
+           "COMPOSE_INTERACTIVE_NO_CLI": "1"}
+
+    def compose(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        began = time.monotonic()
+        out = subprocess.run(["docker-compose", "-p", project, "-f", str(compose_file), *args], env=env,
+                             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        container.report(f"docker-compose {' '.join(args)} -> exit {out.returncode} ({time.monotonic() - began:.0f} s)")
+        return out
+
+    def train_exit(timeout: float) -> int:
+        cid = compose("ps", "-q", "train").stdout.strip()
+        assert cid, "no train container"
+        return int(engine.cli("wait", cid, timeout=timeout, check=True).stdout)
+
+    try:
+        up = compose("up", "-d")
+        assert up.returncode == 0, up.stderr[-3000:]
+        deadline = time.monotonic() + 300
+        while not of(events(_service_log(compose("logs", "--no-color", "train").stdout)), "checkpoint"):
+            assert time.monotonic() < deadline, "no checkpoint from the train service within 300 s"
+            time.sleep(2)
+        assert compose("kill", "-s", "SIGTERM", "train").returncode == 0
+        code = train_exit(180)
+        found = events(_service_log(compose("logs", "--no-color", "train").stdout))
+        container.report(f"compose train after kill -s SIGTERM -> exit {code}")
+        assert code == 75 and of(found, "stopped")[-1]["exit_code"] == 75, found[-3:]
+        committed = of(found, "stopped")[-1]["committed_step"]
+
+        ls = compose("run", "--rm", "cli", "ls")
+        assert ls.returncode == 0 and "complete" in ls.stdout, ls.stdout + ls.stderr[-2000:]
+
+        assert compose("up", "-d", "train").returncode == 0
+        code = train_exit(600)
+        found = events(_service_log(compose("logs", "--no-color", "train").stdout))
+        container.report(f"compose train after up -d train -> exit {code}")
+        assert code == 0, found[-3:]
+        assert [e["step"] for e in of(found, "resume")][-1] == committed and of(found, "done")[-1]["step"] == 400
+
+        verify = compose("run", "--rm", "verify")
+        assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
+    finally:
+        print(compose("logs", "--no-color", "--tail", "40").stdout[-8000:])  # shown when the test fails
+        compose("down", "-v", timeout=300)
+
+
+def _service_log(text: str) -> str:
+    """`docker-compose logs` prefixes each line with `service_1  | `: the lines as the service printed them."""
+    return "\n".join(ln.split("| ", 1)[1] if "| " in ln else ln for ln in text.splitlines())
