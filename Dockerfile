@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # trainproof: a preemption-proof PyTorch training job. `trainproof` is the entrypoint:
 #   docker build -t trainproof:local .
 #   docker run --gpus all --rm trainproof:local train --store s3://bucket/run --task tinylm --max-steps 1000
@@ -14,10 +12,16 @@
 # - pytorch/pytorch images pin torch by tag too, but bring conda and a root-owned /opt/conda; the pinned
 #   lock file below pins every package, not only torch.
 # - Ubuntu 24.04's python3 is CPython 3.12 (torch has cp312 wheels; the lock file is resolved for it).
-# Note: the lock file is for x86_64; an arm64 image (GH200) needs a lock resolved for aarch64.
+# Note: the lock file is for x86_64; an arm64 image (GH200) needs a lock resolved for aarch64 (REQUIREMENTS_LOCK).
+# No `# syntax=` line: BuildKit's built-in frontend (Docker >= 20.10) has everything used here (RUN --mount), and a
+# syntax line makes every build pull a frontend image from Docker Hub, which fails on a machine without it.
+#
+# Build arguments: BASE_IMAGE and REQUIREMENTS_LOCK (a path in the build context). The CI's container test builds
+# this file with a Debian 12 base and a CPU-torch lock (scripts/docker.sh); the product image uses the defaults.
 ARG BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04
 
 FROM ${BASE_IMAGE} AS build
+ARG REQUIREMENTS_LOCK=infra/docker/requirements.lock.txt
 ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 # Distribution packages are not pinned: Ubuntu replaces point releases in its archive, so a pinned
 # `python3=3.12.3-…` stops building within months; the base image tag fixes the release.
@@ -29,7 +33,7 @@ RUN apt-get update \
 ENV PATH=/opt/venv/bin:$PATH
 # Dependencies first, in their own layer: torch and the CUDA wheels (several GB) are not reinstalled when
 # only the project's code changes. The cache mount keeps downloaded wheels across builds, out of the image.
-COPY infra/docker/requirements.lock.txt /tmp/requirements.lock.txt
+COPY ${REQUIREMENTS_LOCK} /tmp/requirements.lock.txt
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --require-virtualenv -r /tmp/requirements.lock.txt
 # The project itself, without the test extra, against the already installed, pinned dependencies (and the

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from tests.support import rgw
+from tests.support import container, rgw
 from tests.support.s3server import S3Server, dummy_aws_env
 
 BACKENDS = ["memory", "local", "s3"]
@@ -80,18 +80,23 @@ def pytest_configure(config):
     """The controlling process picks this session's gateway folder (workers inherit it); nothing starts yet."""
     if not hasattr(config, "workerinput"):
         config._trainproof_rgw_state = rgw.prepare_session()
+        config._trainproof_container_report = container.prepare_session()
 
 
 def pytest_unconfigure(config):
     state = getattr(config, "_trainproof_rgw_state", None)
     if state:
         rgw.end_session(state)
+    report = getattr(config, "_trainproof_container_report", None)
+    if report:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(report)
 
 
 # Modules whose shared reference runs take a minute or more: collected first, so that with parallel workers
 # (``--dist loadscope`` hands out whole modules in collection order) they start at once instead of being the
 # tail that one worker runs alone at the end.
-HEAVY_FIRST = ("test_hf", "test_verify_fsdp", "test_verify_world", "test_dist_equivalence", "test_preempt", "test_dist_resume",
+HEAVY_FIRST = ("test_hf", "test_container", "test_verify_fsdp", "test_verify_world", "test_dist_equivalence", "test_preempt", "test_dist_resume",
                "test_verify", "test_examples", "test_multinode", "test_train_fsdp", "test_verify_cuts",
                "test_verify_objective", "test_trust_audit", "test_trust_resume", "test_async_checkpoint",
                "test_async_world", "test_train_deadline", "test_export", "test_code_identity", "test_sharded", "test_signing_train",
@@ -126,3 +131,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     said = rgw.session_summary(state) if state else None
     if said:
         terminalreporter.write_line(said)
+    report = getattr(config, "_trainproof_container_report", None)
+    for line in container.session_summary(report) if report else []:
+        terminalreporter.write_line(line)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
 K8S = INFRA / "k8s"
 KUBE_VERSION = "1.31.0"
-KUSTOMIZATIONS = ["base", "minio", "multinode", "overlays/rental-3d", "overlays/rental-7d", "overlays/rental-30d"]
+KUSTOMIZATIONS = ["base", "minio", "multinode", "multinode/jobset", "overlays/rental-3d", "overlays/rental-7d", "overlays/rental-30d"]
 RENTALS = ["3d", "7d", "30d"]
 
 
@@ -120,9 +120,18 @@ def test_renderer_agrees_with_kubectl_kustomize(name, rendered):
 # --- Manifests validate (kubernetes-validate ships its schemas: offline) ---------------------------------------
 
 
+def _child_jobs(jobset: dict) -> list[dict]:
+    """The batch/v1 Jobs a JobSet's replicated jobs stand for (what kubernetes-validate can check)."""
+    return [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{jobset['metadata']['name']}-{rj['name']}"},
+             **copy.deepcopy(rj["template"])} for rj in jobset["spec"]["replicatedJobs"]]
+
+
 def test_every_manifest_validates_strictly(rendered, tmp_path):
+    """Core kinds with kubernetes-validate; a JobSet's child Job templates likewise (the JobSet's own fields are
+    checked against the JobSet API below)."""
     files = []
     for name, objects in rendered.items():
+        objects = [j for o in objects for j in (_child_jobs(o) if o["kind"] == "JobSet" else [o])]
         path = tmp_path / (name.replace("/", "-") + ".yaml")
         path.write_text(yaml.safe_dump_all(objects, sort_keys=False))
         files.append(str(path))
@@ -222,6 +231,137 @@ def test_multinode_rendezvous(rendered):
     assert int(opts["--nproc-per-node"]) == gpus == c["resources"]["requests"]["nvidia.com/gpu"]
 
 
+# --- Multinode as a JobSet -----------------------------------------------------------------------------------------
+
+
+def _jobset_schema() -> dict:
+    """The JobSet API (jobset.x-k8s.io/v1alpha2) as a strict JSON schema, from the models that Kubeflow Trainer's API
+    package generates from JobSet's types (PyPI: kubeflow-trainer-api): every JobSet-level object rejects unknown
+    fields and lacks none of its required ones. A replicated job's Job template is left open here: it is a batch/v1
+    Job template, which kubernetes-validate checks strictly (test_every_manifest_validates_strictly)."""
+    from kubeflow_trainer_api.models.jobset_v1alpha2_job_set import JobsetV1alpha2JobSet
+
+    schema = JobsetV1alpha2JobSet.model_json_schema(by_alias=True)
+    defs = schema["$defs"]
+    for name, d in defs.items():
+        if name.startswith("Jobset") and d.get("type") == "object":
+            d["additionalProperties"] = False
+    defs["IoK8sApiBatchV1JobTemplateSpec"] = {"type": "object"}
+    schema["additionalProperties"] = False
+    return schema
+
+
+def _valid_jobset_actions() -> set[str]:
+    from kubeflow_trainer_api.models.jobset_v1alpha2_failure_policy_rule import JobsetV1alpha2FailurePolicyRule
+
+    said = JobsetV1alpha2FailurePolicyRule.model_fields["action"].description
+    return set(re.findall(r"[A-Z][A-Za-z]+", said.split("Valid values are", 1)[1]))
+
+
+def test_jobset_validates_against_the_jobset_api(rendered):
+    import jsonschema
+
+    jobset = only(rendered["multinode/jobset"], "JobSet")
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    schema = _jobset_schema()
+    jsonschema.validate(jobset, schema)
+    for rule in jobset["spec"]["failurePolicy"]["rules"]:
+        assert rule["action"] in _valid_jobset_actions(), rule
+        assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule["name"]), rule["name"]
+    # The check can fail: a misspelled field, and a rule without its required name.
+    for mutate in (lambda js: js["spec"]["failurePolicy"].update(maxRestart=3),
+                   lambda js: js["spec"]["failurePolicy"]["rules"][0].pop("name"),
+                   lambda js: js["spec"]["network"].update(enableDnsHostnames=True)):
+        broken = copy.deepcopy(jobset)
+        mutate(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, schema)
+
+
+def _job_failure(job_spec: dict, exit_code: int | None, condition: str | None) -> tuple[str, str] | None:
+    """What the Job controller does with one failed pod of a child Job: (reason, message) of the Job's failure, or
+    None when the Job does not fail (the pod is replaced). Messages as kube-controller-manager words them."""
+    pod = "trainproof/trainproof-multinode-node-1-0-x7k2p"
+    for index, rule in enumerate(job_spec["podFailurePolicy"]["rules"]):
+        on_codes, on_conditions = rule.get("onExitCodes"), rule.get("onPodConditions", [])
+        if on_codes and exit_code is not None and on_codes["containerName"] == "train" and \
+                (exit_code in on_codes["values"]) == (on_codes["operator"] == "In"):
+            what = f"Container train for pod {pod} failed with exit code {exit_code}"
+        elif condition and any(c["type"] == condition and c["status"] == "True" for c in on_conditions):
+            what = f"Pod {pod} has condition {condition}"
+        else:
+            continue
+        if rule["action"] == "Ignore":
+            return None
+        if rule["action"] == "FailJob":
+            return "PodFailurePolicy", f"{what} matching FailJob rule at index {index}"
+        break  # Count: the default handling
+    return ("BackoffLimitExceeded", "Job has reached the specified backoff limit") \
+        if job_spec["backoffLimit"] == 0 else None
+
+
+def _jobset_action(jobset: dict, failure: tuple[str, str]) -> str:
+    reason, message = failure
+    for rule in jobset["spec"]["failurePolicy"]["rules"]:
+        if rule.get("onJobFailureReasons") and reason not in rule["onJobFailureReasons"]:
+            continue
+        patterns = rule.get("onJobFailureMessagePatterns")
+        if patterns and not any(re.search(p, message) for p in patterns):
+            continue
+        return rule["action"]
+    return "RestartJobSet"  # JobSet's default when no rule matches: counted against maxRestarts
+
+
+@pytest.mark.parametrize("exit_code, condition, action", [
+    (None, "DisruptionTarget", "RestartJobSetAndIgnoreMaxRestarts"),  # preemption, eviction, drain, node loss
+    (75, None, "RestartJobSetAndIgnoreMaxRestarts"),                   # stopped early after a commit
+    (2, None, "FailJobSet"),                                           # configuration error: never retried
+    (1, None, "RestartJobSet"),                                        # crash: counted against maxRestarts
+    (137, None, "RestartJobSet"),                                      # OOM kill
+])
+def test_jobset_failure_policy_maps_the_exit_codes(rendered, exit_code, condition, action):
+    """The exit-code contract through both layers: the child Job's podFailurePolicy (backoffLimit 0: every pod
+    failure fails the Job) and the JobSet's failurePolicy, which tells a restartable Job failure from a fatal one
+    by reason and message."""
+    jobset = only(rendered["multinode/jobset"], "JobSet")
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
+    failure = _job_failure(job, exit_code, condition)
+    assert failure is not None
+    assert _jobset_action(jobset, failure) == action
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] >= 1
+
+
+def test_jobset_rendezvous_comes_from_its_indices(rendered):
+    """Node rank = the child Job's JobSet index; node 0's pod hosts the rendezvous under the DNS name JobSet gives it;
+    the pod is the Indexed Job's pod in everything else."""
+    jobset = only(rendered["multinode/jobset"], "JobSet")
+    name, spec = jobset["metadata"]["name"], jobset["spec"]
+    assert spec["network"]["enableDNSHostnames"] is True and spec["network"]["publishNotReadyAddresses"] is True
+    subdomain = spec["network"].get("subdomain", name)
+    (rj,) = spec["replicatedJobs"]
+    job = rj["template"]["spec"]
+    assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"] == 1
+    pod = job["template"]["spec"]
+    c = _train_container({"spec": job})
+    opts = dict(a.split("=", 1) for a in c["args"] if a.startswith("--") and "=" in a)
+    assert int(opts["--nnodes"]) == rj["replicas"]
+    assert opts["--master-addr"] == f"{name}-{rj['name']}-0-0.{subdomain}"  # <jobset>-<rjob>-<job>-<pod>.<subdomain>
+    assert opts["--node-rank"] == "$(JOBSET_JOB_INDEX)"
+    index = next(e for e in c["env"] if e["name"] == "JOBSET_JOB_INDEX")
+    assert index["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['jobset.sigs.k8s.io/job-index']"
+    assert "subdomain" not in pod  # JobSet sets it
+    # Everything else as in the Indexed Job: same image, resources, security, volumes, grace period.
+    indexed = copy.deepcopy(only(rendered["multinode"], "Job")["spec"]["template"])
+    ours = copy.deepcopy(job["template"])
+    indexed["spec"].pop("subdomain")
+    for tmpl in (indexed, ours):
+        train = _train_container({"spec": {"template": tmpl}})
+        train["args"] = [a for a in train["args"] if not a.startswith(("--node-rank=", "--master-addr="))]
+        train["env"] = [e for e in train["env"] if e["name"] not in ("JOB_COMPLETION_INDEX", "JOBSET_JOB_INDEX")]
+    assert ours == indexed
+
+
 def test_local_minio(rendered):
     objects = rendered["minio"]
     deploy = only(objects, "Deployment", "minio")
@@ -287,7 +427,10 @@ def _pod_specs(objects: list[dict]):
         spec = obj.get("spec", {})
         if obj["kind"] == "CronJob":
             spec = spec["jobTemplate"]["spec"]
-        if "template" in spec:
+        if obj["kind"] == "JobSet":
+            for rj in spec["replicatedJobs"]:
+                yield f"JobSet/{obj['metadata']['name']}/{rj['name']}", rj["template"]["spec"]["template"]["spec"]
+        elif "template" in spec:
             yield f"{obj['kind']}/{obj['metadata']['name']}", spec["template"]["spec"]
 
 
@@ -392,9 +535,13 @@ def test_the_audit_has_its_own_credentials_and_the_signing_key(rendered):
     _signing_key(pod, verify)
 
 
-@pytest.mark.parametrize("name, job_name", [("base", "trainproof-train"), ("multinode", "trainproof-multinode")])
+@pytest.mark.parametrize("name, job_name", [("base", "trainproof-train"), ("multinode", "trainproof-multinode"),
+                                            ("multinode/jobset", "trainproof-multinode")])
 def test_the_trainer_mounts_the_signing_key(rendered, name, job_name):
-    pod = only(rendered[name], "Job", job_name)["spec"]["template"]["spec"]
+    if name == "multinode/jobset":
+        pod = only(rendered[name], "JobSet", job_name)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    else:
+        pod = only(rendered[name], "Job", job_name)["spec"]["template"]["spec"]
     train = next(c for c in pod["containers"] if c["name"] == "train")
     assert _secret_refs(train) == {"trainproof-s3-credentials"}
     _signing_key(pod, train)
@@ -539,7 +686,11 @@ def test_dockerfile_passes_hadolint():
 def test_dockerfile_shape():
     text = (ROOT / "Dockerfile").read_text()
     lines = text.splitlines()
-    assert lines[0] == "# syntax=docker/dockerfile:1"
+    # No syntax directive: it makes BuildKit pull a frontend image, which fails where no registry is reachable
+    # (the container test builds this very file offline); the built-in frontend has RUN --mount.
+    assert not [ln for ln in lines if re.match(r"#\s*syntax\s*=", ln)]
+    # The product image's lock is the CUDA one; the container test only passes another REQUIREMENTS_LOCK.
+    assert "ARG REQUIREMENTS_LOCK=infra/docker/requirements.lock.txt" in lines
     assert re.search(r"^ARG BASE_IMAGE=nvidia/cuda:\d+\.\d+\.\d+-\w+-ubuntu\d", text, re.M)
     assert 'ENTRYPOINT ["tini", "--", "trainproof"]' in lines
     user = [ln for ln in lines if ln.startswith("USER ")]
@@ -558,10 +709,15 @@ def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies():
     patterns = [p for p in (ROOT / ".dockerignore").read_text().splitlines() if p and not p.startswith("#")]
     assert patterns[0] == "*"
     allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+    text = (ROOT / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
     sources = set()
-    for ln in (ROOT / "Dockerfile").read_text().splitlines():
+    for ln in text.splitlines():
         if ln.startswith("COPY ") and "--from=" not in ln:
-            sources |= {s.rstrip("/") for s in ln.split()[1:-1]}
+            sources |= {re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], s).rstrip("/") for s in ln.split()[1:-1]}
+    assert "infra/docker/requirements.lock.txt" in sources
+    # The container test's lock (scripts/docker.sh writes it, git ignores it) is let in too.
+    sources.add("infra/docker/requirements.cpu.lock.txt")
     assert sources <= allowed
     assert not {".venv", ".git", "tests", "runs"} & allowed
 
