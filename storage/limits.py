@@ -167,4 +167,4 @@ def redact_url(url: object) -> str:
         return f"{scheme}://***@{rest[len(authority.rsplit('@', 1)[0]) + 1:]}"
     if ":" in authority and not authority.rsplit(":", 1)[1].isdigit() and "@" in rest:
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return text
+    return f"{scheme}://{rest}"

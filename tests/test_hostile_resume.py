@@ -111,3 +111,16 @@ def test_a_planted_state_with_a_moved_data_cursor_is_passed_over(run_url, refere
 def test_a_complete_json_that_omits_the_state_file_is_passed_over(run_url, reference):
     plant(run_url, 7, {"notes.txt": b"nothing to see"}, reference)
     resumes_from_six(run_url, reference, "step-00000007", STATE_FILE)
+
+
+def test_text_from_a_planted_manifest_reaches_stderr_escaped(tmp_path, six):
+    """A contract holding terminal escape codes and a newline: every log line stays one line of printable text."""
+    shutil.copytree(six, tmp_path / "run")
+    url = str(tmp_path / "run")
+    evil = "\x1b[2J\x1b]0;owned\x07contract\ntrainproof: error: fake line"
+    open_store(url).commit(9, {STATE_FILE: b"not a state"}, contract=evil, world=1, code_version="\x1b[31mred")
+    result = run(url, "--max-steps", "7", "--keep", "0")
+    assert result.code == 0, result.stderr
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr, result.stderr
+    assert "fake line" not in result.stderr or "\\x0a" in result.stderr or "…" in result.stderr
+    assert not any(line.startswith("trainproof: error: fake") for line in result.stderr.splitlines())
