@@ -130,9 +130,30 @@ def plain_name_problem(name: object) -> str | None:
     return None
 
 
+def safe(value: object, limit: int = 200) -> str:
+    """``value`` as text fit for one log line, whatever storage put in it: every character that is not printable
+    (terminal escape codes, newlines, NUL, bidirectional overrides) written as a ``\\x``/``\\u`` escape, and at most
+    ``limit`` characters (then ``…``). Never raises."""
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except Exception:  # a hostile object's __str__: say what it is instead
+        text = f"<{type(value).__name__}>"
+    out = []
+    for ch in text[: limit + 1]:
+        if ch.isprintable():
+            out.append(ch)
+        elif ord(ch) < 0x100:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
+    shown = "".join(out)
+    return shown[:limit] + "…" if len(text) > limit or len(shown) > limit else shown
+
+
 def redact_url(url: object) -> str:
-    """``url`` with any user info replaced by ``***`` (``s3://KEY:SECRET@bucket/p`` → ``s3://***@bucket/p``),
-    so a URL can go into an error message or a log line without leaking credentials.  Never raises.
+    """``url`` with any user info replaced by ``***`` (``s3://KEY:SECRET@bucket/p`` → ``s3://***@bucket/p``) and
+    without its query string or fragment (``?X-Amz-Signature=…``), so a URL can go into an error message or a log
+    line without leaking credentials.  Never raises.
 
     Also when the secret holds a ``/`` (AWS secrets often do), which ends a URL's authority early:
     ``s3://KEY:SEC/RET@bucket/p`` has the authority ``KEY:SEC``, whose colon is not a port's."""
@@ -140,9 +161,10 @@ def redact_url(url: object) -> str:
     scheme, sep, rest = text.partition("://")
     if not sep:
         return text  # a plain path: no user info
+    rest = re.split(r"[?#]", rest, maxsplit=1)[0]  # a query string may hold a presigned signature or a token
     authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
     if "@" in authority:  # the last '@' of the authority ends the user info (RFC 3986)
         return f"{scheme}://***@{rest[len(authority.rsplit('@', 1)[0]) + 1:]}"
     if ":" in authority and not authority.rsplit(":", 1)[1].isdigit() and "@" in rest:
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return text
+    return f"{scheme}://{rest}"

@@ -30,7 +30,7 @@ from storage.generations import (
     verify_hashes,
 )
 from storage.limits import loads_untrusted, plain_name_problem, redact_url
-from storage.options import RetryPolicy, StoreOptions
+from storage.options import StoreOptions
 from storage.quarantine import list_quarantined, quarantine
 from storage.retention import DEFAULT_GRACE_SECONDS, RetentionPolicy, apply_retention
 from storage.retry import RetryStats, retry_or_unavailable
@@ -350,6 +350,27 @@ def _refuse_file_ancestor(url: str, root: str) -> None:
                                "choose a path under a folder")
 
 
+def endpoint_problem(url: str) -> str | None:
+    """Why ``url`` cannot be an S3 endpoint (None when it can): http or https, a host, a valid port, and nothing
+    else (credentials belong in the AWS variables, and a query string or fragment would be printed in logs)."""
+    try:
+        parsed = urlparse(url)
+        port = parsed.port
+    except ValueError as exc:
+        return f"is malformed ({exc})"
+    if parsed.scheme.lower() not in ("http", "https"):
+        return "is not http:// or https://"
+    if parsed.username is not None or parsed.password is not None or "@" in parsed.netloc:
+        return "holds credentials, which are not supported (use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+    if not parsed.hostname:
+        return "names no host"
+    if parsed.query or parsed.fragment or parsed.params:
+        return "has a query string or fragment"
+    if port == 0:
+        return "has port 0"
+    return None
+
+
 def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     from storage.s3 import S3Backend
 
@@ -361,12 +382,19 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
                                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an IAM role")
     if not bucket:
         raise StoreConfigError(f"no bucket in {redact_url(url)}: use s3://bucket/prefix/run")
+    if parsed.query or parsed.fragment or parsed.params:  # it would be dropped, and printed in every log line
+        raise StoreConfigError(f"the store URL {redact_url(url)} has a query string or fragment: "
+                               "use s3://bucket/prefix/run")
+    if options.endpoint_url:
+        problem = endpoint_problem(options.endpoint_url)
+        if problem:
+            raise StoreConfigError(f"the S3 endpoint URL {redact_url(options.endpoint_url)} {problem}: pass "
+                                   "http(s)://host[:port] in --endpoint-url or AWS_ENDPOINT_URL")
     stats = RetryStats()
     backend = S3Backend(options, stats)
-    # A short budget: a wrong endpoint should fail in seconds, not after the full write budget.
-    quick = RetryPolicy(attempts=min(3, options.retry.attempts), total_seconds=30.0,
-                        initial_wait=options.retry.initial_wait, max_wait=options.retry.max_wait)
-    retry_or_unavailable(quick, f"check bucket {bucket}", lambda: backend.check_access(bucket, prefix), stats)
+    # The whole retry budget (README: 6 attempts, 120 s): a MinIO pod still starting is exactly this case, and
+    # giving up sooner would fail a Job attempt that waiting would have saved.
+    retry_or_unavailable(options.retry, f"check bucket {bucket}", lambda: backend.check_access(bucket, prefix), stats)
     root = join(bucket, prefix) if prefix else bucket
 
     def prepare(store: GenerationStore) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from tests.test_train_helpers import ROOT, run, train_env
@@ -95,3 +96,25 @@ def test_regression_lr_min_is_opt_in_and_leaves_the_fixture_alone():
     assert min(lrs["floored"]) == 1e-3 and lrs["fixture"][-1] < 1e-7
     assert isinstance(fixture.build_scheduler(fixture.build_optimizer(fixture.build_model())),
                       torch.optim.lr_scheduler.StepLR)  # the fixture's own scheduler, not an imitation
+
+
+@pytest.mark.parametrize("endpoint, why", [
+    ("http://user:secret@127.0.0.1:9000", "holds credentials"),
+    ("http://[::1", "is malformed"),
+    ("http://127.0.0.1:99999", "is malformed"),
+    ("ftp://127.0.0.1:9000", "is not http"),
+    ("http://127.0.0.1:9000/?X-Amz-Signature=secretsig", "query string"),
+])
+def test_a_malformed_endpoint_is_one_line_exit_2_without_secrets(tmp_path, endpoint, why):
+    result = subprocess.run([sys.executable, "-m", "job", "ls", "--store", "s3://bucket/run", "--endpoint-url",
+                             endpoint], cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert "secret" not in result.stderr
+
+
+def test_a_store_url_query_string_is_refused_and_never_printed():
+    result = subprocess.run([sys.executable, "-m", "job", "ls", "--store", "s3://bucket/run?X-Amz-Signature=sig1"],
+                            cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "query string" in result.stderr and "sig1" not in result.stderr, result.stderr

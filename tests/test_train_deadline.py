@@ -77,3 +77,39 @@ def test_export_reserve_is_given_up_when_it_never_fitted():
     assert not fits.too_close() and not fits.finish_given_up
     fits.finish_s = 40.0  # later, a slower measured save makes the export no longer fit: stop now
     assert fits.too_close()
+
+
+@pytest.mark.parametrize("forged", ["first-start-before-the-plan", "at-in-the-past"])
+def test_an_overwritten_deadline_record_does_not_end_the_run_early(tmp_path, forged):
+    """A co-tenant rewrites deadline.json so the deadline has passed: the run still trains to its target (the
+    operator's --deadline, counted from its real first start) instead of stopping at once with exit 0."""
+    store = tmp_path / "run"
+    assert run(store, "--max-steps", "3", "--deadline", "1h").code == 0
+    record = json.loads((store / DEADLINE_FILE).read_text())
+    long_ago = datetime.now(timezone.utc) - timedelta(days=3)
+    if forged == "first-start-before-the-plan":
+        record.update(first_start=long_ago.isoformat(), at=(long_ago + timedelta(hours=1)).isoformat())
+    else:
+        record["at"] = long_ago.isoformat()
+    (store / DEADLINE_FILE).write_text(json.dumps(record))
+    result = run(store, "--max-steps", "6", "--deadline", "1h")
+    assert result.code == 0, result.stderr
+    done = result.last("done")
+    assert done["reason"] == "target" and done["step"] == 6, done
+    tampering = [line for line in result.stderr.splitlines() if "tampered" in line]
+    assert len(tampering) == (1 if forged == "first-start-before-the-plan" else 0), result.stderr
+
+
+def test_with_a_signing_key_the_deadline_record_is_signed_and_an_unsigned_one_is_refused(tmp_path, monkeypatch,
+                                                                                      caplog):
+    monkeypatch.setenv("TRAINPROOF_SIGNING_KEY", "k" * 32)
+    run_store = open_store(str(tmp_path / "run"))
+    first = resolve_run_deadline(run_store, "90m")
+    record = json.loads((tmp_path / "run" / DEADLINE_FILE).read_text())
+    assert record["signature"]["alg"] == "hmac-sha256"
+    assert resolve_run_deadline(run_store, "90m") == first  # its own signed record is believed
+    record.pop("signature")
+    record["first_start"] = (first - timedelta(minutes=89)).isoformat()  # within the plan check (no plan here)
+    (tmp_path / "run" / DEADLINE_FILE).write_text(json.dumps(record))
+    later = resolve_run_deadline(run_store, "90m")
+    assert later > first and "tampered" in caplog.text and "unsigned" in caplog.text

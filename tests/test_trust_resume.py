@@ -105,6 +105,9 @@ def test_a_run_restarted_after_its_deadline_finishes_instead_of_failing_the_job(
     store = tmp_path / "run"
     assert run(store, "--max-steps", "4").code == 0
     past = datetime.now(timezone.utc) - timedelta(minutes=5)
+    plan = json.loads((store / "plan.json").read_text())  # the run was planned when its rental began
+    plan["created_at"] = (past - timedelta(hours=1)).isoformat(timespec="seconds")
+    (store / "plan.json").write_text(json.dumps(plan))
     (store / "deadline.json").write_text(json.dumps({
         "schema": "trainproof.deadline/1", "spec": "1h", "first_start": (past - timedelta(hours=1)).isoformat(),
         "at": past.isoformat()}))

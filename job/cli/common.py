@@ -10,6 +10,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from storage import StoreConfigError, StoreError, StoreOptions, open_store
+from storage.limits import safe
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED = 0, 1, 2, 75
 
@@ -32,7 +33,7 @@ def fail(message: str, code: int) -> typer.Exit:
     """Print one line to stderr and return the Exit to raise."""
     # One write for the whole line: ranks share stderr, and print() writes the text and the newline separately,
     # which lets another process's line land in between.
-    sys.stderr.write(f"trainproof: error: {message}\n")
+    sys.stderr.write(f"trainproof: error: {safe(' '.join(str(message).splitlines()), MAX_LINE)}\n")
     sys.stderr.flush()
     return typer.Exit(code)
 
@@ -52,10 +53,32 @@ def handled(fn: Callable) -> Callable:
     return wrapper
 
 
+MAX_LINE = 4000
+"""Longest log or error line: a message built from stored text is cut there (``storage.limits.safe``)."""
+
+
+class SafeFormatter(logging.Formatter):
+    """Every log line is one line of printable text, whatever storage put in its arguments: control characters
+    (terminal escape codes, newlines) are escaped (``storage.limits.safe``); a traceback's lines each likewise."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = safe(record.getMessage(), MAX_LINE)
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        line = self.formatMessage(record)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            line += "\n" + "\n".join(safe(t, MAX_LINE) for t in record.exc_text.splitlines())
+        return line
+
+
 def setup_logging(verbose: bool = False) -> None:
     """Warnings (skipped generations, retries) go to stderr, one line each."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from job.errors import ConfigError, TrainError
 from job.lifecycle.signals import is_duration, parse_deadline
 from storage import GenerationStore
 from storage.errors import StoreError
+from storage.limits import safe
 
 log = logging.getLogger("trainproof.finish")
 DEADLINE_FILE = "deadline.json"
@@ -29,36 +30,92 @@ DEADLINE_SCHEMA = "trainproof.deadline/1"
 
 
 def resolve_run_deadline(store: GenerationStore, spec: str, *, absolute_only: bool = False) -> datetime:
-    """The run's absolute deadline for ``--deadline spec``, recorded in (or read from) ``deadline.json``."""
+    """The run's absolute deadline for ``--deadline spec``; a relative one counts from the run's first start,
+    recorded in (or read from) ``deadline.json``.
+
+    The deadline always comes from the operator: an absolute ``spec`` is the deadline whatever the record says
+    (a recorded time that disagrees is reported as tampering), and of a record only ``first_start`` is used, never
+    its ``at``. ``first_start`` is believed only when the record is signed by an accepted key (with a signing key
+    configured) and, key or not, when it lies between plan.json's ``created_at`` (less the start-up slack: the
+    record is written before the plan) and now; otherwise it is reported as tampering (one warning line) and the
+    run counts from plan.json's ``created_at`` (or from now, before there is a plan)."""
     if absolute_only and is_duration(spec):
         raise ConfigError(f"--rental-ends {spec!r} must be an absolute ISO time (2026-12-01T18:00:00Z); "
                           "use --deadline for a duration")
     now = datetime.now(timezone.utc)
     record = {"schema": DEADLINE_SCHEMA, "spec": spec, "first_start": now.isoformat(),
               "at": parse_deadline(spec, now).isoformat()}
+    keys = store.options.signing
     try:
-        store.write_file(DEADLINE_FILE, _json(record), create_only=True)
+        store.write_file(DEADLINE_FILE, _signed(record, keys), create_only=True)
         return datetime.fromisoformat(record["at"])
     except FileExistsError:
         pass
+    created = _plan_created(store, now)
     try:
         saved = store.read_json(DEADLINE_FILE, max_bytes=MAX_RECORD_BYTES)
-        saved_at = _aware(saved["at"])
-        first = _aware(saved.get("first_start", record["first_start"]))
+        if not isinstance(saved, dict):
+            raise TypeError("not an object")
+        first = _aware(saved.get("first_start"))
     except (ValueError, TypeError, KeyError, RecursionError, AttributeError) as exc:
-        # Damaged (or planted) record: counting from now is the safe reading; the old value is unknowable.
-        log.warning("%s is unreadable (%s): recording the deadline afresh from now", DEADLINE_FILE,
-                    type(exc).__name__)
-        store.write_file(DEADLINE_FILE, _json(record))
-        return datetime.fromisoformat(record["at"])
-    if saved.get("spec") == spec:
-        return saved_at
-    # A changed value: a relative one still counts from the run's first start, not from this restart.
+        # Damaged (or planted) record: the old value is unknowable; count from the plan's creation (or now).
+        log.warning("%s is unreadable (%s): counting the deadline from %s", DEADLINE_FILE, type(exc).__name__,
+                    "the run's plan.json" if created else "now")
+        return _record_afresh(store, record, spec, created or now, keys)
+    problem = _tampered(saved, first, created, now, keys)
+    if problem is None and not is_duration(spec) and saved.get("spec") == spec and saved.get("at") != record["at"]:
+        problem = f"it records {safe(saved.get('at'))} for --deadline {safe(spec)}, which means {record['at']}"
+    if problem is not None:
+        log.warning("%s looks tampered with (%s): ignored; the deadline is --deadline %s, counted from %s",
+                    DEADLINE_FILE, problem, safe(spec), "the run's plan.json" if created else "now")
+        return _record_afresh(store, record, spec, created or now, keys)
     at = parse_deadline(spec, first)
-    log.warning("--deadline changed from %r (%s) to %r (%s) since the run's first start: the new value wins",
-                saved.get("spec"), saved.get("at"), spec, at.isoformat())
-    store.write_file(DEADLINE_FILE, _json({**record, "first_start": first.isoformat(), "at": at.isoformat()}))
+    if saved.get("spec") != spec:
+        # A changed value wins: a relative one still counts from the run's first start, not from this restart.
+        log.warning("--deadline changed from %s to %r (%s) since the run's first start: the new value wins",
+                    safe(saved.get("spec")), spec, at.isoformat())
+        store.write_file(DEADLINE_FILE, _signed({**record, "first_start": first.isoformat(), "at": at.isoformat()},
+                                                keys))
     return at
+
+
+START_SLACK = timedelta(minutes=10)
+"""How long before plan.json's ``created_at`` a genuine first start may lie: deadline.json is written as the
+process starts, plan.json once torch is imported, the task loaded and the ranks met."""
+
+
+def _tampered(saved: dict[str, Any], first: datetime, created: datetime | None, now: datetime,
+              keys: Any) -> str | None:
+    """Why a readable record cannot be the run's own (None when it can)."""
+    if keys is not None:
+        problem = keys.problem(saved)
+        if problem is not None:
+            return problem
+    if first > now + timedelta(minutes=1):
+        return f"its first start {first.isoformat()} is in the future"
+    if created is not None and first < created - START_SLACK:
+        return f"its first start {first.isoformat()} is before the run's plan.json was written ({created.isoformat()})"
+    return None
+
+
+def _plan_created(store: GenerationStore, now: datetime) -> datetime | None:
+    """plan.json's ``created_at`` when there is a readable one that is not in the future, else None."""
+    try:
+        plan = store.read_json("plan.json")
+        created = _aware(plan.get("created_at")) if isinstance(plan, dict) else None
+    except (OSError, StoreError, ValueError, TypeError, RecursionError):
+        return None
+    return created if created is not None and created <= now + timedelta(minutes=1) else None
+
+
+def _record_afresh(store: GenerationStore, record: dict[str, Any], spec: str, first: datetime, keys: Any) -> datetime:
+    at = parse_deadline(spec, first)
+    store.write_file(DEADLINE_FILE, _signed({**record, "first_start": first.isoformat(), "at": at.isoformat()}, keys))
+    return at
+
+
+def _signed(record: dict[str, Any], keys: Any) -> bytes:
+    return _json(keys.sign(record) if keys is not None else record)
 
 
 MAX_RECORD_BYTES = 64 * 1024

@@ -91,8 +91,14 @@ def _latest(store: GenerationStore, contract: str, code_version: str | None,
                  else _load_below(store, contract, below, _checker(decoded)))
         if found is None:
             break
-        step, state = found.info.step, _joined(found, decoded)
-        problem = _inconsistency(state, step, contract)
+        step = found.info.step
+        try:
+            state = _joined(found, decoded)
+            problem = _inconsistency(state, step, contract)
+        except (OSError, StoreError):
+            raise  # this machine or the store, not the generation's content
+        except Exception as exc:  # a rank file or a section missing, a field of the wrong kind: not written by us
+            problem = _problem(exc)
         if problem is not None:
             log.warning("skipping %s (inconsistent): %s", found.info.name, problem)
             _quarantine(store, step, problem)
@@ -119,6 +125,14 @@ def _inconsistency(state: dict[str, Any], step: int, contract: str) -> str | Non
     return None
 
 
+def _problem(exc: Exception) -> str:
+    """One line naming what in a stored state made decoding fail (a KeyError names the missing key)."""
+    if isinstance(exc, KeyError):
+        return f"it lacks {exc.args[0]!r}" if exc.args else "a section is missing"
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return (text if isinstance(exc, TrainError) else f"{type(exc).__name__}: {text}")[:300]
+
+
 def _load_below(store: GenerationStore, contract: str, below: int, check: Any):
     """The newest complete generation older than ``below`` that verifies (corrupt ones are quarantined)."""
     for info in reversed(store.scan(contract=contract)):
@@ -136,6 +150,13 @@ def quarantine_corrupt(store: GenerationStore, step: int, reason: str) -> None:
     """Rank 0, after every rank failed to load generation ``step``'s shards because a byte disagreed with its
     manifest: one warning, and the generation is quarantined (kept as evidence, never resumed from again)."""
     log.warning("skipping %s (corrupt): %s", step_dir(step), reason)
+    _quarantine(store, step, reason)
+
+
+def quarantine_unusable(store: GenerationStore, step: int, reason: str) -> None:
+    """Rank 0, once an older generation restored: generation ``step`` verified but did not restore (a state that
+    does not fit this task, generators that do not reproduce their recorded draws): quarantined, kept as evidence
+    (the warning naming it was given when it was passed over)."""
     _quarantine(store, step, reason)
 
 

@@ -13,7 +13,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from storage.limits import safe
 
 
 class Reporter:
@@ -51,7 +54,7 @@ class Reporter:
 
     def warn(self, message: str) -> None:
         """A warning line on stderr (never fatal)."""
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        print(f"warning: {safe(' '.join(str(message).splitlines()), 4000)}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Release the terminal."""
@@ -104,10 +107,12 @@ class RichReporter(Reporter):
         if name == "checkpoint_begin":
             return  # JSON logs keep it (it timestamps the save's start); on a terminal it is noise
         if name == "start":
-            self.console.print(start_line(fields), highlight=False)
+            self.console.print(start_line({k: escape(safe(v, 500)) if isinstance(v, str) else v
+                                           for k, v in fields.items()}), highlight=False)
             return
-        details = "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-        self.console.print(f"[cyan]{name}[/cyan] {details}", highlight=False)
+        details = "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={safe(v, 500)}"
+                            for k, v in fields.items())
+        self.console.print(f"[cyan]{name}[/cyan] {escape(details)}", highlight=False)
 
     def close(self) -> None:
         if self._task_id is not None:

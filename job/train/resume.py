@@ -22,17 +22,18 @@ from typing import Any
 
 import torch
 
-from job.errors import ContractError, TrainError
+from job.errors import ContractError, StateError, TrainError
 from job.format.identity import code_version
 from job.format.layout import sharded
 from job.format.state import Expected, check_consistency
-from job.train.discover import load_agreed, quarantine_corrupt
-from job.train.dist import Collectives
+from job.train.discover import load_agreed, quarantine_corrupt, quarantine_unusable
+from job.train.dist import Collectives, PeerError
 from job.train.parallel import Strategy
 from job.train.pretrained import start_from_pretrained
 from job.train.progress import Reporter
-from job.train.run import RestoreCheckError, Run, restore_state
+from job.train.run import RestoreCheckError, Run, check_fits, restore_state
 from storage import COMPLETE, INCOMPLETE, GenerationStore
+from storage.errors import StoreError
 from storage.manifest import step_dir
 
 
@@ -86,9 +87,12 @@ def resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Coll
         return _fresh(c)
     # Without --allow-code-change a newer generation of other code is passed over for one of this build.
     below: int | None = None
+    unusable: list[tuple[int, Exception]] = []  # generations that verified but did not restore, newest first
     while True:
         found = load_agreed(store, plan["contract"], sync, below=below,
                             code_version=None if options.allow_code_change else code_version())
+        if found is None and unusable:
+            _refuse_all_unusable(c, unusable)
         if found is None and below is not None:
             # A failed sharded load may have copied verified parts of its files into the model and optimizer
             # before a later part failed: this process does not train a fresh run from those tensors.
@@ -99,15 +103,59 @@ def resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Coll
             sync.on_rank0("look for unusable generations", lambda: _warn_if_unusable_generations(c))
             return _fresh(c)
         step, state = found
-        resumed = _decide(c, step, state)
-        changed = state["meta"]["world"] != sync.world
-        if _load_shards(c, state, step, changed):
+        failure: Exception | None = None
+        try:
+            resumed = _decide(c, step, state)
+            changed = state["meta"]["world"] != sync.world
+            if not _load_shards(c, state, step, changed):
+                below = step  # a corrupt shard: the next older generation (this one was quarantined)
+                continue
+            check_fits(run, state)
+            _restore(c, state, rederive_at=step if changed else None)
+        except (ContractError, PeerError, OSError, StoreError):
+            raise  # what the operator passed, or the environment: never a reason to pass a generation over
+        except Exception as exc:  # anything else the stored state made the restore raise
+            failure = exc
+        if not _agreed_unusable(c, failure, step):
             break
-        below = step  # a corrupt shard: the next older generation (this one was quarantined)
-    _restore(c, state, rederive_at=step if changed else None)
+        unusable.append((step, failure or StateError("another rank could not restore it")))
+        below = step
+    if unusable and c.rank0:  # a generation below them restored: they were damage, or planted
+        for bad, exc in unusable:
+            quarantine_unusable(store, bad, f"does not restore: {_why(exc)}")
     reporter.event("resume", step=run.step, generation=step_dir(step), rng_restored=options.restore_rng,
                    **({"world_change": resumed.world_changes[-1]} if changed else {}))
     return Resumed(step=run.step, world_changes=resumed.world_changes, code_changes=resumed.code_changes)
+
+
+def _why(exc: Exception) -> str:
+    """One line saying why a state did not restore."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return (first if isinstance(exc, TrainError) else f"{type(exc).__name__}: {first}")[:300]
+
+
+def _agreed_unusable(c: _Context, failure: Exception | None, step: int) -> bool:
+    """Whether generation ``step`` failed to restore on any rank (every rank agrees); one warning line on rank 0."""
+    failed = c.sync.sum_ints([0 if failure is None else 1], f"agree whether {step_dir(step)} restored")[0]
+    if failed and c.rank0:
+        why = _why(failure) if failure is not None else f"{failed} other rank(s) could not restore it"
+        c.reporter.warn(f"skipping {step_dir(step)} (does not restore): {why}; trying the one before it")
+    return bool(failed)
+
+
+def _refuse_all_unusable(c: _Context, unusable: list[tuple[int, Exception]]) -> None:
+    """Every generation that verified failed to restore: that is this process (its code, a sabotaged restore),
+    not the bucket, so nothing is quarantined and nothing starts fresh beside them; the newest one's failure is
+    raised as it was (a StateError: exit 2, naming it)."""
+    step, exc = unusable[0]
+    if isinstance(exc, RestoreCheckError):
+        # Named for the verifier: a resume that fails its own check is a failed comparison, not a crash.
+        c.reporter.event("restore_check_failed", check=exc.check, generators=exc.differing, detail=str(exc))
+    if c.rank0:
+        c.reporter.warn(f"no generation restores ({', '.join(step_dir(s) for s, _ in unusable)}): nothing is "
+                        f"quarantined and nothing starts fresh; the newest, {step_dir(step)}, fails as follows")
+    raise exc
 
 
 def _fresh(c: _Context) -> Resumed:
@@ -186,12 +234,7 @@ def _load_shards(c: _Context, state: dict[str, Any], step: int, world_changed: b
 
 
 def _restore(c: _Context, state: dict[str, Any], *, rederive_at: int | None) -> None:
-    try:
-        restore_state(c.run, state, restore_rng=c.options.restore_rng, seed=c.options.seed, rederive_at=rederive_at)
-    except RestoreCheckError as exc:
-        # Named for the verifier: a resume that fails its own check is a failed comparison, not a crash.
-        c.reporter.event("restore_check_failed", check=exc.check, generators=exc.differing, detail=str(exc))
-        raise
+    restore_state(c.run, state, restore_rng=c.options.restore_rng, seed=c.options.seed, rederive_at=rederive_at)
 
 
 def _device_warnings(state: dict[str, Any], device: torch.device) -> list[str]:

@@ -29,7 +29,7 @@ from job.format.state import STATE_SCHEMA, History
 from job.tasks.base import Task, TaskContext
 from job.tasks.batches import BatchRequest
 from job.train import rng
-from job.train.data import EpochSampler
+from job.train.data import EpochSampler, permutation_of
 from job.train.dist import Collectives, DistEnv, rank_seed, rank_slice
 from job.train.parallel import Strategy, strategy_for
 from job.train.pipeline import BatchSource, InProcess, micro_batches
@@ -263,6 +263,127 @@ def restore_state(run: Run, state: dict[str, Any], *, restore_rng: bool = True, 
         assert seed is not None, "re-deriving the streams needs the run seed"
         run.sampler.restore_generator(data)
         rng.reseed(run.np_gen, rank_seed(seed, run.env.rank, rederive_at))
+
+
+def check_fits(run: Run, state: dict[str, Any]) -> None:
+    """Refuse (StateError, naming the first misfit) a state whose model, optimizer, scheduler or data position does
+    not have the shape of what this task built, before anything is loaded: what ``load_state_dict`` would accept
+    but the first resumed step would fail on (an optimizer moment of another shape, a missing one, a scheduler
+    field of another kind) is caught here, so a planted or damaged generation is passed over, never trained from.
+    """
+    if run.parallel.inline_state:
+        _fits_model(run.model, state["model"])
+        _fits_optimizer(run.optimizer, state["optimizer"])
+    if run.scheduler is not None and state["scheduler"] is not None:
+        _fits_like("scheduler", run.scheduler.state_dict(), state["scheduler"])
+    _fits_position(run, state)
+
+
+def _fits_model(model: nn.Module, saved: Any) -> None:
+    own = model.state_dict()
+    if not isinstance(saved, dict) or set(saved) != set(own):
+        keys = sorted(map(str, set(saved) ^ set(own))) if isinstance(saved, dict) else type(saved).__name__
+        raise StateError(f"the saved model does not have this task's tensors (differing: {str(keys)[:200]})")
+    for name, tensor in own.items():
+        got = saved[name]
+        if not isinstance(got, torch.Tensor) or got.shape != tensor.shape or got.dtype != tensor.dtype:
+            what = f"{got.dtype}{tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise StateError(f"the saved model's {name} is {what}, this task's is {tensor.dtype}{tuple(tensor.shape)}")
+
+
+def _fits_optimizer(optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) \
+            or not isinstance(saved.get("param_groups"), list):
+        raise StateError("the saved optimizer state is not {state, param_groups}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups) or any(
+            not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(o["params"])
+            for g, o in zip(groups, optimizer.param_groups)):
+        raise StateError("the saved optimizer's parameter groups do not match this task's")
+    for g, o in zip(groups, optimizer.param_groups):
+        for key, value in o.items():
+            if key != "params" and (key not in g or type(g[key]) is not type(value)):
+                raise StateError(f"the saved optimizer's {key!r} is {type(g.get(key)).__name__}, "
+                                 f"this task's is {type(value).__name__}")
+    ids = [i for g in groups for i in g["params"]]
+    if sorted(ids, key=str) != sorted(set(ids), key=str) or any(type(i) is not int for i in ids):
+        raise StateError("the saved optimizer's parameter ids are not distinct integers")
+    index = dict(zip(ids, params))
+    template = _moment_template(optimizer)
+    for pid, moments in saved["state"].items():
+        if pid not in index or not isinstance(moments, dict):
+            raise StateError(f"the saved optimizer holds state for parameter {pid!r}, which this task lacks")
+        _fits_moments(pid, index[pid], moments, template)
+
+
+def _moment_template(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """One parameter's optimizer state after one step of this optimizer (on a throw-away 2-element parameter):
+    what every saved parameter's state must look like; None when the optimizer cannot be stepped that way."""
+    probe = torch.zeros(2, dtype=torch.float32, requires_grad=True)
+    try:
+        other = type(optimizer)([probe], **optimizer.defaults)
+        probe.grad = torch.zeros_like(probe)
+        other.step()
+    except Exception:  # an optimizer that needs a closure or other arguments: key checks only against others
+        return None
+    return dict(other.state[probe])
+
+
+def _fits_moments(pid: int, param: torch.Tensor, moments: dict[str, Any], template: dict[str, Any] | None) -> None:
+    if template is not None and set(moments) != set(template):
+        raise StateError(f"the saved optimizer state of parameter {pid} has {sorted(map(str, moments))}, "
+                         f"this optimizer keeps {sorted(template)}")
+    for key, value in moments.items():
+        like = None if template is None else template[key]
+        if isinstance(like, torch.Tensor) and like.dim() == 0:
+            ok = isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == like.dtype
+        elif isinstance(like, torch.Tensor) or (like is None and isinstance(value, torch.Tensor) and value.dim()):
+            ok = isinstance(value, torch.Tensor) and value.shape == param.shape and value.dtype == param.dtype
+        else:
+            ok = like is None or type(value) is type(like)
+        if not ok:
+            what = f"{value.dtype}{tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise StateError(f"the saved optimizer's {key!r} of parameter {pid} is {what}, which does not fit "
+                             f"the parameter ({param.dtype}{tuple(param.shape)})")
+
+
+def _fits_like(what: str, own: Any, saved: Any, path: str = "") -> None:
+    """``saved`` has the structure of ``own``: the same keys, the same kinds of values, lists of the same length."""
+    where = f"the saved {what}{path}"
+    if isinstance(own, dict):
+        if not isinstance(saved, dict) or set(saved) != set(own):
+            raise StateError(f"{where} does not have this task's fields")
+        for k in own:
+            _fits_like(what, own[k], saved[k], f"{path}.{k}")
+    elif isinstance(own, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(own):
+            raise StateError(f"{where} is not a list of {len(own)}")
+        for i, (a, b) in enumerate(zip(own, saved)):
+            _fits_like(what, a, b, f"{path}[{i}]")
+    elif isinstance(own, bool) or isinstance(saved, bool):
+        if type(saved) is not type(own):
+            raise StateError(f"{where} is {type(saved).__name__}, not {type(own).__name__}")
+    elif isinstance(own, (int, float)):
+        if not isinstance(saved, (int, float)):
+            raise StateError(f"{where} is {type(saved).__name__}, not a number")
+    elif own is not None and type(saved) is not type(own):
+        raise StateError(f"{where} is {type(saved).__name__}, not {type(own).__name__}")
+
+
+def _fits_position(run: Run, state: dict[str, Any]) -> None:
+    """The data position is where the newest recorded step's samples end: its row's sample ids are the last ones
+    taken from the epoch's permutation (redrawn from the position, which ``permutation_of`` checks)."""
+    data = state["ranks"][0]["data"]
+    perm = permutation_of(data, run.sampler.num_samples)
+    last = History.from_state_dict(state["history"]).last_row
+    if perm is None or last is None:
+        return
+    ids, cursor = last["sample_ids"], data["cursor"]
+    taken = perm[max(0, cursor - len(ids)):cursor].tolist()
+    if last["epoch"] != data["epoch"] or taken != ids:
+        raise StateError(f"the data position (epoch {data['epoch']}, cursor {cursor}) is not where step "
+                         f"{last['step']}'s recorded samples end")
 
 
 def restore_generators(run: Run, rank_part: dict[str, Any], data: dict[str, Any] | None = None) -> None:

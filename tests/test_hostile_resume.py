@@ -1,0 +1,126 @@
+"""Nothing planted in the bucket decides how a run ends: a newer generation that verifies (its COMPLETE.json lists
+the right sizes and sha256s, as anyone who can write to the bucket can arrange) but does not restore is passed over
+with one warning line, quarantined once an older one restored, and the run ends bitwise equal to an untouched one.
+
+Real ``train`` processes on a local folder and on S3 over loopback. The planted states are genuine states of the
+same run at a later step (from a reference run), with one thing changed: what a co-tenant without the signing key
+can do that a correct trainer must notice.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from job.format.state import STATE_FILE, decode, encode
+from storage import open_store
+from tests.test_train_helpers import differences, load_state, run, trajectory
+
+TARGET = 10
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The untouched run: 10 steps, a generation at every step (the donors of the planted states)."""
+    d = tmp_path_factory.mktemp("reference") / "run"
+    result = run(d, "--max-steps", str(TARGET), "--checkpoint-every", "1", "--keep", "0")
+    assert result.code == 0, result.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def six(tmp_path_factory):
+    """A run trained to step 6 (generations 2, 4, 6), copied for each test."""
+    d = tmp_path_factory.mktemp("six") / "run"
+    result = run(d, "--max-steps", "6", "--checkpoint-every", "2", "--keep", "0")
+    assert result.code == 0, result.stderr
+    return d
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_url(request, tmp_path, six):
+    """The six-step run at a fresh URL: a folder, or a prefix of a bucket on the loopback S3 server."""
+    if request.param == "local":
+        shutil.copytree(six, tmp_path / "run")
+        return str(tmp_path / "run")
+    bucket = request.getfixturevalue("s3_env")
+    url = f"s3://{bucket}/runs/hostile"
+    dst = open_store(url)
+    for path in sorted(p for p in six.rglob("*") if p.is_file()):
+        dst.write_file(str(path.relative_to(six)), path.read_bytes())
+    return url
+
+
+def donor(reference, step: int) -> dict:
+    return decode(open_store(str(reference)).load(step).files[STATE_FILE])
+
+
+def plant(url: str, step: int, files: dict[str, bytes], reference) -> None:
+    """Commit ``files`` as generation ``step`` through the store API: hashes recomputed, as a co-tenant can."""
+    manifest = open_store(str(reference)).load(step).info.manifest
+    open_store(url).commit(step, files, contract=manifest["contract"], world=1,
+                           code_version=manifest["code_version"],
+                           digests={"state": STATE_FILE} if STATE_FILE in files else None)
+
+
+def resumes_from_six(url: str, reference, planted: str, why: str) -> None:
+    result = run(url, "--max-steps", str(TARGET), "--keep", "0")
+    assert result.code == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.last("resume")["step"] == 6, result.events
+    lines = [line for line in result.stderr.splitlines() if planted in line and "skipping" in line]
+    assert len(lines) == 1 and why in lines[0], result.stderr
+    s = open_store(url)
+    assert [name.startswith(planted) for name, _ in s.quarantined()] == [True]
+    assert {2, 4, 6, TARGET} <= {g.step for g in s.scan() if g.status == "complete"}  # nothing genuine lost
+    got = load_state(url)
+    assert differences(trajectory(load_state(reference)), trajectory(got)) == []
+
+
+def test_a_planted_state_with_reshaped_model_tensors_is_passed_over(run_url, reference):
+    state = donor(reference, 7)
+    state["model"]["0.weight"] = state["model"]["0.weight"].reshape(2, 8).clone()
+    plant(run_url, 7, {STATE_FILE: encode(state)}, reference)
+    resumes_from_six(run_url, reference, "step-00000007", "0.weight")
+
+
+def test_a_planted_state_with_reshaped_optimizer_moments_is_passed_over(run_url, reference):
+    """load_state_dict accepts it; the first resumed step would fail on it."""
+    state = donor(reference, 8)
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(16, dtype=torch.float64)
+    plant(run_url, 8, {STATE_FILE: encode(state)}, reference)
+    resumes_from_six(run_url, reference, "step-00000008", "exp_avg")
+
+
+def test_a_planted_state_with_altered_next_draws_is_passed_over(run_url, reference):
+    state = donor(reference, 7)
+    state["ranks"][0]["next_draws"]["numpy"] += 0.5
+    plant(run_url, 7, {STATE_FILE: encode(state)}, reference)
+    resumes_from_six(run_url, reference, "step-00000007", "draws")
+
+
+def test_a_planted_state_with_a_moved_data_cursor_is_passed_over(run_url, reference):
+    state = donor(reference, 9)
+    state["ranks"][0]["data"]["cursor"] += 1
+    plant(run_url, 9, {STATE_FILE: encode(state)}, reference)
+    resumes_from_six(run_url, reference, "step-00000009", "cursor")
+
+
+def test_a_complete_json_that_omits_the_state_file_is_passed_over(run_url, reference):
+    plant(run_url, 7, {"notes.txt": b"nothing to see"}, reference)
+    resumes_from_six(run_url, reference, "step-00000007", STATE_FILE)
+
+
+def test_text_from_a_planted_manifest_reaches_stderr_escaped(tmp_path, six):
+    """A contract holding terminal escape codes and a newline: every log line stays one line of printable text."""
+    shutil.copytree(six, tmp_path / "run")
+    url = str(tmp_path / "run")
+    evil = "\x1b[2J\x1b]0;owned\x07contract\ntrainproof: error: fake line"
+    open_store(url).commit(9, {STATE_FILE: b"not a state"}, contract=evil, world=1, code_version="\x1b[31mred")
+    result = run(url, "--max-steps", "7", "--keep", "0")
+    assert result.code == 0, result.stderr
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr, result.stderr
+    assert "fake line" not in result.stderr or "\\x0a" in result.stderr or "…" in result.stderr
+    assert not any(line.startswith("trainproof: error: fake") for line in result.stderr.splitlines())
