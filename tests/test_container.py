@@ -179,17 +179,14 @@ def test_sigterm_commits_exits_75_and_a_rerun_resumes_bit_for_bit(engine, image,
         assert seen, "the container printed no event"
 
         pid = int(engine.cli("inspect", "-f", "{{.State.Pid}}", name, check=True).stdout)
-        argv, uid = _proc(pid)
-        assert os.path.basename(argv[0]) == "tini" and argv[1:3] == ["--", "trainproof"], argv
-        assert uid == UID, f"PID 1 runs as uid {uid}"
+        argv, uid = _proc(pid)  # checked after the exit code: a regression shows its own symptom first
         kids = [_proc(k) for k in _children(pid)]
-        assert [a for a, _ in kids if any("trainproof" in x for x in a)], f"no trainproof under tini: {kids}"
-        assert {u for _, u in kids} == {UID}, kids
 
         engine.cli("kill", "-s", "TERM", name, check=True)
         sent = time.monotonic()
         code = int(engine.cli("wait", name, timeout=180, check=True).stdout)
         waited = time.monotonic() - sent
+        logs.kill()  # the whole output comes from `docker logs` below; this pipe is no longer read
         logs.wait(timeout=30)
         out = engine.cli("logs", name, check=True).stdout
     finally:
@@ -198,8 +195,12 @@ def test_sigterm_commits_exits_75_and_a_rerun_resumes_bit_for_bit(engine, image,
                      f"({time.monotonic() - began:.0f} s, {waited:.1f} s after the signal)")
     found = events(out)
     stopped = of(found, "stopped") or of(found, "done")
-    assert code == 75, f"exit {code} after SIGTERM: {found[-3:]}"
+    assert code == 75, f"exit {code} after SIGTERM (PID 1: {argv[:3]}): {found[-3:]}"
     assert stopped[-1]["exit_code"] == 75 and stopped[-1]["signals"] == ["SIGTERM"], stopped[-1]
+    assert os.path.basename(argv[0]) == "tini" and argv[1:3] == ["--", "trainproof"], f"PID 1 is {argv}"
+    assert uid == UID, f"PID 1 runs as uid {uid}"
+    assert [a for a, _ in kids if any("trainproof" in x for x in a)], f"no trainproof under tini: {kids}"
+    assert {u for _, u in kids} == {UID}, kids
     committed = stopped[-1]["committed_step"]
     assert 20 <= committed < TARGET and of(found, "checkpoint")[-1]["step"] == committed
     # Written by the image's user, not root.
@@ -315,15 +316,17 @@ def test_the_documented_compose_sequence(engine, image, standin, s3_env, tmp_pat
            "TRAINPROOF_BUCKET": f"{s3_env}-compose", "TRAINPROOF_MAX_STEPS": "400", "TRAINPROOF_CHECKPOINT_EVERY": "50",
            "COMPOSE_INTERACTIVE_NO_CLI": "1"}
 
-    def compose(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    def compose(*args: str, timeout: float = 600, said: bool = True) -> subprocess.CompletedProcess:
         began = time.monotonic()
         out = subprocess.run(["docker-compose", "-p", project, "-f", str(compose_file), *args], env=env,
                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-        container.report(f"docker-compose {' '.join(args)} -> exit {out.returncode} ({time.monotonic() - began:.0f} s)")
+        if said:  # the sequence's steps, not the polling of logs
+            container.report(f"docker-compose {' '.join(args)} -> exit {out.returncode} "
+                             f"({time.monotonic() - began:.0f} s)")
         return out
 
     def train_exit(timeout: float) -> int:
-        cid = compose("ps", "-q", "train").stdout.strip()
+        cid = compose("ps", "-q", "train", said=False).stdout.strip()
         assert cid, "no train container"
         return int(engine.cli("wait", cid, timeout=timeout, check=True).stdout)
 
@@ -331,12 +334,12 @@ def test_the_documented_compose_sequence(engine, image, standin, s3_env, tmp_pat
         up = compose("up", "-d")
         assert up.returncode == 0, up.stderr[-3000:]
         deadline = time.monotonic() + 300
-        while not of(events(_service_log(compose("logs", "--no-color", "train").stdout)), "checkpoint"):
+        while not of(events(_service_log(compose("logs", "--no-color", "train", said=False).stdout)), "checkpoint"):
             assert time.monotonic() < deadline, "no checkpoint from the train service within 300 s"
             time.sleep(2)
         assert compose("kill", "-s", "SIGTERM", "train").returncode == 0
         code = train_exit(180)
-        found = events(_service_log(compose("logs", "--no-color", "train").stdout))
+        found = events(_service_log(compose("logs", "--no-color", "train", said=False).stdout))
         container.report(f"compose train after kill -s SIGTERM -> exit {code}")
         assert code == 75 and of(found, "stopped")[-1]["exit_code"] == 75, found[-3:]
         committed = of(found, "stopped")[-1]["committed_step"]
@@ -346,7 +349,7 @@ def test_the_documented_compose_sequence(engine, image, standin, s3_env, tmp_pat
 
         assert compose("up", "-d", "train").returncode == 0
         code = train_exit(600)
-        found = events(_service_log(compose("logs", "--no-color", "train").stdout))
+        found = events(_service_log(compose("logs", "--no-color", "train", said=False).stdout))
         container.report(f"compose train after up -d train -> exit {code}")
         assert code == 0, found[-3:]
         assert [e["step"] for e in of(found, "resume")][-1] == committed and of(found, "done")[-1]["step"] == 400
@@ -354,7 +357,7 @@ def test_the_documented_compose_sequence(engine, image, standin, s3_env, tmp_pat
         verify = compose("run", "--rm", "verify")
         assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
     finally:
-        print(compose("logs", "--no-color", "--tail", "40").stdout[-8000:])  # shown when the test fails
+        print(compose("logs", "--no-color", "--tail", "40", said=False).stdout[-8000:])  # shown when the test fails
         compose("down", "-v", timeout=300)
 
 
