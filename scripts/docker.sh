@@ -35,8 +35,10 @@
 #   TRAINPROOF_DOCKER        the docker client (default /usr/bin/docker when present, else docker on PATH)
 #   TRAINPROOF_DOCKER_HOST   use this engine instead of starting one (e.g. unix:///var/run/docker.sock)
 #   TRAINPROOF_IMAGE         the test image's tag (default trainproof:test-cpu)
+#   TRAINPROOF_DOCKERFILE    the Dockerfile to build (default ./Dockerfile; a broken copy shows the test failing)
 #   TRAINPROOF_DEBIAN_MIRROR Debian mirror for debootstrap (default: the host's, else http://deb.debian.org/debian)
 #   TRAINPROOF_TORCH_WHEELS, TRAINPROOF_WHEELS_PORT (default 38471)
+#   TRAINPROOF_BUILD_CACHE   BuildKit cache kept after a build (default 4GB); replaced image versions are pruned
 set -euo pipefail
 
 started=0
@@ -45,6 +47,7 @@ root=${TRAINPROOF_DOCKER_ROOT:-/var/lib/trainproof-docker}
 sock="$root/docker.sock"
 base_tag=trainproof-base:bookworm
 image=${TRAINPROOF_IMAGE:-trainproof:test-cpu}
+dockerfile=${TRAINPROOF_DOCKERFILE:-$here/Dockerfile}
 wheels=${TRAINPROOF_TORCH_WHEELS:-/opt/wheels}
 wheels_port=${TRAINPROOF_WHEELS_PORT:-38471}
 torch_version=2.13.0
@@ -163,12 +166,15 @@ build() {
   trap "kill $server 2>/dev/null || true; rm -rf '$served' '$served.log'" RETURN
   sleep 1
   kill -0 "$server" 2>/dev/null || { cat "$served.log" >&2; die "cannot serve the torch wheel on 127.0.0.1:$wheels_port"; }
-  say "building $image from Dockerfile (BASE_IMAGE=$base_tag, REQUIREMENTS_LOCK=$cpu_lock)"
+  say "building $image from $dockerfile (BASE_IMAGE=$base_tag, REQUIREMENTS_LOCK=$cpu_lock)"
   start=$(date +%s)
   DOCKER_BUILDKIT=1 "$docker" build --network host --progress plain \
     --build-arg BASE_IMAGE="$base_tag" --build-arg REQUIREMENTS_LOCK="$cpu_lock" \
-    -t "$image" -f "$here/Dockerfile" "$here" >&2
+    -t "$image" -f "$dockerfile" "$here" >&2
   end=$(date +%s)
+  # The engine is this script's own: replaced image versions go, and the layer cache stays bounded.
+  "$docker" image prune -f >/dev/null
+  "$docker" builder prune -f --keep-storage "${TRAINPROOF_BUILD_CACHE:-4GB}" >/dev/null
   echo "IMAGE=$image"
   echo "BUILD_SECONDS=$((end - start))"
   echo "IMAGE_BYTES=$("$docker" image inspect -f '{{.Size}}' "$image")"
