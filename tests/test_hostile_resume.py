@@ -170,3 +170,31 @@ def test_a_flood_listed_before_the_generations_hides_none_of_them():
         store.commit(step, {STATE_FILE: b"state"}, contract="c", world=1, code_version="t")
     assert [g.step for g in store.scan()] == [2, 4]
     assert store.load_latest(contract="c", world=1, quarantine=False).info.step == 4
+
+
+KEY = {"TRAINPROOF_SIGNING_KEY": "genuine-key-" + "0" * 20}
+
+
+@pytest.mark.parametrize("forger", ["unsigned", "another-key"])
+def test_with_a_key_a_forgery_at_the_next_step_is_moved_aside_and_the_run_commits_past_it(run_url, reference,
+                                                                                          tmp_path, forger):
+    """The forgery is skipped at resume (foreign) and then sat on the step the run must commit: it is moved to
+    quarantine, never deleted, and the commit proceeds."""
+    from storage import StoreOptions
+    from storage.signing import Keyring
+
+    signed = f"{run_url}-signed" if "://" in run_url else str(tmp_path / "signed")
+    assert run(signed, "--max-steps", "4", "--checkpoint-every", "2", "--keep", "0", env=KEY).code == 0
+    state = donor(reference, 6)
+    manifest = open_store(str(reference)).load(6).info.manifest
+    keys = None if forger == "unsigned" else Keyring(b"the-forgers-own-key-000000000000")
+    open_store(signed, StoreOptions.from_env(signing=keys)).commit(
+        6, {STATE_FILE: encode(state)}, contract=manifest["contract"], world=1, code_version=manifest["code_version"],
+        digests={"state": STATE_FILE})
+    result = run(signed, "--max-steps", "6", "--checkpoint-every", "2", "--keep", "0", env=KEY)
+    assert result.code == 0, result.stderr
+    assert result.last("resume")["step"] == 4
+    s = open_store(signed, StoreOptions.from_env(signing=Keyring(KEY["TRAINPROOF_SIGNING_KEY"].encode())))
+    assert [(g.step, g.status) for g in s.scan()] == [(2, "complete"), (4, "complete"), (6, "complete")]
+    assert [name.startswith("step-00000006") for name, _ in s.quarantined()] == [True]
+    assert differences(trajectory(load_state(reference, 6)), trajectory(load_state(signed, 6))) == []
