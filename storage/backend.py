@@ -94,6 +94,22 @@ class ParallelRanges(Protocol):
 
 
 @runtime_checkable
+class StreamsListing(Protocol):
+    """A backend that hands a folder's children over as they are listed (a local folder's scandir, S3's pages), so a
+    caller can drop the ones it does not want at once: memory is what it keeps, not the listing."""
+
+    def iterdir(self, path: str, *, prefix: str = "") -> Iterator[Entry]:
+        """Direct children of ``path`` whose name starts with ``prefix``, as listed (fresh); none when missing."""
+
+
+def iter_listing(backend: Backend, path: str, *, prefix: str = "") -> Iterator[Entry]:
+    """``path``'s children streamed where the backend can, else from one ``listdir``."""
+    if isinstance(backend, StreamsListing):
+        return backend.iterdir(path, prefix=prefix)
+    return iter(backend.listdir(path, prefix=prefix))
+
+
+@runtime_checkable
 class ReadsIntoBuffers(Protocol):
     """A backend that can read a range into a caller's buffer (no allocation per part: a local file's pread)."""
 
@@ -252,6 +268,13 @@ class LocalBackend:
 
     def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
         entries = []
+        for entry in self.iterdir(path, prefix=prefix):
+            entries.append(entry)
+            if limit is not None and len(entries) > limit:
+                break
+        return entries
+
+    def iterdir(self, path: str, *, prefix: str = "") -> Iterator[Entry]:
         try:
             with os.scandir(path) as it:
                 for e in it:
@@ -263,12 +286,9 @@ class LocalBackend:
                         continue
                     is_dir = stat.S_ISDIR(st.st_mode)
                     special = not is_dir and not stat.S_ISREG(st.st_mode)
-                    entries.append(Entry(e.name, st.st_size, is_dir, st.st_mtime, special))
-                    if limit is not None and len(entries) > limit:
-                        break
+                    yield Entry(e.name, st.st_size, is_dir, st.st_mtime, special)
         except (FileNotFoundError, NotADirectoryError):
-            return []
-        return entries
+            return
 
     def delete(self, path: str) -> None:
         try:

@@ -3,7 +3,8 @@
 Two phases, so that several writers (one per rank) can each write and verify their own files
 (``write_part``) and one of them commits the whole generation (``mark_usable``); ``commit_generation`` is both.
 
-1. refuse a step that is already committed;
+1. refuse a step that this run (or a writer that cannot be told from it) already committed; a generation there that
+   cannot be this run's (foreign with a key, another contract, a manifest that does not parse) is moved to quarantine;
 2. write every file create-only, computing size and sha256 while writing.  Nobody ever overwrites or deletes
    an object of a generation being written: when a name is taken (left by a writer killed mid-save, or a
    concurrent writer), this writer uses ``<stem>.<attempt>.<ext>`` instead and the manifest records it as the
@@ -28,9 +29,10 @@ import uuid
 from storage import digest as dg
 from storage import manifest as mf
 from storage.backend import read_at_most
-from storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError
-from storage.generations import Check, Ctx, anchor, scan
+from storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError, StoreError
+from storage.generations import CORRUPT, FOREIGN, INCOMPLETE, Check, Ctx, anchor, in_chain, scan
 from storage.pieces import nbytes
+from storage.quarantine import quarantine
 from storage.spool import Spool
 
 Data = "bytes | Pieces | Spool"
@@ -47,13 +49,13 @@ def commit_generation(
     writer committed this step, CorruptGenerationError when the read-back disagrees, and StoreError or a
     builtin OSError when the store fails; in every failure case nothing is marked usable."""
     attempt = uuid.uuid4().hex
-    written = write_part(ctx, step, files, check=check, attempt=attempt)
+    written = write_part(ctx, step, files, check=check, attempt=attempt, contract=contract)
     return mark_usable(ctx, step, written, contract=contract, world=world, code_version=code_version,
                        attempt=attempt, digests=digests, extra=extra)
 
 
 def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | None = None,
-               attempt: str | None = None) -> dict[str, tuple[int, str, str]]:
+               attempt: str | None = None, contract: str | None = None) -> dict[str, tuple[int, str, str]]:
     """Phase 1 (any number of writers, e.g. one per rank): write ``files`` into generation ``step`` create-only
     and verify them read back from the store.  Returns name → (bytes, sha256, object) for ``mark_usable``."""
     if not files:
@@ -63,7 +65,7 @@ def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | No
         raise ValueError(f"invalid file names for a generation: {bad}")
     name = mf.step_dir(step)
     attempt = attempt or uuid.uuid4().hex
-    _refuse_committed(ctx, name)
+    _refuse_committed(ctx, name, contract)
     written = {fname: _write_file(ctx, name, fname, data, attempt) for fname, data in files.items()}
     _verify(ctx, name, written, check, files)
     return written
@@ -105,15 +107,34 @@ def _signed(ctx: Ctx, step: int, manifest: dict) -> dict:
     return ctx.keys.sign(chained)
 
 
-def _refuse_committed(ctx: Ctx, name: str) -> None:
+def _refuse_committed(ctx: Ctx, name: str, contract: str | None = None) -> None:
     here = [e for e in ctx.io("list generations", lambda: ctx.backend.listdir(ctx.root, prefix=name)) if e.name == name]
     if here and (here[0].is_special or not here[0].is_dir):
         # A symlinked step folder would make this commit write (and later delete) outside the run.
         raise CommitConflictError(f"{name} exists and is not a folder (a symlink or a special file); "
                                   "refusing to write through it")
-    if ctx.io(f"check {name}", lambda: ctx.backend.exists(ctx.path(name, mf.MARKER))):
+    if not ctx.io(f"check {name}", lambda: ctx.backend.exists(ctx.path(name, mf.MARKER))):
+        return
+    if ctx.keys is None and contract is None:
         raise CommitConflictError(f"{name} is already committed (by another writer or an earlier attempt); "
                                   "refusing to write it again")
+    # Is the occupant this run's own? Only then did another writer win the step. One that cannot be (with a key:
+    # unsigned, wrongly signed, another run's or out of chain; any: another contract, a manifest that does not
+    # parse) is moved aside with its evidence, and this commit proceeds: nothing stored can block a run.
+    info = in_chain(ctx, name, contract=contract, world=None)
+    if info.status == INCOMPLETE:
+        return  # its COMPLETE.json went away meanwhile (retention, quarantine)
+    if info.status not in (FOREIGN, CORRUPT):
+        raise CommitConflictError(f"{name} is already committed (by another writer of this run or an earlier "
+                                  "attempt); refusing to write it again")
+    log.warning("%s is occupied by a generation that is not this run's (%s): moving it to quarantine",
+                name, info.reason)
+    try:
+        quarantine(ctx, name, f"occupied the step this run commits: {info.reason}")
+    except (OSError, StoreError) as exc:
+        if ctx.io(f"check {name}", lambda: ctx.backend.exists(ctx.path(name, mf.MARKER))):
+            raise CommitConflictError(f"{name} is occupied by a generation that is not this run's ({info.reason}) "
+                                      f"and could not be moved to quarantine: {exc}") from None
 
 
 def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tuple[int, str, str]:

@@ -21,6 +21,11 @@ class StoreUnavailableError(StoreError):
     """A transient fault outlasted the retry budget (attempts or total time)."""
 
 
+class ListingIncompleteError(StoreError):
+    """A listing of the run could not be finished within its budget (``Limits.scan_seconds``): nothing is decided
+    from part of it (exit 1: a later attempt may finish it, or someone must clean the flood up)."""
+
+
 class CommitConflictError(StoreError):
     """Another writer committed (or is writing) the same step: this writer lost and must not continue."""
 

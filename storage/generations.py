@@ -11,6 +11,7 @@ import errno
 import hashlib
 import logging
 import queue
+import time
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,13 +24,14 @@ from storage.backend import (
     Entry,
     ReadsIntoBuffers,
     hash_object,
+    iter_listing,
     join,
     read_at_most,
     read_hashed,
     reads_in_parallel,
 )
 from storage.digest import FileHasher, cores, hasher_for
-from storage.errors import CorruptGenerationError
+from storage.errors import CorruptGenerationError, ListingIncompleteError
 from storage.limits import Limits
 from storage.pieces import as_pieces
 from storage.spool import CONCURRENCY, PART_SIZE, Spool, download, hashed_ranges, in_order
@@ -218,22 +220,35 @@ def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None,
 
 
 def scan_capped(ctx: Ctx, *, contract: str | None = None, world: int | None = None) -> Scan:
-    """Every ``step-*`` generation under the root, ascending by step, from a fresh listing — but at most
-    ``Limits.scan_entries`` of them, with a warning when there are more (then ``truncated`` is True)."""
-    cap = ctx.limits.scan_entries
-    listing = ctx.io("list generations", lambda: ctx.backend.listdir(ctx.root, prefix="step-", limit=cap))
-    truncated = len(listing) > cap
-    if truncated:
-        log.warning("%s holds more than %d step-* entries (Limits.scan_entries): looking at the first %d only; "
-                    "generations beyond them are not seen, and retention deletes nothing until this is cleaned up",
-                    ctx.root, cap, cap)
-    entries = sorted((e for e in listing[:cap] if mf.parse_step_dir(e.name) is not None), key=lambda e: e.name)
-    if ctx.keys is None:
-        return Scan([inspect(ctx, e.name, contract=contract, world=world, entry=e) for e in entries], truncated)
-    run_anchor = anchor(ctx)
-    found = [inspect(ctx, e.name, contract=contract, world=world, entry=e, run_anchor=run_anchor) for e in entries]
+    """Every ``step-*`` generation under the root, ascending by step, from a fresh listing streamed so that only
+    names of generations are kept (anything else a flood put under ``step-`` is dropped as it comes: memory is
+    bounded by the generations, not by the listing). ListingIncompleteError when the listing and classification
+    cannot be finished within ``Limits.scan_seconds``: nothing is decided from part of the run."""
+    ends = time.monotonic() + ctx.limits.scan_seconds
+
+    def in_time(what: str) -> None:
+        if time.monotonic() > ends:
+            raise ListingIncompleteError(
+                f"{what} of {ctx.root} did not finish within {ctx.limits.scan_seconds:g} s (Limits.scan_seconds): "
+                "is the run's prefix flooded with step-* objects? Nothing was decided from part of it")
+
+    def listing() -> list[Entry]:
+        kept = []
+        for i, e in enumerate(iter_listing(ctx.backend, ctx.root, prefix="step-")):
+            if i % 1024 == 0:
+                in_time("the listing")
+            if mf.parse_step_dir(e.name) is not None:
+                kept.append(e)
+        return kept
+
+    entries = sorted(ctx.io("list generations", listing), key=lambda e: e.name)
+    run_anchor = anchor(ctx) if ctx.keys is not None else False
+    found = []
+    for e in entries:
+        in_time("classifying the generations")
+        found.append(inspect(ctx, e.name, contract=contract, world=world, entry=e, run_anchor=run_anchor))
     # Without a plan.json (an export folder) there is no run to chain: bundles are checked by signature alone.
-    return Scan(_chained(found) if run_anchor is not None else found, truncated)
+    return Scan(_chained(found) if ctx.keys is not None and run_anchor is not None else found, False)
 
 
 def _chained(found: list[GenerationInfo]) -> list[GenerationInfo]:

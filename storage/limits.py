@@ -36,12 +36,20 @@ class Limits:
     file_bytes: int = 256 * GiB
     """Largest size a manifest may claim for one file; above it the generation is corrupt without reading."""
     scan_entries: int = 100_000
-    """Most ``step-*`` entries one scan looks at (and most objects one generation folder may hold)."""
+    """Most objects one generation folder may hold (and entries the quarantine listing shows). A scan of the run
+    is not capped by count: it keeps only names of generations, and is bounded by ``scan_seconds``."""
+    scan_seconds: float = 600.0
+    """Longest a scan of the run's generations may take (listing and classifying): past it, the scan fails
+    (``ListingIncompleteError``, exit 1: retriable) rather than decide from part of what is there."""
     files_per_generation: int = 100_000
     """Most files one manifest may list."""
 
     def __post_init__(self) -> None:
         for key, value in self.__dict__.items():
+            if key == "scan_seconds":
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                    raise ValueError(f"Limits.scan_seconds must be a positive number, got {value!r}")
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Limits.{key} must be a positive integer, got {value!r}")
 

@@ -299,27 +299,33 @@ class S3Backend(FsspecBackend):
     def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
         # Our own paginated ListObjectsV2 (s3fs's ls lists every key into memory first): the prefix narrows the
         # listing server-side and ``limit`` stops paging, so a prefix with millions of keys costs one page.
+        out: list[Entry] = []
+        for entry in self.iterdir(path, prefix=prefix):
+            out.append(entry)
+            if limit is not None and len(out) > limit:
+                break
+        return out
+
+    def iterdir(self, path: str, *, prefix: str = "") -> Iterator[Entry]:
+        """The children page by page, as they come (``storage.backend.StreamsListing``)."""
         bucket, key, _ = self.fs.split_path(path)
         base = f"{key.rstrip('/')}/" if key else ""
         kwargs = {"Bucket": bucket, "Prefix": base + prefix, "Delimiter": "/"}
-        out: list[Entry] = []
         while True:
             try:
                 page = self.fs.call_s3("list_objects_v2", **kwargs)
             except FileNotFoundError:
-                return []
+                return
             for cp in page.get("CommonPrefixes", []):
-                out.append(Entry(cp["Prefix"][len(base):].rstrip("/"), 0, True, None))
+                yield Entry(cp["Prefix"][len(base):].rstrip("/"), 0, True, None)
             for obj in page.get("Contents", []):
                 name = obj["Key"][len(base):]
                 if name:  # not the folder's own "dir/" marker object
                     mtime = obj.get("LastModified")
-                    out.append(Entry(name, int(obj.get("Size") or 0), False,
-                                     mtime.timestamp() if mtime is not None else None))
-            if limit is not None and len(out) > limit:
-                return out[: limit + 1]
+                    yield Entry(name, int(obj.get("Size") or 0), False,
+                                mtime.timestamp() if mtime is not None else None)
             if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
-                return out
+                return
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
     def exists(self, path: str) -> bool:

@@ -123,7 +123,9 @@ class GenerationStore:
 
     def scan(self, *, contract: str | None = None, world: int | None = None) -> list[GenerationInfo]:
         """Every generation, ascending, classified complete / incomplete / corrupt / foreign (no hashing); never
-        raises on what it finds, and looks at no more than ``Limits.scan_entries`` of them (with a warning)."""
+        raises on what it finds, keeps only names of generations from the listing (a flood of other ``step-*``
+        names costs time, not memory), and raises ListingIncompleteError rather than return part of the run when
+        it cannot finish within ``Limits.scan_seconds``."""
         return scan(self._ctx, contract=contract, world=world)
 
     def load(self, step: int, check: Check | None = None, *, contract: str | None = None,

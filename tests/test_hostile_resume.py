@@ -124,3 +124,77 @@ def test_text_from_a_planted_manifest_reaches_stderr_escaped(tmp_path, six):
     assert "\x1b" not in result.stderr and "\x07" not in result.stderr, result.stderr
     assert "fake line" not in result.stderr or "\\x0a" in result.stderr or "…" in result.stderr
     assert not any(line.startswith("trainproof: error: fake") for line in result.stderr.splitlines())
+
+
+def test_a_listing_flood_never_restarts_the_run_from_step_zero(tmp_path, six, reference):
+    """20 001 entries under ``step-`` that are no generation (the scan has no count cap any more, so the number only
+    costs time; the memory:// test below shows the cap that used to hide generations): the real process still
+    resumes from its real progress and ends equal to an untouched run."""
+    shutil.copytree(six, tmp_path / "run")
+    root = tmp_path / "run"
+    for i in range(20_001):
+        (root / f"step-0000000-j{i:06d}").touch()
+    result = run(root, "--max-steps", str(TARGET), "--keep", "0")
+    assert result.code == 0, result.stderr
+    assert result.last("resume")["step"] == 6, result.events
+    assert differences(trajectory(load_state(reference)), trajectory(load_state(root))) == []
+
+
+def test_a_listing_that_cannot_finish_in_its_budget_fails_the_scan_and_decides_nothing(tmp_path, six):
+    from storage import StoreOptions
+    from storage.errors import ListingIncompleteError
+    from storage.limits import Limits
+
+    shutil.copytree(six, tmp_path / "run")
+    for i in range(5000):
+        (tmp_path / "run" / f"step-0000000-j{i:06d}").touch()
+    slow = open_store(str(tmp_path / "run"), StoreOptions(limits=Limits(scan_seconds=1e-9)))
+    with pytest.raises(ListingIncompleteError, match="did not finish"):
+        slow.scan()
+    assert [g.step for g in open_store(str(tmp_path / "run")).scan()] == [2, 4, 6]
+
+
+def test_a_flood_listed_before_the_generations_hides_none_of_them():
+    """On S3 (and memory://) names list in order, so ``step-0000000-j…`` comes before ``step-00000002``: a count cap
+    on the listing would see only the flood. The scan keeps generations only, whatever comes before them."""
+    import uuid
+
+    from storage import StoreOptions
+    from storage.limits import Limits
+
+    url = f"memory://flood-{uuid.uuid4().hex[:8]}/run"
+    store = open_store(url, StoreOptions(limits=Limits(scan_entries=1000)))
+    for i in range(1001):  # listed first (by name on S3, by age here)
+        store.write_file(f"step-0000000-j{i:06d}", b"")
+    for step in (2, 4):
+        store.commit(step, {STATE_FILE: b"state"}, contract="c", world=1, code_version="t")
+    assert [g.step for g in store.scan()] == [2, 4]
+    assert store.load_latest(contract="c", world=1, quarantine=False).info.step == 4
+
+
+KEY = {"TRAINPROOF_SIGNING_KEY": "genuine-key-" + "0" * 20}
+
+
+@pytest.mark.parametrize("forger", ["unsigned", "another-key"])
+def test_with_a_key_a_forgery_at_the_next_step_is_moved_aside_and_the_run_commits_past_it(run_url, reference,
+                                                                                          tmp_path, forger):
+    """The forgery is skipped at resume (foreign) and then sat on the step the run must commit: it is moved to
+    quarantine, never deleted, and the commit proceeds."""
+    from storage import StoreOptions
+    from storage.signing import Keyring
+
+    signed = f"{run_url}-signed" if "://" in run_url else str(tmp_path / "signed")
+    assert run(signed, "--max-steps", "4", "--checkpoint-every", "2", "--keep", "0", env=KEY).code == 0
+    state = donor(reference, 6)
+    manifest = open_store(str(reference)).load(6).info.manifest
+    keys = None if forger == "unsigned" else Keyring(b"the-forgers-own-key-000000000000")
+    open_store(signed, StoreOptions.from_env(signing=keys)).commit(
+        6, {STATE_FILE: encode(state)}, contract=manifest["contract"], world=1, code_version=manifest["code_version"],
+        digests={"state": STATE_FILE})
+    result = run(signed, "--max-steps", "6", "--checkpoint-every", "2", "--keep", "0", env=KEY)
+    assert result.code == 0, result.stderr
+    assert result.last("resume")["step"] == 4
+    s = open_store(signed, StoreOptions.from_env(signing=Keyring(KEY["TRAINPROOF_SIGNING_KEY"].encode())))
+    assert [(g.step, g.status) for g in s.scan()] == [(2, "complete"), (4, "complete"), (6, "complete")]
+    assert [name.startswith("step-00000006") for name, _ in s.quarantined()] == [True]
+    assert differences(trajectory(load_state(reference, 6)), trajectory(load_state(signed, 6))) == []

@@ -174,16 +174,20 @@ def test_an_object_swapped_for_a_bigger_one_is_not_read_whole(store_url):
     assert 0 < read <= 2 * CHUNK, read
 
 
-def test_scans_stop_at_the_entry_cap_with_a_warning(store_url, caplog):
+def test_scans_are_not_cut_by_count_but_fail_whole_past_their_time_budget(store_url):
+    """A cut view could miss the newest generation (a resume from an older one, or from step 0, and retention
+    deleting what it did not see): a scan sees every generation, or raises and decides nothing."""
+    from storage.errors import ListingIncompleteError
+
     store = open_store(store_url, StoreOptions.from_env(limits=Limits(scan_entries=3)))
     for step in range(1, 6):
         commit(store, step)
-    with caplog.at_level(logging.WARNING, logger="trainproof.storage"):
-        gens = store.scan()
-    assert len(gens) == 3
-    assert any("Limits.scan_entries" in r.getMessage() for r in caplog.records)
-    # a cut view could miss the newest generation: retention then deletes nothing
-    assert store.apply_retention(RetentionPolicy(keep=1)) == []
+    assert [g.step for g in store.scan()] == [1, 2, 3, 4, 5]
+    slow = open_store(store_url, StoreOptions.from_env(limits=Limits(scan_seconds=1e-9)))
+    with pytest.raises(ListingIncompleteError, match="did not finish"):
+        slow.scan()
+    with pytest.raises(ListingIncompleteError):
+        slow.apply_retention(RetentionPolicy(keep=1))
     assert len(open_store(store_url).scan()) == 5
 
 

@@ -48,9 +48,10 @@ from job.format.layout import sharded
 from job.format.shard_files import is_sharded_file
 from job.format.state import STATE_FILE, History, decode
 from job.tasks import Task, load_task, trusted_task
-from storage import COMPLETE, GenerationStore
+from storage import COMPLETE, INCOMPLETE, CorruptGenerationError, GenerationStore
 from storage.backend import CHUNK
 from storage.digest import FileHasher
+from storage.limits import loads_untrusted
 from storage.manifest import step_dir
 from storage.spool import Spool, SpoolWriter, spool_dir
 
@@ -131,7 +132,8 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
     dest = dest or run.child("exports")
     source = {"run": run.url, "generation": loaded.info.name,
               "state_sha256": loaded.info.manifest["files"][STATE_FILE]["sha256"]}
-    existing = _existing(dest, loaded.info.step, source, task_name)
+    existing = _existing(dest, loaded.info.step, source, task_name,
+                         {k: v.detach().cpu().contiguous() for k, v in state["model"].items()})
     if existing is not None:
         return existing
     hf_files: dict[str, Any] = {}  # a transformers model's Hugging Face directory (job.export.hf)
@@ -172,16 +174,56 @@ def _steps_text(steps: list[int]) -> str:
     return ", ".join(map(str, steps[-20:])) + (f" (and {len(steps) - 20} older)" if len(steps) > 20 else "") or "none"
 
 
-def _existing(dest: GenerationStore, step: int, source: dict[str, Any], task: str) -> Bundle | None:
-    """An already committed bundle of this step: reused when it was made from the same state, else refused."""
-    if not any(g.step == step and g.status == COMPLETE for g in dest.scan()):
-        return None
-    loaded = dest.load(step)
-    theirs = json.loads(loaded.files["config.json"]).get("source", {})
-    if theirs.get("state_sha256") != source["state_sha256"]:
-        raise ConfigError(f"{dest.url}/{step_dir(step)} already holds an export of another state "
-                          f"({theirs.get('run')}); choose another --dest")
-    return _bundle(dest, step, loaded.info.manifest, reused=True, task=task)
+def _existing(dest: GenerationStore, step: int, source: dict[str, Any], task: str,
+              weights: dict[str, torch.Tensor]) -> Bundle | None:
+    """An already committed bundle of this step, reused only when it is this state's own: its files verify, its
+    ``COMPLETE.json`` names this generation and state (and, with a signing key, is validly signed: discovery
+    refuses it otherwise), its ``config.json`` parses as an object naming the same state and, without a key, its
+    weights are byte for byte the ones this state gives (nothing else can tell a planted bundle from ours). Any
+    other bundle in the way is moved to the destination's quarantine (evidence kept, one warning) and rebuilt."""
+    info = dest.generation(step)
+    if info.status == INCOMPLETE:
+        return None  # no COMPLETE.json: the commit writes beside what is there
+    problem = info.reason if info.status != COMPLETE else None
+    loaded = None
+    if problem is None:
+        try:
+            loaded = dest.load(step)
+            problem = _not_ours(loaded, source, weights, keyed=dest.options.signing is not None)
+        except CorruptGenerationError as exc:
+            problem = exc.reason
+    if problem is None:
+        return _bundle(dest, step, loaded.info.manifest, reused=True, task=task)
+    log.warning("%s/%s holds a bundle that is not this state's export (%s): moving it to quarantine and "
+                "building the export again", dest.url, step_dir(step), problem)
+    dest.quarantine(step, f"not the export of {source['generation']}: {problem}")
+    return None
+
+
+def _not_ours(loaded: Any, source: dict[str, Any], weights: dict[str, torch.Tensor], *, keyed: bool) -> str | None:
+    """Why a verified bundle is not the export of ``source`` (None when it is)."""
+    extra = loaded.info.manifest.get("extra") or {}
+    theirs = extra.get("source") if isinstance(extra, dict) else None
+    if not isinstance(theirs, dict) or extra.get("kind") != "export" or any(
+            theirs.get(k) != source[k] for k in ("generation", "state_sha256")):
+        return "its COMPLETE.json names another source"
+    try:
+        raw = loaded.files["config.json"]
+        config = loads_untrusted(raw, what="config.json", max_bytes=len(raw))
+    except (KeyError, ValueError) as exc:
+        return f"config.json is unreadable ({type(exc).__name__})"
+    if not isinstance(config, dict) or not isinstance(config.get("source"), dict) \
+            or config["source"].get("state_sha256") != source["state_sha256"]:
+        return "its config.json names another state"
+    if keyed:
+        return None  # signed by an accepted key, for this state
+    if FP_FILE not in loaded.files:
+        return f"it has no {FP_FILE}"
+    from job.export.tensorfile import write_safetensors
+
+    spool, sha = _spooled(lambda out: write_safetensors(out, weights), None)
+    spool.unlink()
+    return None if sha == sha256_of(loaded.files[FP_FILE]) else f"its {FP_FILE} is not this state's weights"
 
 
 def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reused: bool, task: str) -> Bundle:
