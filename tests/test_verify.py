@@ -47,10 +47,13 @@ def test_protocol_passes_on_a_folder_bitwise(reference):
     resume = checks(report, "resume")
     assert set(resume) >= {"sample_ids", "learning_rates", "losses", "parameters", "buffers", "optimizer",
                            "scheduler", "progress", "next_lr", "rng_next_draws", "data_position", "configuration"}
-    assert all(c["max_abs_diff"] == 0.0 and (c["atol"], c["rtol"]) == (1e-12, 0.0) for c in resume.values())
-    assert report["tolerance"]["bitwise_equal_observed"] is True
+    # On the CPU the default comparison is exact: every difference 0, and the report says so.
+    assert all(c["max_abs_diff"] == 0.0 and (c["mode"], c["atol"], c["rtol"]) == ("exact", 0.0, 0.0)
+               for c in resume.values())
+    assert report["tolerance"]["mode"] == "exact" and report["tolerance"]["bitwise_equal_observed"] is True
     assert report["step_recovered"] == 5 and report["settings"] | {"config": None} == {
-        "task": "regression", "config": None, "steps": 10, "cut": 5, "seed": 1234, "atol": 1e-12, "rtol": 0.0,
+        "task": "regression", "config": None, "steps": 10, "cut": 5, "seed": 1234, "atol": 0.0, "rtol": 0.0,
+        "comparison": "exact",
         "device": "auto", "checkpoint_every": 1, "reused_reference": None, "world": 1, "fsdp": False,
         "objective_check": True}
     assert "all_checks_passed: true" in result.stdout and "negative_divergence_detected: true" in result.stdout
@@ -148,6 +151,11 @@ SABOTAGES = {  # sabotage -> checks that must fail, and the one that fails at th
 }
 
 
+FIRST_COMPONENT = {"skip_optimizer": "the optimizer's step counters", "rebuild_scheduler": "learning-rate scheduler",
+                   "reseed_rng": "a random generator", "lose_cursor": "the data position",
+                   "repeat_batch": "the data position"}
+
+
 @pytest.mark.parametrize("sabotage", SABOTAGES)
 def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sabotage):
     # --cuts 5: the protocol's cut alone (each sabotage acts on every resumed path; the extra cuts are tested below)
@@ -160,6 +168,10 @@ def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sab
     assert must_fail <= failing, failing
     assert checks(report, "resume")[at_once]["first_step"] == 6
     assert "failing checks: resume." in " ".join(result.output.split())
+    # The diagnosis names the state component that differs first, and guesses no hidden state.
+    first = next(line for line in report["diagnosis"] if line.startswith("resume: first difference at step 6"))
+    assert FIRST_COMPONENT[sabotage] in first, report["diagnosis"]
+    assert not any("state not captured" in line for line in report["diagnosis"]), report["diagnosis"]
     # The reference's continuous, cut and negative paths were reused: only the resumed path ran.
     assert {p: e.get("reused_from") for p, e in report["paths"].items()} == {
         "continuous": "ref", "cut": "ref", "resume": None, "resume_without_rng": "ref"}
@@ -170,14 +182,39 @@ def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sab
     assert "evidence" not in report
 
 
+def test_a_1e17_drift_on_resume_fails_the_exact_comparison(reference, cli, monkeypatch):
+    """Adam's second moment replaced by the square of its square root on resume: differences of ~1e-17, which the old
+    default (--atol 1e-12) let through; the CPU's default comparison is exact and fails it, naming the check. The
+    correct twin is the reference itself (every difference 0, mode exact)."""
+    result, report = sabotaged(cli, monkeypatch, reference, "sqrt_square", "--cuts", "5")
+    assert result.exit_code == 1, result.output + result.stderr
+    assert "resume.optimizer" in report["failing_checks"], report["failing_checks"]
+    optimizer = checks(report, "resume")["optimizer"]
+    assert optimizer["mode"] == "exact" and 0.0 < optimizer["max_abs_diff"] < 1e-12, optimizer
+    assert checks(report, "resume")["optimizer"]["first_step"] == 6
+    assert "resume.optimizer" in " ".join(result.output.split())
+    # The same drift under the old absolute tolerance passes: why the default is exact (the mode is recorded).
+    result, report = sabotaged(cli, monkeypatch, reference, "sqrt_square", "--cuts", "5", "--atol", "1e-12",
+                               vid="sqrt-square-atol")
+    assert result.exit_code == 0, result.output
+    assert report["tolerance"]["mode"] == "given" and checks(report, "resume")["optimizer"]["mode"] == "given"
+
+
 def test_a_crashing_path_is_exit_2_not_1(reference, cli, monkeypatch):
     monkeypatch.setenv("TPHOOK_SABOTAGE", "crash")
     monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
     result = cli("verify", "--store", reference["store"], "--reuse-reference", "ref", "--id", "crash", "--cuts", "5")
     assert result.exit_code == 2, result.output
     assert "path 'resume' exited 1" in result.stderr and "SabotageCrash" in result.stderr
+    assert "Traceback" not in result.stderr and "Traceback" not in result.output  # its last error lines, not all
     report = read_report(reference["store"], "crash")  # a partial report is still uploaded
-    assert report["completed"] is False and report["all_checks_passed"] is False and "resume" in report["error"]
+    assert report["verdict"] == "INCOMPLETE" and report["completed"] is False and "resume" in report["error"]
+    assert report["all_checks_passed"] is None and report["positive"] is None and report["failing_checks"] == []
+    assert "SabotageCrash" in report["paths"]["resume"]["error"] and "paths.resume.command" in report["what_to_try"]
+    # The summary says INCOMPLETE, the error and what to try, and no pass/fail verdict line.
+    out = " ".join(result.output.split())
+    assert "INCOMPLETE" in out and "what to try:" in out and "SabotageCrash" in out
+    assert "all_checks_passed:" not in out and "negative_divergence_detected:" not in out
 
 
 @pytest.mark.s3

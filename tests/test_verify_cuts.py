@@ -131,7 +131,8 @@ def test_hidden_task_state_is_caught_and_named_and_task_state_dict_fixes_it(tmp_
     assert resume["sample_ids"]["within_tolerance"] and resume["rng_next_draws"]["within_tolerance"]
     assert not resume["losses"]["within_tolerance"]
     assert report["objective_equivalence_passed"] is True  # the check trains without the augmentation
-    (line,) = [d for d in report["diagnosis"] if d.startswith("resume:")]
+    first, line = [d for d in report["diagnosis"] if d.startswith("resume:")]
+    assert "first difference at step 6" in first and "resume.losses" in first  # what differs, before the guess
     assert "state not captured by the checkpoint" in line and "docs/tasks.md" in line
     assert "Task.state_dict" in line
     assert "likely cause" in result.stdout and "state not captured" in " ".join(result.stdout.split())

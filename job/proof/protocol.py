@@ -63,7 +63,7 @@ from job.proof.paths import (
 )
 from job.proof.reload import export_and_check
 from job.proof.report import REPORT_FILE, build_report, environment, plot_png
-from job.proof.settings import ProtocolSettings, train_argv
+from job.proof.settings import ProtocolSettings, default_tolerance, train_argv
 from job.proof.verification import VerificationRunner
 from job.proof.world import WorldEquivalence
 from job.tasks import Task, load_task
@@ -104,6 +104,9 @@ class Protocol(VerificationRunner):
     def __init__(self, settings: ProtocolSettings, opener: Opener) -> None:
         self.s, self.opener = settings, opener
         self.task = load_task(settings.task, load_task_config(settings.config) if settings.config else {})
+        if settings.tolerance is None:  # exact where the paths are bitwise by construction (the CPU)
+            settings = replace(settings, tolerance=default_tolerance(self.task, settings.device))
+        self.s = settings
         self.param_names = parameter_names(self.task)
         base = verification_base(opener, settings.store, settings.workdir)
         self.root = base.child(settings.vid)
