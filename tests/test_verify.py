@@ -59,6 +59,24 @@ def test_protocol_passes_on_a_folder_bitwise(reference):
     assert "all_checks_passed: true" in result.stdout and "negative_divergence_detected: true" in result.stdout
 
 
+def test_the_report_records_what_each_path_exercised_and_what_it_did_not(reference):
+    report = reference["report"]
+    exercised = report["exercised"]
+    assert exercised["continuous"] == {"steps": [1, 10], "micro_batches_per_step": [1], "clipping": None,
+                                       "grad_scaler": False, "epochs": [0, 1], "epochs_crossed": 1}
+    assert exercised["resume"]["steps"] == [6, 10] and exercised["resume_at_9"]["steps"] == [10, 10]
+    # The fixture draws from Python's random, the run's NumPy generator and torch (dropout); not from np.random.
+    assert report["generators_drew"] == {"python": True, "numpy": True, "numpy_global": False, "torch": True}
+    missing = {m["what"]: m for m in report["not_exercised"]}
+    assert set(missing) == {"gradient accumulation", "GradScaler", "task state", "generator numpy_global"}, missing
+    assert all(m["hint"] for m in missing.values())
+    rows = checks(report, "resume")
+    assert rows["grad_scaler"]["exercised"] is False and rows["task_state"]["exercised"] is False
+    assert "exercised" not in rows["parameters"]
+    out = " ".join(reference["result"].stdout.split())
+    assert "not exercised: GradScaler" in out and "not exercised: task state" in out
+
+
 def test_each_path_was_a_fresh_process_with_the_protocol_options(reference):
     report = reference["report"]
     paths = report["paths"]

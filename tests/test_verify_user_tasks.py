@@ -179,3 +179,39 @@ def test_a_deterministic_objective_of_another_class_is_refused_with_one_line(tmp
     assert len(lines) == 1, result.stderr
     assert "deterministic_objective()" in lines[0] and "Other" in lines[0] and "RegressionTask" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+CLIPPED = '''
+    from job.tasks.regression import RegressionConfig, RegressionTask
+
+
+    class Clipped(RegressionTask):
+        def __init__(self, cfg, clip):
+            super().__init__(cfg)
+            self.grad_clip, self.clip = clip, clip
+
+        def config(self):
+            return {**super().config(), "grad_clip": self.clip}
+
+
+    def factory(config):
+        return Clipped(RegressionConfig(), config["grad_clip"])
+'''
+
+
+# 1e6: never reached in the window (reported, not counted as proved); 1e-3: clips every step (nothing reported).
+@pytest.mark.parametrize("clip", [1e6, 1e-3])
+def test_a_clip_threshold_never_reached_is_reported_not_exercised(tmp_path, clip):
+    result, store = _verify(tmp_path, "clipped", CLIPPED, {"grad_clip": clip}, "--no-export", "--cuts", "5",
+                            "--no-objective-check")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(store, "v")
+    clipping = report["exercised"]["resume"]["clipping"]
+    missing = {m["what"] for m in report["not_exercised"]}
+    if clip > 1:
+        assert clipping["active_steps"] == 0 and clipping["of_steps"] == 5 and clipping["max_grad_norm"] < clip
+        assert "gradient clipping" in missing
+        assert "not exercised: gradient clipping" in " ".join(result.stdout.split())
+    else:
+        assert clipping == {"active_steps": 5, "of_steps": 5, "max_grad_norm": clipping["max_grad_norm"]}
+        assert "gradient clipping" not in missing

@@ -48,6 +48,7 @@ from job.proof.check import AFTER, REFERENCE, RESUMED, Check, Job, Resumed, Skip
 from job.proof.compare import Diff, compare_all, compare_cut
 from job.proof.cuts import CutsCheck, plan_cuts, resume_checks
 from job.proof.diagnose import diagnose_path
+from job.proof.exercised import generators_drew, not_exercised, path_exercised
 from job.proof.objective import ObjectiveCheck
 from job.proof.paths import (
     Opener,
@@ -120,6 +121,10 @@ class Protocol(VerificationRunner):
         self.distances: dict[str, dict[int, float]] = {p: {} for p in COMPARED}
         self.meta: dict[str, Any] = {}
         self.export: dict[str, Any] | None = None
+        self.results: dict[str, PathResult] = {}
+        """Every process's result by name (the four paths' and the checks'): what each exercised."""
+        self.drew: dict[str, bool] = {}
+        self.task_state = False
         self.restore_failed: set[str] = set()
         """The protocol's resumed paths whose own restore self-check failed (a failed comparison; not read back)."""
         steps_per_epoch = epoch_plan(self.task.num_samples(), self.task.batch_size, settings.world)["steps"]
@@ -183,6 +188,7 @@ class Protocol(VerificationRunner):
                 raise RuntimeError(f"two runs of the {phase} phase share a name: {[name for name, _, _ in jobs]}")
             results = run_processes(jobs, timeout=self.s.timeout, parallel=self.s.parallel) if jobs else []
         done = {r.name: r for r in results}
+        self.results.update(done)
         mine = [done[name] for name, _, _ in own]
         self.paths.update({r.name: r.to_json() for r in mine})
         for check, listed in theirs:  # every run's entry first: a crash below still leaves them all in the report
@@ -279,9 +285,12 @@ class Protocol(VerificationRunner):
         s, final = self.s, None
         into = {"cut": self.diffs["cut"], **{r.name: r.diffs for r in resumed}}
         steps = readers["continuous"].steps
+        first_rng = None
         for i, step in enumerate(steps, 1):
             t0 = time.monotonic()
             ref = readers["continuous"].state(step)
+            if first_rng is None:
+                first_rng = {"ranks": ref.get("ranks")}
             others = {"cut": cut_state} if step == s.cut else {}
             others |= {r.name: readers[r.name].state(step) for r in resumed
                        if step > r.at and step in readers[r.name].steps}
@@ -296,6 +305,8 @@ class Protocol(VerificationRunner):
                     self.losses[p] = history_losses(others[p])
             if step == s.steps:
                 final = ref
+                self.drew = generators_drew(first_rng, ref) if first_rng is not None and step != steps[0] else {}
+                self.task_state = bool(ref.get("task_state"))
             took = time.monotonic() - t0
             if others:  # a large state takes a while to read back: say where the comparison is (a toy one: debug)
                 log.log(logging.INFO if took >= 1 else logging.DEBUG, "compared step %d (%d of %d) with %s: %.1f s",
@@ -363,11 +374,22 @@ class Protocol(VerificationRunner):
             extra.update(check.sections())
         extra["diagnosis"] = self.diagnosis()
         diffs = {**self.diffs, **{p: d for check in self.checks for p, d in check.checks().items()}}
-        return build_report(
+        exercised = {name: e for name, r in self.results.items() if (e := path_exercised(r)) is not None}
+        resumed = ["resume", *(r.name for check in self.checks for r in check.resumed())]
+        missing = not_exercised(grad_clip=self.task.grad_clip, exercised=exercised, resumed=resumed, drew=self.drew,
+                                task_state=self.task_state, cut=self.s.cut) if self.meta else []
+        extra |= {"exercised": exercised, "generators_drew": self.drew, "not_exercised": missing}
+        report = build_report(
             kind="protocol", vid=self.s.vid, location=absolute_url(self.root), store=self.s.store, verdicts=verdicts,
             failing=self.failing_checks(), settings=self.s.to_json(), paths=self.paths, diffs=diffs,
             tol=self.s.tolerance, step_recovered=self.s.cut, env=environment(self.task, self.meta),
             export=self.export, extra=extra, error=error)
+        vacuous = {m["check"] for m in missing if m["check"] in ("grad_scaler", "task_state")}
+        for path, rows in report["checks"].items():
+            for row in rows:
+                if row["name"] in vacuous and path != "cut":
+                    row["exercised"] = False  # compared, but nothing on this path could have differed
+        return report
 
     def plot(self) -> bytes | None:
         """The PNG of loss curves and parameter distances (None without matplotlib or before the comparison)."""

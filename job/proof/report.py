@@ -179,6 +179,8 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
                                         f"{tol['mode']}: atol {tol.get('atol'):g}, rtol {tol.get('rtol'):g}"))
     if report.get("failing_checks"):
         console.print(f"[red]failing checks: {', '.join(report['failing_checks'])}[/]")
+    for item in report.get("not_exercised") or []:
+        console.print(f"[yellow]not exercised: {item['what']} ({item['check']}): {item['hint']}[/]", soft_wrap=True)
     for line in report.get("diagnosis") or []:  # what differs first, then the likely cause
         prefix = "" if ": first difference" in line else "likely cause: "
         console.print(f"[yellow]{prefix}{line}[/]", soft_wrap=True)
@@ -232,6 +234,8 @@ def _cell(check: dict[str, Any] | None, *, negative: bool) -> str:
     if check is None:
         return "-"
     text = f"{check['max_abs_diff']:.3g}"
+    if check.get("exercised") is False and check["within_tolerance"]:
+        return f"{text} [dim]n/a[/]"  # compared, but the path never went through it (job.proof.exercised)
     if check["problems"]:
         return f"[red]{text} broken[/]"
     if check["within_tolerance"]:
