@@ -52,7 +52,7 @@ def test_protocol_passes_on_a_folder_bitwise(reference):
                for c in resume.values())
     assert report["tolerance"]["mode"] == "exact" and report["tolerance"]["bitwise_equal_observed"] is True
     assert report["step_recovered"] == 5 and report["settings"] | {"config": None} == {
-        "task": "regression", "config": None, "steps": 10, "cut": 5, "seed": 1234, "atol": 0.0, "rtol": 0.0,
+        "task": "regression", "config": None, "steps": 18, "cut": 5, "seed": 1234, "atol": 0.0, "rtol": 0.0,
         "comparison": "exact",
         "device": "auto", "checkpoint_every": 1, "reused_reference": None, "world": 1, "fsdp": False,
         "objective_check": True}
@@ -62,9 +62,10 @@ def test_protocol_passes_on_a_folder_bitwise(reference):
 def test_the_report_records_what_each_path_exercised_and_what_it_did_not(reference):
     report = reference["report"]
     exercised = report["exercised"]
-    assert exercised["continuous"] == {"steps": [1, 10], "micro_batches_per_step": [1], "clipping": None,
-                                       "grad_scaler": False, "epochs": [0, 1], "epochs_crossed": 1}
-    assert exercised["resume"]["steps"] == [6, 10] and exercised["resume_at_9"]["steps"] == [10, 10]
+    assert exercised["continuous"] == {"steps": [1, 18], "micro_batches_per_step": [1], "clipping": None,
+                                       "grad_scaler": False, "epochs": [0, 1, 2], "epochs_crossed": 2}
+    assert exercised["resume"]["steps"] == [6, 18] and exercised["resume_at_9"]["steps"] == [10, 18]
+    assert exercised["resume_of_resume_at_11"]["steps"] == [12, 18]
     # The fixture draws from Python's random, the run's NumPy generator and torch (dropout); not from np.random.
     assert report["generators_drew"] == {"python": True, "numpy": True, "numpy_global": False, "torch": True}
     missing = {m["what"]: m for m in report["not_exercised"]}
@@ -257,18 +258,26 @@ def test_plot_of_losses_and_parameter_distance(reference):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
-# -- the extra cuts (resumes at the epoch boundary and in the middle of epoch 1) -------------------------------------
-def test_default_verify_resumes_at_the_epoch_boundary_and_mid_epoch_1(reference):
+# -- the extra cuts (every epoch boundary and later mid-epoch of three epochs, a random step, a resume of a resume) ---
+def test_default_verify_covers_three_epochs_every_boundary_a_random_cut_and_a_resume_of_a_resume(reference):
     report = reference["report"]
     cuts = report["cuts"]
-    assert (cuts["protocol_cut"], cuts["extra"], cuts["all"], cuts["steps_per_epoch"]) == (5, [6, 9], [5, 6, 9], 6)
-    assert cuts["steps"] == 10 and report["settings"]["steps"] == 10  # both extra cuts fit the protocol's path
-    assert cuts["passed"] == {"6": True, "9": True} and report["cuts_passed"] is True
-    assert set(cuts["paths"]) == {"resume_at_6", "resume_at_9"}
+    assert (cuts["protocol_cut"], cuts["all"], cuts["steps_per_epoch"]) == (5, [5, 6, 9, 12, 15, 17], 6)
+    assert cuts["steps"] == 18 and report["settings"]["steps"] == 18  # three epochs of six steps
+    # One seeded random step besides the boundaries (6, 12) and the middles of epochs 1 and 2 (9, 15): recorded.
+    assert cuts["random_cut"] == {"step": 17, "seed": 1234, "replay": "verify --cuts 17 --seed 1234"}
+    assert cuts["passed"] == {str(c): True for c in (6, 9, 12, 15, 17)} and report["cuts_passed"] is True
+    # The resume of a resume: from the generation the protocol's resume path (a resumed process) wrote at step 11.
+    again = cuts["resume_of_resume"]
+    assert (again["at"], again["path"], again["passed"], again["skipped"]) == (11, "resume_of_resume_at_11", True, None)
+    assert set(cuts["paths"]) == {"resume_at_6", "resume_at_9", "resume_at_12", "resume_at_15", "resume_at_17",
+                                  "resume_of_resume_at_11"}
     assert all(p["exit_code"] == 0 and "--steps" in p["command"] for p in cuts["paths"].values())
-    assert (cuts["paths"]["resume_at_6"]["resumed_from"], cuts["paths"]["resume_at_9"]["resumed_from"]) == (6, 9)
-    for c in (6, 9):
-        resumed = checks(report, f"resume_at_{c}")
+    assert {k: p["resumed_from"] for k, p in cuts["paths"].items()} == {
+        "resume_at_6": 6, "resume_at_9": 9, "resume_at_12": 12, "resume_at_15": 15, "resume_at_17": 17,
+        "resume_of_resume_at_11": 11}
+    for path in cuts["paths"]:
+        resumed = checks(report, path)
         assert all(x["within_tolerance"] and x["max_abs_diff"] == 0.0 for x in resumed.values())
         assert {"sample_ids", "data_position", "parameters", "rng_restore"} <= set(resumed)
 
@@ -277,10 +286,33 @@ def test_a_permutation_bug_after_epoch_0_fails_the_default_verify(reference, cli
     result, report = sabotaged(cli, monkeypatch, reference, "regen_permutation")
     assert result.exit_code == 1, result.output + result.stderr
     assert report["positive"] is True  # the protocol's cut (epoch 0) alone would not have caught it
-    assert report["cuts"]["passed"] == {"6": True, "9": False} and report["all_checks_passed"] is False
+    assert report["cuts"]["passed"]["6"] is True and report["cuts"]["passed"]["9"] is False
+    assert report["all_checks_passed"] is False
     mid = checks(report, "resume_at_9")
     assert not mid["sample_ids"]["within_tolerance"] and mid["sample_ids"]["first_step"] == 10
     assert "resume_at_9.sample_ids" in report["failing_checks"]
+
+
+def test_a_restore_bug_from_epoch_2_on_fails_the_default_verify(reference, cli, monkeypatch):
+    """A cursor stepped back only when the restored position is in epoch 2: the old default (cuts 5, 6, 9 of 10 steps)
+    never resumed there; three epochs with a cut in the middle of epoch 2 do."""
+    result, report = sabotaged(cli, monkeypatch, reference, "late_repeat_batch")
+    assert result.exit_code == 1, result.output + result.stderr
+    assert report["positive"] is True and report["cuts"]["passed"]["9"] is True  # earlier epochs: fine
+    assert report["cuts"]["passed"]["15"] is False and "resume_at_15.sample_ids" in report["failing_checks"]
+    assert checks(report, "resume_at_15")["sample_ids"]["first_step"] == 16
+
+
+def test_a_bug_after_a_second_resume_fails_the_resume_of_a_resume(reference, cli, monkeypatch):
+    """Python's generator re-seeded only when the state was written by a process that had itself resumed: every
+    protocol path resumes a fresh process's generation; only the resume of a resume catches it."""
+    result, report = sabotaged(cli, monkeypatch, reference, "second_resume")
+    assert result.exit_code == 1, result.output + result.stderr
+    assert report["positive"] is True
+    assert all(report["cuts"]["passed"][str(c)] for c in (6, 9, 12, 15, 17))
+    assert report["cuts"]["resume_of_resume"]["passed"] is False
+    assert "resume_of_resume_at_11.rng_next_draws" in report["failing_checks"], report["failing_checks"]
+    assert "resume_of_resume_at_11" in " ".join(result.output.split())
 
 
 def test_losing_the_numpy_generator_diverges(reference, cli, monkeypatch):

@@ -44,7 +44,7 @@ import torch
 from job.errors import ConfigError
 from job.format.contract import PLAN_FILE
 from job.format.state import History
-from job.proof.check import AFTER, REFERENCE, RESUMED, Check, Job, Resumed, Skipped
+from job.proof.check import AFTER, AGAIN, REFERENCE, RESUMED, Check, Job, Resumed, Skipped
 from job.proof.compare import Diff, compare_all, compare_cut
 from job.proof.cuts import CutsCheck, plan_cuts, resume_checks
 from job.proof.diagnose import diagnose_path
@@ -128,10 +128,11 @@ class Protocol(VerificationRunner):
         self.restore_failed: set[str] = set()
         """The protocol's resumed paths whose own restore self-check failed (a failed comparison; not read back)."""
         steps_per_epoch = epoch_plan(self.task.num_samples(), self.task.batch_size, settings.world)["steps"]
-        extra_cuts, steps = plan_cuts(protocol_cut=settings.cut, steps=settings.steps,
-                                      steps_per_epoch=steps_per_epoch, chosen=settings.cuts)
-        if steps != settings.steps:  # a later cut needs a longer continuous path
-            if settings.reuse:
+        extra_cuts, steps, self.random_cut = plan_cuts(protocol_cut=settings.cut, steps=settings.steps,
+                                                       steps_per_epoch=steps_per_epoch, chosen=settings.cuts,
+                                                       seed=settings.seed, reused=settings.reuse is not None)
+        if steps != settings.steps:  # a later cut (or the default three epochs) needs a longer continuous path
+            if settings.reuse and settings.cuts is not None:  # the reused reference ran the defaults, or fails below
                 raise ConfigError(f"the cuts {extra_cuts} need {steps} continuous steps; the reused reference "
                                   f"has {settings.steps}")
             self.s = settings = replace(settings, steps=steps)
@@ -142,7 +143,8 @@ class Protocol(VerificationRunner):
         """The verification's checks (job.proof.check): adding one is adding it here."""
         s, root = self.s, absolute_url(self.root)
         checks: list[Check] = [CutsCheck(settings=s, extra=extra_cuts, steps_per_epoch=steps_per_epoch, root_url=root,
-                                         continuous_url=self.urls["continuous"], opener=self.opener)]
+                                         continuous_url=self.urls["continuous"], opener=self.opener,
+                                         resume_url=self.urls["resume"], random_cut=self.random_cut)]
         if s.world > 1:
             checks.append(WorldEquivalence(world=s.world, root_url=f"{root}/world_equivalence", seed=s.seed,
                                            device=s.device, store_args=s.store_args, opener=self.opener, fsdp=s.fsdp))
@@ -161,6 +163,7 @@ class Protocol(VerificationRunner):
         log.info("verification %s under %s", self.s.vid, absolute_url(self.root))
         self._timed("continuous and cut paths", lambda: self._phase(REFERENCE))
         self._timed("resumed paths", lambda: self._phase(RESUMED))
+        self._timed("resumes of resumes", lambda: self._phase(AGAIN), unless_idle=True)
         self._timed("comparison (read back from the store)", self._compare)
         self._timed("checks' runs after the comparison", lambda: self._phase(AFTER), unless_idle=True)
         if self.s.export and self.comparisons_passed():
