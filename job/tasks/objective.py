@@ -150,7 +150,7 @@ def _function_identity(value: Any) -> Any:
     if isinstance(value, types.MethodType):
         return ("method", _function_identity(value.__func__))
     if isinstance(value, functools.partial):
-        return ("partial", _function_identity(value.func), value.args, tuple(sorted(value.keywords)))
+        return ("partial", _function_identity(value.func), len(value.args), tuple(sorted(value.keywords)))
     if isinstance(value, types.FunctionType):
         return ("function", value.__code__)
     if isinstance(value, types.BuiltinFunctionType):
