@@ -47,13 +47,35 @@ def test_protocol_passes_on_a_folder_bitwise(reference):
     resume = checks(report, "resume")
     assert set(resume) >= {"sample_ids", "learning_rates", "losses", "parameters", "buffers", "optimizer",
                            "scheduler", "progress", "next_lr", "rng_next_draws", "data_position", "configuration"}
-    assert all(c["max_abs_diff"] == 0.0 and (c["atol"], c["rtol"]) == (1e-12, 0.0) for c in resume.values())
-    assert report["tolerance"]["bitwise_equal_observed"] is True
+    # On the CPU the default comparison is exact: every difference 0, and the report says so.
+    assert all(c["max_abs_diff"] == 0.0 and (c["mode"], c["atol"], c["rtol"]) == ("exact", 0.0, 0.0)
+               for c in resume.values())
+    assert report["tolerance"]["mode"] == "exact" and report["tolerance"]["bitwise_equal_observed"] is True
     assert report["step_recovered"] == 5 and report["settings"] | {"config": None} == {
-        "task": "regression", "config": None, "steps": 10, "cut": 5, "seed": 1234, "atol": 1e-12, "rtol": 0.0,
+        "task": "regression", "config": None, "steps": 18, "cut": 5, "seed": 1234, "atol": 0.0, "rtol": 0.0,
+        "comparison": "exact",
         "device": "auto", "checkpoint_every": 1, "reused_reference": None, "world": 1, "fsdp": False,
         "objective_check": True}
     assert "all_checks_passed: true" in result.stdout and "negative_divergence_detected: true" in result.stdout
+
+
+def test_the_report_records_what_each_path_exercised_and_what_it_did_not(reference):
+    report = reference["report"]
+    exercised = report["exercised"]
+    assert exercised["continuous"] == {"steps": [1, 18], "micro_batches_per_step": [1], "clipping": None,
+                                       "grad_scaler": False, "epochs": [0, 1, 2], "epochs_crossed": 2}
+    assert exercised["resume"]["steps"] == [6, 18] and exercised["resume_at_9"]["steps"] == [10, 18]
+    assert exercised["resume_of_resume_at_11"]["steps"] == [12, 18]
+    # The fixture draws from Python's random, the run's NumPy generator and torch (dropout); not from np.random.
+    assert report["generators_drew"] == {"python": True, "numpy": True, "numpy_global": False, "torch": True}
+    missing = {m["what"]: m for m in report["not_exercised"]}
+    assert set(missing) == {"gradient accumulation", "GradScaler", "task state", "generator numpy_global"}, missing
+    assert all(m["hint"] for m in missing.values())
+    rows = checks(report, "resume")
+    assert rows["grad_scaler"]["exercised"] is False and rows["task_state"]["exercised"] is False
+    assert "exercised" not in rows["parameters"]
+    out = " ".join(reference["result"].stdout.split())
+    assert "not exercised: GradScaler" in out and "not exercised: task state" in out
 
 
 def test_each_path_was_a_fresh_process_with_the_protocol_options(reference):
@@ -148,6 +170,11 @@ SABOTAGES = {  # sabotage -> checks that must fail, and the one that fails at th
 }
 
 
+FIRST_COMPONENT = {"skip_optimizer": "the optimizer's step counters", "rebuild_scheduler": "learning-rate scheduler",
+                   "reseed_rng": "a random generator", "lose_cursor": "the data position",
+                   "repeat_batch": "the data position"}
+
+
 @pytest.mark.parametrize("sabotage", SABOTAGES)
 def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sabotage):
     # --cuts 5: the protocol's cut alone (each sabotage acts on every resumed path; the extra cuts are tested below)
@@ -160,6 +187,10 @@ def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sab
     assert must_fail <= failing, failing
     assert checks(report, "resume")[at_once]["first_step"] == 6
     assert "failing checks: resume." in " ".join(result.output.split())
+    # The diagnosis names the state component that differs first, and guesses no hidden state.
+    first = next(line for line in report["diagnosis"] if line.startswith("resume: first difference at step 6"))
+    assert FIRST_COMPONENT[sabotage] in first, report["diagnosis"]
+    assert not any("state not captured" in line for line in report["diagnosis"]), report["diagnosis"]
     # The reference's continuous, cut and negative paths were reused: only the resumed path ran.
     assert {p: e.get("reused_from") for p, e in report["paths"].items()} == {
         "continuous": "ref", "cut": "ref", "resume": None, "resume_without_rng": "ref"}
@@ -170,14 +201,39 @@ def test_a_broken_resume_fails_naming_the_check(reference, cli, monkeypatch, sab
     assert "evidence" not in report
 
 
+def test_a_1e17_drift_on_resume_fails_the_exact_comparison(reference, cli, monkeypatch):
+    """Adam's second moment replaced by the square of its square root on resume: differences of ~1e-17, which the old
+    default (--atol 1e-12) let through; the CPU's default comparison is exact and fails it, naming the check. The
+    correct twin is the reference itself (every difference 0, mode exact)."""
+    result, report = sabotaged(cli, monkeypatch, reference, "sqrt_square", "--cuts", "5")
+    assert result.exit_code == 1, result.output + result.stderr
+    assert "resume.optimizer" in report["failing_checks"], report["failing_checks"]
+    optimizer = checks(report, "resume")["optimizer"]
+    assert optimizer["mode"] == "exact" and 0.0 < optimizer["max_abs_diff"] < 1e-12, optimizer
+    assert checks(report, "resume")["optimizer"]["first_step"] == 6
+    assert "resume.optimizer" in " ".join(result.output.split())
+    # The same drift under the old absolute tolerance passes: why the default is exact (the mode is recorded).
+    result, report = sabotaged(cli, monkeypatch, reference, "sqrt_square", "--cuts", "5", "--atol", "1e-12",
+                               vid="sqrt-square-atol")
+    assert result.exit_code == 0, result.output
+    assert report["tolerance"]["mode"] == "given" and checks(report, "resume")["optimizer"]["mode"] == "given"
+
+
 def test_a_crashing_path_is_exit_2_not_1(reference, cli, monkeypatch):
     monkeypatch.setenv("TPHOOK_SABOTAGE", "crash")
     monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
     result = cli("verify", "--store", reference["store"], "--reuse-reference", "ref", "--id", "crash", "--cuts", "5")
     assert result.exit_code == 2, result.output
     assert "path 'resume' exited 1" in result.stderr and "SabotageCrash" in result.stderr
+    assert "Traceback" not in result.stderr and "Traceback" not in result.output  # its last error lines, not all
     report = read_report(reference["store"], "crash")  # a partial report is still uploaded
-    assert report["completed"] is False and report["all_checks_passed"] is False and "resume" in report["error"]
+    assert report["verdict"] == "INCOMPLETE" and report["completed"] is False and "resume" in report["error"]
+    assert report["all_checks_passed"] is None and report["positive"] is None and report["failing_checks"] == []
+    assert "SabotageCrash" in report["paths"]["resume"]["error"] and "paths.resume.command" in report["what_to_try"]
+    # The summary says INCOMPLETE, the error and what to try, and no pass/fail verdict line.
+    out = " ".join(result.output.split())
+    assert "INCOMPLETE" in out and "what to try:" in out and "SabotageCrash" in out
+    assert "all_checks_passed:" not in out and "negative_divergence_detected:" not in out
 
 
 @pytest.mark.s3
@@ -202,18 +258,26 @@ def test_plot_of_losses_and_parameter_distance(reference):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
-# -- the extra cuts (resumes at the epoch boundary and in the middle of epoch 1) -------------------------------------
-def test_default_verify_resumes_at_the_epoch_boundary_and_mid_epoch_1(reference):
+# -- the extra cuts (every epoch boundary and later mid-epoch of three epochs, a random step, a resume of a resume) ---
+def test_default_verify_covers_three_epochs_every_boundary_a_random_cut_and_a_resume_of_a_resume(reference):
     report = reference["report"]
     cuts = report["cuts"]
-    assert (cuts["protocol_cut"], cuts["extra"], cuts["all"], cuts["steps_per_epoch"]) == (5, [6, 9], [5, 6, 9], 6)
-    assert cuts["steps"] == 10 and report["settings"]["steps"] == 10  # both extra cuts fit the protocol's path
-    assert cuts["passed"] == {"6": True, "9": True} and report["cuts_passed"] is True
-    assert set(cuts["paths"]) == {"resume_at_6", "resume_at_9"}
+    assert (cuts["protocol_cut"], cuts["all"], cuts["steps_per_epoch"]) == (5, [5, 6, 9, 12, 15, 17], 6)
+    assert cuts["steps"] == 18 and report["settings"]["steps"] == 18  # three epochs of six steps
+    # One seeded random step besides the boundaries (6, 12) and the middles of epochs 1 and 2 (9, 15): recorded.
+    assert cuts["random_cut"] == {"step": 17, "seed": 1234, "replay": "verify --cuts 17 --seed 1234"}
+    assert cuts["passed"] == {str(c): True for c in (6, 9, 12, 15, 17)} and report["cuts_passed"] is True
+    # The resume of a resume: from the generation the protocol's resume path (a resumed process) wrote at step 11.
+    again = cuts["resume_of_resume"]
+    assert (again["at"], again["path"], again["passed"], again["skipped"]) == (11, "resume_of_resume_at_11", True, None)
+    assert set(cuts["paths"]) == {"resume_at_6", "resume_at_9", "resume_at_12", "resume_at_15", "resume_at_17",
+                                  "resume_of_resume_at_11"}
     assert all(p["exit_code"] == 0 and "--steps" in p["command"] for p in cuts["paths"].values())
-    assert (cuts["paths"]["resume_at_6"]["resumed_from"], cuts["paths"]["resume_at_9"]["resumed_from"]) == (6, 9)
-    for c in (6, 9):
-        resumed = checks(report, f"resume_at_{c}")
+    assert {k: p["resumed_from"] for k, p in cuts["paths"].items()} == {
+        "resume_at_6": 6, "resume_at_9": 9, "resume_at_12": 12, "resume_at_15": 15, "resume_at_17": 17,
+        "resume_of_resume_at_11": 11}
+    for path in cuts["paths"]:
+        resumed = checks(report, path)
         assert all(x["within_tolerance"] and x["max_abs_diff"] == 0.0 for x in resumed.values())
         assert {"sample_ids", "data_position", "parameters", "rng_restore"} <= set(resumed)
 
@@ -222,10 +286,33 @@ def test_a_permutation_bug_after_epoch_0_fails_the_default_verify(reference, cli
     result, report = sabotaged(cli, monkeypatch, reference, "regen_permutation")
     assert result.exit_code == 1, result.output + result.stderr
     assert report["positive"] is True  # the protocol's cut (epoch 0) alone would not have caught it
-    assert report["cuts"]["passed"] == {"6": True, "9": False} and report["all_checks_passed"] is False
+    assert report["cuts"]["passed"]["6"] is True and report["cuts"]["passed"]["9"] is False
+    assert report["all_checks_passed"] is False
     mid = checks(report, "resume_at_9")
     assert not mid["sample_ids"]["within_tolerance"] and mid["sample_ids"]["first_step"] == 10
     assert "resume_at_9.sample_ids" in report["failing_checks"]
+
+
+def test_a_restore_bug_from_epoch_2_on_fails_the_default_verify(reference, cli, monkeypatch):
+    """A cursor stepped back only when the restored position is in epoch 2: the old default (cuts 5, 6, 9 of 10 steps)
+    never resumed there; three epochs with a cut in the middle of epoch 2 do."""
+    result, report = sabotaged(cli, monkeypatch, reference, "late_repeat_batch")
+    assert result.exit_code == 1, result.output + result.stderr
+    assert report["positive"] is True and report["cuts"]["passed"]["9"] is True  # earlier epochs: fine
+    assert report["cuts"]["passed"]["15"] is False and "resume_at_15.sample_ids" in report["failing_checks"]
+    assert checks(report, "resume_at_15")["sample_ids"]["first_step"] == 16
+
+
+def test_a_bug_after_a_second_resume_fails_the_resume_of_a_resume(reference, cli, monkeypatch):
+    """Python's generator re-seeded only when the state was written by a process that had itself resumed: every
+    protocol path resumes a fresh process's generation; only the resume of a resume catches it."""
+    result, report = sabotaged(cli, monkeypatch, reference, "second_resume")
+    assert result.exit_code == 1, result.output + result.stderr
+    assert report["positive"] is True
+    assert all(report["cuts"]["passed"][str(c)] for c in (6, 9, 12, 15, 17))
+    assert report["cuts"]["resume_of_resume"]["passed"] is False
+    assert "resume_of_resume_at_11.rng_next_draws" in report["failing_checks"], report["failing_checks"]
+    assert "resume_of_resume_at_11" in " ".join(result.output.split())
 
 
 def test_losing_the_numpy_generator_diverges(reference, cli, monkeypatch):

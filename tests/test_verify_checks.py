@@ -123,8 +123,13 @@ def test_a_check_added_to_the_list_is_run_judged_and_reported(tmp_path, ok, caps
     assert report["diagnosis"] == ([] if ok else ["fake: the thing differs"])
     print_summary(report)
     assert f"fake_passed: {str(ok).lower()}" in capsys.readouterr().out
-    partial = protocol.report("VerificationIncomplete: stopped")
-    assert partial["fake_passed"] is False and partial["all_checks_passed"] is False
+    partial = protocol.report("VerificationIncomplete: stopped")  # nothing judged: no verdict true or false
+    assert partial["verdict"] == "INCOMPLETE" and partial["failing_checks"] == []
+    assert partial["fake_passed"] is None and partial["all_checks_passed"] is None and partial["positive"] is None
+    print_summary(partial)
+    out = capsys.readouterr().out
+    assert "INCOMPLETE" in out and "VerificationIncomplete: stopped" in out
+    assert "_passed:" not in out and "positive:" not in out and "failing checks" not in out
 
 
 class FakeRunner(VerificationRunner):

@@ -21,12 +21,13 @@ import pytest
 
 from tests.test_verify_helpers import checks, cli, read_report, sabotaged, trainproof  # noqa: F401  (cli: a fixture)
 
-TINYLM_CONFIG = {"n_sequences": 37}  # 5 steps an epoch (4 x 8 + a tail of 5): cuts 3 (protocol), 5, 7
+TINYLM_CONFIG = {"n_sequences": 37}  # 5 steps an epoch (4 x 8 + a tail of 5): cuts 3 (protocol), 5, 7, 8, 10, 12
 
 
 @pytest.fixture(scope="module")
 def regression(tmp_path_factory):
-    """The default verification of regression (10 steps, cut 5, extra cuts 6 and 9), no export (slow tests only)."""
+    """The default verification of regression (18 steps, cut 5, extra cuts 6, 9, 12, 15, 17; again at 11), no export
+    (slow tests only)."""
     store = str(tmp_path_factory.mktemp("cuts") / "run")
     result = trainproof("verify", "--store", store, "--id", "ref", "--no-export", "--keep-evidence")  # reused below
     assert result.returncode == 0, result.stdout + result.stderr
@@ -35,8 +36,8 @@ def regression(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tinylm(tmp_path_factory):
-    """The default verification of tinylm on the protocol corpus (8 steps, cut 3, extra cuts 5 and 7), no export
-    (slow tests only)."""
+    """The default verification of tinylm on the protocol corpus (15 steps: three epochs of 5; cut 3, extra cuts 5, 7,
+    10, 12 and the random 8; a resume of a resume at 9), no export (slow tests only)."""
     d = tmp_path_factory.mktemp("cuts-lm")
     config = d / "tinylm.json"
     config.write_text(json.dumps(TINYLM_CONFIG))
@@ -131,7 +132,8 @@ def test_hidden_task_state_is_caught_and_named_and_task_state_dict_fixes_it(tmp_
     assert resume["sample_ids"]["within_tolerance"] and resume["rng_next_draws"]["within_tolerance"]
     assert not resume["losses"]["within_tolerance"]
     assert report["objective_equivalence_passed"] is True  # the check trains without the augmentation
-    (line,) = [d for d in report["diagnosis"] if d.startswith("resume:")]
+    first, line = [d for d in report["diagnosis"] if d.startswith("resume:")]
+    assert "first difference at step 6" in first and "resume.losses" in first  # what differs, before the guess
     assert "state not captured by the checkpoint" in line and "docs/tasks.md" in line
     assert "Task.state_dict" in line
     assert "likely cause" in result.stdout and "state not captured" in " ".join(result.stdout.split())

@@ -60,12 +60,13 @@ HOOKED = "tests.support.hooked"
 """The fault-injecting wrapper of ``python -m job`` (tests only)."""
 
 
-def sabotaged(cli, monkeypatch, ref: dict[str, Any], sabotage: str, *extra: str) -> tuple[Any, dict[str, Any]]:
+def sabotaged(cli, monkeypatch, ref: dict[str, Any], sabotage: str, *extra: str,
+              vid: str | None = None) -> tuple[Any, dict[str, Any]]:
     """``verify --reuse-reference ref`` on ``ref``'s store (its continuous, cut and negative paths reused), the
     resumed paths run by the wrapper with ``TPHOOK_SABOTAGE`` set; the result and the report."""
     monkeypatch.setenv("TPHOOK_SABOTAGE", sabotage)  # inherited by every path
     monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
-    vid = f"sabotage-{sabotage}"
+    vid = vid or f"sabotage-{sabotage}"
     config = ["--task", "tinylm", "--config", ref["config"]] if "config" in ref else []
     result = cli("verify", "--store", ref["store"], *config, "--reuse-reference", "ref", "--id", vid, "--no-export",
                  *extra)

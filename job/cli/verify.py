@@ -53,8 +53,12 @@ def verify_command(
              "in (compared with plan.json, never read from it).")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Updates of the continuous path (default 10; tinylm 8).")] = None,
     cut: Annotated[Optional[int], typer.Option(help="Step of the cut (default 5; tinylm 3).")] = None,
-    atol: Annotated[float, typer.Option(help="Absolute tolerance of floating-point comparisons.")] = 1e-12,
-    rtol: Annotated[float, typer.Option(help="Relative tolerance of floating-point comparisons.")] = 0.0,
+    atol: Annotated[Optional[float], typer.Option(
+        help="Absolute tolerance of floating-point comparisons (default: exact on the CPU, where a correct resume "
+             "is bitwise equal; on CUDA 1e-12 plus --rtol; the audit 1e-12).")] = None,
+    rtol: Annotated[Optional[float], typer.Option(
+        help="Relative tolerance, times |reference| (default: 0 on the CPU; 16 epsilons of the task's dtype on "
+             "CUDA).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the protocol's runs (default 1234).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="Task settings file (JSON or TOML) for every path.")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda, for every process.")] = "auto",
@@ -101,9 +105,9 @@ def verify_command(
                   **({"vid": vid} if vid else {}))
     protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse, cuts=cuts)
     try:
-        from job.proof.compare import Tolerance  # torch is slow to import: keep `--help` fast
+        from job.proof.settings import given_tolerance  # torch is slow to import: keep `--help` fast
 
-        tolerance = Tolerance(atol=atol, rtol=rtol)
+        tolerance = given_tolerance(atol, rtol)
         if audit:
             if world != 1 or fsdp:
                 raise UsageError(f"{'--world' if world != 1 else '--fsdp'} is for the protocol; --audit replays "
@@ -132,8 +136,9 @@ def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: d
     if given:
         raise UsageError(f"--audit replays with the run's own plan.json; drop {', '.join(given)}")
     from job.proof.audit import Audit, AuditSettings
+    from job.proof.compare import Tolerance
 
-    return Audit(AuditSettings(tolerance=tolerance, task=task, **steps, **common), opener)
+    return Audit(AuditSettings(tolerance=tolerance or Tolerance(), task=task, **steps, **common), opener)
 
 
 def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **more: Any):

@@ -26,11 +26,12 @@ from typing import Any
 from job.proof.compare import Diff
 from job.proof.paths import PathResult
 
-REFERENCE, RESUMED, AFTER = "reference", "resumed", "after"
+REFERENCE, RESUMED, AGAIN, AFTER = "reference", "resumed", "again", "after"
 """When a check's runs start: ``reference`` with the continuous and cut paths; ``resumed`` with the resumed paths,
-once the cut's generations exist (a check may seed its own resumed runs from them); ``after`` once every resumed path
+once the cut's generations exist (a check may seed its own resumed runs from them); ``again`` once the resumed paths
+committed their generations (a resume of a resume is seeded from one); ``after`` once every resumed path
 was compared (runs that need nothing of the protocol's paths, started last so they do not compete with them)."""
-PHASES = (REFERENCE, RESUMED, AFTER)
+PHASES = (REFERENCE, RESUMED, AGAIN, AFTER)
 
 Job = tuple[str, str, list[str]]
 """``(name, url, argv)``: one process for :func:`job.proof.paths.run_processes`; names are unique within a phase."""

@@ -29,16 +29,36 @@ from job.train.data import permutation_of
 
 @dataclass(frozen=True, kw_only=True)
 class Tolerance:
-    """Absolute and relative tolerance for floating-point values."""
+    """Absolute and relative tolerance for floating-point values, and the mode it stands for.
+
+    ``exact``: every difference must be 0 (atol = rtol = 0), the default where the paths are bitwise by construction
+    (the CPU with the trainer's deterministic settings); ``tolerance``: ``|other - ref| <= atol + rtol * |ref|``
+    where they are not (CUDA kernels), or as given on the command line (``given``)."""
 
     atol: float = 1e-12
-    """Absolute tolerance (the protocol's choice for the CPU float64 fixture)."""
+    """Absolute tolerance."""
     rtol: float = 0.0
     """Relative tolerance, applied to the reference's magnitude."""
+    mode: str = "tolerance"
+    """``exact`` (atol = rtol = 0), ``tolerance`` (derived from the device and dtype) or ``given`` (--atol/--rtol)."""
+    why: str = ""
+    """Why this mode, for the report."""
 
     def __post_init__(self) -> None:
         if not (self.atol >= 0 and self.rtol >= 0 and math.isfinite(self.atol) and math.isfinite(self.rtol)):
             raise ValueError(f"tolerances must be finite and >= 0 (got atol={self.atol}, rtol={self.rtol})")
+        if self.mode not in ("exact", "tolerance", "given"):
+            raise ValueError(f"unknown tolerance mode {self.mode!r}")
+        if self.mode == "exact" and (self.atol or self.rtol):
+            raise ValueError("an exact comparison has atol = rtol = 0")
+
+    @classmethod
+    def exact(cls, why: str) -> Tolerance:
+        """Every difference 0."""
+        return cls(atol=0.0, rtol=0.0, mode="exact", why=why)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "atol": self.atol, "rtol": self.rtol}
 
 
 @dataclass
@@ -68,7 +88,7 @@ class Diff:
 
     def to_json(self, name: str, tol: Tolerance) -> dict[str, Any]:
         """One check's entry in verification.json."""
-        return {"name": name, "within_tolerance": self.within, "max_abs_diff": self.max_abs,
+        return {"name": name, "within_tolerance": self.within, "max_abs_diff": self.max_abs, "mode": tol.mode,
                 "atol": tol.atol, "rtol": tol.rtol, "first_step": self.first_step,
                 "detail": self.detail, "problems": self.problems[:10]}
 

@@ -27,24 +27,38 @@ them with the continuous path in the same pass as its own (each continuous state
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 from job.errors import ConfigError
 from job.format.contract import PLAN_FILE
-from job.proof.check import REFERENCE, RESUMED, Check, Job, Resumed
+from job.proof.check import AGAIN, REFERENCE, RESUMED, Check, Job, Resumed
 from job.proof.compare import Diff
 from job.proof.diagnose import diagnose_path
 from job.proof.paths import Opener, PathResult, VerificationIncomplete, load_generation, require_success, seed_run
 from job.proof.settings import ProtocolSettings, train_argv
 
+EPOCHS = 3
+"""Epochs the default continuous path covers at least."""
 
-def default_cuts(steps_per_epoch: int) -> list[int]:
-    """The epoch boundary and the middle of epoch 1 (only the boundary when an epoch is one step)."""
-    cuts = [steps_per_epoch]
-    if steps_per_epoch >= 2:
-        cuts.append(steps_per_epoch + max(1, steps_per_epoch // 2))
+
+def default_cuts(steps_per_epoch: int, epochs: int = EPOCHS) -> list[int]:
+    """Every epoch boundary and the middle of every later epoch of ``epochs`` epochs (epoch 0's inside is the
+    protocol's own cut; only the boundaries when an epoch is one step)."""
+    cuts = []
+    for k in range(1, epochs):
+        cuts.append(k * steps_per_epoch)
+        if steps_per_epoch >= 2:
+            cuts.append(k * steps_per_epoch + max(1, steps_per_epoch // 2))
     return cuts
+
+
+def random_cut(seed: int, steps: int, taken: set[int]) -> int | None:
+    """One step in ``1 .. steps - 1`` not already a cut, drawn from a generator seeded with the verification's seed
+    (recorded: ``verify --cuts`` with that step replays it); None when every step is a cut already."""
+    free = [c for c in range(1, steps) if c not in taken]
+    return random.Random(f"trainproof.random-cut/{seed}").choice(free) if free else None
 
 
 def parse_cuts(text: str) -> list[int]:
@@ -58,16 +72,21 @@ def parse_cuts(text: str) -> list[int]:
     return cuts
 
 
-def plan_cuts(*, protocol_cut: int, steps: int, steps_per_epoch: int,
-              chosen: list[int] | None) -> tuple[list[int], int]:
-    """(extra cuts besides the protocol's, steps of the continuous path) for these settings.
+def plan_cuts(*, protocol_cut: int, steps: int, steps_per_epoch: int, chosen: list[int] | None, seed: int = 0,
+              reused: bool = False) -> tuple[list[int], int, dict[str, int] | None]:
+    """(extra cuts besides the protocol's, steps of the continuous path, the seeded random cut or None).
 
-    ``chosen``: the ``--cuts`` list (the protocol's cut in it is not repeated); None: :func:`default_cuts`.
-    The continuous path is lengthened to one step past the last cut when it would end before it.
-    """
-    wanted = default_cuts(steps_per_epoch) if chosen is None else chosen
-    extra = sorted(set(wanted) - {protocol_cut})
-    return extra, max([steps, *(c + 1 for c in extra)])
+    ``chosen``: the ``--cuts`` list (the protocol's cut in it is not repeated), exactly those. None: the continuous path
+    covers :data:`EPOCHS` epochs, and the cuts are :func:`default_cuts` plus one :func:`random_cut` seeded by ``seed``.
+    The continuous path is lengthened to one step past the last cut when it would end before it."""
+    if chosen is not None:
+        extra = sorted(set(chosen) - {protocol_cut})
+        return extra, max([steps, *(c + 1 for c in extra)]), None
+    steps = max(steps, EPOCHS * steps_per_epoch)
+    wanted = {c for c in default_cuts(steps_per_epoch) if c < steps} - {protocol_cut}
+    drawn = random_cut(seed, steps, wanted | {protocol_cut})
+    extra = sorted(wanted | ({drawn} if drawn is not None else set()))
+    return extra, max([steps, *(c + 1 for c in extra)]), None if drawn is None else {"step": drawn, "seed": seed}
 
 
 def resume_checks(results: list[PathResult], at: dict[str, int], negative: str | None = None) -> dict[str, Diff]:
@@ -99,8 +118,15 @@ class CutsCheck(Check):
     """Resume at every extra cut (``resume_at_<c>`` under ``<id>/cuts/``) and compare with the continuous path."""
 
     def __init__(self, *, settings: ProtocolSettings, extra: list[int], steps_per_epoch: int, root_url: str,
-                 continuous_url: str, opener: Opener) -> None:
+                 continuous_url: str, opener: Opener, resume_url: str | None = None,
+                 random_cut: dict[str, int] | None = None) -> None:
         self.s, self.extra, self.steps_per_epoch, self.opener = settings, extra, steps_per_epoch, opener
+        self.random_cut = random_cut
+        self.resume_url = resume_url
+        """The protocol's resume path: a process that resumed; the resume of a resume starts from its generation."""
+        self.again = self._again_step() if resume_url is not None and settings.cuts is None else None
+        """The step of the resume of a resume (default cuts only), or None."""
+        self.again_skipped: str | None = None
         self.continuous_url = continuous_url
         """The continuous path's run (a reused reference's with ``--reuse-reference``): the reference, and the source
         of every cut it committed."""
@@ -108,7 +134,21 @@ class CutsCheck(Check):
                      for c in extra for name in (f"resume_at_{c}", f"cut_at_{c}")}
         self.paths: dict[str, dict[str, Any]] = {}
         self.diffs: dict[str, dict[str, Diff]] = {f"resume_at_{c}": {} for c in extra}
+        if self.again is not None:
+            self.urls[self.again_name] = f"{root_url.rstrip('/')}/cuts/{self.again_name}"
+            self.diffs[self.again_name] = {}
         self.restore_failed: set[str] = set()
+
+    @property
+    def again_name(self) -> str:
+        return f"resume_of_resume_at_{self.again}"
+
+    def _again_step(self) -> int | None:
+        """A step the protocol's resume path commits, after its cut and before the end, near the middle."""
+        s, every = self.s, self.s.checkpoint_every
+        candidates = [x for x in range(s.cut + 1, s.steps) if every and x % every == 0]
+        middle = (s.cut + s.steps) // 2
+        return min(candidates, key=lambda x: (abs(x - middle), x)) if candidates else None
 
     def continuous_has(self, step: int) -> bool:
         """Whether the continuous path commits generation ``step`` (then an extra cut resumes from it)."""
@@ -127,6 +167,8 @@ class CutsCheck(Check):
         if phase == REFERENCE:
             return [(f"cut_at_{c}", self.urls[f"cut_at_{c}"], self.argv(c, resume=False))
                     for c in self.extra if not self.continuous_has(c)]
+        if phase == AGAIN:
+            return self._again_jobs()
         if phase != RESUMED:
             return []
         for c in self.extra:  # from the continuous path's own generation c, or from cut_at_<c>
@@ -138,6 +180,25 @@ class CutsCheck(Check):
             finally:
                 loaded.close()
         return [(f"resume_at_{c}", self.urls[f"resume_at_{c}"], self.argv(c, resume=True)) for c in self.extra]
+
+    def _again_jobs(self) -> list[Job]:
+        """The resume of a resume: seeded with a copy of the generation the protocol's resume path (a process that had
+        itself resumed) committed at :attr:`again`, then run to the end in a fresh process."""
+        if self.again is None:
+            return []
+        source = self.opener(self.resume_url)
+        if self.again not in {g.step for g in source.scan() if g.status == "complete"}:
+            self.again_skipped = f"the resume path committed no generation at step {self.again}"
+            self.diffs.pop(self.again_name, None)
+            return []
+        loaded = load_generation(source, self.again)
+        try:
+            seed_run(self.opener(self.urls[self.again_name]), source.read_file(PLAN_FILE), loaded, lineage=source)
+        finally:
+            loaded.close()
+        argv = train_argv(self.s, self.urls[self.again_name], steps=self.s.steps - self.again,
+                          every=self.s.checkpoint_every, resume=True)
+        return [(self.again_name, self.urls[self.again_name], argv)]
 
     def record(self, phase: str, results: list[PathResult]) -> None:
         """Its runs' entries, in the ``cuts`` block."""
@@ -153,20 +214,30 @@ class CutsCheck(Check):
             for name, diff in checked.items():
                 self.diffs[name]["rng_restore"] = diff
             self.restore_failed = {name for name, diff in checked.items() if not diff.within}
+        elif phase == AGAIN and results:
+            checked = resume_checks(results, {self.again_name: self.again})
+            for name, diff in checked.items():
+                self.diffs[name]["rng_restore"] = diff
+            self.restore_failed |= {name for name, diff in checked.items() if not diff.within}
 
     def resumed(self) -> list[Resumed]:
         """Every ``resume_at_<c>`` whose own restore self-check passed, compared after step c."""
-        return [Resumed(name, self.urls[name], c, self.diffs[name])
-                for c in self.extra if (name := f"resume_at_{c}") not in self.restore_failed]
+        out = [Resumed(name, self.urls[name], c, self.diffs[name])
+               for c in self.extra if (name := f"resume_at_{c}") not in self.restore_failed]
+        if self.again is not None and self.again_name in self.diffs and self.again_name not in self.restore_failed:
+            out.append(Resumed(self.again_name, self.urls[self.again_name], self.again, self.diffs[self.again_name]))
+        return out
 
-    def _passed_at(self, c: int) -> bool:
-        diffs = self.diffs[f"resume_at_{c}"]
+    def _passed_at(self, c: int, name: str | None = None) -> bool:
+        diffs = self.diffs[name or f"resume_at_{c}"]
         return bool(diffs) and all(d.within for d in diffs.values())
 
     @property
     def passed(self) -> bool:
-        """Every extra cut's resume equals the continuous path (True when there is no extra cut)."""
-        return all(self._passed_at(c) for c in self.extra)
+        """Every extra cut's resume, and the resume of a resume, equals the continuous path (True when there is
+        neither)."""
+        again = self.again is None or self.again_name not in self.diffs or self._passed_at(0, self.again_name)
+        return all(self._passed_at(c) for c in self.extra) and again
 
     @property
     def negative_detected(self) -> None:
@@ -179,8 +250,11 @@ class CutsCheck(Check):
 
     def diagnosis(self) -> list[str]:
         """Each failed cut's likely cause (job.proof.diagnose)."""
-        return [line for c in self.extra for line in diagnose_path(f"resume_at_{c}", self.diffs[f"resume_at_{c}"],
-                                                                   c + 1)]
+        out = [line for c in self.extra for line in diagnose_path(f"resume_at_{c}", self.diffs[f"resume_at_{c}"],
+                                                                  c + 1)]
+        if self.again is not None and self.again_name in self.diffs:
+            out += diagnose_path(self.again_name, self.diffs[self.again_name], self.again + 1)
+        return out
 
     def verdicts(self) -> dict[str, bool]:
         """``cuts_passed``."""
@@ -191,7 +265,16 @@ class CutsCheck(Check):
         s = self.s
         return {"cuts": {
             "protocol_cut": s.cut, "extra": self.extra, "all": sorted({s.cut, *self.extra}),
-            "chosen": "--cuts" if s.cuts is not None else "default (epoch boundary, middle of epoch 1)",
+            "chosen": "--cuts" if s.cuts is not None else (f"default: every epoch boundary and the middle of every "
+                                                           f"later epoch of {EPOCHS} epochs, one seeded random step, "
+                                                           f"a resume of a resume"),
+            "random_cut": None if self.random_cut is None else {
+                **self.random_cut,
+                "replay": f"verify --cuts {self.random_cut['step']} --seed {self.random_cut['seed']}"},
+            "resume_of_resume": None if self.again is None else {
+                "at": self.again, "from": "the protocol's resume path's generation (written by a resumed process)",
+                "path": self.again_name, "skipped": self.again_skipped,
+                "passed": None if self.again_name not in self.diffs else self._passed_at(0, self.again_name)},
             "steps": s.steps, "steps_per_epoch": self.steps_per_epoch,
             "resumed_from": {str(c): ("continuous path's generation" if self.continuous_has(c) else f"cut_at_{c}")
                              for c in self.extra},

@@ -37,6 +37,7 @@ from job.proof.check import REFERENCE, Check, Job
 from job.proof.equivalence import max_differences, same_experience
 from job.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv
 from job.tasks import Task
+from job.tasks.objective import same_task
 from job.train.data import epoch_plan
 
 TOLERANCE = 1e-9
@@ -61,6 +62,7 @@ class ObjectiveCheck(Check):
     def __init__(self, *, task: Task, task_name: str, config: str | None, seed: int, device: str, world: int,
                  root_url: str, store_args: list[str], opener: Opener, fsdp: bool = False) -> None:
         self.world, self.root_url, self.opener = world, root_url.rstrip("/"), opener
+        same_task(task, task.deterministic_objective())  # another task's objective is refused here: exit 2
         self.global_batch = task.batch_size * world
         per_rank = self.global_batch // world
         epoch_plan(task.num_samples(), per_rank, world)  # a refused plan is a configuration error, here
@@ -107,8 +109,13 @@ class ObjectiveCheck(Check):
         failed = [r for r in results if r.code != 0]
         if failed:
             r = failed[0]
-            raise VerificationIncomplete(f"objective check: run {r.name!r} exited {r.code}: "
-                                         f"{' '.join(r.argv)}\n{r.stderr_tail}")
+            raise VerificationIncomplete(
+                f"objective check: run {r.name!r} exited {r.code}: {r.error or r.stderr_tail}",
+                hint=f"the objective check trains your task's deterministic_objective() in float64 with the step "
+                     f"split unequally (train --objective-check; its command is in verification.json, "
+                     f"objective_equivalence.paths.{r.name.split('/', 1)[-1]}): fix what the error names in the task, "
+                     f"or skip the check with --no-objective-check (the verdict then claims nothing about the "
+                     f"objective)")
         states = {name: RunReader(f"objective/{name}", url, self.opener).state(STEPS, whole=True)
                   for name, url in self.urls.items()}
         for name in self.splits:

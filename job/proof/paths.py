@@ -38,7 +38,35 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class VerificationIncomplete(Exception):
-    """The verification could not be completed (exit 2): a path crashed, the store failed, a result is missing."""
+    """The verification could not be completed (exit 2): a path crashed, the store failed, a result is missing.
+
+    ``hint``: what to try, for the report and the summary (the message says what happened)."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+RERUN_HINT = ("its command is in verification.json (paths.{name}.command): run it to see its whole output; fix what "
+              "the error names in the task (or the store), then run verify again")
+
+
+def error_lines(stderr: str, limit: int = 3) -> str:
+    """The few lines of a process's stderr that say what went wrong, not its whole traceback: its own
+    ``trainproof: error:`` lines when it printed any, else the exception of the last traceback and the frame that
+    raised it, else its last lines."""
+    lines = [line.rstrip() for line in stderr.strip().splitlines() if line.strip()]
+    own = [line for line in lines if line.startswith("trainproof: error:")]
+    if own:
+        return "\n".join(own[-limit:])
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        tail = lines[starts[-1] + 1:]
+        frames = [i for i, line in enumerate(tail) if line.lstrip().startswith('File "')]
+        if frames:
+            raised = [line for line in tail[frames[-1] + 1:] if not line.startswith(" ")]
+            return "\n".join([*(raised[-limit:] or tail[-1:]), f"(raised at {tail[frames[-1]].strip()})"])
+    return "\n".join(lines[-limit:])
 
 
 @dataclass(kw_only=True)
@@ -52,6 +80,8 @@ class PathResult:
     """Exit status; None when it was killed for running past the timeout."""
     seconds: float
     stderr_tail: str = ""
+    error: str = ""
+    """What went wrong, in a few lines (:func:`error_lines`), when it did not exit 0."""
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def event(self, name: str) -> dict[str, Any] | None:
@@ -66,7 +96,8 @@ class PathResult:
                 "command": shlex.join(redact_url(a) if "://" in a else a for a in self.argv),
                 "exit_code": self.code,
                 "seconds": round(self.seconds, 3), "resumed_from": None if resume is None else resume.get("step"),
-                "rng_restored": None if resume is None else resume.get("rng_restored")}
+                "rng_restored": None if resume is None else resume.get("rng_restored"),
+                **({"error": self.error} if self.code != 0 and self.error else {})}
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -109,7 +140,8 @@ def _finish(name: str, url: str, argv: list[str], started: tuple[subprocess.Pope
     out, err, code = _communicate(proc, timeout - (time.monotonic() - t0))
     events = [_json_line(line) for line in out.splitlines() if line.startswith("{")]
     return PathResult(name=name, url=url, argv=argv, code=code, seconds=time.monotonic() - t0,
-                      stderr_tail="\n".join(err.strip().splitlines()[-8:]), events=[e for e in events if e])
+                      stderr_tail="\n".join(err.strip().splitlines()[-8:]),
+                      error=error_lines(err) if code != 0 else "", events=[e for e in events if e])
 
 
 def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str, int | None]:
@@ -131,11 +163,13 @@ def _json_line(line: str) -> dict[str, Any] | None:
 
 
 def require_success(results: list[PathResult]) -> None:
-    """Raise VerificationIncomplete naming the first path that did not exit 0, with its last stderr lines."""
+    """Raise VerificationIncomplete naming the first path that did not exit 0, with the lines of its stderr that say
+    why (:func:`error_lines`; its command is in the report's ``paths``)."""
     for r in results:
         if r.code != 0:
             how = "timed out" if r.code is None else f"exited {r.code}"
-            raise VerificationIncomplete(f"path {r.name!r} {how}: {shlex.join(r.argv)}\n{r.stderr_tail}")
+            raise VerificationIncomplete(f"path {r.name!r} {how}: {r.error or r.stderr_tail}",
+                                         hint=RERUN_HINT.format(name=r.name))
 
 
 class RunReader:

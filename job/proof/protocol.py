@@ -44,10 +44,11 @@ import torch
 from job.errors import ConfigError
 from job.format.contract import PLAN_FILE
 from job.format.state import History
-from job.proof.check import AFTER, REFERENCE, RESUMED, Check, Job, Resumed, Skipped
+from job.proof.check import AFTER, AGAIN, REFERENCE, RESUMED, Check, Job, Resumed, Skipped
 from job.proof.compare import Diff, compare_all, compare_cut
 from job.proof.cuts import CutsCheck, plan_cuts, resume_checks
 from job.proof.diagnose import diagnose_path
+from job.proof.exercised import generators_drew, not_exercised, path_exercised
 from job.proof.objective import ObjectiveCheck
 from job.proof.paths import (
     Opener,
@@ -63,7 +64,7 @@ from job.proof.paths import (
 )
 from job.proof.reload import export_and_check
 from job.proof.report import REPORT_FILE, build_report, environment, plot_png
-from job.proof.settings import ProtocolSettings, train_argv
+from job.proof.settings import ProtocolSettings, default_tolerance, train_argv
 from job.proof.verification import VerificationRunner
 from job.proof.world import WorldEquivalence
 from job.tasks import Task, load_task
@@ -104,6 +105,9 @@ class Protocol(VerificationRunner):
     def __init__(self, settings: ProtocolSettings, opener: Opener) -> None:
         self.s, self.opener = settings, opener
         self.task = load_task(settings.task, load_task_config(settings.config) if settings.config else {})
+        if settings.tolerance is None:  # exact where the paths are bitwise by construction (the CPU)
+            settings = replace(settings, tolerance=default_tolerance(self.task, settings.device))
+        self.s = settings
         self.param_names = parameter_names(self.task)
         base = verification_base(opener, settings.store, settings.workdir)
         self.root = base.child(settings.vid)
@@ -117,13 +121,18 @@ class Protocol(VerificationRunner):
         self.distances: dict[str, dict[int, float]] = {p: {} for p in COMPARED}
         self.meta: dict[str, Any] = {}
         self.export: dict[str, Any] | None = None
+        self.results: dict[str, PathResult] = {}
+        """Every process's result by name (the four paths' and the checks'): what each exercised."""
+        self.drew: dict[str, bool] = {}
+        self.task_state = False
         self.restore_failed: set[str] = set()
         """The protocol's resumed paths whose own restore self-check failed (a failed comparison; not read back)."""
         steps_per_epoch = epoch_plan(self.task.num_samples(), self.task.batch_size, settings.world)["steps"]
-        extra_cuts, steps = plan_cuts(protocol_cut=settings.cut, steps=settings.steps,
-                                      steps_per_epoch=steps_per_epoch, chosen=settings.cuts)
-        if steps != settings.steps:  # a later cut needs a longer continuous path
-            if settings.reuse:
+        extra_cuts, steps, self.random_cut = plan_cuts(protocol_cut=settings.cut, steps=settings.steps,
+                                                       steps_per_epoch=steps_per_epoch, chosen=settings.cuts,
+                                                       seed=settings.seed, reused=settings.reuse is not None)
+        if steps != settings.steps:  # a later cut (or the default three epochs) needs a longer continuous path
+            if settings.reuse and settings.cuts is not None:  # the reused reference ran the defaults, or fails below
                 raise ConfigError(f"the cuts {extra_cuts} need {steps} continuous steps; the reused reference "
                                   f"has {settings.steps}")
             self.s = settings = replace(settings, steps=steps)
@@ -134,7 +143,8 @@ class Protocol(VerificationRunner):
         """The verification's checks (job.proof.check): adding one is adding it here."""
         s, root = self.s, absolute_url(self.root)
         checks: list[Check] = [CutsCheck(settings=s, extra=extra_cuts, steps_per_epoch=steps_per_epoch, root_url=root,
-                                         continuous_url=self.urls["continuous"], opener=self.opener)]
+                                         continuous_url=self.urls["continuous"], opener=self.opener,
+                                         resume_url=self.urls["resume"], random_cut=self.random_cut)]
         if s.world > 1:
             checks.append(WorldEquivalence(world=s.world, root_url=f"{root}/world_equivalence", seed=s.seed,
                                            device=s.device, store_args=s.store_args, opener=self.opener, fsdp=s.fsdp))
@@ -153,6 +163,7 @@ class Protocol(VerificationRunner):
         log.info("verification %s under %s", self.s.vid, absolute_url(self.root))
         self._timed("continuous and cut paths", lambda: self._phase(REFERENCE))
         self._timed("resumed paths", lambda: self._phase(RESUMED))
+        self._timed("resumes of resumes", lambda: self._phase(AGAIN), unless_idle=True)
         self._timed("comparison (read back from the store)", self._compare)
         self._timed("checks' runs after the comparison", lambda: self._phase(AFTER), unless_idle=True)
         if self.s.export and self.comparisons_passed():
@@ -180,6 +191,7 @@ class Protocol(VerificationRunner):
                 raise RuntimeError(f"two runs of the {phase} phase share a name: {[name for name, _, _ in jobs]}")
             results = run_processes(jobs, timeout=self.s.timeout, parallel=self.s.parallel) if jobs else []
         done = {r.name: r for r in results}
+        self.results.update(done)
         mine = [done[name] for name, _, _ in own]
         self.paths.update({r.name: r.to_json() for r in mine})
         for check, listed in theirs:  # every run's entry first: a crash below still leaves them all in the report
@@ -276,9 +288,12 @@ class Protocol(VerificationRunner):
         s, final = self.s, None
         into = {"cut": self.diffs["cut"], **{r.name: r.diffs for r in resumed}}
         steps = readers["continuous"].steps
+        first_rng = None
         for i, step in enumerate(steps, 1):
             t0 = time.monotonic()
             ref = readers["continuous"].state(step)
+            if first_rng is None:
+                first_rng = {"ranks": ref.get("ranks")}
             others = {"cut": cut_state} if step == s.cut else {}
             others |= {r.name: readers[r.name].state(step) for r in resumed
                        if step > r.at and step in readers[r.name].steps}
@@ -293,6 +308,8 @@ class Protocol(VerificationRunner):
                     self.losses[p] = history_losses(others[p])
             if step == s.steps:
                 final = ref
+                self.drew = generators_drew(first_rng, ref) if first_rng is not None and step != steps[0] else {}
+                self.task_state = bool(ref.get("task_state"))
             took = time.monotonic() - t0
             if others:  # a large state takes a while to read back: say where the comparison is (a toy one: debug)
                 log.log(logging.INFO if took >= 1 else logging.DEBUG, "compared step %d (%d of %d) with %s: %.1f s",
@@ -360,11 +377,22 @@ class Protocol(VerificationRunner):
             extra.update(check.sections())
         extra["diagnosis"] = self.diagnosis()
         diffs = {**self.diffs, **{p: d for check in self.checks for p, d in check.checks().items()}}
-        return build_report(
+        exercised = {name: e for name, r in self.results.items() if (e := path_exercised(r)) is not None}
+        resumed = ["resume", *(r.name for check in self.checks for r in check.resumed())]
+        missing = not_exercised(grad_clip=self.task.grad_clip, exercised=exercised, resumed=resumed, drew=self.drew,
+                                task_state=self.task_state, cut=self.s.cut) if self.meta else []
+        extra |= {"exercised": exercised, "generators_drew": self.drew, "not_exercised": missing}
+        report = build_report(
             kind="protocol", vid=self.s.vid, location=absolute_url(self.root), store=self.s.store, verdicts=verdicts,
             failing=self.failing_checks(), settings=self.s.to_json(), paths=self.paths, diffs=diffs,
             tol=self.s.tolerance, step_recovered=self.s.cut, env=environment(self.task, self.meta),
             export=self.export, extra=extra, error=error)
+        vacuous = {m["check"] for m in missing if m["check"] in ("grad_scaler", "task_state")}
+        for path, rows in report["checks"].items():
+            for row in rows:
+                if row["name"] in vacuous and path != "cut":
+                    row["exercised"] = False  # compared, but nothing on this path could have differed
+        return report
 
     def plot(self) -> bytes | None:
         """The PNG of loss curves and parameter distances (None without matplotlib or before the comparison)."""

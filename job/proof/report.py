@@ -31,6 +31,8 @@ from storage import GenerationStore
 log = logging.getLogger("trainproof.verify")
 REPORT_SCHEMA = "trainproof.verification/1"
 REPORT_FILE, PLOT_FILE = "verification.json", "verification.png"
+INCOMPLETE = "INCOMPLETE"
+"""``verdict`` of a verification that could not complete: nothing was compared to the end, nothing passed or failed."""
 
 
 def code_revision() -> str:
@@ -72,17 +74,19 @@ def environment(task: Task, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def tolerance_note(tol: Tolerance, device: str, diffs: dict[str, Diff]) -> dict[str, Any]:
-    """The tolerance used, whether bitwise equality was expected and observed, and why."""
+    """The comparison's mode (``exact``: every difference 0; ``tolerance``; ``given``), its tolerance, whether
+    bitwise equality was expected and observed, and why."""
     bitwise = bool(diffs) and all(d.within and d.max_abs == 0.0 for d in diffs.values())
-    if device.startswith("cuda"):
-        why = ("CUDA with torch.use_deterministic_algorithms(True, warn_only=True) and CUBLAS_WORKSPACE_CONFIG="
-               ":4096:8: the same kernels on the same device are expected to reproduce the run bitwise, but kernels "
-               "without a deterministic implementation only warn, so the comparison may not be bitwise; differences "
-               "are reported and held to the tolerance given on the command line")
-    else:
-        why = ("CPU, fixed thread count, deterministic algorithms: the resume is expected to be bitwise equal; "
-               "the tolerance is the protocol's choice for this fixture and is not widened to hide a difference")
-    return {"atol": tol.atol, "rtol": tol.rtol, "bitwise_expected": not device.startswith("cuda"),
+    why = tol.why
+    if not why:
+        if device.startswith("cuda"):
+            why = ("CUDA with torch.use_deterministic_algorithms(True, warn_only=True) and CUBLAS_WORKSPACE_CONFIG="
+                   ":4096:8: kernels without a deterministic implementation only warn, so the comparison may not be "
+                   "bitwise; differences are reported and held to the tolerance")
+        else:
+            why = ("CPU, fixed thread count, deterministic algorithms: bitwise equality is expected; differences are "
+                   "reported and held to the tolerance")
+    return {"mode": tol.mode, "atol": tol.atol, "rtol": tol.rtol, "bitwise_expected": not device.startswith("cuda"),
             "bitwise_equal_observed": bitwise, "why": why}
 
 
@@ -100,9 +104,15 @@ def build_report(*, kind: str, vid: str, location: str, store: str, verdicts: di
     if export and export.get("reload_check", {}).get("command"):
         commands.append(export["reload_check"]["command"])
     compared = diffs.get("resume") or diffs.get("replay") or {}
+    if error is not None:  # nothing was judged: no verdict is true or false (None), the verdict is INCOMPLETE
+        verdicts = {k: None if isinstance(v, bool) else v for k, v in verdicts.items()}
+        failing = []
+        verdict = INCOMPLETE
+    else:
+        verdict = "PASSED" if verdicts.get("all_checks_passed") else "FAILED"
     return {
         "schema": REPORT_SCHEMA, "kind": kind, "id": vid, "location": location, "store": store,
-        "completed": error is None, "error": error, **verdicts, "failing_checks": failing,
+        "verdict": verdict, "completed": error is None, "error": error, **verdicts, "failing_checks": failing,
         "step_recovered": step_recovered, "settings": settings,
         "tolerance": tolerance_note(tol, str(env.get("device", "cpu")), compared),
         "checks": checks_json(diffs, tol), "paths": paths, "commands": commands, "environment": env,
@@ -132,6 +142,9 @@ def _finite(value: Any) -> Any:
 def print_summary(report: dict[str, Any], console: Console | None = None) -> None:
     """A short table (one row per check, one column per compared path), then the verdicts."""
     console = console or Console(width=120)
+    if report.get("verdict") == INCOMPLETE:
+        _print_incomplete(report, console)
+        return
     checks = report["checks"]
     table = Table(title=f"trainproof verify ({report['kind']}) {report['id']}", caption=_compared(report))
     table.add_column("check")
@@ -160,12 +173,30 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     for key in keys:
         value = report.get(key)
         console.print(f"{key}: [{'green' if value else 'red'}]{str(value).lower()}[/]")
+    tol = report.get("tolerance") or {}
+    if tol.get("mode"):
+        console.print("comparison: " + ("exact (every difference must be 0)" if tol["mode"] == "exact" else
+                                        f"{tol['mode']}: atol {tol.get('atol'):g}, rtol {tol.get('rtol'):g}"))
     if report.get("failing_checks"):
         console.print(f"[red]failing checks: {', '.join(report['failing_checks'])}[/]")
-    for line in report.get("diagnosis") or []:
-        console.print(f"[yellow]likely cause: {line}[/]", soft_wrap=True)
+    for item in report.get("not_exercised") or []:
+        console.print(f"[yellow]not exercised: {item['what']} ({item['check']}): {item['hint']}[/]", soft_wrap=True)
+    for line in report.get("diagnosis") or []:  # what differs first, then the likely cause
+        prefix = "" if ": first difference" in line else "likely cause: "
+        console.print(f"[yellow]{prefix}{line}[/]", soft_wrap=True)
     if report.get("export"):
         console.print(f"export: {report['export']['location']}")
+    console.print(f"report: {report['location']}/{REPORT_FILE}")
+
+
+def _print_incomplete(report: dict[str, Any], console: Console) -> None:
+    """No table and no verdict lines: what stopped it (the failing path's last error lines) and what to try."""
+    console.print(f"trainproof verify ({report['kind']}) {report['id']}: [bold red]INCOMPLETE[/] (the verification "
+                  "could not complete: nothing was judged, no check passed or failed)")
+    for line in str(report.get("error") or "").splitlines():
+        console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
+    if report.get("what_to_try"):
+        console.print(f"what to try: {report['what_to_try']}", soft_wrap=True, markup=False, highlight=False)
     console.print(f"report: {report['location']}/{REPORT_FILE}")
 
 
@@ -203,6 +234,8 @@ def _cell(check: dict[str, Any] | None, *, negative: bool) -> str:
     if check is None:
         return "-"
     text = f"{check['max_abs_diff']:.3g}"
+    if check.get("exercised") is False and check["within_tolerance"]:
+        return f"{text} [dim]n/a[/]"  # compared, but the path never went through it (job.proof.exercised)
     if check["problems"]:
         return f"[red]{text} broken[/]"
     if check["within_tolerance"]:

@@ -35,7 +35,8 @@ class ProtocolSettings:
     steps: int = 10
     cut: int = 5
     seed: int = 1234
-    tolerance: Tolerance = field(default_factory=Tolerance)
+    tolerance: Tolerance | None = None
+    """None: chosen from the device and the task's dtype (:func:`default_tolerance`): exact on the CPU."""
     device: str = "auto"
     checkpoint_every: int = 1
     """Commit cadence of the continuous and resumed paths (0: only their final state)."""
@@ -76,9 +77,39 @@ class ProtocolSettings:
     def to_json(self) -> dict[str, Any]:
         """The settings block of verification.json."""
         return {"task": self.task, "config": None if self.config is None else str(self.config), "steps": self.steps,
-                "cut": self.cut, "seed": self.seed, "atol": self.tolerance.atol, "rtol": self.tolerance.rtol,
+                "cut": self.cut, "seed": self.seed,
+                **({"atol": None, "rtol": None, "comparison": None} if self.tolerance is None else
+                   {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "comparison": self.tolerance.mode}),
                 "device": self.device, "checkpoint_every": self.checkpoint_every, "reused_reference": self.reuse,
                 "world": self.world, "fsdp": self.fsdp, "objective_check": self.objective}
+
+
+CPU_EXACT = ("CPU with the trainer's deterministic settings (deterministic algorithms, the task's fixed thread count, "
+             "the same code and operations in the same order on every path): a correct resume is bitwise equal, so "
+             "every difference must be exactly 0")
+CUDA_TOLERANCE = ("CUDA: kernels without a deterministic implementation only warn (torch.use_deterministic_algorithms "
+                  "warn_only), so the paths are not bitwise by construction; each value is held to atol + rtol * "
+                  "|reference|, rtol 16 machine epsilons of the task's dtype")
+
+
+def default_tolerance(task: Any, device: str) -> Tolerance:
+    """The comparison of the protocol's paths when ``--atol``/``--rtol`` are not given: exact where the paths are
+    bitwise by construction (they run on the CPU: ``--device cpu``, or ``auto`` without CUDA or with a CPU-only task),
+    a relative and absolute tolerance derived from the task's dtype where they are not (CUDA)."""
+    import torch
+
+    cuda = device == "cuda" or (device == "auto" and task.supports_cuda and torch.cuda.is_available())
+    if not cuda:
+        return Tolerance.exact(CPU_EXACT)
+    return Tolerance(atol=1e-12, rtol=16 * torch.finfo(task.dtype).eps, mode="tolerance", why=CUDA_TOLERANCE)
+
+
+def given_tolerance(atol: float | None, rtol: float | None) -> Tolerance | None:
+    """``--atol``/``--rtol`` as given (a missing one is 0), or None when neither was."""
+    if atol is None and rtol is None:
+        return None
+    return Tolerance(atol=atol or 0.0, rtol=rtol or 0.0, mode="given",
+                     why="given on the command line (--atol/--rtol); held to |other - ref| <= atol + rtol * |ref|")
 
 
 def default_schedule(task: str) -> tuple[int, int]:

@@ -69,8 +69,10 @@ class VerificationRunner(Protocol):
 def run_verification(runner: VerificationRunner, *, keep_evidence: bool = False) -> Outcome:
     """Run, then always try to upload a report (a partial one, with the error, when it could not complete); print
     the summary; after a passed verdict prune the evidence unless ``keep_evidence`` (or the runner never prunes)."""
-    error = _run(runner)
+    error, hint = _run(runner)
     report = runner.report(error)
+    if error is not None:
+        report["what_to_try"] = hint or GENERIC_HINT
     try:
         upload(runner.root, report, runner.plot() if error is None else None)
     except (StoreError, OSError) as exc:
@@ -80,23 +82,30 @@ def run_verification(runner: VerificationRunner, *, keep_evidence: bool = False)
         _prune(runner.root, report)
     print_summary(report)
     if error is not None:
-        print(f"trainproof: error: verification incomplete: {error}", file=sys.stderr)
+        print(f"trainproof: error: verification incomplete: {' '.join(error.split())}", file=sys.stderr)
         return Outcome.INCOMPLETE
     return Outcome.PASSED if report["all_checks_passed"] else Outcome.FAILED
 
 
-def _run(runner: VerificationRunner) -> str | None:
-    """The runner's run and, when it passed, its after-pass step; the error that stopped it, or None."""
+GENERIC_HINT = ("read the error above; the commands of every path that ran are in verification.json (paths): run the "
+                "failing one to see its whole output, fix what it names, then run verify again")
+
+
+def _run(runner: VerificationRunner) -> tuple[str | None, str | None]:
+    """The runner's run and, when it passed, its after-pass step; the error that stopped it and what to try, or
+    (None, None)."""
     try:
         runner.run()
         if runner.verdicts()["all_checks_passed"]:
             runner.after_pass()
-    except (VerificationIncomplete, TrainError, StoreError, OSError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+    except VerificationIncomplete as exc:
+        return f"{type(exc).__name__}: {exc}", exc.hint
+    except (TrainError, StoreError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}", None
     except Exception as exc:  # a bug must still end as "could not complete", with its traceback logged
         log.exception("verification failed unexpectedly")
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        return f"{type(exc).__name__}: {exc}", None
+    return None, None
 
 
 def _prune(root: GenerationStore, report: dict[str, Any]) -> None:

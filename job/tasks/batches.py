@@ -21,6 +21,8 @@ The derivation is named (:data:`SAMPLE_RNG`) and enters the run contract: anothe
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -99,20 +101,36 @@ def _seeded_globals(sequence: np.random.SeedSequence) -> Iterator[None]:
         torch.default_generator.set_state(saved[2])
 
 
-def to_device(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
-    """``data`` with every tensor (inside dicts, lists and tuples) moved to ``device``, floating-point ones
-    cast to ``dtype`` when given (integer tensors such as labels and token ids keep theirs); NumPy arrays become
-    tensors first."""
+def map_tensors(data: Any, fn: Any) -> Any:
+    """``data`` with ``fn`` applied to every tensor inside it: in mappings (returned as dicts), named tuples, tuples,
+    lists and dataclass instances (a copy with each field mapped; frozen ones too); NumPy arrays become tensors
+    first. Anything else is returned as it is."""
     if isinstance(data, np.ndarray):
         data = torch.from_numpy(data)
     if isinstance(data, torch.Tensor):
-        if dtype is not None and data.is_floating_point():
-            return data.to(device=device, dtype=dtype, non_blocking=True)
-        return data.to(device, non_blocking=True)
+        return fn(data)
     if isinstance(data, Mapping):
-        return {k: to_device(v, device, dtype) for k, v in data.items()}
+        return {k: map_tensors(v, fn) for k, v in data.items()}
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
-        return type(data)(*(to_device(v, device, dtype) for v in data))
+        return type(data)(*(map_tensors(v, fn) for v in data))
     if isinstance(data, (list, tuple)):
-        return type(data)(to_device(v, device, dtype) for v in data)
+        return type(data)(map_tensors(v, fn) for v in data)
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        out = copy.copy(data)
+        for f in dataclasses.fields(data):
+            object.__setattr__(out, f.name, map_tensors(getattr(data, f.name), fn))  # frozen ones too
+        return out
     return data
+
+
+def to_device(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """``data`` with every tensor (inside dicts, lists, tuples and dataclasses: :func:`map_tensors`) moved to
+    ``device``, floating-point ones cast to ``dtype`` when given (integer tensors such as labels and token ids keep
+    theirs); NumPy arrays become tensors first."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and t.is_floating_point():
+            return t.to(device=device, dtype=dtype, non_blocking=True)
+        return t.to(device, non_blocking=True)
+
+    return map_tensors(data, move)

@@ -12,13 +12,16 @@ user's own code, unchanged: that is what is being checked.
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any
 
 import torch
 from torch import nn
 
+from job.errors import ConfigError
 from job.tasks.base import Task, TaskContext, require
-from job.tasks.batches import BatchRequest
+from job.tasks.batches import BatchRequest, map_tensors
 
 
 class ObjectiveCheckTask(Task):
@@ -30,6 +33,7 @@ class ObjectiveCheckTask(Task):
 
     def __init__(self, task: Task, *, batch_size: int | None = None, micro_batch_size: int | None = None) -> None:
         self.inner = task.deterministic_objective()
+        same_task(task, self.inner)
         self._batch = batch_size or task.batch_size
         self._micro = micro_batch_size or min(task.micro_batch_size, self._batch)
         require(1 <= self._micro <= self._batch, "objective check: need 1 <= micro_batch_size <= batch_size")
@@ -113,12 +117,46 @@ class ObjectiveCheckTask(Task):
 
 
 def _float64(value: Any) -> Any:
-    """Floating tensors (in tuples, lists and dicts too) as float64; everything else unchanged."""
-    if isinstance(value, torch.Tensor):
-        return value.to(torch.float64) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: _float64(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_float64(v) for v in value) if not hasattr(value, "_fields") else type(value)(
-            *(_float64(v) for v in value))
-    return value
+    """Every floating tensor of a batch as float64 (in mappings, sequences, named tuples and dataclasses:
+    job.tasks.batches.map_tensors); everything else unchanged."""
+    return map_tensors(value, lambda t: t.to(torch.float64) if t.is_floating_point() else t)
+
+
+def same_task(task: Task, variant: Task) -> None:
+    """Refuse (ConfigError: exit 2, one line) a ``deterministic_objective()`` that is not ``task`` itself with its
+    draws switched off: another class, or another function in place of one of the task's own (its loss, its model
+    factory, its collate). An attribute set to None in the variant is a draw switched off (``DatasetTask`` drops
+    ``augment``)."""
+    name = type(task).__qualname__
+    fix = (f"make {name}.deterministic_objective() return this task's own class with only its random draws switched "
+           f"off (e.g. clone = copy.copy(self); clone.noise = 0.0; return clone), so the objective check trains "
+           f"your loss_sum and model (docs/tasks.md, deterministic_objective)")
+    if type(variant) is not type(task):
+        raise ConfigError(f"objective check: {name}.deterministic_objective() returned a "
+                          f"{type(variant).__module__}.{type(variant).__qualname__}, not a {name}: {fix}")
+    theirs = vars(variant)
+    for key, value in vars(task).items():
+        mine = _function_identity(value)
+        if mine is None or theirs.get(key) is None:
+            continue
+        if _function_identity(theirs.get(key)) != mine:
+            raise ConfigError(f"objective check: {name}.deterministic_objective() replaced the task's {key!r} "
+                              f"({_shown(value)}) by {_shown(theirs.get(key))}: {fix}")
+
+
+def _function_identity(value: Any) -> Any:
+    """What makes a function attribute the same function: its code (a lambda rebuilt by the factory is the same);
+    None for a value that is not a function."""
+    if isinstance(value, types.MethodType):
+        return ("method", _function_identity(value.__func__))
+    if isinstance(value, functools.partial):
+        return ("partial", _function_identity(value.func), len(value.args), tuple(sorted(value.keywords)))
+    if isinstance(value, types.FunctionType):
+        return ("function", value.__code__)
+    if isinstance(value, types.BuiltinFunctionType):
+        return ("builtin", value)
+    return None
+
+
+def _shown(value: Any) -> str:
+    return getattr(value, "__qualname__", None) or type(value).__qualname__

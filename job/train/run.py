@@ -162,14 +162,19 @@ def train_step(run: Run) -> dict[str, Any]:
                 loss_sum = task.loss_sum(run.ddp or run.model, batch)
             run.scaler.scale(loss_sum / denominators[i]).backward()
         loss_total += loss_sum.detach().to(torch.float64)
-    _optimizer_update(run)
+    norm = _optimizer_update(run)
     run.step += 1
     run.samples_seen += len(ids)
     run.targets_seen += count
     loss = run.sync.sum_float(float(loss_total), "sum the step's loss") / count
     run.history.append(step=run.step, epoch=run.sampler.epoch, loss=loss, lr=lr, targets=count, sample_ids=ids)
+    # What the step exercised (the verifier reports a path that never clipped, accumulated or scaled): this rank's
+    # micro-batches, the gradient norm before clipping and whether the clip changed the gradients.
+    exercised = {"micro_batches": len(chunks), "grad_scaler": run.scaler.is_enabled()}
+    if norm is not None:
+        exercised |= {"grad_norm": norm, "clipped": norm > task.grad_clip}
     return {"step": run.step, "epoch": run.sampler.epoch, "loss": loss, "lr": lr, "samples": len(ids),
-            "targets": count, "step_seconds": time.perf_counter() - t0}
+            "targets": count, **exercised, "step_seconds": time.perf_counter() - t0}
 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
@@ -178,15 +183,19 @@ def _autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
     return torch.autocast(device_type=run.device.type, dtype=run.autocast)
 
 
-def _optimizer_update(run: Run) -> None:
-    """Unscale and clip (when asked), step through the GradScaler, then advance the schedule."""
+def _optimizer_update(run: Run) -> float | None:
+    """Unscale and clip (when asked), step through the GradScaler, then advance the schedule. Returns the global
+    gradient norm before clipping (None without clipping)."""
+    norm = None
     if run.task.grad_clip:
         run.scaler.unscale_(run.optimizer)
-        nn.utils.clip_grad_norm_(run.model.parameters(), run.task.grad_clip)
+        total = nn.utils.clip_grad_norm_(run.model.parameters(), run.task.grad_clip)
+        norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
     run.scaler.step(run.optimizer)
     run.scaler.update()
     if run.scheduler is not None:
         run.scheduler.step()
+    return norm
 
 
 def capture_rank_part(run: Run) -> dict[str, Any]:

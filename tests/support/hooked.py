@@ -26,7 +26,13 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          ``rng_mismatch`` restore Python's generator from another state, so the resume's
                          own restore self-check fails (the trainer exits 2 with a
                          ``restore_check_failed`` event);
-                         ``crash`` fail while restoring (the process exits 1)
+                         ``crash`` fail while restoring (the process exits 1);
+                         ``sqrt_square`` replace Adam's second moment by the square of its square root (a
+                         ~1e-17 drift: passes any absolute tolerance, fails an exact comparison);
+                         ``late_repeat_batch`` step the cursor back one batch, only when the restored position
+                         is in epoch 2 or later (a restore bug from epoch 2 on);
+                         ``second_resume`` re-seed Python's ``random``, only when the restored state was written
+                         by a process that had itself resumed (``meta.trainer.resumed_from``)
 ``TPHOOK_SAVE_PREFETCHED`` ``1``: every checkpoint holds the data position the DataLoader workers were asked to
                          build up to (job.train.pipeline's lookahead) instead of the one the trainer consumed: the
                          bug of loaders that checkpoint their own prefetching iterator
@@ -49,7 +55,8 @@ from typing import Any
 
 MODULE = "tests.support.hooked"
 SABOTAGES = ("skip_optimizer", "rebuild_scheduler", "reseed_rng", "lose_cursor", "repeat_batch", "regen_permutation",
-             "lose_python_rng", "lose_numpy_rng", "rng_mismatch", "crash")
+             "lose_python_rng", "lose_numpy_rng", "rng_mismatch", "crash", "sqrt_square",
+             "late_repeat_batch", "second_resume")
 
 
 class SabotageCrash(RuntimeError):
@@ -115,6 +122,19 @@ def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> No
         gen = np.random.Generator(np.random.PCG64([state["meta"]["seed"], rng.DATA_STREAM + run.sampler.epoch]))
         run.sampler.permutation = gen.permutation(run.sampler.num_samples).astype(np.int64)
         run.sampler.restore_generator({"generator": gen.bit_generator.state})
+    if "sqrt_square" in kinds:
+        import torch
+
+        with torch.no_grad():
+            for slot in run.optimizer.state.values():
+                if "exp_avg_sq" in slot:
+                    slot["exp_avg_sq"].copy_(slot["exp_avg_sq"].sqrt() ** 2)
+    if "late_repeat_batch" in kinds and run.sampler.epoch >= 2 and run.sampler.cursor >= run.global_batch:
+        run.sampler.cursor -= run.global_batch
+    if "second_resume" in kinds and (state["meta"].get("trainer") or {}).get("resumed_from") is not None:
+        import random
+
+        random.seed(state["meta"]["seed"])
     if "lose_cursor" in kinds:
         run.sampler.cursor = 0
     if "repeat_batch" in kinds:

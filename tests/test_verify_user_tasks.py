@@ -1,0 +1,217 @@
+"""``verify`` on the user's own task, in the user's dtype and batch types (issue 26, part 1).
+
+- float32 adapter tasks (an MLP, a CNN, a dict batch, a dataclass batch, a named-tuple batch) pass the default
+  ``verify``: the objective check trains them in float64 and converts the model *and* every floating tensor of every
+  batch, whatever container holds it;
+- docs/tasks.md's ``DatasetTask`` example, extracted verbatim, passes the default ``verify`` (export included);
+- the objective check trains the user's own task: a task built on a built-in keeps its own ``loss_sum`` in the
+  check (a mean is caught), and a ``deterministic_objective()`` that returns another class is refused with exit 2
+  and one line saying what to implement.
+
+Real ``python -m job`` processes throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.test_examples import doc_modules
+from tests.test_verify_helpers import read_report, trainproof
+
+USER_TASKS = '''
+    from dataclasses import dataclass
+    from typing import NamedTuple
+
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset, TensorDataset, default_collate
+
+    from job.tasks import DatasetTask
+
+    X = torch.linspace(-1, 1, 24).unsqueeze(1)  # float32, the adapter's default dtype
+    IMAGES = torch.linspace(-1, 1, 24 * 16).reshape(24, 1, 4, 4).sin()
+
+
+    @dataclass
+    class Pair:
+        x: torch.Tensor
+        y: torch.Tensor
+
+
+    class NamedPair(NamedTuple):
+        x: torch.Tensor
+        y: torch.Tensor
+
+
+    class Dicts(Dataset):
+        def __len__(self):
+            return len(X)
+
+        def __getitem__(self, i):
+            return {"x": X[i], "y": 2 * X[i] + 1}
+
+
+    def pairs(samples):
+        return Pair(x=torch.stack([s[0] for s in samples]), y=torch.stack([s[1] for s in samples]))
+
+
+    def named(samples):
+        return NamedPair(x=torch.stack([s[0] for s in samples]), y=torch.stack([s[1] for s in samples]))
+
+
+    def mlp():
+        return nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Dropout(0.1), nn.Linear(8, 1))
+
+
+    def cnn():
+        return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 1))
+
+
+    def tuple_loss(model, batch):
+        x, y = batch
+        return ((model(x) - y) ** 2).squeeze(1)
+
+
+    def dict_loss(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).squeeze(1)
+
+
+    def attr_loss(model, batch):
+        return ((model(batch.x) - batch.y) ** 2).squeeze(1)
+
+
+    def factory(config):
+        kind = config.get("kind", "mlp")
+        lines = TensorDataset(X, 2 * X + 1)
+        data, model, loss, collate = {
+            "mlp": (lines, mlp, tuple_loss, default_collate),
+            "cnn": (TensorDataset(IMAGES, IMAGES.mean(dim=(1, 2, 3)).unsqueeze(1)), cnn, tuple_loss, default_collate),
+            "dict": (Dicts(), mlp, dict_loss, default_collate),
+            "dataclass": (lines, mlp, attr_loss, pairs),
+            "namedtuple": (lines, mlp, attr_loss, named),
+        }[kind]
+        return DatasetTask(dataset=data, build_model=model, per_sample_loss=loss, config=dict(config), batch_size=4,
+                           optimizer="adam", lr=0.01, collate=collate, eval_dataset=data)
+'''
+
+
+def _verify(tmp_path: Path, module: str, source: str, config: dict | None, *extra: str):
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+    args = []
+    if config is not None:
+        (tmp_path / "cfg.json").write_text(json.dumps(config))
+        args = ["--config", str(tmp_path / "cfg.json")]
+    store = str(tmp_path / "run")
+    result = trainproof("verify", "--store", store, "--task", f"{module}:factory", *args, "--id", "v", *extra,
+                        env={"PYTHONPATH": str(tmp_path)})
+    return result, store
+
+
+# The dataclass batch runs by default (the container today's code lost); the others are slow (each a full verify).
+@pytest.mark.parametrize("kind", ["dataclass", pytest.param("mlp", marks=pytest.mark.slow),
+                                  pytest.param("cnn", marks=pytest.mark.slow),
+                                  pytest.param("dict", marks=pytest.mark.slow),
+                                  pytest.param("namedtuple", marks=pytest.mark.slow)])
+def test_float32_adapter_tasks_pass_the_default_verify(tmp_path, kind):
+    result, store = _verify(tmp_path, "usertasks", USER_TASKS, {"kind": kind}, "--no-export")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(store, "v")
+    assert report["all_checks_passed"] is True and report["objective_equivalence_passed"] is True
+    assert report["environment"]["precision"].startswith("float32")
+    assert report["objective_equivalence"]["tolerance"]["dtype"] == "float64"
+
+
+def test_the_docs_adapter_example_verbatim_passes_the_default_verify(tmp_path):
+    source = doc_modules()["mytask"]
+    result, store = _verify(tmp_path, "mytask", source, None)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(store, "v")
+    assert report["all_checks_passed"] is True and report["objective_equivalence_passed"] is True
+    assert report["export"]["reload_check"]["passed"] is True
+
+
+DERIVED = '''
+    import copy
+
+    from job.tasks import DatasetTask
+    from job.tasks.regression import RegressionConfig, RegressionTask
+
+
+    class MeanRegression(RegressionTask):
+        """A user's task on the built-in fixture, with its own loss: a mean (the pitfall)."""
+
+        def loss_sum(self, model, batch):
+            x, y = batch
+            return ((model(x) - y) ** 2).mean()
+
+
+    class Other(RegressionTask):
+        def deterministic_objective(self):
+            return RegressionTask(RegressionConfig(dropout=0.0, gain=0.0, noise=0.0))  # another class: refused
+
+
+    def factory(config):
+        return {"mean": MeanRegression, "other": Other}[config["kind"]](RegressionConfig())
+'''
+
+
+def test_a_task_built_on_a_builtin_keeps_its_own_loss_in_the_objective_check(tmp_path, monkeypatch):
+    """The built-in's deterministic_objective() returns the user's subclass, so the check trains the user's mean and
+    fails it (today it trained the built-in's sum and passed)."""
+    from tests.test_verify_objective import _run_check
+
+    (tmp_path / "derived.py").write_text(textwrap.dedent(DERIVED))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the check's processes import it too
+    check = _run_check(tmp_path, "derived:factory", 1, {"kind": "mean"})
+    assert not check.passed, check.to_json()
+    assert "objective.unequal.parameters" in check.failing()
+
+
+def test_a_deterministic_objective_of_another_class_is_refused_with_one_line(tmp_path):
+    result, store = _verify(tmp_path, "derived", DERIVED, {"kind": "other"}, "--no-export")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error:")]
+    assert len(lines) == 1, result.stderr
+    assert "deterministic_objective()" in lines[0] and "Other" in lines[0] and "RegressionTask" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+CLIPPED = '''
+    from job.tasks.regression import RegressionConfig, RegressionTask
+
+
+    class Clipped(RegressionTask):
+        def __init__(self, cfg, clip):
+            super().__init__(cfg)
+            self.grad_clip, self.clip = clip, clip
+
+        def config(self):
+            return {**super().config(), "grad_clip": self.clip}
+
+
+    def factory(config):
+        return Clipped(RegressionConfig(), config["grad_clip"])
+'''
+
+
+# 1e6: never reached in the window (reported, not counted as proved); 1e-3: clips every step (nothing reported).
+@pytest.mark.parametrize("clip", [1e6, 1e-3])
+def test_a_clip_threshold_never_reached_is_reported_not_exercised(tmp_path, clip):
+    result, store = _verify(tmp_path, "clipped", CLIPPED, {"grad_clip": clip}, "--no-export", "--cuts", "5",
+                            "--no-objective-check")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(store, "v")
+    clipping = report["exercised"]["resume"]["clipping"]
+    missing = {m["what"] for m in report["not_exercised"]}
+    if clip > 1:
+        assert clipping["active_steps"] == 0 and clipping["of_steps"] == 5 and clipping["max_grad_norm"] < clip
+        assert "gradient clipping" in missing
+        assert "not exercised: gradient clipping" in " ".join(result.stdout.split())
+    else:
+        assert clipping == {"active_steps": 5, "of_steps": 5, "max_grad_norm": clipping["max_grad_norm"]}
+        assert "gradient clipping" not in missing
