@@ -106,7 +106,9 @@ def test_a_download_of_many_digest_parts_hashes_them_on_the_fetching_threads(tmp
         else:  # longer: the probe byte is seen; shorter: it stops at the end (the caller refuses either)
             assert seen == min(size + 1, len(data))
         assert open(spool.path, "rb").read() == data[:size]
-        assert max(b - a for a, b in ranges) <= part + 1 and len(threads) > 1
+        assert max(b - a for a, b in ranges) <= part + 1
+        if extra >= 0:  # a short object's later parts may be cancelled before a thread takes them
+            assert len(threads) > 1
     finally:
         spool.unlink()
 
