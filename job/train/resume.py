@@ -183,9 +183,21 @@ def _decide(c: _Context, step: int, state: dict[str, Any]) -> Resumed:
     # must be refused, never resumed from.
     expected = Expected(contract=c.plan["contract"], world=saved_world, code_version=saved_code or code_version(),
                         data_identity=c.plan["data_identity"], step=step)
+    _same_as_plan(c.plan, state["meta"], name)
     for warning in check_consistency(state, expected) + _device_warnings(state, c.run.device):
         c.reporter.warn(warning)
     return Resumed(step=step, world_changes=world_changes, code_changes=code_changes)
+
+
+def _same_as_plan(plan: dict[str, Any], meta: dict[str, Any], name: str) -> None:
+    """The state's record of what the run trains is plan.json's (the contract alone does not cover the copies in
+    ``meta``): a state that says otherwise was not written by this run (StateError: the generation is passed over)."""
+    for key in ("task", "task_config", "seed", "objective"):
+        if key in plan and meta.get(key) != plan[key]:
+            raise StateError(f"{name}'s meta.{key} is not plan.json's")
+    if "layout" in plan and (not isinstance(meta.get("layout"), dict)
+                             or meta["layout"].get("name") != plan["layout"].get("name")):
+        raise StateError(f"{name}'s meta.layout is not plan.json's")
 
 
 def _decide_world(c: _Context, saved_world: int, *, step: int, history: list[dict[str, int]],

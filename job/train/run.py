@@ -277,6 +277,25 @@ def check_fits(run: Run, state: dict[str, Any]) -> None:
     if run.scheduler is not None and state["scheduler"] is not None:
         _fits_like("scheduler", run.scheduler.state_dict(), state["scheduler"])
     _fits_position(run, state)
+    _fits_progress(state)
+    if not run.cuda:  # on CUDA the per-device states are checked by their restore
+        _fits_like("generators", rng.capture(run.np_gen, cuda=False), state["ranks"][0].get("rng"))
+
+
+def _fits_progress(state: dict[str, Any]) -> None:
+    """The progress counters are counts, its epoch is the data position's, and its learning rate is the one the
+    restored optimizer will apply."""
+    progress, data = state["progress"], state["ranks"][0]["data"]
+    for key in ("samples_seen", "targets_seen", "epoch"):
+        value = progress.get(key)
+        if type(value) is not int or value < 0:
+            raise StateError(f"the saved progress.{key} is {value!r}, not a count")
+    if progress["epoch"] != data.get("epoch"):
+        raise StateError(f"the saved progress.epoch is {progress['epoch']}, the data position's is {data.get('epoch')}")
+    groups = state["optimizer"].get("param_groups") if isinstance(state["optimizer"], dict) else None
+    lr = groups[0].get("lr") if isinstance(groups, list) and groups and isinstance(groups[0], dict) else None
+    if type(progress.get("next_lr")) is not float or (lr is not None and progress["next_lr"] != float(lr)):
+        raise StateError(f"the saved progress.next_lr is {progress.get('next_lr')!r}, the optimizer's is {lr!r}")
 
 
 def _fits_model(model: nn.Module, saved: Any) -> None:
