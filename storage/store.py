@@ -50,12 +50,18 @@ class GenerationStore:
         self.stats = _stats or RetryStats()
         self._prepare = _prepare
         self._prepared = _prepare is None
+        self._shared = _prepare is not None  # an S3 store (the only kind prepared before its first write)
         self._lock = threading.Lock()
         self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits, keys=options.signing,
                         part_size=options.part_size, concurrency=options.concurrency)
 
     def __repr__(self) -> str:
         return f"GenerationStore({redact_url(self.url)!r})"
+
+    @property
+    def shared(self) -> bool:
+        """Whether others may write here too (an object store), as opposed to a folder or memory of this machine."""
+        return self._shared
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def _io(self, what: str, fn: Callable):
@@ -75,7 +81,7 @@ class GenerationStore:
             raise ValueError(f"invalid child path {relpath!r}")
         child = GenerationStore(self.backend, join(self.root, relpath), f"{self.url.rstrip('/')}/{relpath}",
                                 self.options, _stats=self.stats)
-        child._prepared = True
+        child._prepared, child._shared = True, self._shared
         if not self._prepared:  # share the one-time preparation
             child._prepared, child._prepare = False, lambda _c: self._before_write()
         return child

@@ -198,3 +198,13 @@ def test_with_a_key_a_forgery_at_the_next_step_is_moved_aside_and_the_run_commit
     assert [(g.step, g.status) for g in s.scan()] == [(2, "complete"), (4, "complete"), (6, "complete")]
     assert [name.startswith("step-00000006") for name, _ in s.quarantined()] == [True]
     assert differences(trajectory(load_state(reference, 6)), trajectory(load_state(signed, 6))) == []
+
+
+def test_train_on_s3_without_a_key_says_once_that_generations_are_not_authenticated(s3_env, tmp_path):
+    url = f"s3://{s3_env}/runs/unsigned"
+    result = run(url, "--max-steps", "2")
+    assert result.code == 0, result.stderr
+    assert result.stderr.count("not authenticated") == 1, result.stderr
+    signed = run(f"s3://{s3_env}/runs/signed", "--max-steps", "2", env=KEY)
+    assert signed.code == 0 and "not authenticated" not in signed.stderr, signed.stderr
+    assert "not authenticated" not in run(tmp_path / "run", "--max-steps", "2").stderr

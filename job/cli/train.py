@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -129,6 +130,11 @@ def train_command(
                 prefetch=prefetch,
             )
             run_store = open_run(store, endpoint_url, region, path_style)
+            if run_store.shared and run_store.options.signing is None and os.environ.get("RANK", "0") == "0":
+                logging.getLogger("trainproof.train").warning(
+                    "no signing key (TRAINPROOF_SIGNING_KEY[_FILE]): generations in this bucket are not "
+                    "authenticated, so anyone who can write there can make this run resume from a state they made "
+                    "(SECURITY.md)")
             cfg.deadline = _run_deadline(run_store, deadline, rental_ends)
             from job.train.loop import train  # torch is slow to import: keep `--help` and config errors fast
 

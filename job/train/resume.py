@@ -17,6 +17,7 @@ recorded like a world change (discovery has already preferred an older generatio
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,9 +184,28 @@ def _decide(c: _Context, step: int, state: dict[str, Any]) -> Resumed:
     # must be refused, never resumed from.
     expected = Expected(contract=c.plan["contract"], world=saved_world, code_version=saved_code or code_version(),
                         data_identity=c.plan["data_identity"], step=step)
+    _same_as_plan(c.plan, state["meta"], name)
     for warning in check_consistency(state, expected) + _device_warnings(state, c.run.device):
         c.reporter.warn(warning)
     return Resumed(step=step, world_changes=world_changes, code_changes=code_changes)
+
+
+def _same_as_plan(plan: dict[str, Any], meta: dict[str, Any], name: str) -> None:
+    """The state's record of what the run trains is plan.json's (the contract alone does not cover the copies in
+    ``meta``): a state that says otherwise was not written by this run (StateError: the generation is passed over)."""
+    for key in ("task", "task_config", "seed", "objective"):
+        if key in plan and _as_json(meta.get(key)) != _as_json(plan[key]):  # as plan.json holds it: tuples are lists
+            raise StateError(f"{name}'s meta.{key} is not plan.json's")
+    if "layout" in plan and (not isinstance(meta.get("layout"), dict)
+                             or meta["layout"].get("name") != plan["layout"].get("name")):
+        raise StateError(f"{name}'s meta.layout is not plan.json's")
+
+
+def _as_json(value: Any) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, default=repr)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
 
 
 def _decide_world(c: _Context, saved_world: int, *, step: int, history: list[dict[str, int]],

@@ -286,6 +286,25 @@ def check_fits(run: Run, state: dict[str, Any]) -> None:
     if run.scheduler is not None and state["scheduler"] is not None:
         _fits_like("scheduler", run.scheduler.state_dict(), state["scheduler"])
     _fits_position(run, state)
+    _fits_progress(state)
+    if not run.cuda:  # on CUDA the per-device states are checked by their restore
+        _fits_like("generators", rng.capture(run.np_gen, cuda=False), state["ranks"][0].get("rng"))
+
+
+def _fits_progress(state: dict[str, Any]) -> None:
+    """The progress counters are counts, its epoch is the data position's, and its learning rate is the one the
+    restored optimizer will apply."""
+    progress, data = state["progress"], state["ranks"][0]["data"]
+    for key in ("samples_seen", "targets_seen", "epoch"):
+        value = progress.get(key)
+        if type(value) is not int or value < 0:
+            raise StateError(f"the saved progress.{key} is {value!r}, not a count")
+    if progress["epoch"] != data.get("epoch"):
+        raise StateError(f"the saved progress.epoch is {progress['epoch']}, the data position's is {data.get('epoch')}")
+    groups = state["optimizer"].get("param_groups") if isinstance(state["optimizer"], dict) else None
+    lr = groups[0].get("lr") if isinstance(groups, list) and groups and isinstance(groups[0], dict) else None
+    if type(progress.get("next_lr")) is not float or (lr is not None and progress["next_lr"] != float(lr)):
+        raise StateError(f"the saved progress.next_lr is {progress.get('next_lr')!r}, the optimizer's is {lr!r}")
 
 
 def _fits_model(model: nn.Module, saved: Any) -> None:
@@ -319,36 +338,45 @@ def _fits_optimizer(optimizer: torch.optim.Optimizer, saved: Any) -> None:
     if sorted(ids, key=str) != sorted(set(ids), key=str) or any(type(i) is not int for i in ids):
         raise StateError("the saved optimizer's parameter ids are not distinct integers")
     index = dict(zip(ids, params))
-    template = _moment_template(optimizer)
+    templates: dict[tuple, tuple[torch.Size, dict[str, Any] | None]] = {}
     for pid, moments in saved["state"].items():
         if pid not in index or not isinstance(moments, dict):
             raise StateError(f"the saved optimizer holds state for parameter {pid!r}, which this task lacks")
-        _fits_moments(pid, index[pid], moments, template)
+        param = index[pid]
+        kind = (param.dim(), param.dtype)
+        if kind not in templates:
+            templates[kind] = _moment_template(optimizer, param)
+        _fits_moments(pid, param, moments, *templates[kind])
 
 
-def _moment_template(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """One parameter's optimizer state after one step of this optimizer (on a throw-away 2-element parameter):
-    what every saved parameter's state must look like; None when the optimizer cannot be stepped that way."""
-    probe = torch.zeros(2, dtype=torch.float32, requires_grad=True)
+def _moment_template(optimizer: torch.optim.Optimizer, like: torch.Tensor) -> tuple[torch.Size, dict[str, Any] | None]:
+    """(probe shape, state) of one step of this optimizer on a throw-away parameter of ``like``'s dtype and number
+    of dimensions (at most 2 elements along each: an optimizer whose state depends on the shape, a factored one,
+    keeps the same kinds of values): what a saved state of such a parameter must look like. The state is None when
+    the optimizer cannot be stepped that way (then only the shapes of the values are checked)."""
+    probe = torch.zeros(tuple(min(int(d), 2) for d in like.shape), dtype=like.dtype, requires_grad=True)
     try:
         other = type(optimizer)([probe], **optimizer.defaults)
         probe.grad = torch.zeros_like(probe)
         other.step()
-    except Exception:  # an optimizer that needs a closure or other arguments: key checks only against others
-        return None
-    return dict(other.state[probe])
+    except Exception:  # an optimizer that needs a closure or other arguments
+        return probe.shape, None
+    return probe.shape, dict(other.state[probe])
 
 
-def _fits_moments(pid: int, param: torch.Tensor, moments: dict[str, Any], template: dict[str, Any] | None) -> None:
+def _fits_moments(pid: int, param: torch.Tensor, moments: dict[str, Any], probe: torch.Size,
+                  template: dict[str, Any] | None) -> None:
     if template is not None and set(moments) != set(template):
         raise StateError(f"the saved optimizer state of parameter {pid} has {sorted(map(str, moments))}, "
                          f"this optimizer keeps {sorted(template)}")
     for key, value in moments.items():
         like = None if template is None else template[key]
-        if isinstance(like, torch.Tensor) and like.dim() == 0:
-            ok = isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == like.dtype
-        elif isinstance(like, torch.Tensor) or (like is None and isinstance(value, torch.Tensor) and value.dim()):
-            ok = isinstance(value, torch.Tensor) and value.shape == param.shape and value.dtype == param.dtype
+        if isinstance(like, torch.Tensor) and like.shape == probe and like.dim():  # one value per element
+            ok = isinstance(value, torch.Tensor) and value.shape == param.shape and value.dtype == like.dtype
+        elif isinstance(like, torch.Tensor):  # a scalar (Adam's step) or a factored value: its kind and rank
+            ok = isinstance(value, torch.Tensor) and value.dim() == like.dim() and value.dtype == like.dtype
+        elif like is None and isinstance(value, torch.Tensor) and value.dim():
+            ok = value.shape == param.shape or value.dim() < param.dim()
         else:
             ok = like is None or type(value) is type(like)
         if not ok:
