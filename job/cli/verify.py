@@ -52,7 +52,7 @@ def verify_command(
         help="Task of the protocol (default regression); with --audit the run's task, needed unless it is built "
              "in (compared with plan.json, never read from it).")] = None,
     steps: Annotated[Optional[int], typer.Option(
-        help="Updates of the continuous path (default 10, tinylm 8, lengthened to three epochs without --cuts).")] = None,
+        help="Updates of the continuous path (default 10, tinylm 8; three epochs if longer, without --cuts).")] = None,
     cut: Annotated[Optional[int], typer.Option(help="Step of the cut (default 5; tinylm 3).")] = None,
     atol: Annotated[Optional[float], typer.Option(
         help="Absolute tolerance of floating-point comparisons (default: exact on the CPU, where a correct resume "
