@@ -132,5 +132,12 @@ class ClipCheck(Check):
             "steps": self.end, "cut": self.s.cut, "exercised": self.exercised, "passed": self.passed,
             "paths": self.paths}}
 
+    def covers(self) -> dict[str, str]:
+        """``gradient clipping``, when its runs ran."""
+        if not self.ran:
+            return {}
+        return {"gradient clipping": f"clip_resume: the clipping check resumed runs of its own with a threshold of "
+                                     f"{self.threshold:g} (clip_passed)"}
+
     def checks(self) -> dict[str, dict[str, Diff]]:
         return {"clip_resume": self.diffs}

@@ -132,7 +132,7 @@ class Protocol(VerificationRunner):
         steps_per_epoch = epoch_plan(self.task.num_samples(), self.task.batch_size, settings.world)["steps"]
         extra_cuts, steps, self.random_cut = plan_cuts(protocol_cut=settings.cut, steps=settings.steps,
                                                        steps_per_epoch=steps_per_epoch, chosen=settings.cuts,
-                                                       seed=settings.seed, reused=settings.reuse is not None)
+                                                       seed=settings.seed)
         if steps != settings.steps:  # a later cut (or the default three epochs) needs a longer continuous path
             if settings.reuse and settings.cuts is not None:  # the reused reference ran the defaults, or fails below
                 raise ConfigError(f"the cuts {extra_cuts} need {steps} continuous steps; the reused reference "
@@ -398,12 +398,10 @@ class Protocol(VerificationRunner):
         resumed = ["resume", *(r.name for check in self.checks for r in check.resumed())]
         missing = not_exercised(grad_clip=self.task.grad_clip, exercised=exercised, resumed=resumed, drew=self.drew,
                                 task_state=self.task_state, cut=self.s.cut) if self.meta else []
-        for check in self.checks:  # what a check of its own made active (job.proof.clipping)
-            if isinstance(check, ClipCheck) and check.ran:
-                for item in missing:
-                    if item["what"] == "gradient clipping":
-                        item["covered_by"] = (f"clip_resume: the clipping check resumed runs of its own with a "
-                                              f"threshold of {check.threshold:g} (clip_passed)")
+        covered = {what: how for check in self.checks for what, how in check.covers().items()}
+        for item in missing:  # what a check made active on runs of its own (job.proof.clipping)
+            if item["what"] in covered:
+                item["covered_by"] = covered[item["what"]]
         extra |= {"exercised": exercised, "generators_drew": self.drew, "not_exercised": missing}
         report = build_report(
             kind="protocol", vid=self.s.vid, location=absolute_url(self.root), store=self.s.store, verdicts=verdicts,
