@@ -217,6 +217,8 @@ def test_a_clip_threshold_never_reached_is_reported_not_exercised(tmp_path, clip
         assert clipping["active_steps"] == 0 and clipping["of_steps"] == 5 and clipping["max_grad_norm"] < clip
         assert "gradient clipping" in missing
         assert "not exercised: gradient clipping" in " ".join(result.stdout.split())
+        (item,) = [m for m in report["not_exercised"] if m["what"] == "gradient clipping"]
+        assert item["covered_by"].startswith("clip_resume:")
     else:  # clipping bit on the protocol's own paths: no runs of its own
         assert clipping == {"active_steps": 5, "of_steps": 5, "max_grad_norm": clipping["max_grad_norm"]}
         assert "gradient clipping" not in missing
