@@ -85,7 +85,7 @@ def test_each_path_was_a_fresh_process_with_the_protocol_options(reference):
     assert (paths["resume"]["resumed_from"], paths["resume"]["rng_restored"]) == (5, True)
     assert (paths["resume_without_rng"]["resumed_from"], paths["resume_without_rng"]["rng_restored"]) == (5, False)
     assert "--omit-rng-restore" in paths["resume_without_rng"]["command"]
-    assert "--steps 5" in paths["resume"]["command"]  # additional updates: a path that started over ends at 5
+    assert "--steps 13" in paths["resume"]["command"]  # additional updates: a path that started over ends at 13
     assert len(report["commands"]) == 5 and "reload-check" in report["commands"][-1]
     env = report["environment"]
     assert env["device"] == "cpu" and env["threads"] == 1 and env["precision"] == "float64"
@@ -108,13 +108,13 @@ def test_the_negative_path_diverges_where_the_generators_matter(reference):
     assert {"learning_rates", "next_lr", "scheduler"}.isdisjoint(diverged)  # the schedule alone cannot catch it
     assert negative["parameters"]["first_step"] == 6
     assert 1e-3 < negative["parameters"]["max_abs_diff"] < 0.1  # docs/protocol.md: about 0.0117 in the reference
-    assert report["parameter_distance"]["resume"] == {str(s): 0.0 for s in range(6, 11)}
+    assert report["parameter_distance"]["resume"] == {str(s): 0.0 for s in range(6, 19)}
     assert report["losses"]["continuous"] == report["losses"]["resume"] != report["losses"]["resume_without_rng"]
 
 
 def test_the_export_bundle_is_recorded_with_checksums(reference):
     export = reference["report"]["export"]
-    assert export["location"].endswith("verification/ref/resume/exports/step-00000010")
+    assert export["location"].endswith("verification/ref/resume/exports/step-00000018")
     assert export["files"]["model_bf16.pt"] == export["export_sha256"]
     assert {"README.md", "SHA256SUMS", "config.json", "metrics.json", "data.json"} <= set(export["files"])
     record = export["reload_check"]

@@ -208,10 +208,34 @@ def test_a_clip_threshold_never_reached_is_reported_not_exercised(tmp_path, clip
     report = read_report(store, "v")
     clipping = report["exercised"]["resume"]["clipping"]
     missing = {m["what"] for m in report["not_exercised"]}
+    own = report["clipping"]
     if clip > 1:
+        # The verifier made clipping bite on runs of its own (half the smallest norm it measured), resumed, compared.
+        assert own["ran"] is True and own["threshold"] < clipping["max_grad_norm"] and report["clip_passed"] is True
+        assert own["exercised"]["clip_resume"]["clipping"]["active_steps"] == 3
+        assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["clip_resume"])
         assert clipping["active_steps"] == 0 and clipping["of_steps"] == 5 and clipping["max_grad_norm"] < clip
         assert "gradient clipping" in missing
         assert "not exercised: gradient clipping" in " ".join(result.stdout.split())
-    else:
+        (item,) = [m for m in report["not_exercised"] if m["what"] == "gradient clipping"]
+        assert item["covered_by"].startswith("clip_resume:")
+    else:  # clipping bit on the protocol's own paths: no runs of its own
         assert clipping == {"active_steps": 5, "of_steps": 5, "max_grad_norm": clipping["max_grad_norm"]}
         assert "gradient clipping" not in missing
+        assert own["ran"] is False and "clip_passed" not in report
+
+
+def test_clipping_restored_wrong_fails_on_the_verifiers_own_clipping_runs(tmp_path):
+    """A resume that halves grad_clip (test wrapper, clip_after_resume) on a task whose threshold never bites: the
+    protocol's paths are equal (vacuously), the clipping check's runs, where every step clips, are not."""
+    (tmp_path / "clipped.py").write_text(textwrap.dedent(CLIPPED))
+    (tmp_path / "cfg.json").write_text(json.dumps({"grad_clip": 1e6}))
+    store = str(tmp_path / "run")
+    result = trainproof("verify", "--store", store, "--task", "clipped:factory", "--config", str(tmp_path / "cfg.json"),
+                        "--id", "v", "--no-export", "--cuts", "5", "--no-objective-check",
+                        env={"PYTHONPATH": str(tmp_path), "TPHOOK_SABOTAGE": "clip_after_resume"})
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(store, "v")
+    assert report["positive"] is True  # the task's own threshold never bites: nothing differs there
+    assert report["clip_passed"] is False and "clip_resume.parameters" in report["failing_checks"]
+    assert "clip_resume.parameters" in " ".join(result.stdout.split())

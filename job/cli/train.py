@@ -59,6 +59,9 @@ def train_command(
         hidden=True, help="With --objective-check: samples per step and rank.")] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(
         hidden=True, help="With --objective-check: samples per forward/backward.")] = None,
+    grad_clip: Annotated[Optional[float], typer.Option(
+        hidden=True, help="The verifier's clipping runs: this max gradient norm instead of the task's. Never for "
+                          "training; no environment variable sets it.")] = None,
     seed: Annotated[int, _opt("SEED", "Seed of every generator (part of the run contract).")] = 1234,
     config: Annotated[Path | None, _opt("CONFIG", "JSON or TOML file of task settings.")] = None,
     deadline: Annotated[str | None, _opt("DEADLINE", "Stop in time to commit, export and reload-check the export "
@@ -125,7 +128,7 @@ def train_command(
                 device=device, log_every=log_every, log_format=log_format,
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
                 allow_code_change=allow_code_change, objective_check=objective_check, batch_size=batch_size,
-                micro_batch_size=micro_batch_size,
+                micro_batch_size=micro_batch_size, grad_clip=grad_clip,
                 sync_checkpoint=sync_checkpoint, stop_grace_s=stop_grace, fsdp=fsdp, data_workers=data_workers,
                 prefetch=prefetch,
             )

@@ -51,7 +51,8 @@ def verify_command(
     task: Annotated[Optional[str], typer.Option(
         help="Task of the protocol (default regression); with --audit the run's task, needed unless it is built "
              "in (compared with plan.json, never read from it).")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Updates of the continuous path (default 10; tinylm 8).")] = None,
+    steps: Annotated[Optional[int], typer.Option(
+        help="Updates of the continuous path (default 10, tinylm 8; three epochs if longer, without --cuts).")] = None,
     cut: Annotated[Optional[int], typer.Option(help="Step of the cut (default 5; tinylm 3).")] = None,
     atol: Annotated[Optional[float], typer.Option(
         help="Absolute tolerance of floating-point comparisons (default: exact on the CPU, where a correct resume "
@@ -75,8 +76,9 @@ def verify_command(
     timeout: Annotated[float, typer.Option(help="Seconds each process may run.")] = 7200.0,
     sequential: Annotated[bool, typer.Option("--sequential", help="One process at a time.")] = False,
     cuts: Annotated[Optional[str], typer.Option(
-        help="Every step to cut and resume at, e.g. 5,6,11 (default: the protocol's cut, the epoch boundary and "
-             "the middle of epoch 1); each resumed path is compared with the continuous one.")] = None,
+        help="Every step to cut and resume at, e.g. 5,6,11 (default: the protocol's cut, every epoch boundary and "
+             "the middle of every later epoch of three epochs, one step drawn from --seed, and a resume of a "
+             "resume); each resumed path is compared with the continuous one.")] = None,
     world: Annotated[int, typer.Option(
         help="Ranks of every path (train --nproc-per-node W, gloo on the CPU); > 1 adds the world-size "
              "equivalence check (W ranks vs 1 rank, same global batch) and its negative control.")] = 1,

@@ -4,7 +4,10 @@
 resume without RNG restore) and the comparison of every resumed path with the continuous one, state by state.
 Everything else it proves is a :class:`Check` in its list ``Protocol.checks``:
 
-- :class:`job.proof.cuts.CutsCheck`: resumes at more cuts (an epoch boundary, the middle of a later epoch);
+- :class:`job.proof.cuts.CutsCheck`: resumes at more cuts (every epoch boundary, the middle of later epochs, a seeded
+  random step) and a resume of a resume;
+- :class:`job.proof.clipping.ClipCheck`: for a task with ``grad_clip`` its resumed paths never reached, a resume on
+  runs where clipping bites;
 - :class:`job.proof.world.WorldEquivalence` (``--world W``): W ranks train the same model as one rank;
 - :class:`job.proof.objective.ObjectiveCheck`: the objective does not depend on how a step is split;
 - :class:`Skipped`: a check that does not run this time still says so in its report section.
@@ -118,6 +121,11 @@ class Check(abc.ABC):
     @abc.abstractmethod
     def sections(self) -> dict[str, Any]:
         """The blocks it adds to verification.json, by top-level key (its measurements, tolerance, runs)."""
+
+    def covers(self) -> dict[str, str]:
+        """What the protocol's paths did not exercise that this check made active on runs of its own (a ``what`` of
+        job.proof.exercised's ``not_exercised`` -> how), for the report; nothing by default."""
+        return {}
 
     def checks(self) -> dict[str, dict[str, Diff]]:
         """Rows it adds to verification.json's ``checks`` (and the summary table): per path, each compared part's

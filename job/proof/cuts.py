@@ -72,8 +72,8 @@ def parse_cuts(text: str) -> list[int]:
     return cuts
 
 
-def plan_cuts(*, protocol_cut: int, steps: int, steps_per_epoch: int, chosen: list[int] | None, seed: int = 0,
-              reused: bool = False) -> tuple[list[int], int, dict[str, int] | None]:
+def plan_cuts(*, protocol_cut: int, steps: int, steps_per_epoch: int, chosen: list[int] | None,
+              seed: int = 0) -> tuple[list[int], int, dict[str, int] | None]:
     """(extra cuts besides the protocol's, steps of the continuous path, the seeded random cut or None).
 
     ``chosen``: the ``--cuts`` list (the protocol's cut in it is not repeated), exactly those. None: the continuous path

@@ -45,6 +45,8 @@ from job.errors import ConfigError
 from job.format.contract import PLAN_FILE
 from job.format.state import History
 from job.proof.check import AFTER, AGAIN, REFERENCE, RESUMED, Check, Job, Resumed, Skipped
+from job.proof.clipping import FRACTION as CLIP_FRACTION
+from job.proof.clipping import ClipCheck
 from job.proof.compare import Diff, compare_all, compare_cut
 from job.proof.cuts import CutsCheck, plan_cuts, resume_checks
 from job.proof.diagnose import diagnose_path
@@ -130,7 +132,7 @@ class Protocol(VerificationRunner):
         steps_per_epoch = epoch_plan(self.task.num_samples(), self.task.batch_size, settings.world)["steps"]
         extra_cuts, steps, self.random_cut = plan_cuts(protocol_cut=settings.cut, steps=settings.steps,
                                                        steps_per_epoch=steps_per_epoch, chosen=settings.cuts,
-                                                       seed=settings.seed, reused=settings.reuse is not None)
+                                                       seed=settings.seed)
         if steps != settings.steps:  # a later cut (or the default three epochs) needs a longer continuous path
             if settings.reuse and settings.cuts is not None:  # the reused reference ran the defaults, or fails below
                 raise ConfigError(f"the cuts {extra_cuts} need {steps} continuous steps; the reused reference "
@@ -145,6 +147,9 @@ class Protocol(VerificationRunner):
         checks: list[Check] = [CutsCheck(settings=s, extra=extra_cuts, steps_per_epoch=steps_per_epoch, root_url=root,
                                          continuous_url=self.urls["continuous"], opener=self.opener,
                                          resume_url=self.urls["resume"], random_cut=self.random_cut)]
+        if self.task.grad_clip and not s.reuse:  # clipping made to bite on runs of its own (job.proof.clipping)
+            checks.append(ClipCheck(settings=s, grad_clip=float(self.task.grad_clip), root_url=root,
+                                    opener=self.opener, param_names=self.param_names, needed=self._clipping_missed))
         if s.world > 1:
             checks.append(WorldEquivalence(world=s.world, root_url=f"{root}/world_equivalence", seed=s.seed,
                                            device=s.device, store_args=s.store_args, opener=self.opener, fsdp=s.fsdp))
@@ -157,13 +162,25 @@ class Protocol(VerificationRunner):
                 opener=self.opener, fsdp=s.fsdp))
         return checks
 
+    def _clipping_missed(self) -> float | None:
+        """When no resumed path of the protocol clipped: a threshold that bites on the clipping check's runs, a
+        fraction of the smallest gradient norm the continuous path measured; else None (job.proof.clipping)."""
+        resumed = [r for name, r in self.results.items() if name == "resume" or name.startswith("resume_at_")]
+        if any(((path_exercised(r) or {}).get("clipping") or {}).get("active_steps") for r in resumed):
+            return None
+        norms = [float(e["grad_norm"]) for e in self.results["continuous"].events
+                 if e.get("event") == "step" and isinstance(e.get("grad_norm"), (int, float))
+                 and 0 < e["grad_norm"] < float("inf")] if "continuous" in self.results else []
+        return CLIP_FRACTION * min(norms) if norms else None
+
     def run(self) -> None:
         """Run and compare every path and every check's runs; export when the comparisons passed.
         Raises VerificationIncomplete."""
         log.info("verification %s under %s", self.s.vid, absolute_url(self.root))
         self._timed("continuous and cut paths", lambda: self._phase(REFERENCE))
         self._timed("resumed paths", lambda: self._phase(RESUMED))
-        self._timed("resumes of resumes", lambda: self._phase(AGAIN), unless_idle=True)
+        self._timed("resumes of resumes (and the clipping check's runs)", lambda: self._phase(AGAIN),
+                    unless_idle=True)
         self._timed("comparison (read back from the store)", self._compare)
         self._timed("checks' runs after the comparison", lambda: self._phase(AFTER), unless_idle=True)
         if self.s.export and self.comparisons_passed():
@@ -381,6 +398,10 @@ class Protocol(VerificationRunner):
         resumed = ["resume", *(r.name for check in self.checks for r in check.resumed())]
         missing = not_exercised(grad_clip=self.task.grad_clip, exercised=exercised, resumed=resumed, drew=self.drew,
                                 task_state=self.task_state, cut=self.s.cut) if self.meta else []
+        covered = {what: how for check in self.checks for what, how in check.covers().items()}
+        for item in missing:  # what a check made active on runs of its own (job.proof.clipping)
+            if item["what"] in covered:
+                item["covered_by"] = covered[item["what"]]
         extra |= {"exercised": exercised, "generators_drew": self.drew, "not_exercised": missing}
         report = build_report(
             kind="protocol", vid=self.s.vid, location=absolute_url(self.root), store=self.s.store, verdicts=verdicts,

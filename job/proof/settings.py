@@ -58,8 +58,9 @@ class ProtocolSettings:
     fsdp: bool = False
     """Every path trains sharded (``train --fsdp``); their states are read whole from the shards (job.train.fsdp)."""
     cuts: list[int] | None = None
-    """Every cut to resume at (``--cuts``); None: the protocol's cut, the epoch boundary and the middle of epoch 1
-    (job.proof.cuts). Recorded in verification.json's ``cuts`` block, not in ``settings``."""
+    """Every cut to resume at (``--cuts``); None: the protocol's cut, every epoch boundary and later mid-epoch of three
+    epochs, a seeded random step and a resume of a resume (job.proof.cuts). Recorded in verification.json's ``cuts``
+    block, not in ``settings``."""
     objective: bool = True
     """Run the objective-equivalence check (job.proof.objective); skipped when reusing a reference."""
 

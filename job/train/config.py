@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,6 +56,9 @@ class TrainConfig:
     """With ``objective_check``: samples per step and rank (default: the task's)."""
     micro_batch_size: int | None = None
     """With ``objective_check``: samples per forward/backward (default: the task's)."""
+    grad_clip: float | None = None
+    """The verifier's clipping runs (job.proof.clipping): this max gradient norm instead of the task's. Never for
+    training."""
     seed: int = 1234
     """Seed of every random generator at the start of the run; part of the run contract."""
     deadline: datetime | None = None
@@ -122,6 +126,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+        if self.grad_clip is not None and not (self.grad_clip > 0 and math.isfinite(self.grad_clip)):
+            raise ConfigError(f"--grad-clip must be a finite number > 0 (got {self.grad_clip})")
         if self.data_workers is not None and not 0 <= self.data_workers <= 256:
             raise ConfigError(f"--data-workers must be in 0..256 (got {self.data_workers})")
         if self.prefetch is not None and not 1 <= self.prefetch <= 1024:
@@ -153,7 +159,8 @@ class TrainConfig:
             "allow_world_change": self.allow_world_change, "dist_timeout_s": self.dist_timeout_s,
             "negative_control": self.negative_control, "allow_code_change": self.allow_code_change,
             "objective_check": self.objective_check, "batch_size": self.batch_size,
-            "micro_batch_size": self.micro_batch_size, "sync_checkpoint": self.sync_checkpoint,
+            "micro_batch_size": self.micro_batch_size, "grad_clip": self.grad_clip,
+            "sync_checkpoint": self.sync_checkpoint,
             "stop_grace_s": self.stop_grace_s, "fsdp": self.fsdp, "data_workers": self.data_workers,
             "prefetch": self.prefetch,
         }

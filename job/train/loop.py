@@ -83,6 +83,8 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
     task = load_task(cfg.task, cfg.task_config)
     if cfg.objective_check:  # the verifier's objective-equivalence run (job.proof.objective)
         task = ObjectiveCheckTask(task, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size)
+    if cfg.grad_clip is not None:  # the verifier's clipping runs (job.proof.clipping)
+        task.grad_clip = cfg.grad_clip
     check_workers(task, task.num_workers if cfg.data_workers is None else cfg.data_workers)
     device = resolve_device(cfg.device, task, env)
     configure_determinism(task, device)

@@ -32,7 +32,8 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          ``late_repeat_batch`` step the cursor back one batch, only when the restored position
                          is in epoch 2 or later (a restore bug from epoch 2 on);
                          ``second_resume`` re-seed Python's ``random``, only when the restored state was written
-                         by a process that had itself resumed (``meta.trainer.resumed_from``)
+                         by a process that had itself resumed (``meta.trainer.resumed_from``);
+                         ``clip_after_resume`` halve the task's ``grad_clip`` on resume (clipping restored wrong)
 ``TPHOOK_SAVE_PREFETCHED`` ``1``: every checkpoint holds the data position the DataLoader workers were asked to
                          build up to (job.train.pipeline's lookahead) instead of the one the trainer consumed: the
                          bug of loaders that checkpoint their own prefetching iterator
@@ -56,7 +57,7 @@ from typing import Any
 MODULE = "tests.support.hooked"
 SABOTAGES = ("skip_optimizer", "rebuild_scheduler", "reseed_rng", "lose_cursor", "repeat_batch", "regen_permutation",
              "lose_python_rng", "lose_numpy_rng", "rng_mismatch", "crash", "sqrt_square",
-             "late_repeat_batch", "second_resume")
+             "late_repeat_batch", "second_resume", "clip_after_resume")
 
 
 class SabotageCrash(RuntimeError):
@@ -135,6 +136,8 @@ def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> No
         import random
 
         random.seed(state["meta"]["seed"])
+    if "clip_after_resume" in kinds and run.task.grad_clip:
+        run.task.grad_clip = run.task.grad_clip * 0.5
     if "lose_cursor" in kinds:
         run.sampler.cursor = 0
     if "repeat_batch" in kinds:
