@@ -522,7 +522,8 @@ def _signing_key(pod: dict, container: dict) -> None:
     assert mount.get("readOnly") is True
     volume = {v["name"]: v for v in pod["volumes"]}[mount["name"]]
     secret = volume["secret"]
-    assert secret["secretName"] == "trainproof-signing-key" and secret["optional"] is True
+    # Authenticated by default: without the Secret the pod does not start, rather than running unsigned.
+    assert secret["secretName"] == "trainproof-signing-key" and secret["optional"] is False
     assert {"key": "signing-key", "path": path.name} in secret["items"]
     assert secret["defaultMode"] & 0o077 <= 0o040  # readable by the pod's group only (fsGroup), never others
 
