@@ -811,6 +811,9 @@ def test_systemd_unit_restart_policy():
     assert s["KillSignal"] == "SIGTERM" and int(s["TimeoutStopSec"]) >= planned("7d")["grace_s"]
     assert s["ExecStart"].endswith("supervise.sh --once")
     assert unit["Service"]["EnvironmentFile"][0] == "/etc/trainproof/rental.env"
+    # Authenticated by default: the signing key as a credential the unit cannot start without.
+    assert s["LoadCredential"] == "signing-key:/etc/trainproof/signing-key"
+    assert "TRAINPROOF_SIGNING_KEY_FILE=%d/signing-key" in unit["Service"]["Environment"]
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
 
 
