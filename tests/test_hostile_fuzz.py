@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.support.hostile import FIRST_PLANT, TARGET, Planter, check_round, copy_run
+from tests.support.hostile import FIRST_PLANT, TARGET, Planter, check_round, copy_run, trained
 from tests.test_train_helpers import run
 
 PER_ROUND = 25
@@ -18,19 +18,13 @@ PER_ROUND = 25
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The untouched run, a generation at every step: the donors of every planted state, and the expected end."""
-    d = tmp_path_factory.mktemp("reference") / "run"
-    result = run(d, "--max-steps", str(FIRST_PLANT + PER_ROUND), "--checkpoint-every", "1", "--keep", "0")
-    assert result.code == 0, result.stderr
-    return d
+    return trained(tmp_path_factory, "reference", FIRST_PLANT + PER_ROUND, 1)
 
 
 @pytest.fixture(scope="module")
 def genuine(tmp_path_factory):
     """The run the planter attacks: trained to 6, its own generations at 2, 4 and 6."""
-    d = tmp_path_factory.mktemp("genuine") / "run"
-    result = run(d, "--max-steps", "6", "--checkpoint-every", "2", "--keep", "0")
-    assert result.code == 0, result.stderr
-    return d
+    return trained(tmp_path_factory, "genuine", 6, 2)
 
 
 def fuzz(url: str, reference, genuine, seed: int, local: bool, per_round: int = PER_ROUND) -> tuple[int, list[str]]:

@@ -16,6 +16,7 @@ import torch
 
 from job.format.state import STATE_FILE, decode, encode
 from storage import open_store
+from tests.support.hostile import trained
 from tests.test_train_helpers import differences, load_state, run, trajectory
 
 TARGET = 10
@@ -24,19 +25,13 @@ TARGET = 10
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The untouched run: 10 steps, a generation at every step (the donors of the planted states)."""
-    d = tmp_path_factory.mktemp("reference") / "run"
-    result = run(d, "--max-steps", str(TARGET), "--checkpoint-every", "1", "--keep", "0")
-    assert result.code == 0, result.stderr
-    return d
+    return trained(tmp_path_factory, "reference", TARGET, 1)
 
 
 @pytest.fixture(scope="module")
 def six(tmp_path_factory):
     """A run trained to step 6 (generations 2, 4, 6), copied for each test."""
-    d = tmp_path_factory.mktemp("six") / "run"
-    result = run(d, "--max-steps", "6", "--checkpoint-every", "2", "--keep", "0")
-    assert result.code == 0, result.stderr
-    return d
+    return trained(tmp_path_factory, "six", 6, 2)
 
 
 @pytest.fixture(params=["local", "s3"])

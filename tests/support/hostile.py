@@ -55,6 +55,16 @@ class Planted:
 
 
 # -- state mutations: (rng, state) -> mutated state (None: not applicable to this state) ---------------------
+def trained(tmp_path_factory, name: str, steps: int, every: int) -> Path:
+    """A run in a fresh folder, trained to ``steps`` with a generation every ``every`` steps, none deleted."""
+    from tests.test_train_helpers import run
+
+    folder = tmp_path_factory.mktemp(name) / "run"
+    result = run(folder, "--max-steps", str(steps), "--checkpoint-every", str(every), "--keep", "0")
+    assert result.code == 0, result.stderr
+    return folder
+
+
 def _tensor_key(rng: random.Random, tensors: dict[str, Any]) -> str:
     return rng.choice(sorted(k for k, v in tensors.items() if isinstance(v, torch.Tensor)))
 
