@@ -34,7 +34,7 @@ from storage.digest import FileHasher, cores, hasher_for
 from storage.errors import CorruptGenerationError, ListingIncompleteError
 from storage.limits import Limits
 from storage.pieces import as_pieces
-from storage.spool import CONCURRENCY, PART_SIZE, Spool, download, hashed_ranges, in_order
+from storage.spool import CONCURRENCY, PART_SIZE, Spool, download, hashed_parts, hashed_ranges, in_order
 
 log = logging.getLogger("trainproof.storage")
 
@@ -106,6 +106,8 @@ class Ctx:
         read = lambda a, b: self.backend.read_range(path, a, b)  # noqa: E731
         if size == 0:  # S3 refuses a ranged read of an empty object (416): one plain read
             return hash_object(self.backend, path, 0, hasher)
+        if sink is None:  # a pure read-back: the digest's parts are hashed on the fetching threads
+            return hashed_parts(read, size, hasher or FileHasher(), **self.transfer())
         return hashed_ranges(read, size, sink=sink, hasher=hasher, **self.transfer())
 
     def matches(self, path: str, source) -> bool:

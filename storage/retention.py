@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import Callable, Iterable
 
 from storage import manifest as mf
 from storage.generations import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, Ctx, GenerationInfo, scan_capped, verify_hashes
@@ -51,6 +52,10 @@ class RetentionPolicy:
     protect: frozenset[int] = frozenset()
     """Steps of complete generations to keep anyway (the caller's reasons, e.g. the generation a resume started
     from, kept until an audit spans it)."""
+    protect_rule: Callable[[list[GenerationInfo]], Iterable[int]] | None = None
+    """More steps to keep, chosen from what is stored: called with this run's complete generations (oldest first)
+    at each retention. Whatever it returns is kept; if it raises, nothing is deleted (a rule that cannot decide
+    costs storage, never a generation)."""
     i_know_no_writer_is_active: bool = False
     """Allow a grace below MIN_GRACE_SECONDS (a test, or an offline clean-up with no trainer running)."""
 
@@ -87,8 +92,14 @@ def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *
         return []
     ours.sort(key=lambda g: g.step)
     newest = ours[-1].step
-    kept = {g.step for g in ours[-policy.keep:]}
-    doomed = [g for g in ours if g.step not in kept and g.step not in policy.protect and g.step < newest]
+    kept = {g.step for g in ours[-policy.keep:]} | policy.protect
+    if policy.protect_rule is not None:
+        try:
+            kept |= {int(step) for step in policy.protect_rule(list(ours))}
+        except Exception as exc:  # noqa: BLE001 - a rule that cannot decide keeps everything
+            log.warning("retention: the protection rule failed (%s: %s); deleting nothing", type(exc).__name__, exc)
+            return []
+    doomed = [g for g in ours if g.step not in kept and g.step < newest]
     doomed += [
         g for g in generations
         if g.status == INCOMPLETE and g.step < newest

@@ -167,7 +167,7 @@ def _value(env: Mapping[str, str], name: str, file_name: str) -> str | None:
         with open(path, "rb") as f:
             raw = f.read(_MAX_KEY_FILE + 1)
     except FileNotFoundError:
-        # The Kubernetes manifests mount the Secret as optional: no file means no key (unsigned run).
+        # A Secret mounted as optional (an overlay finishing an unsigned run): no file means no key.
         log.warning("%s names %s, which does not exist: running without it (unsigned); make the Secret's mount "
                     "non-optional to refuse instead", file_name, path)
         return None

@@ -179,12 +179,25 @@ def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_si
     return seen, sha.hexdigest() if digest else ""
 
 
+def hashed_parts(read_range: Callable[[int, int], bytes], size: int, hasher: FileHasher | None, *,
+                 part_size: int = PART_SIZE, concurrency: int = CONCURRENCY,
+                 sink: Callable[[int, bytes], None] | None = None) -> tuple[int, str]:
+    """:func:`hashed_ranges`' answer, with the hashing (and ``sink``) spread over the fetching threads when
+    ``hasher`` makes a digest of several parts (``storage.digest``) and the object has more than one: a read-back
+    then hashes on every thread instead of one consumer, which on a machine whose cores the S3 server shares is
+    the difference between the read-back's speed and the network's."""
+    digest_part = getattr(hasher, "part_bytes", 0)
+    if digest_part and size > digest_part:
+        return _parts_in_parallel(read_range, size, digest_part, part_size, concurrency, sink)
+    return hashed_ranges(read_range, size, part_size=part_size, concurrency=concurrency, sink=sink, hasher=hasher)
+
+
 def _parts_in_parallel(read_range: Callable[[int, int], bytes], size: int, digest_part: int, part_size: int,
-                       concurrency: int, sink: Callable[[int, bytes], None]) -> tuple[int, str]:
-    """:func:`download`'s path for a digest of several parts (``storage.digest``): each digest part is one task
-    for a fetching thread, which reads it as consecutive ranges of ``part_size``, hashes them and writes them to
-    the spool itself; only the parts' digests come back in order. Hashing and writing then run on every fetching
-    thread instead of one consumer, and memory stays ``part_size`` per thread. Same answer as
+                       concurrency: int, sink: Callable[[int, bytes], None] | None) -> tuple[int, str]:
+    """:func:`hashed_parts`' path for a digest of several parts (``storage.digest``): each digest part is one task
+    for a fetching thread, which reads it as consecutive ranges of ``part_size``, hashes them and hands them to
+    ``sink`` (a download's spool) itself; only the parts' digests come back in order. Hashing and writing then run
+    on every fetching thread instead of one consumer, and memory stays ``part_size`` per thread. Same answer as
     :func:`hashed_ranges`: (bytes seen, the root of the parts' digests), the last range asking for one byte past
     ``size`` (an object longer than claimed shows as ``size + 1``), a short object stopping at its end."""
     from hashlib import sha256
@@ -198,7 +211,8 @@ def _parts_in_parallel(read_range: Callable[[int, int], bytes], size: int, diges
             start, end = first + start, first + end
             data = read_range(start, end + (end == size))
             sha.update(data)  # the probe byte too, if there is one: as hashed_ranges does
-            sink(start, data)
+            if sink is not None:
+                sink(start, data)
             seen += len(data)
             if len(data) < end - start:
                 return seen, sha.hexdigest(), True
@@ -217,8 +231,8 @@ def _parts_in_parallel(read_range: Callable[[int, int], bytes], size: int, diges
 def download(read_range: Callable[[int, int], bytes], size: int, directory: str | None = None, *,
              part_size: int = PART_SIZE, concurrency: int = CONCURRENCY,
              hasher: FileHasher | None = None) -> tuple[Spool, int, str]:
-    """Fetch an object of ``size`` bytes into a new spool with :func:`hashed_ranges` (or, for a digest of several
-    parts, one digest part per fetching thread: :func:`_parts_in_parallel`); return the spool and the
+    """Fetch an object of ``size`` bytes into a new spool with :func:`hashed_parts` (for a digest of several
+    parts, one digest part per fetching thread); return the spool and the
     (bytes seen, digest by ``hasher``) of what was read, for the caller to compare with what it expects. On any
     error the partial spool is deleted."""
     writer = SpoolWriter(directory, prefix="trainproof-load-")
@@ -230,13 +244,8 @@ def download(read_range: Callable[[int, int], bytes], size: int, directory: str 
             written = os.pwrite(fd, view, offset)
             view, offset = view[written:], offset + written
 
-    digest_part = getattr(hasher, "part_bytes", 0)
     try:
-        if digest_part and size > digest_part:
-            seen, sha = _parts_in_parallel(read_range, size, digest_part, part_size, concurrency, sink)
-        else:
-            seen, sha = hashed_ranges(read_range, size, part_size=part_size, concurrency=concurrency, sink=sink,
-                                      hasher=hasher)
+        seen, sha = hashed_parts(read_range, size, hasher, part_size=part_size, concurrency=concurrency, sink=sink)
     except BaseException:
         writer.discard()
         raise

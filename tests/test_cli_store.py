@@ -59,6 +59,23 @@ def test_gc_keeps_the_newest_and_dry_run_deletes_nothing(tmp_path):
     assert [g.step for g in store.scan()] == [4]
 
 
+def test_gc_keeps_the_generations_around_a_restore_point_until_an_audit_passed_across_it(tmp_path):
+    url = str(tmp_path / "run")
+    store = open_store(url)
+    for step in range(1, 9):  # 1-3 a fresh start, 4-6 resumed from 3, 7-8 resumed from 6 (the newest two record 6)
+        restored = None if step <= 3 else (3 if step <= 6 else 6)
+        store.commit(step, {"training_state.pt": b"s" * (100 + step)}, contract="c", world=1, code_version="t",
+                     extra={"resumed_from": restored})
+    real = tp("gc", "--store", url, "--keep", "2")
+    assert real.returncode == 0, real.stderr
+    assert [g.step for g in store.scan()] == [5, 6, 7, 8]
+    assert "and 2 around restore points no audit has passed (step-00000005, step-00000006)" in real.stdout
+    store.child("verification").write_file("audited.json", json.dumps({"from": 5, "to": 8, "passed": True}).encode())
+    again = tp("gc", "--store", url, "--keep", "2")
+    assert again.returncode == 0 and "around restore points" not in again.stdout, again.stdout + again.stderr
+    assert [g.step for g in store.scan()] == [7, 8]
+
+
 def test_gc_keep_verifications_removes_only_older_verifications(tmp_path):
     url = str(tmp_path / "run")
     store = open_store(url)

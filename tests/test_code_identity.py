@@ -15,7 +15,7 @@ import torch
 
 from job.format.contract import build_plan, contract_of
 from job.format.identity import code_version, source_digest
-from job.format.protect import audited_past, protected_steps
+from job.format.protect import audited_past, restore_protection
 from storage import open_store
 from storage.generations import COMPLETE, GenerationInfo
 from storage.retention import RetentionPolicy, plan_retention
@@ -101,16 +101,48 @@ def test_retention_keeps_protected_steps():
     assert plain == [1, 2, 3, 4, 5] and kept == [1, 2, 4, 5]
 
 
-def test_the_restore_point_is_protected_until_an_audit_passed_across_it(tmp_path):
+def _resumed(step: int, resumed_from) -> GenerationInfo:
+    manifest = {"contract": "c", "world": 1, "extra": {"resumed_from": resumed_from}}
+    return GenerationInfo(step=step, name=f"step-{step:08d}", status=COMPLETE, manifest=manifest)
+
+
+def test_every_restore_point_among_the_newest_and_the_generation_before_it_are_kept_until_audited(tmp_path):
     store = open_store(str(tmp_path / "run"))
-    protect = protected_steps(store, 5)
-    assert protect() == {5}
-    assert protected_steps(store, None)() == frozenset()
+    # Steps 1-3 by a fresh start, 4-7 by a process resumed from 3, 8-9 by one resumed from 7 (this process).
+    gens = [_resumed(s, None) for s in (1, 2, 3)] + [_resumed(s, 3) for s in (4, 5, 6, 7)] + [_resumed(s, 7) for s in (8, 9)]
+    rule = restore_protection(store, 7, keep=4)
+    assert rule(gens) == {2, 3, 6, 7}  # 3 (recorded by 6 and 7, among the 4 newest) and 7 (ours), each with the one before
+    policy = RetentionPolicy(keep=4, grace_seconds=0.0, protect_rule=rule)
+    assert [g.step for g in plan_retention(gens, policy, now=0.0)] == [1, 4, 5]
+    assert restore_protection(store, None, keep=2)(gens) == {6, 7}  # only what the 2 newest recorded
+    assert restore_protection(store, None, keep=2)(gens[:3]) == frozenset()  # a fresh run protects nothing
     audits = store.child("verification")
     audits.write_file("audited.json", json.dumps({"from": 6, "to": 9, "passed": True}).encode())
-    assert protect() == {5}  # an audit that starts after the restore point does not span it
-    audits.write_file("audited.json", json.dumps({"from": 5, "to": 9, "passed": False}).encode())
-    assert protect() == {5}
-    audits.write_file("audited.json", json.dumps({"from": 4, "to": 9, "passed": True}).encode())
-    assert protect() == frozenset()
+    assert rule(gens) == {2, 3}  # the audit 6 -> 9 passed across 7, not across 3
+    audits.write_file("audited.json", json.dumps({"from": 2, "to": 9, "passed": False}).encode())
+    assert rule(gens) == {2, 3, 6, 7}
+    audits.write_file("audited.json", json.dumps({"from": 2, "to": 9, "passed": True}).encode())
+    assert rule(gens) == frozenset()
+    audits.write_file("audited.json", b"[" * 100000)  # unreadable (too deep, too big): nothing is released
+    assert rule(gens) == {2, 3, 6, 7}
     assert audited_past({"from": 5, "to": 6, "passed": True}, 5) and not audited_past({"from": 5, "to": 5}, 5)
+    assert not audited_past({"from": True, "to": 9, "passed": True}, 5)
+
+
+def test_restore_points_recorded_in_stored_manifests_are_read_defensively(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    odd = [_resumed(1, None), _resumed(2, True), _resumed(3, "2"), _resumed(4, -1), _resumed(5, 2.0),
+           GenerationInfo(step=6, name="step-00000006", status=COMPLETE,
+                          manifest={"contract": "c", "world": 1, "extra": []}), _resumed(7, 10**30)]
+    assert restore_protection(store, None, keep=10)(odd) == frozenset()  # none is a step of this run
+    broken = RetentionPolicy(keep=1, grace_seconds=0.0, protect_rule=lambda gens: 1 / 0)
+    assert plan_retention(odd, broken, now=0.0) == []  # a rule that fails deletes nothing
+
+
+def test_a_forged_newest_generation_resumed_without_a_key_cannot_cost_the_genuine_one_before_it(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    # Genuine 1..5; a planted step-00000009 (recording any restore point it likes) was resumed by this process.
+    gens = [_resumed(s, None) for s in range(1, 6)] + [_resumed(9, 1)] + [_resumed(s, 9) for s in (10, 11)]
+    rule = restore_protection(store, 9, keep=2)
+    doomed = [g.step for g in plan_retention(gens, RetentionPolicy(keep=2, grace_seconds=0.0, protect_rule=rule), now=0.0)]
+    assert 5 not in doomed and 9 not in doomed and doomed == [1, 2, 3, 4]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from storage.signing import key_id
 from tests.support import container
 from tests.support.s3server import dummy_aws_env
 from tests.test_train_helpers import differences, load_state, trajectory
@@ -317,6 +318,10 @@ def test_the_documented_compose_sequence(engine, image, standin, s3_env, tmp_pat
                     pytrace=False)
     compose_file = tmp_path / "compose.yaml"
     compose_for_this_engine(compose_file)
+    # The documented one-liner's result: a key file beside the compose file, readable by the container's user.
+    key = tmp_path / "signing-key"
+    key.write_text(os.urandom(32).hex())
+    key.chmod(0o644)
     project = f"tp-compose-{uuid.uuid4().hex[:8]}"
     env = {**engine.env(), "TRAINPROOF_IMAGE": image.tag, "MINIO_IMAGE": standin, "MC_IMAGE": standin,
            "MINIO_ROOT_USER": dummy_aws_env()["AWS_ACCESS_KEY_ID"],
@@ -361,9 +366,27 @@ def test_the_documented_compose_sequence(engine, image, standin, s3_env, tmp_pat
 
         verify = compose("run", "--rm", "verify")
         assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
+        # Signed by default: no "not authenticated" warning, and the newest generation's manifest carries an
+        # HMAC signature made with the mounted key (so the audit above checked signatures).
+        logs = compose("logs", "--no-color", "train", said=False).stdout
+        assert "no signing key" not in logs
+        manifest = _newest_manifest(f"{s3_env}-compose", "runs/compose/")
+        assert manifest["signature"]["alg"] == "hmac-sha256", manifest.get("signature")
+        assert manifest["signature"]["key_id"] == key_id(key.read_bytes())
     finally:
         print(compose("logs", "--no-color", "--tail", "40", said=False).stdout[-8000:])  # shown when the test fails
         compose("down", "-v", timeout=300)
+
+
+def _newest_manifest(bucket: str, prefix: str) -> dict:
+    """The newest generation's COMPLETE.json under ``prefix``, read with boto3 from the suite's S3 server."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for o in page.get("Contents", []) if o["Key"].endswith("/COMPLETE.json") and "/step-" in o["Key"]]
+    assert keys, f"no committed generation under s3://{bucket}/{prefix}"
+    return json.loads(s3.get_object(Bucket=bucket, Key=max(keys))["Body"].read())
 
 
 def _service_log(text: str) -> str:

@@ -103,6 +103,17 @@ def test_a_planted_state_with_a_moved_data_cursor_is_passed_over(run_url, refere
     resumes_from_six(run_url, reference, "step-00000009", "cursor")
 
 
+def test_a_planted_state_of_another_world_size_is_passed_over_not_exit_2(run_url, reference):
+    """A newer generation saying it was written by 2 ranks, with no world change recorded: not this run's, so it
+    is skipped; exit 2 (asking for --allow-world-change) would fail the Job for what someone wrote."""
+    state = donor(reference, 8)
+    state["meta"]["world"] = 2
+    manifest = open_store(str(reference)).load(8).info.manifest
+    open_store(run_url).commit(8, {STATE_FILE: encode(state)}, contract=manifest["contract"], world=2,
+                               code_version=manifest["code_version"], digests={"state": STATE_FILE})
+    resumes_from_six(run_url, reference, "step-00000008", "world")
+
+
 def test_a_complete_json_that_omits_the_state_file_is_passed_over(run_url, reference):
     plant(run_url, 7, {"notes.txt": b"nothing to see"}, reference)
     resumes_from_six(run_url, reference, "step-00000007", STATE_FILE)

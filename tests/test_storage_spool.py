@@ -113,6 +113,31 @@ def test_a_download_of_many_digest_parts_hashes_them_on_the_fetching_threads(tmp
         spool.unlink()
 
 
+@pytest.mark.parametrize("extra", [1, 0, -5])
+def test_a_read_back_of_many_digest_parts_hashes_them_on_the_fetching_threads(extra):
+    """The commit's read-back (no sink): each digest part hashed by the thread that fetched it, with the in-order
+    path's answer, an object longer or shorter than claimed included; a one-part digest keeps the in-order path."""
+    from storage.digest import FileHasher
+    from storage.spool import hashed_parts
+
+    size, digest_part, part = 5 * 2**20 + 3, 2**20, 2**19
+    data = os.urandom(size + max(extra, 0))[: size + extra]
+    threads = set()
+
+    def read(a, b):
+        threads.add(threading.current_thread().name)
+        return data[a:b]
+
+    got = hashed_parts(read, size, FileHasher(digest_part), part_size=part, concurrency=3)
+    assert got == hashed_ranges(lambda a, b: data[a:b], size, part_size=part, concurrency=3,
+                                hasher=FileHasher(digest_part))
+    assert got[0] == (size if extra == 0 else min(size + 1, len(data)))
+    if extra >= 0:
+        assert len(threads) > 1
+    plain = hashed_parts(lambda a, b: data[a:b], size, FileHasher(0), part_size=part, concurrency=3)
+    assert plain[1] == hashlib.sha256(data[: size + 1]).hexdigest()
+
+
 def test_commit_and_spooled_load_of_a_large_object_stay_within_the_parts_in_flight(store_url, tmp_path):
     store = _store(store_url)
     reads: list[int] = []

@@ -1,5 +1,5 @@
 """``verify --audit`` across a real preemption: a run SIGTERMed mid-training and resumed in a new process keeps the
-restore point from retention (``--keep 2``); the default audit replays from it (or before it) to the newest
+restore point and the generation before it from retention (``--keep 2``); the default audit replays from before it to the newest
 generation, says so in ``audit_span``, passes on an honest run and records that in ``verification/audited.json``,
 and fails (exit 1) when the resuming process lost the optimizer's state (tests/support/hooked.py ``skip_optimizer``).
 """
@@ -50,7 +50,8 @@ def _steps(store) -> list[int]:
 
 def test_retention_kept_the_restore_point_and_generations_record_it(runs):
     d, cut = runs["dir"], runs["cut"]
-    assert _steps(d / "run") == [cut, TARGET - 1, TARGET]  # --keep 2, plus the protected restore point
+    # --keep 2, plus the restore point and the generation before it (no audit has passed across it yet)
+    assert _steps(d / "run") == [cut - 1, cut, TARGET - 1, TARGET]
     newest = open_store(str(d / "run")).scan()[-1].manifest
     assert newest["extra"]["resumed_from"] == cut
 
@@ -61,7 +62,7 @@ def test_the_default_audit_spans_the_restore_and_passes_on_an_honest_run(runs):
     assert result.returncode == 0, result.stdout + result.stderr
     report = read_report(str(d / "run"), "a")
     span = report["audit_span"]
-    assert (span["from"], span["to"], span["newest_restore_point"], span["spans_restore"]) == (cut, TARGET, cut, True)
+    assert (span["from"], span["to"], span["newest_restore_point"], span["spans_restore"]) == (cut - 1, TARGET, cut, True)
     assert span["crosses_code_change"] is False and "restore point" in span["chosen"]
     assert "audit span: replays" in result.stdout
     # Retention (--keep 2) deleted the generations between the restore point and step 11: the run's rows there are
@@ -70,7 +71,7 @@ def test_the_default_audit_spans_the_restore_and_passes_on_an_honest_run(runs):
     assert (compared["first_step"], compared["last_step"], compared["covers_replay"]) == (TARGET - 1, TARGET, False)
     assert f"step-{TARGET - 2:08d}" in compared["stopped"] and compared["chain_digest_equal"] is True
     recorded = json.loads(open_store(str(d / "run" / "verification")).read_file("audited.json"))
-    assert (recorded["from"], recorded["to"], recorded["passed"]) == (cut, TARGET, True)
+    assert (recorded["from"], recorded["to"], recorded["passed"]) == (cut - 1, TARGET, True)
 
 
 def test_the_default_audit_fails_when_the_resume_lost_the_optimizer_state(runs):

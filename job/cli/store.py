@@ -143,12 +143,24 @@ def gc_command(
             raise UsageError(f"{shown(run.url)} has no complete generation "
                              "of this run: nothing can be collected safely")
         # Only this run's generations (its plan.json's contract) count as "newest" or "old": a stranger's folder
-        # never pushes ours out. Retention re-verifies the newest kept generation before deleting anything.
-        doomed = run.apply_retention(RetentionPolicy(keep=keep, grace_seconds=grace_hours * 3600, contract=contract),
-                                     dry_run=dry_run)
+        # never pushes ours out. Retention re-verifies the newest kept generation before deleting anything. As in
+        # the trainer, the generations around every restore point no audit has passed across are kept too.
+        from job.format.protect import restore_protection
+
+        rule, audit_kept = restore_protection(run, None, keep), set()
+
+        def protect(gens: list) -> frozenset[int]:
+            steps = rule(gens)
+            audit_kept.update(steps - {g.step for g in gens[-keep:]})
+            return steps
+
+        policy = RetentionPolicy(keep=keep, grace_seconds=grace_hours * 3600, contract=contract, protect_rule=protect)
+        doomed = run.apply_retention(policy, dry_run=dry_run)
         for g in doomed:
             print(f"{delete_verb} {shown(g.name)} ({g.status})")
-        print(f"{delete_verb} {len(doomed)} generation(s); {keep_verb} the {keep} newest complete")
+        named = ", ".join(f"step-{s:08d}" for s in sorted(audit_kept))
+        also = f" and {len(audit_kept)} around restore points no audit has passed ({named})" if audit_kept else ""
+        print(f"{delete_verb} {len(doomed)} generation(s); {keep_verb} the {keep} newest complete{also}")
     if keep_verifications is not None:
         _gc_verifications(run, keep_verifications, dry_run=dry_run)
 

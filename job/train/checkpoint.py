@@ -94,9 +94,10 @@ class Checkpointer:
         self.last_step = last_step
         """Step of the newest generation known committed (the resume point, then our own commits)."""
         self.records: list[dict[str, Any]] = []
-        self.protect: Callable[[], frozenset[int]] = frozenset
-        """Steps retention must keep besides the newest ones (the generation the newest restore started from,
-        until an audit passed across it: job.format.protect). Called at each retention."""
+        self.protect: Callable[[list[Any]], frozenset[int]] | None = None
+        """Which generations retention must keep besides the newest ones, given the run's complete generations
+        (those around every restore point no audit has passed across: job.format.protect). Called at each
+        retention."""
 
     def commit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any],
                part: dict[str, Any] | None = None, encoded: Spool | None = None, history: bytes | None = None,
@@ -238,7 +239,7 @@ class Checkpointer:
         try:
             # Only this run's generations count (another contract's or world's never make ours "old").
             removed = self.store.apply_retention(RetentionPolicy(keep=self.keep, contract=self.contract,
-                                                                 world=self.world, protect=self.protect()))
+                                                                 world=self.world, protect_rule=self.protect))
         except (StoreError, OSError) as exc:
             # The new generation is committed; a failed cleanup costs storage, not work.
             self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")

@@ -26,7 +26,7 @@ from job.errors import ConfigError
 from job.format.contract import build_plan
 from job.format.identity import code_version
 from job.format.layout import Layout
-from job.format.protect import protected_steps
+from job.format.protect import restore_protection
 from job.format.state import runtime_versions
 from job.tasks import Task, load_task
 from job.tasks.objective import ObjectiveCheckTask
@@ -159,7 +159,8 @@ class Trainer:
         self.resumed = resume(run, store=self.store, plan=self.plan, sync=self.sync, reporter=self.reporter,
                               options=self._resume_options())  # generators are restored there, last
         self.checkpointer.last_step = run.step
-        self.checkpointer.protect = protected_steps(self.store, self.resumed.step)  # retention: rank 0 only
+        # retention (rank 0 only) keeps what the audit needs around every restore point not yet audited
+        self.checkpointer.protect = restore_protection(self.store, self.resumed.step, self.cfg.keep)
         target = self.cfg.target_step(run.step, self.task.default_steps)
         self._report_start(run, target)
         left = self.deadline.seconds_left()

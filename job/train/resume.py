@@ -174,6 +174,7 @@ def _decide(c: _Context, step: int, state: dict[str, Any]) -> Resumed:
     """Whether this process may continue generation ``step`` (world, code), and whether it is what this run
     expects (contract, data identity, its own step); warnings for what is valid but not bitwise equal."""
     saved_world, name = state["meta"]["world"], step_dir(step)
+    _world_is_the_runs(c.plan, state["meta"], name)
     world_changes = _decide_world(c, saved_world, step=state["progress"]["step"],
                                   history=state["meta"].get("world_changes", []),
                                   source=f"{name} was written by {saved_world} rank(s)")
@@ -188,6 +189,22 @@ def _decide(c: _Context, step: int, state: dict[str, Any]) -> Resumed:
     for warning in check_consistency(state, expected) + _device_warnings(state, c.run.device):
         c.reporter.warn(warning)
     return Resumed(step=step, world_changes=world_changes, code_changes=code_changes)
+
+
+def _world_is_the_runs(plan: dict[str, Any], meta: dict[str, Any], name: str) -> None:
+    """A generation's world is the one plan.json recorded, or the last world change its own history records (a
+    change is only ever made with --allow-world-change, and recorded then). A state of another world without
+    that record was not written by this run: StateError, so it is passed over like any unusable generation,
+    rather than asking the operator (exit 2) for a world change they never made. Only a world the run's own
+    history reached reaches the operator's decision (``_decide_world``)."""
+    changes = meta.get("world_changes", [])
+    last = changes[-1] if isinstance(changes, list) and changes else None
+    recorded = last.get("to") if isinstance(last, dict) else plan.get("world")
+    if not isinstance(changes, list) or (last is not None and not isinstance(last, dict)):
+        raise StateError(f"{name}'s meta.world_changes is not a list of world changes")
+    if meta.get("world") != recorded:
+        raise StateError(f"{name} says it was written by {meta.get('world')!r} rank(s), but this run's world is "
+                         f"{recorded!r} (plan.json and the world changes the state records)")
 
 
 def _same_as_plan(plan: dict[str, Any], meta: dict[str, Any], name: str) -> None:
