@@ -47,7 +47,7 @@ from job.format.contract import PLAN_FILE
 from job.format.identity import code_version
 from job.format.layout import flag as layout_flag
 from job.format.layout import sharded
-from job.format.protect import AUDITED_FILE
+from job.format.protect import AUDITED_FILE, recorded_restore
 from job.format.shard_files import is_sharded_file
 from job.format.state import decode_generation
 from job.proof.compare import Diff, Tolerance, compare_all
@@ -274,10 +274,9 @@ class Audit(VerificationRunner):
 
 
 def _resumed_from(info: Any) -> int | None:
-    """The step generation ``info``'s process resumed from (None: a fresh start, or written before it was recorded)."""
-    extra = ((info.manifest or {}).get("extra") or {}) if info is not None else {}
-    value = extra.get("resumed_from")
-    return value if isinstance(value, int) else None
+    """The step generation ``info``'s process resumed from (None: a fresh start, written before it was recorded, or
+    no step at all: job.format.protect reads it, as retention does)."""
+    return None if info is None else recorded_restore(info.manifest)
 
 
 def default_from(steps: list[int], b: int | None, restore: int | None) -> tuple[int | None, str]:

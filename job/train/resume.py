@@ -198,10 +198,9 @@ def _world_is_the_runs(plan: dict[str, Any], meta: dict[str, Any], name: str) ->
     rather than asking the operator (exit 2) for a world change they never made. Only a world the run's own
     history reached reaches the operator's decision (``_decide_world``)."""
     changes = meta.get("world_changes", [])
-    last = changes[-1] if isinstance(changes, list) and changes else None
-    recorded = last.get("to") if isinstance(last, dict) else plan.get("world")
-    if not isinstance(changes, list) or (last is not None and not isinstance(last, dict)):
+    if not isinstance(changes, list) or not all(isinstance(change, dict) for change in changes):
         raise StateError(f"{name}'s meta.world_changes is not a list of world changes")
+    recorded = changes[-1].get("to") if changes else plan.get("world")
     if meta.get("world") != recorded:
         raise StateError(f"{name} says it was written by {meta.get('world')!r} rank(s), but this run's world is "
                          f"{recorded!r} (plan.json and the world changes the state records)")
