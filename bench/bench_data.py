@@ -11,12 +11,17 @@ Four measurements, each a ratio of medians over interleaved repetitions in this 
              every part verified, written to the local cache; cold cache each time) vs raw parallel ranged GETs of the
              same parts with boto3 (same part size and concurrency; goal >= 0.9). Needs a real S3 server: the AWS_*
              variables, or ``--rgw`` to start ``scripts/rgw.sh`` for the run (never moto);
-``memory``   the peak memory each data worker adds while a run reads the bucket dataset (VmHWM over its RSS at its
-             first batch), against docs/tasks.md's bound ``(2 x TRAINPROOF_IO_CONCURRENCY + 1) x part size`` plus
-             the micro-batch being built (and 8 MiB for the interpreter).
+``memory``   the peak memory each data worker adds while a run reads the bucket dataset (VmHWM over its RSS once
+             its S3 client is made, at its first batch), against docs/tasks.md's bound
+             ``(2 x TRAINPROOF_IO_CONCURRENCY + 1) x part size`` plus the micro-batch being built (and 8 MiB for the
+             interpreter); the client's own size (a fixed cost per reading process) is reported apart.
+
+``--link-mbit N`` shapes what the S3 server sends to N Mbit/s (tc on loopback, root): client and server share this
+machine's cores, so unshaped the s3 comparison is a CPU race; shaped, the link is the bottleneck, as on a real node.
 
     .venv/bin/python bench/bench_data.py workers loader --reps 5
     .venv/bin/python bench/bench_data.py s3 memory --rgw --reps 5
+    .venv/bin/python bench/bench_data.py s3 --rgw --reps 5 --link-mbit 1600
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -320,6 +326,7 @@ def bench_memory(reps: int, part_kib: int = 4096) -> dict[str, Any]:
     # and 8 MiB for the interpreter's own growth (thread stacks of the fetching threads, allocator arenas).
     bound = (2 * concurrency + 1) * part_kib * 1024 + 4096 * 17 * 8 * 4 + 8 * 2**20
     peaks: list[float] = []
+    clients: list[float] = []
     for _ in range(reps):
         with tempfile.TemporaryDirectory() as tmp:
             env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")}, "PYTHONPATH": str(ROOT),
@@ -331,10 +338,13 @@ def bench_memory(reps: int, part_kib: int = 4096) -> dict[str, Any]:
                             "bench.bench_data:memory_factory", "--config", f"{tmp}/lm.json", "--max-steps", "30",
                             "--data-workers", "2", "--checkpoint-every-seconds", "0"], cwd=ROOT, env=env, check=True,
                            capture_output=True)
-            peaks += [json.loads(p.read_text())["added_bytes"] for p in Path(tmp).glob("worker-*.json")]
+            records = [json.loads(p.read_text()) for p in Path(tmp).glob("worker-*.json")]
+            peaks += [r["added_bytes"] for r in records]
+            clients += [r["client_bytes"] for r in records]
     return {"dataset": url, "part_kib": part_kib, "concurrency": concurrency, "bound_bytes": bound,
             "peak_added_bytes_median": statistics.median(peaks), "peak_added_bytes_max": max(peaks),
-            "within_bound": max(peaks) <= bound, "workers_measured": len(peaks)}
+            "within_bound": max(peaks) <= bound, "workers_measured": len(peaks),
+            "client_bytes_median": statistics.median(clients), "client_bytes_max": max(clients)}
 
 
 def _status(key: str) -> int:
@@ -353,11 +363,19 @@ def memory_factory(config: dict[str, Any]) -> DatasetTask:
     seen: dict[str, int] = {}
 
     def probed(request: BatchRequest) -> Any:
-        seen.setdefault("base", _status("VmRSS:"))
+        if "base" not in seen:
+            # The worker's own S3 client is made on its first read: a fixed cost of every reading process, measured
+            # apart from what the reads hold (the bound covers parts in flight, not the client).
+            before = _status("VmRSS:")
+            data = task.dataset.dataset
+            data._reader_here()
+            data._store.read_range(data.manifest.shards[0].entry.name, 0, 1)
+            seen["base"] = _status("VmRSS:")
+            seen["client"] = seen["base"] - before
         batch = build(request)
         added = _status("VmHWM:") - seen["base"]
         record = Path(os.environ["BENCH_MEMORY_DIR"], f"worker-{os.getpid()}.json")
-        record.write_text(json.dumps({"added_bytes": added}))
+        record.write_text(json.dumps({"added_bytes": added, "client_bytes": seen["client"]}))
         return batch
 
     task.build_batch = probed  # an instance attribute: the trainer still sees DatasetTask's build_batch override
@@ -369,19 +387,40 @@ def main() -> int:
     parser.add_argument("what", nargs="+", choices=("workers", "loader", "s3", "memory"))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rgw", action="store_true", help="start scripts/rgw.sh for the s3 and memory benchmarks")
+    parser.add_argument("--link-mbit", type=int, default=0, metavar="MBIT",
+                        help="shape what the S3 server sends on loopback to MBIT Mbit/s with tc (root; the server's "
+                             "port only, so its own traffic to the OSD is not slowed): the link as the bottleneck, as "
+                             "on a real node, instead of the two cores that client and server share here")
     args = parser.parse_args()
-    results: dict[str, Any] = {"cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "link_mbit": args.link_mbit}
     rgw = _start_rgw() if args.rgw and {"s3", "memory"} & set(args.what) else None
     try:
+        if args.link_mbit:
+            _shape(args.link_mbit)
         for what in args.what:
             results[what] = globals()[f"bench_{what}"](args.reps)
             print(json.dumps({what: {k: v for k, v in results[what].items() if k != "runs"}}), flush=True)
     finally:
+        if args.link_mbit:
+            subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
         if rgw is not None:
             subprocess.run(["bash", str(ROOT / "scripts" / "rgw.sh"), "stop"], env=rgw, check=False)
     results["load_average_after"] = os.getloadavg()
     print(json.dumps(results, indent=1))
     return 0
+
+
+def _shape(mbit: int) -> None:
+    """Limit the bytes the server at AWS_ENDPOINT_URL sends on loopback to ``mbit`` Mbit/s (an htb class matched on
+    its source port; every other loopback flow, RGW's own traffic to its OSD included, goes unshaped)."""
+    port = urllib.parse.urlsplit(os.environ["AWS_ENDPOINT_URL"]).port
+    for cmd in (["qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10", "r2q", "1000"],
+                ["class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate", "100gbit"],
+                ["class", "add", "dev", "lo", "parent", "1:", "classid", "1:20", "htb", "rate", f"{mbit}mbit",
+                 "ceil", f"{mbit}mbit"],
+                ["filter", "add", "dev", "lo", "protocol", "ip", "parent", "1:", "prio", "1", "u32", "match", "ip",
+                 "sport", str(port), "0xffff", "flowid", "1:20"]):
+        subprocess.run(["tc", *cmd], check=True, capture_output=True)
 
 
 def _start_rgw() -> dict[str, str]:

@@ -235,7 +235,7 @@ def child(mode: str, args: dict) -> dict:
             decoded = {}
             loaded = store.load_latest(contract="bench", world=1, spool_dir=args["work"], spool_from=0,
                                        check=lambda _n, d: decoded.update(state=load_weights_only(d)))
-            assert loaded is not None and loaded.info.step == 1, loaded
+            assert loaded is not None and loaded.info.step == 2, loaded  # commit_store committed steps 1 and 2
             _touch(decoded["state"])
             loaded.close()
         elif mode == "read_s3tc":

@@ -8,7 +8,9 @@ by side in the same process and the same warm clients, interleaved over ``--reps
 - ``store_commit``: the store's whole commit (write -> read-back verify -> mark usable);
 - ``readback_parts`` / ``readback_in_order``: the commit's read-back alone (ranged GETs of the stored object,
   hashed on the fetching threads, or in order by one consumer);
-- ``download_fileobj``: boto3's managed download of the same object into /dev/null (the read-back's baseline).
+- ``download_fileobj``: boto3's managed download of the same object into /dev/null (the read-back's baseline);
+- ``store_download`` / ``download_file``: the resume's download alone (the stored object into a local spool file,
+  verified as it arrives) against boto3's managed download of the same object into a local file.
 
     .venv/bin/python bench/bench_s3_split.py --mib 1024 --reps 5     # starts its own RGW (root: installs it)
 
@@ -67,7 +69,7 @@ def measure(endpoint: str, mib: int, reps: int, work: str) -> dict:
 
     from storage import StoreOptions, open_store
     from storage.digest import FileHasher
-    from storage.spool import Spool, hashed_parts, hashed_ranges
+    from storage.spool import Spool, download, hashed_parts, hashed_ranges
 
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=Config(
         s3={"addressing_style": "path"}, request_checksum_calculation="when_required", max_pool_connections=32))
@@ -86,7 +88,8 @@ def measure(endpoint: str, mib: int, reps: int, work: str) -> dict:
     ctx = store._ctx  # the store's own read-back, without the rest of the commit  # noqa: SLF001
     transfer = TransferConfig(multipart_chunksize=8 * MiB, max_concurrency=8)
     runs: dict[str, list[float]] = {m: [] for m in ("upload_fileobj", "store_write", "store_commit", "readback_parts",
-                                                   "readback_in_order", "download_fileobj")}
+                                                   "readback_in_order", "download_fileobj", "store_download",
+                                                   "download_file")}
     for rep in range(reps):
         step = rep + 1
         obj = ctx.path(f"step-{step:08d}", "training_state.pt")
@@ -114,9 +117,21 @@ def measure(endpoint: str, mib: int, reps: int, work: str) -> dict:
             client.download_fileobj(BUCKET, f"run/{obj.rsplit('/run/', 1)[1]}", io.FileIO(os.devnull, "w"),
                                     Config=transfer)
 
-        ops = [upload_fileobj, store_write, store_commit, readback_parts, readback_in_order, download_fileobj]
-        if rep % 2:  # the commit before the reads of its object; the two writes and the two reads swap places
-            ops = [store_write, upload_fileobj, store_commit, readback_in_order, readback_parts, download_fileobj]
+        def store_download() -> None:
+            spool, seen, got = download(read, size, work, hasher=FileHasher(), **ctx.transfer())
+            os.unlink(spool.path)
+            assert (seen, got) == (size, digest)
+
+        def download_file() -> None:
+            client.download_file(BUCKET, f"run/{obj.rsplit('/run/', 1)[1]}", os.path.join(work, "raw.bin"),
+                                 Config=transfer)
+            os.unlink(os.path.join(work, "raw.bin"))
+
+        ops = [upload_fileobj, store_write, store_commit, readback_parts, readback_in_order, download_fileobj,
+               store_download, download_file]
+        if rep % 2:  # the commit before the reads of its object; the two writes and the reads swap places
+            ops = [store_write, upload_fileobj, store_commit, readback_in_order, readback_parts, download_fileobj,
+                   download_file, store_download]
         for op in ops:
             t0 = time.perf_counter()
             op()
@@ -126,7 +141,8 @@ def measure(endpoint: str, mib: int, reps: int, work: str) -> dict:
     return {"bytes": size, "runs": runs, "medians": med,
             "commit_vs_upload_fileobj": med["store_commit"] / med["upload_fileobj"],
             "write_vs_upload_fileobj": med["store_write"] / med["upload_fileobj"],
-            "readback_vs_download_fileobj": med["readback_parts"] / med["download_fileobj"]}
+            "readback_vs_download_fileobj": med["readback_parts"] / med["download_fileobj"],
+            "store_download_vs_download_file": med["store_download"] / med["download_file"]}
 
 
 if __name__ == "__main__":

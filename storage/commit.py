@@ -212,6 +212,9 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict
             seen = f"{got[0]} bytes" if got[0] >= 0 else "other bytes"
             raise CorruptGenerationError(name, f"{obj} read back from the store differs from what was written "
                                                f"({seen} vs {size}); not marking it usable")
+        # The manifest records the digest read back: the one verified, with its part list (a spool handed in with
+        # only the root as a plain string would otherwise be listed without its parts, and fail every read).
+        written[fname] = (size, got[1], obj)
         if check is not None:
             try:
                 check(fname, data)

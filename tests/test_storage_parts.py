@@ -269,3 +269,24 @@ def test_a_manifest_too_big_for_readers_is_never_committed(tmp_path, small_parts
                                                r"TRAINPROOF_DIGEST_PART_MIB above 0.00390625"):
         store.commit(2, {"big.bin": os.urandom(200 * PART)}, contract=CONTRACT, world=1, code_version="t")
     assert [(g.step, g.status) for g in store.scan()] == [(1, "complete"), (2, "incomplete")]
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_spool_handed_in_with_only_its_root_is_listed_with_the_parts_read_back(tmp_path, small_parts, kind,
+                                                                                  request):
+    """A Spool whose sha256 is the root as a plain string (no part list) verifies by value; the manifest must still
+    list the parts, or every later read of the generation finds it corrupt."""
+    from storage.spool import Spool
+
+    data = os.urandom(9 * PART + 77)
+    path = tmp_path / "state.bin"
+    path.write_bytes(data)
+    root = str(dg.digest_bytes(data, part_bytes=PART))
+    assert type(root) is str
+    url = _url(kind, tmp_path, request.getfixturevalue("s3_env") if kind == "s3" else None)
+    store = open_store(url)
+    store.commit(1, {"state.bin": Spool(path=str(path), size=len(data), sha256=root)}, contract=CONTRACT, world=1,
+                 code_version="t")
+    entry = json.loads((store.read_file("step-00000001/COMPLETE.json")))["files"]["state.bin"]
+    assert entry["sha256"] == root and len(entry["parts"]) == 10
+    assert bytes(store.load(1).files["state.bin"]) == data and store.verify(1) is None
