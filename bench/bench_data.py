@@ -368,8 +368,8 @@ def memory_factory(config: dict[str, Any]) -> DatasetTask:
             # apart from what the reads hold (the bound covers parts in flight, not the client).
             before = _status("VmRSS:")
             data = task.dataset.dataset
-            data._reader_here()
-            data._store.read_range(data.manifest.shards[0].entry.name, 0, 1)
+            data._reader_here()  # this worker's own store and reader (a forked worker opens them on first use)
+            _warm(data)
             seen["base"] = _status("VmRSS:")
             seen["client"] = seen["base"] - before
         batch = build(request)

@@ -93,6 +93,7 @@ def measure(endpoint: str, mib: int, reps: int, work: str) -> dict:
     for rep in range(reps):
         step = rep + 1
         obj = ctx.path(f"step-{step:08d}", "training_state.pt")
+        key = f"run/{obj.rsplit('/run/', 1)[1]}"  # the same object, for the raw client
         read = lambda a, b, obj=obj: ctx.backend.read_range(obj, a, b)  # noqa: E731
 
         def upload_fileobj() -> None:
@@ -114,7 +115,7 @@ def measure(endpoint: str, mib: int, reps: int, work: str) -> dict:
             assert hashed_ranges(read, size, hasher=FileHasher(), **ctx.transfer()) == (size, digest)
 
         def download_fileobj() -> None:
-            client.download_fileobj(BUCKET, f"run/{obj.rsplit('/run/', 1)[1]}", io.FileIO(os.devnull, "w"),
+            client.download_fileobj(BUCKET, key, io.FileIO(os.devnull, "w"),
                                     Config=transfer)
 
         def store_download() -> None:
@@ -123,8 +124,7 @@ def measure(endpoint: str, mib: int, reps: int, work: str) -> dict:
             assert (seen, got) == (size, digest)
 
         def download_file() -> None:
-            client.download_file(BUCKET, f"run/{obj.rsplit('/run/', 1)[1]}", os.path.join(work, "raw.bin"),
-                                 Config=transfer)
+            client.download_file(BUCKET, key, os.path.join(work, "raw.bin"), Config=transfer)
             os.unlink(os.path.join(work, "raw.bin"))
 
         ops = [upload_fileobj, store_write, store_commit, readback_parts, readback_in_order, download_fileobj,
