@@ -39,8 +39,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # The project itself, without the test extra, against the already installed, pinned dependencies (and the
 # pinned setuptools as its build backend: --no-build-isolation). A regular, not an editable, install.
 COPY pyproject.toml README.md /src/
-COPY job /src/job
-COPY storage /src/storage
+COPY trainproof /src/trainproof
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --require-virtualenv --no-deps --no-build-isolation /src \
     && pip check

@@ -1,7 +1,7 @@
 """How long training is blocked by an asynchronous checkpoint, what it costs in throughput and in memory.
 
 Every run is a fresh child process that trains ``bench.bigmodel:factory`` (k x Linear(1024, 1024) with Adam, the
-state sized by ``--sizes``) through the real trainer (``job.train.loop.train``) into a fresh store, with one of:
+state sized by ``--sizes``) through the real trainer (``trainproof.train.loop.train``) into a fresh store, with one of:
 
 - ``async``: the default, a checkpoint every ``--every`` steps, committed in the background;
 - ``sync``: the same with ``--sync-checkpoint`` (for comparison);
@@ -79,11 +79,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One training run in this process; returns its measurements."""
     import torch
 
-    from job.tasks import load_task
-    from job.train.config import TrainConfig
-    from job.train.loop import train
-    from job.train.progress import Reporter
-    from job.train.run import build_run, train_step
+    from trainproof.tasks import load_task
+    from trainproof.train.config import TrainConfig
+    from trainproof.train.loop import train
+    from trainproof.train.progress import Reporter
+    from trainproof.train.run import build_run, train_step
 
     sampler = _RssSampler()
 
@@ -146,8 +146,8 @@ def _baseline_writes(url: str, generation: str, repeats: int = 5) -> list[float]
     + fsync (folder), from a local file, ``repeats`` times."""
     import shutil
 
-    from storage import open_store
-    from storage.backend import join
+    from trainproof.storage import open_store
+    from trainproof.storage.backend import join
 
     store = open_store(url)
     src = join(store.root, generation, "training_state.pt")
@@ -184,9 +184,9 @@ def _baseline_writes(url: str, generation: str, repeats: int = 5) -> list[float]
 
 def resume_child(spec: dict[str, Any]) -> dict[str, Any]:
     """A fresh process resuming ``spec['store']`` for one step; the wall time of its first optimizer step."""
-    from job.train.config import TrainConfig
-    from job.train.loop import train
-    from job.train.progress import Reporter
+    from trainproof.train.config import TrainConfig
+    from trainproof.train.loop import train
+    from trainproof.train.progress import Reporter
 
     first: list[float] = []
     ready: list[float] = []
@@ -213,8 +213,8 @@ def load_child(spec: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from storage import open_store
-    from storage.backend import join
+    from trainproof.storage import open_store
+    from trainproof.storage.backend import join
 
     store = open_store(spec["store"])
     src = join(store.root, f"step-{spec['step']:08d}", "training_state.pt")
@@ -241,7 +241,7 @@ def _spawn(kind: str, spec: dict[str, Any], env: dict[str, str]) -> tuple[float,
 
 
 def _drop(url: str) -> None:
-    from storage import open_store
+    from trainproof.storage import open_store
 
     store = open_store(url)
     store.backend.delete_tree(store.root)
@@ -250,11 +250,11 @@ def _drop(url: str) -> None:
 def versions() -> dict[str, str]:
     import torch
 
-    import job
+    import trainproof
 
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
-    return {"python": platform.python_version(), "torch": torch.__version__, "trainproof": job.__version__,
+    return {"python": platform.python_version(), "torch": torch.__version__, "trainproof": trainproof.__version__,
             "git": rev, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, {platform.platform()}"}
 

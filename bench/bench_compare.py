@@ -7,11 +7,11 @@ fresh process and in alternating order, compares that generation with itself rea
 further readers (what the verifier does when a resumed path equals the continuous one: every byte of both sides
 read back from the store, verified, and compared):
 
-- grouped: ``job.proof.paths.RunReader(...).state(step)`` (the shards opened, nothing read) and
-  ``job.proof.compare.compare_all``: each group of ``TRAINPROOF_COMPARE_GROUP_MIB`` (default 256) MiB of the
+- grouped: ``trainproof.proof.paths.RunReader(...).state(step)`` (the shards opened, nothing read) and
+  ``trainproof.proof.compare.compare_all``: each group of ``TRAINPROOF_COMPARE_GROUP_MIB`` (default 256) MiB of the
   reference read once, the same entries of each other side read after it, compared a slice at a time.
 - whole: what ``verify --fsdp`` did before: every side read whole (``state(step, whole=True)``: the sharded model
-  and optimizer gathered in this process, ``job.train.fsdp.full_state``), then every check and the parameter
+  and optimizer gathered in this process, ``trainproof.train.fsdp.full_state``), then every check and the parameter
   distance per other side, as ``compare_states`` and ``parameter_distance`` did. Only run with ``--others 1``
   unless memory allows it (it holds ``1 + others`` states).
 
@@ -37,12 +37,12 @@ TASK = "bench.bigmodel:factory"
 def child(mode: str, run: str, others: int) -> dict:
     """One measured comparison in this (fresh) process."""
     from bench.bench_sharded import PeakRSS
-    from job.format.contract import read_run_plan
-    from job.proof.compare import Tolerance, compare_all
-    from job.proof.paths import RunReader
-    from job.proof.protocol import parameter_names
-    from job.tasks import load_task
-    from storage import open_store
+    from trainproof.format.contract import read_run_plan
+    from trainproof.proof.compare import Tolerance, compare_all
+    from trainproof.proof.paths import RunReader
+    from trainproof.proof.protocol import parameter_names
+    from trainproof.storage import open_store
+    from trainproof.tasks import load_task
 
     store = open_store(run)
     names = parameter_names(load_task(TASK, read_run_plan(store)["task_config"]))

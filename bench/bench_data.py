@@ -2,9 +2,10 @@
 
 Four measurements, each a ratio of medians over interleaved repetitions in this one script:
 
-``workers``  steps/s of the real trainer (``python -m job train``, a tiny model so the data is the bottleneck) with a
+``workers``  steps/s of the real trainer (``python -m trainproof train``, a tiny model so the data is the bottleneck)
+with a
              per-sample transform of ~5 ms of CPU, 2 workers vs 0 (goal >= 1.7 with 2 cores' worth of workers);
-``loader``   micro-batches/s of trainproof's loader (job.train.pipeline: the lookahead, DataLoader, per-sample
+``loader``   micro-batches/s of trainproof's loader (trainproof.train.pipeline: the lookahead, DataLoader, per-sample
              generators, the step check) vs a plain ``torch.utils.data.DataLoader`` over the same dataset, transform,
              batches, workers and prefetch (goal >= 0.95);
 ``s3``       MiB/s reading a packed dataset from S3 through the store layer (``ShardedDataset``: parallel ranged reads,
@@ -47,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from job.tasks import BatchRequest, DatasetTask, TaskContext  # noqa: E402
+from trainproof.tasks import BatchRequest, DatasetTask, TaskContext  # noqa: E402
 
 SAMPLES, FEATURES, BATCH = 2048, 64, 16
 TRANSFORM_S = 0.005
@@ -94,7 +95,7 @@ def steps_per_second(workers: int, steps: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")},
                "PYTHONPATH": str(ROOT), "TRAINPROOF_LOG_FORMAT": "json"}
-        out = subprocess.run([sys.executable, "-m", "job", "train", "--store", f"{tmp}/run", "--task",
+        out = subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", f"{tmp}/run", "--task",
                               "bench.bench_data:factory", "--max-steps", str(steps), "--data-workers", str(workers),
                               "--checkpoint-every-seconds", "0"], cwd=ROOT, env=env, text=True, capture_output=True,
                              check=True).stdout
@@ -114,9 +115,9 @@ def bench_workers(reps: int) -> dict[str, Any]:
 
 # -- loader: trainproof's pipeline vs a plain DataLoader --------------------------------------------------------------
 def _requests(batches: int) -> list[BatchRequest]:
-    from job.train.data import EpochSampler
-    from job.train.pipeline import Lookahead
-    from job.train.rng import data_generator
+    from trainproof.train.data import EpochSampler
+    from trainproof.train.pipeline import Lookahead
+    from trainproof.train.rng import data_generator
 
     ahead = Lookahead(EpochSampler(SAMPLES, data_generator(1)), seed=1, first=1, global_batch=BATCH, world=1, rank=0,
                       micro=BATCH)
@@ -131,10 +132,10 @@ def _cpu() -> float:
 
 
 def ours(workers: int, batches: int, prefetch: int = 2) -> tuple[float, float]:
-    """(batches/s, CPU s/batch) of job.train.pipeline, consumed the way train_step consumes it."""
-    from job.train.data import EpochSampler
-    from job.train.pipeline import open_batches
-    from job.train.rng import data_generator
+    """(batches/s, CPU s/batch) of trainproof.train.pipeline, consumed the way train_step consumes it."""
+    from trainproof.train.data import EpochSampler
+    from trainproof.train.pipeline import open_batches
+    from trainproof.train.rng import data_generator
 
     task, ctx = factory({}), TaskContext(np_rng=np.random.default_rng(0), device=torch.device("cpu"))
     wanted = _requests(batches)
@@ -191,11 +192,11 @@ def _boto3_client() -> Any:
 
 def pack_bench_dataset(bucket: str, mib: int, part_kib: int) -> str:
     from examples.tokenlm import stdlib_tokens
-    from job.data import pack_records, token_windows
+    from trainproof.data import pack_records, token_windows
 
     url = f"s3://{bucket}/datasets/bench-{mib}mib-{part_kib}k"
     try:
-        from job.data import ShardedDataset
+        from trainproof.data import ShardedDataset
 
         with tempfile.TemporaryDirectory() as nothing_cached:
             ShardedDataset(url, cache_dir=nothing_cached)
@@ -208,7 +209,7 @@ def pack_bench_dataset(bucket: str, mib: int, part_kib: int) -> str:
 
 
 def read_store(url: str, cache: str) -> tuple[float, int]:
-    from job.data import ShardedDataset
+    from trainproof.data import ShardedDataset
 
     shutil.rmtree(cache, ignore_errors=True)
     data = ShardedDataset(url, cache_dir=cache, cache_mib=1 << 20)
@@ -226,7 +227,7 @@ def _warm(data: Any) -> None:
 
 
 def read_raw(url: str, concurrency: int) -> tuple[float, int]:
-    from job.data import ShardedDataset
+    from trainproof.data import ShardedDataset
 
     with tempfile.TemporaryDirectory() as nothing_cached:  # only the manifest is read
         data = ShardedDataset(url, cache_dir=nothing_cached)
@@ -249,8 +250,9 @@ def read_raw(url: str, concurrency: int) -> tuple[float, int]:
 
 def read_ranges(url: str, concurrency: int) -> tuple[float, int]:
     """The same parts through the store's own ranged reads (its S3 client, retried), in ``concurrency`` threads:
-    no verification, no cache. The difference to :func:`read_store` is what job.data and storage.objects add."""
-    from job.data import ShardedDataset
+    no verification, no cache. The difference to :func:`read_store` is what trainproof.data and
+    trainproof.storage.objects add."""
+    from trainproof.data import ShardedDataset
 
     with tempfile.TemporaryDirectory() as nothing_cached:  # only the manifest is read
         data = ShardedDataset(url, cache_dir=nothing_cached)
@@ -264,7 +266,7 @@ def read_ranges(url: str, concurrency: int) -> tuple[float, int]:
 
 
 def bench_s3(reps: int, mib: int = 256, part_kib: int = 1024) -> dict[str, Any]:
-    from storage import StoreOptions
+    from trainproof.storage import StoreOptions
 
     bucket = _bucket()
     url = pack_bench_dataset(bucket, mib, part_kib)
@@ -317,7 +319,7 @@ def _bucket() -> str:
 def bench_memory(reps: int, part_kib: int = 4096) -> dict[str, Any]:
     """Two workers read a 64 MiB bucket dataset (4 MiB parts) in micro-batches of 4096 windows through a real run;
     each worker reports its peak RSS over its RSS at its first batch (bench.bench_data:MemoryProbe)."""
-    from storage import StoreOptions
+    from trainproof.storage import StoreOptions
 
     url = pack_bench_dataset(_bucket(), 64, part_kib)
     concurrency = StoreOptions.from_env().concurrency
@@ -334,7 +336,7 @@ def bench_memory(reps: int, part_kib: int = 4096) -> dict[str, Any]:
             Path(f"{tmp}/lm.json").write_text(json.dumps({"dataset": url, "batch_size": 4096, "micro_batch_size": 4096,
                                                           "context": 16, "d_model": 8, "n_heads": 1, "n_layers": 1,
                                                           "d_ff": 8, "eval_windows": 8}))
-            subprocess.run([sys.executable, "-m", "job", "train", "--store", f"{tmp}/run", "--task",
+            subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", f"{tmp}/run", "--task",
                             "bench.bench_data:memory_factory", "--config", f"{tmp}/lm.json", "--max-steps", "30",
                             "--data-workers", "2", "--checkpoint-every-seconds", "0"], cwd=ROOT, env=env, check=True,
                            capture_output=True)

@@ -5,11 +5,11 @@ with ``--mib`` MiB of state (weights a third of it: ``--mib 3072`` is 1 GiB of f
 ``train --fsdp --nproc-per-node 2`` into a local folder, then per repetition, each in a fresh process and in
 alternating order:
 
-- ours: ``job.export.bundle.export`` of that generation into a fresh folder: the model gathered from the verified
+- ours: ``trainproof.export.bundle.export`` of that generation into a fresh folder: the model gathered from the verified
   shards (``full_state``, model only), the weight files written tensor by tensor into spool files, the bf16 weights
   evaluated and saved from a map of the bf16 file, every file committed (written, read back, sha256, content check,
   COMPLETE.json). Then, in another fresh process (*reload*), the reload check that ``trainproof export`` runs next
-  in a process of its own (``job.proof.reload.reload_check``: the bundle read back and verified, weight files
+  in a process of its own (``trainproof.proof.reload.reload_check``: the bundle read back and verified, weight files
   spooled and mapped, the metrics re-evaluated).
 - plain: the same weights gathered the same way, then what a script does with the libraries: a bf16 copy,
   ``safetensors.torch.save`` of both, ``torch.save`` of the bf16 copy, both evaluated, the ``torch.export`` program
@@ -45,13 +45,13 @@ def child(mode: str, run: str, out: str) -> dict:
     from safetensors.torch import save
 
     from bench.bench_sharded import PeakRSS
-    from job.export.bundle import _bf16, evaluate_weights, export
-    from job.export.standalone import export_program
-    from job.format.contract import read_run_plan
-    from job.format.state import STATE_FILE, decode
-    from job.tasks import load_task
-    from job.train.fsdp import full_state
-    from storage import open_store
+    from trainproof.export.bundle import _bf16, evaluate_weights, export
+    from trainproof.export.standalone import export_program
+    from trainproof.format.contract import read_run_plan
+    from trainproof.format.state import STATE_FILE, decode
+    from trainproof.storage import open_store
+    from trainproof.tasks import load_task
+    from trainproof.train.fsdp import full_state
 
     store = open_store(run)
     step = max(g.step for g in store.scan() if g.status == "complete")
@@ -90,8 +90,8 @@ def child(mode: str, run: str, out: str) -> dict:
 def reload_child(out: str, step: int) -> dict:
     """The reload check ``trainproof export`` runs after committing, in a fresh process as there."""
     from bench.bench_sharded import PeakRSS
-    from job.proof.reload import reload_check
-    from storage import open_store
+    from trainproof.proof.reload import reload_check
+    from trainproof.storage import open_store
 
     with PeakRSS(anon=True) as mem:
         start = time.perf_counter()
@@ -108,7 +108,7 @@ def train_sharded_run(run: Path, mib: float, env: dict) -> bool:
         return True
     config = run.parent / "bigmodel.json"
     config.write_text(json.dumps({"state_mib": mib}))
-    trained = subprocess.run([sys.executable, "-m", "job", "train", "--store", str(run), "--task", TASK,
+    trained = subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", str(run), "--task", TASK,
                               "--config", str(config), "--fsdp", "--nproc-per-node", "2", "--max-steps", "1"],
                              cwd=ROOT, env=env, capture_output=True, text=True)
     if trained.returncode != 0:

@@ -30,12 +30,12 @@ def measure(steps: int, every: int, folder: Path) -> dict:
     """Train ``steps`` steps into a fresh folder; sizes of the newest checkpoint."""
     import torch
 
-    from job.format.state import STATE_FILE, decode
-    from storage import open_store
+    from trainproof.format.state import STATE_FILE, decode
+    from trainproof.storage import open_store
 
     store_url = str(folder / f"run-{steps}")
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "job", "train", "--store", store_url, "--task", "regression",
+    out = subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", store_url, "--task", "regression",
                           "--max-steps", str(steps), "--checkpoint-every", str(every), "--keep", "2",
                           "--log-format", "json"], cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - t0

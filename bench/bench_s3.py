@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 MiB = 2**20
-LIBRARIES = {"store": ("storage.s3", "job.format.state"), "boto3": ("boto3",), "s3fs": ("s3fs",),
+LIBRARIES = {"store": ("trainproof.storage.s3", "trainproof.format.state"), "boto3": ("boto3",), "s3fs": ("s3fs",),
              "obstore": ("obstore",), "s3tc": ("s3torchconnector",),
              "dcp": ("torch.distributed.checkpoint", "s3fs")}
 COMMIT = ["commit_store", "upload_boto3", "upload_boto3_parts", "upload_s3fs", "upload_obstore"]
@@ -112,7 +112,7 @@ def _s3tc(args):
 
 
 def _store(args):
-    from storage import StoreOptions, open_store
+    from trainproof.storage import StoreOptions, open_store
 
     return open_store(f"s3://{args['bucket']}/{args['run']}", StoreOptions.from_env(endpoint_url=args["endpoint"]))
 
@@ -146,9 +146,9 @@ def child(mode: str, args: dict) -> dict:
     out: dict = {}
     mem.mark()  # modes with set-up of their own mark again after it
     if mode == "commit_store":
-        from job.format.state import load_weights_only
-        from storage.digest import of_parts
-        from storage.spool import Spool
+        from trainproof.format.state import load_weights_only
+        from trainproof.storage.digest import of_parts
+        from trainproof.storage.spool import Spool
 
         store = _store(args)
         store.write_file("plan.json", b"{}")  # the store's one-time probe and sweep, as a trainer's start does
@@ -199,8 +199,8 @@ def child(mode: str, args: dict) -> dict:
 
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=False)  # the trainer's snapshot
         if mode == "save_store":
-            from job.format.state import load_weights_only
-            from storage.spool import SpoolWriter
+            from trainproof.format.state import load_weights_only
+            from trainproof.storage.spool import SpoolWriter
 
             store = _store(args)
             store.write_file("plan.json", b"{}")
@@ -229,7 +229,7 @@ def child(mode: str, args: dict) -> dict:
         out["seconds"] = time.perf_counter() - t0
     else:  # resume and reads: timed from the parent's Popen (process start, imports included)
         if mode == "resume_store":
-            from job.format.state import load_weights_only
+            from trainproof.format.state import load_weights_only
 
             store = _store(args)
             decoded = {}
@@ -336,7 +336,7 @@ def clean(client, bucket: str) -> None:
 
 def measure(size_mib: int, reps: int, modes: list[str], endpoint: str, client, work: str, part: int,
             concurrency: int) -> dict:
-    from storage.digest import FileHasher
+    from trainproof.storage.digest import FileHasher
 
     path = os.path.join(work, "state.pt")
     make_state(path, size_mib)

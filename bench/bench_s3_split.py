@@ -67,9 +67,9 @@ def measure(endpoint: str, mib: int, reps: int, work: str) -> dict:
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
 
-    from storage import StoreOptions, open_store
-    from storage.digest import FileHasher
-    from storage.spool import Spool, download, hashed_parts, hashed_ranges
+    from trainproof.storage import StoreOptions, open_store
+    from trainproof.storage.digest import FileHasher
+    from trainproof.storage.spool import Spool, download, hashed_parts, hashed_ranges
 
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=Config(
         s3={"addressing_style": "path"}, request_checksum_calculation="when_required", max_pool_connections=32))

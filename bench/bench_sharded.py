@@ -4,7 +4,7 @@
 ranks (gloo, CPU). Each wraps an MLP of ``--mib`` MiB of model + Adam state in total (parameters ~1/3, Adam's
 two moments ~2/3) with FSDP2, takes one Adam step, then per repetition (order alternated):
 
-- ours: ``job.train.sharded.save_sharded`` into a run folder (create-only writes with fsync, read back, sha256,
+- ours: ``trainproof.train.sharded.save_sharded`` into a run folder (create-only writes with fsync, read back, sha256,
   one COMPLETE.json) and ``load_sharded`` (manifest, verified metadata, verified shard files);
 - DCP: ``dcp.save`` / ``dcp.load`` with ``FileSystemWriter``/``FileSystemReader`` (fsync on, its default) into a
   folder beside it.
@@ -86,10 +86,10 @@ def rank_main(args) -> None:
     from torch.distributed.tensor import DTensor
 
     sys.path.insert(0, str(ROOT))
-    from job.train.async_save import snapshot
-    from job.train.sharded import load_sharded, save_sharded
-    from storage import open_store
     from tests.support.sharded_worker import build, shard, train_step
+    from trainproof.storage import open_store
+    from trainproof.train.async_save import snapshot
+    from trainproof.train.sharded import load_sharded, save_sharded
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))

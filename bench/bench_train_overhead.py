@@ -1,6 +1,6 @@
 """Checkpointing overhead of ``trainproof train`` on tinylm: the same loop with and without checkpoints.
 
-Both sides run the real trainer (``job.train.loop.train``) in this process, alternating, each into a fresh
+Both sides run the real trainer (``trainproof.train.loop.train``) in this process, alternating, each into a fresh
 store: side A commits only the final generation (``--checkpoint-every 0``), side B also commits every N
 steps. Reported (medians over ``--repeats`` runs):
 
@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console
 from rich.table import Table
 
-from job.train.config import TrainConfig
-from job.train.loop import train
-from job.train.progress import Reporter
+from trainproof.train.config import TrainConfig
+from trainproof.train.loop import train
+from trainproof.train.progress import Reporter
 
 DEFAULT_MODEL = {"d_model": 128, "n_heads": 4, "n_layers": 4, "d_ff": 512, "max_len": 64, "min_len": 16,
                  "n_sequences": 512, "batch_size": 16, "micro_batch_size": 8, "vocab_size": 256}
@@ -50,7 +50,7 @@ def one_run(root: str, *, steps: int, every: int, model: dict, device: str) -> d
     outcome = train(cfg, reporter=reporter)
     wall = time.perf_counter() - t0
     assert outcome.exit_code == 0, outcome
-    from storage import open_store
+    from trainproof.storage import open_store
 
     summary = json.loads(open_store(url).read_file("summary.json"))
     return {"wall": wall, "saves": summary["checkpoints"], "throughput": summary["throughput"]}

@@ -4,10 +4,10 @@ The verifier's cost is its training processes; everything else (seeding the resu
 write -> verify -> mark usable, reading every generation back and comparing, the report) is overhead. This
 script measures that overhead side by side:
 
-1. ``python -m job verify --store <root>/v --id bench --no-export [ARGS]`` (timed as a whole process);
+1. ``python -m trainproof verify --store <root>/v --id bench --no-export [ARGS]`` (timed as a whole process);
 2. the same ``train`` command lines, read from its ``verification.json`` (the four protocol paths, the extra
    cuts' paths and the objective check's runs), run directly into fresh folders with the verifier's own process
-   runner (``job.proof.paths.run_processes``: same environment, pipes, sessions), in its two phases and with its
+   runner (``trainproof.proof.paths.run_processes``: same environment, pipes, sessions), in its two phases and with its
    concurrency: phase 1 the continuous and cut paths, any ``cut_at_<c>`` processes and the
    objective runs at once; then each resumed path's folder gets a plain file copy of plan.json and the
    generation it resumes from; phase 2 the resumed paths at once.
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from job.proof.paths import run_processes  # noqa: E402  (the verifier's own process runner: same spawning)
+from trainproof.proof.paths import run_processes  # noqa: E402  (the verifier's own process runner: same spawning)
 
 
 def _cpu() -> float:
@@ -51,7 +51,7 @@ def run_verify(root: Path, extra: list[str]) -> tuple[float, dict]:
     """The verifier as a user runs it; (wall seconds, verification.json)."""
     store = root / "v"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "job", "verify", "--store", str(store), "--id", "bench",
+    proc = subprocess.run([sys.executable, "-m", "trainproof", "verify", "--store", str(store), "--id", "bench",
                            "--no-export", *extra], cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0
     if proc.returncode != 0:

@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/bench_verify_wall.py --task regression --task tinylm [--before /tmp/before] [--repeats 2]
 
-Runs ``python -m job verify --store <tmp> --task T --id w`` with this interpreter in each checkout's root (the verifier
-puts its own package on its paths' PYTHONPATH, so each checkout runs its own code), alternating before/after per
-repetition, and prints one JSON line per run and the medians. ``--before`` is another checkout, e.g. made with
+Runs ``python -m trainproof verify --store <tmp> --task T --id w`` with this interpreter in each checkout's root (the
+verifier puts its own package on its paths' PYTHONPATH, so each checkout runs its own code), alternating before/after
+per repetition, and prints one JSON line per run and the medians. ``--before`` is another checkout, e.g. made with
 ``mkdir /tmp/before && git archive 5e236fa | tar -x -C /tmp/before``.
 """
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def one(checkout: Path, task: str) -> tuple[float, int]:
     with tempfile.TemporaryDirectory(prefix="bench-verify-") as tmp:
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "job", "verify", "--store", f"{tmp}/run", "--task", task,
+        proc = subprocess.run([sys.executable, "-m", "trainproof", "verify", "--store", f"{tmp}/run", "--task", task,
                                "--id", "w"], cwd=checkout, capture_output=True, text=True)
         return time.monotonic() - t0, proc.returncode
 

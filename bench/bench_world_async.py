@@ -57,7 +57,7 @@ def launch(store: Path, args: argparse.Namespace, mode: str) -> dict:
     """One ``train`` launch; its rank 0 events and each rank's peak RSS."""
     config = store.parent / "bigmodel.json"
     config.write_text(json.dumps({"state_mib": args.mib}))
-    cmd = [sys.executable, "-m", "job", "train", "--nproc-per-node", str(args.world), "--store", str(store),
+    cmd = [sys.executable, "-m", "trainproof", "train", "--nproc-per-node", str(args.world), "--store", str(store),
            "--task", "bench.bigmodel:factory", "--config", str(config), "--max-steps", str(args.steps), "--keep", "2",
            "--log-format", "json", "--checkpoint-every", "0" if mode == "none" else str(args.every),
            *(["--sync-checkpoint"] if mode == "sync" else []), *(["--fsdp"] if args.fsdp else [])]

@@ -3,7 +3,7 @@
 The checkpoint is dominated by parameters and Adam's two moments (3 x 4 bytes a parameter), so its size is
 set by ``state_mib`` (``layers`` is derived from it unless given). Used by ``bench/bench_async_stall.py``::
 
-    python -m job train --store ./runs/big --task bench.bigmodel:factory --config '{"state_mib": 256}' ...
+    python -m trainproof train --store ./runs/big --task bench.bigmodel:factory --config '{"state_mib": 256}' ...
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from job.tasks import DatasetTask, config_from_dict, require, sha256_of
+from trainproof.tasks import DatasetTask, config_from_dict, require, sha256_of
 
 
 @dataclass(kw_only=True)

@@ -27,8 +27,8 @@ from tests.support.s3server import dummy_aws_env  # noqa: E402
 def races(url: str, steps: int, env: dict, work: str) -> dict:
     """Two writer processes commit each step at the same moment (12.5 MB files in 5 MiB parts): exactly one must
     win, the other get a conflict, and every won generation must load with the winner's bytes afterwards."""
-    from storage import open_store
     from tests.test_storage_concurrency import race
+    from trainproof.storage import open_store
 
     repeat, winners, bad = 2_500_000, {}, []
     for step in range(1, steps + 1):

@@ -1,7 +1,8 @@
 """Where one process's sharded save and load spend their time (no process group, no ranks).
 
 ``.venv/bin/python bench/profile_sharded_io.py [--mib 120]`` saves a flat state of float32 tensors of ``--mib`` MiB
-with ``job.train.sharded.save_sharded`` into a temporary run folder and loads it back with ``load_sharded``, next to
+with ``trainproof.train.sharded.save_sharded`` into a temporary run folder and loads it back with ``load_sharded``, next
+to
 ``dcp.save``/``dcp.load`` of the same state into a folder beside it, then prints cProfile's top functions of one
 more load (sha256, buffer allocation, copies). A diagnostic for ``bench/RESULTS.md``, not a benchmark: the ratios
 come from ``bench/bench_sharded.py``.
@@ -30,8 +31,8 @@ def main() -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from job.train.sharded import load_sharded, save_sharded
-    from storage import open_store
+    from trainproof.storage import open_store
+    from trainproof.train.sharded import load_sharded, save_sharded
 
     warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save/load in a single process"
     folder = Path(tempfile.mkdtemp(prefix="tp-prof-"))

@@ -4,11 +4,11 @@ Real text that every machine with Python has, offline: a fixed, sorted list of `
 ``os.path.dirname(os.__file__)`` (they exist in every CPython 3.10+). Each file's sha256 enters the data
 identity, so another Python's standard library is another run contract (a resume on it is refused).
 
-Built with :class:`job.tasks.DatasetTask`: a map-style Dataset of fixed-length windows, a model factory and a
+Built with :class:`trainproof.tasks.DatasetTask`: a map-style Dataset of fixed-length windows, a model factory and a
 per-token loss. Run it from the repository root::
 
-    python -m job train --store ./runs/charlm --task examples.charlm:factory --max-steps 200
-    python -m job train ... --config my.json     # any CharLMConfig field, e.g. {"d_model": 128}
+    python -m trainproof train --store ./runs/charlm --task examples.charlm:factory --max-steps 200
+    python -m trainproof train ... --config my.json     # any CharLMConfig field, e.g. {"d_model": 128}
 
 (``trainproof train ...`` works the same once the repository root is on ``PYTHONPATH``.)
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from job.tasks import DatasetTask, config_from_dict, require, sha256_of
+from trainproof.tasks import DatasetTask, config_from_dict, require, sha256_of
 
 TRAIN_FILES = ["bisect.py", "colorsys.py", "fnmatch.py", "heapq.py", "queue.py", "sched.py", "shlex.py",
                "textwrap.py"]

@@ -36,7 +36,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from examples.charlm import warmup_then_inverse_sqrt  # noqa: E402  (the same schedule as the char-level example)
-from job.tasks import PRECISIONS, DatasetTask, Pretrained, config_from_dict, require, sha256_of  # noqa: E402
+from trainproof.tasks import PRECISIONS, DatasetTask, Pretrained, config_from_dict, require, sha256_of  # noqa: E402
 
 TRAIN_FILES = ["bisect.py", "colorsys.py", "fnmatch.py", "heapq.py", "queue.py", "sched.py", "shlex.py",
                "textwrap.py"]

@@ -9,9 +9,9 @@ replaced at random, drawn from each window's own generator (run seed, epoch, win
 any number of workers and after any resume. From the repository root::
 
     python -m examples.tokenlm pack s3://bucket/datasets/stdlib-bytes           # once (or any URL or folder)
-    python -m job train --store s3://bucket/runs/lm --task examples.tokenlm:factory \\
+    python -m trainproof train --store s3://bucket/runs/lm --task examples.tokenlm:factory \\
         --config lm.json --max-steps 300                                        # lm.json: {"dataset": "s3://..."}
-    python -m job train ... --data-workers 4                                    # same run, more workers
+    python -m trainproof train ... --data-workers 4                                    # same run, more workers
 
 The dataset's identity (the digest of its manifest's shard digests) is the run's data identity, and its URL is part
 of the task's settings: another dataset, or the same one moved, is another experiment. The last ``eval_windows``
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from examples.charlm import CharTransformer, TransformerConfig, per_token_loss, warmup_then_inverse_sqrt
-from job.data import ShardedDataset, pack_records, token_windows
-from job.errors import TrainError
-from job.tasks import DatasetTask, config_from_dict, require
+from trainproof.data import ShardedDataset, pack_records, token_windows
+from trainproof.errors import TrainError
+from trainproof.tasks import DatasetTask, config_from_dict, require
 
 VOCAB = 256
 """Byte-level tokens."""

@@ -1,10 +1,10 @@
 """The layout is the architecture: parts import only downwards, nothing imports in a cycle, no test switches.
 
-Parts of ``job`` in dependency order (a module may import its own part and the parts below it):
-cli → lifecycle → proof → export → train → format, tasks, data → errors (and the package root). ``format`` (what a
-generation holds), ``tasks`` (what is trained) and ``data`` (datasets in the bucket) are side by side: none imports
-another. ``storage`` never imports ``job``;
-``job`` never imports an S3 library; nothing in the product imports ``tests`` or reads a ``TRAINPROOF_TEST_``
+One importable package, ``trainproof``; its parts in dependency order (a module may import its own part and the parts
+below it): cli → lifecycle → proof → export → train → format, tasks, data → errors (and the package root) → storage.
+``format`` (what a generation holds), ``tasks`` (what is trained) and ``data`` (datasets in the bucket) are side by
+side: none imports another. ``trainproof.storage`` imports no other part of ``trainproof``; nothing outside
+``trainproof.storage`` imports an S3 library; nothing in the product imports ``tests`` or reads a ``TRAINPROOF_TEST_``
 variable. These are static checks over every import statement, including those inside functions.
 """
 
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PART_RANK = {"__main__": 7, "cli": 6, "lifecycle": 5, "proof": 4, "export": 3, "train": 2, "format": 1, "tasks": 1,
-             "data": 1, "errors": 0, "": 0}
+PACKAGE = "trainproof"
+PART_RANK = {"__main__": 8, "cli": 7, "lifecycle": 6, "proof": 5, "export": 4, "train": 3, "format": 2, "tasks": 2,
+             "data": 2, "errors": 1, "": 1, "storage": 0}
 REMOTE_LIBS = ("s3fs", "botocore", "boto3", "aiobotocore")
 
 
@@ -27,7 +28,7 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for pkg in ("job", "storage") for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {_module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
 
 
 MODULES = _modules()
@@ -58,29 +59,37 @@ def _part(module: str) -> str:
     return pieces[1] if len(pieces) > 1 else ""
 
 
-def test_every_part_of_job_exists_with_a_docstring_saying_what_it_owns():
-    for part in ("cli", "lifecycle", "proof", "export", "train", "format", "tasks", "data"):
-        doc = ast.get_docstring(ast.parse((ROOT / "job" / part / "__init__.py").read_text()))
-        assert doc and len(doc) > 80, f"job/{part}/__init__.py needs a docstring saying what it owns"
-    assert not [p.name for p in (ROOT / "job").glob("*.py") if p.name not in ("__init__.py", "__main__.py",
-                                                                                 "errors.py")]
+def test_every_part_exists_with_a_docstring_saying_what_it_owns():
+    for part in ("cli", "lifecycle", "proof", "export", "train", "format", "tasks", "data", "storage"):
+        doc = ast.get_docstring(ast.parse((ROOT / PACKAGE / part / "__init__.py").read_text()))
+        assert doc and len(doc) > 80, f"trainproof/{part}/__init__.py needs a docstring saying what it owns"
+    assert not [p.name for p in (ROOT / PACKAGE).glob("*.py") if p.name not in ("__init__.py", "__main__.py",
+                                                                                  "errors.py")]
 
 
-@pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("job")])
-def test_job_imports_only_downwards(name):
+def test_one_top_level_package_is_installed():
+    """Only ``trainproof`` is packaged: a user's own ``storage/`` or ``job/`` package is never shadowed."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'include = ["trainproof", "trainproof.*"]' in text
+    assert not [p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
+                and p.name not in (PACKAGE, "tests", "examples", "bench")]
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_parts_import_only_downwards(name):
     rank = PART_RANK[_part(name)]
     for imported in GRAPH[name]:
-        if imported == "job" or not imported.startswith("job."):
+        if imported == PACKAGE or not imported.startswith(PACKAGE + "."):
             continue
         same_part = _part(imported) == _part(name)
         assert same_part or PART_RANK[_part(imported)] < rank, f"{name} (part {_part(name)!r}) imports {imported}"
 
 
-def test_storage_never_imports_job_and_job_never_imports_s3_libraries():
+def test_storage_imports_no_other_part_and_only_storage_imports_s3_libraries():
     for name, imported in GRAPH.items():
         tops = {m.split(".")[0] for m in imported}
-        if name.startswith("storage"):
-            assert "job" not in tops, name
+        if _part(name) == "storage":
+            assert not {m for m in imported if m.startswith(PACKAGE + ".") and _part(m) != "storage"}, name
         else:
             assert not tops & set(REMOTE_LIBS), f"{name} imports {tops & set(REMOTE_LIBS)}"
         assert "tests" not in tops, f"{name} imports from tests/"
@@ -116,13 +125,13 @@ def test_no_test_switch_in_the_product():
 
 def test_the_checks_above_can_fail():
     """The checker itself: a planted upward import and a planted cycle are found."""
-    assert "job.train.launch" in GRAPH["job.proof.paths"]
-    assert PART_RANK[_part("job.cli.train")] > PART_RANK[_part("job.train.loop")]
-    assert PART_RANK[_part("job.format.state")] == PART_RANK[_part("job.tasks.base")], "siblings: neither may import the other"
+    assert "trainproof.train.launch" in GRAPH["trainproof.proof.paths"]
+    assert PART_RANK[_part("trainproof.cli.train")] > PART_RANK[_part("trainproof.train.loop")]
+    assert PART_RANK[_part("trainproof.format.state")] == PART_RANK[_part("trainproof.tasks.base")], "siblings: neither may import the other"
     with pytest.raises(AssertionError, match="import cycle"):
         saved = dict(GRAPH)
         try:
-            GRAPH["job.errors"] = GRAPH["job.errors"] | {"job.train.loop"}
+            GRAPH["trainproof.errors"] = GRAPH["trainproof.errors"] | {"trainproof.train.loop"}
             test_no_import_cycles()
         finally:
             GRAPH.clear()

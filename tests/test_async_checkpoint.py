@@ -1,7 +1,7 @@
 """Asynchronous checkpoints (the default): only a host-memory snapshot blocks training; the commit runs in the
 background with every guarantee of a synchronous one.
 
-Real ``python -m job train`` processes against a local-folder store, killed with real signals. Slow saves come
+Real ``python -m trainproof train`` processes against a local-folder store, killed with real signals. Slow saves come
 from the test wrapper tests/support/hooked.py (``TPHOOK_SAVE_DELAY`` sleeps after the state was written and read
 back, before ``COMPLETE.json``), which :func:`tests.test_train_helpers.start` uses when a ``TPHOOK_*`` key is set.
 """
@@ -39,10 +39,10 @@ def test_snapshot_is_isolated_from_training():
     the captured state by itself does not (it shares tensors with the model and optimizer)."""
     import torch
 
-    from job.tasks import load_task
-    from job.train.async_save import snapshot
-    from job.train.run import build_run, capture_state, train_step
-    from job.format.state import decode, encode
+    from trainproof.tasks import load_task
+    from trainproof.train.async_save import snapshot
+    from trainproof.train.run import build_run, capture_state, train_step
+    from trainproof.format.state import decode, encode
 
     task = load_task("regression", {})
     run_ = build_run(task, torch.device("cpu"), 1234)
@@ -66,8 +66,8 @@ def test_the_background_save_runs_at_low_cpu_priority_and_spools_the_state(tmp_p
 
     import torch
 
-    from job.train.async_save import SAVE_NICE, BackgroundSaver
-    from job.train.progress import Reporter
+    from trainproof.train.async_save import SAVE_NICE, BackgroundSaver
+    from trainproof.train.progress import Reporter
 
     seen = {}
 
@@ -242,7 +242,7 @@ def test_a_background_upload_failure_on_s3_fails_the_run_and_leaves_nothing_usab
     """S3 through a fault proxy: once step 10 is committed, every PUT of step 20 is refused (403). The background
     commit fails, the run stops at a step boundary with one line naming step 20 and a non-zero exit, step 20 has
     no COMPLETE.json, and step 10 stays the resume point."""
-    from storage import open_store
+    from trainproof.storage import open_store
     from tests.support.faultproxy import Fault, FaultProxy
 
     url = f"s3://{s3_env}/run"

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from storage import open_store
+from trainproof.storage import open_store
 from tests.test_dist_helpers import load_world_state, read_until, start_world
 from tests.test_train_helpers import differences, finish, parse_events, trajectory
 
@@ -42,7 +42,7 @@ def test_a_sharded_snapshot_copies_the_local_shard_keeps_its_placement_and_is_no
     change the live shards and leave the snapshot as it was."""
     from torch.distributed.tensor import DTensor
 
-    from job.train import dist
+    from trainproof.train import dist
 
     cpu = torch.device("cpu")
     try:
@@ -55,11 +55,11 @@ def test_a_sharded_snapshot_copies_the_local_shard_keeps_its_placement_and_is_no
 
 
 def _snapshot_checks(dist, cpu, DTensor) -> None:
-    from job.tasks import load_task
-    from job.train.async_save import snapshot
-    from job.train.fsdp import sharded_state
-    from job.format.layout import Layout
-    from job.train.run import build_run, train_step
+    from trainproof.tasks import load_task
+    from trainproof.train.async_save import snapshot
+    from trainproof.train.fsdp import sharded_state
+    from trainproof.format.layout import Layout
+    from trainproof.train.run import build_run, train_step
 
     with dist.session(dist.DistEnv(), cpu, group_of_one=True) as sync:
         run = build_run(load_task("regression", {}), cpu, 1234, env=sync.env, sync=sync,

@@ -1,9 +1,9 @@
 """An export bundle loads with nothing but ``torch`` and ``safetensors``: the README snippet, taken verbatim from
-the bundle's README.md, runs in an interpreter that cannot import ``job`` or ``storage`` (``python -S -E -s``
+the bundle's README.md, runs in an interpreter that cannot import ``trainproof`` (``python -S -E -s``
 whose import path is the bundle folder, the standard library and a folder exposing only torch, safetensors and
 their declared dependencies) and reproduces the metric of ``metrics.json`` within the tolerance the README states.
 
-Runs for regression, tinylm and examples.charlm (trained by ``python -m job train``, exported in this process).
+Runs for regression, tinylm and examples.charlm (trained by ``python -m trainproof train``, exported in this process).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BOOT = """
 import importlib.util, sys
 sys.path.insert(1, {site!r})
-reachable = [m for m in ("job", "storage", "tests") if importlib.util.find_spec(m) is not None]
+reachable = [m for m in ("trainproof", "tests") if importlib.util.find_spec(m) is not None]
 print("TRAINPROOF-REACHABLE", reachable)
 exec(compile(open("snippet.py").read(), "README.md", "exec"), {{"__name__": "__main__"}})
 """
@@ -60,7 +60,7 @@ def torch_only_site(tmp_path_factory) -> Path:
     """A folder of links to torch, safetensors and their dependencies only (what `pip install torch safetensors`
     puts in a fresh virtualenv)."""
     site = link_site(tmp_path_factory.mktemp("torch-only-site"), "torch", "safetensors")
-    assert not {"job", "storage", "numpy", "trainproof"} & {p.name for p in site.iterdir()}
+    assert not {"numpy", "trainproof"} & {p.name for p in site.iterdir()}
     return site
 
 
@@ -83,8 +83,8 @@ def _snippet(readme: str) -> str:
 def _export(tmp: Path, task: str, *args: str) -> Path:
     trained = run(tmp / "run", "--task", task, "--max-steps", "3", *args)
     assert trained.code == 0, trained.stderr
-    from job.export.bundle import export
-    from storage import open_store
+    from trainproof.export.bundle import export
+    from trainproof.storage import open_store
 
     bundle = export(open_store(str(tmp / "run")), task=task)  # the task comes from the caller, never plan.json
     return tmp / "run" / "exports" / f"step-{bundle.step:08d}"
@@ -104,7 +104,7 @@ def _run_snippet(bundle: Path, copy: Path, site: Path) -> subprocess.CompletedPr
     ("examples.charlm:factory", ("--config", str(ROOT / "examples" / "charlm-quick.json"))),
 ], ids=["regression", "tinylm", "charlm"])
 def test_readme_snippet_reproduces_the_metric_without_trainproof(task, args, tmp_path, torch_only_site):
-    from job.export.standalone import STANDALONE_RTOL
+    from trainproof.export.standalone import STANDALONE_RTOL
 
     (tmp_path / "tinylm.json").write_text(json.dumps({"n_sequences": 12}))
     bundle = _export(tmp_path, task, *(a.format(tmp=tmp_path) for a in args))
@@ -119,19 +119,19 @@ def test_readme_snippet_reproduces_the_metric_without_trainproof(task, args, tmp
 
 
 def test_the_reachability_probe_sees_trainproof_where_it_is(tmp_path, torch_only_site):
-    """The probe the snippet test relies on, from the repository root (where job/ is on the path): it sees it."""
+    """The probe the snippet test relies on, from the repository root (where trainproof/ is on the path): it sees it."""
     boot = BOOT.split("exec(")[0]
     result = subprocess.run([sys.executable, "-S", "-E", "-s", "-c", boot.format(site=str(torch_only_site))],
                             cwd=ROOT, env={"PATH": os.environ.get("PATH", "")}, capture_output=True, text=True)
-    # From the repository root '' would expose job/: the first line proves find_spec sees it, so the [] above
+    # From the repository root '' would expose trainproof/: the first line proves find_spec sees it, so the [] above
     # is a real measurement, not a blind spot.
-    assert "TRAINPROOF-REACHABLE ['job', 'storage', 'tests']" in result.stdout and result.returncode == 0
+    assert "TRAINPROOF-REACHABLE ['trainproof', 'tests']" in result.stdout and result.returncode == 0
 
 
 USER_TASK = """
 import torch
 from torch.utils.data import TensorDataset
-from job.tasks import DatasetTask
+from trainproof.tasks import DatasetTask
 
 def factory(config):
     x = torch.linspace(-1, 1, 16, dtype=torch.float64).unsqueeze(1)
@@ -151,8 +151,8 @@ def test_a_traceable_task_unknown_to_the_exporter_gets_a_program_that_runs_witho
     trained = run(tmp_path / "run", "--task", "usertask:factory", "--max-steps", "2",
                   env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
     assert trained.code == 0, trained.stderr
-    from job.export.bundle import export
-    from storage import open_store
+    from trainproof.export.bundle import export
+    from trainproof.storage import open_store
 
     export(open_store(str(tmp_path / "run")), task="usertask:factory")
     bundle = tmp_path / "run" / "exports" / "step-00000002"
@@ -182,7 +182,7 @@ def test_a_traceable_task_unknown_to_the_exporter_gets_a_program_that_runs_witho
 
 
 def test_a_bundle_of_an_untraceable_unknown_task_says_so_and_has_no_snippet():
-    from job.export.bundle_readme import readme
+    from trainproof.export.bundle_readme import readme
 
     text = readme(metric_name="m", metric=1.0, fp_name="model.safetensors", bf16_names=["model_bf16.pt"],
                   has_model_py=False, program_note="not traced: x", has_plot=False)

@@ -1,7 +1,7 @@
 """A checkpoint's size does not grow with the run: 3 000 steps of ``regression`` checkpoint to the same size as 10
 (``bench/bench_growth.py`` measures 100 000).
 
-In-process through the real trainer (job.train.loop.train: the loop, the background saver, the checkpointer's
+In-process through the real trainer (trainproof.train.loop.train: the loop, the background saver, the checkpointer's
 commit with its read-back check) into a ``memory://`` store: a real ``trainproof train`` process needs ~75 s for
 the 1000 commits of 10 000 steps on a shared 2-core machine, this ~20 s; 3 000 steps keep the suite short).
 """
@@ -12,11 +12,11 @@ import io
 import uuid
 import zipfile
 
-from job.train.config import TrainConfig
-from job.train.loop import train
-from job.train.progress import Reporter
-from job.format.state import STATE_FILE, decode
-from storage import open_store
+from trainproof.train.config import TrainConfig
+from trainproof.train.loop import train
+from trainproof.train.progress import Reporter
+from trainproof.format.state import STATE_FILE, decode
+from trainproof.storage import open_store
 
 INTERVAL = 10
 

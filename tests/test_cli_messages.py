@@ -1,5 +1,5 @@
 """What a person reads: exit codes and one-line messages of the rough edges a user hits first, through the real
-entry point (``python -m job``), plus the regression fixture's opt-in learning-rate floor."""
+entry point (``python -m trainproof``), plus the regression fixture's opt-in learning-rate floor."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ CONTRACT = re.compile(r"\b[0-9a-f]{64}\b")
 
 
 def job(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, env=train_env(env), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, env=train_env(env), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -63,7 +63,7 @@ def test_the_start_line_is_readable_and_says_the_target_is_the_tasks_default(tmp
 
 
 def test_after_sigterm_the_last_line_says_how_to_resume(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "job", "train", "--store", str(tmp_path / "run"),
+    proc = subprocess.Popen([sys.executable, "-m", "trainproof", "train", "--store", str(tmp_path / "run"),
                              "--max-steps", "1000000"], cwd=ROOT, env=train_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for line in proc.stdout:  # wait until it trains
@@ -76,7 +76,7 @@ def test_after_sigterm_the_last_line_says_how_to_resume(tmp_path):
 
 
 def test_regression_lr_min_is_opt_in_and_leaves_the_fixture_alone():
-    from job.tasks import load_task
+    from trainproof.tasks import load_task
 
     fixture, floored = load_task("regression"), load_task("regression", {"lr_min": 1e-3})
     assert "lr_min" not in fixture.config() and floored.config()["lr_min"] == 1e-3  # fixture's contract unchanged
@@ -106,7 +106,7 @@ def test_regression_lr_min_is_opt_in_and_leaves_the_fixture_alone():
     ("http://127.0.0.1:9000/?X-Amz-Signature=secretsig", "query string"),
 ])
 def test_a_malformed_endpoint_is_one_line_exit_2_without_secrets(tmp_path, endpoint, why):
-    result = subprocess.run([sys.executable, "-m", "job", "ls", "--store", "s3://bucket/run", "--endpoint-url",
+    result = subprocess.run([sys.executable, "-m", "trainproof", "ls", "--store", "s3://bucket/run", "--endpoint-url",
                              endpoint], cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -115,6 +115,6 @@ def test_a_malformed_endpoint_is_one_line_exit_2_without_secrets(tmp_path, endpo
 
 
 def test_a_store_url_query_string_is_refused_and_never_printed():
-    result = subprocess.run([sys.executable, "-m", "job", "ls", "--store", "s3://bucket/run?X-Amz-Signature=sig1"],
+    result = subprocess.run([sys.executable, "-m", "trainproof", "ls", "--store", "s3://bucket/run?X-Amz-Signature=sig1"],
                             cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "query string" in result.stderr and "sig1" not in result.stderr, result.stderr

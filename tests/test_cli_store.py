@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 
-from storage import open_store
+from trainproof.storage import open_store
 from tests.support.faultproxy import Fault, FaultProxy
 from tests.support.s3server import free_port
 
@@ -16,9 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tp(*args, env=None, timeout=120):
-    """Run `python -m job ARGS` as a user would."""
+    """Run `python -m trainproof ARGS` as a user would."""
     full_env = dict(os.environ if env is None else env)
-    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, capture_output=True, text=True,
                           env=full_env, timeout=timeout)
 
 

@@ -1,4 +1,4 @@
-"""The code identity (version + digest of the job/ and storage/ sources) in every state and generation; a resume
+"""The code identity (version + digest of the trainproof/ sources) in every state and generation; a resume
 under other code is refused (exit 2) unless ``--allow-code-change``, which is recorded; plan.json's contract does
 not depend on it; retention keeps the generation the newest restore started from until an audit passed across it.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from job.format.contract import build_plan, contract_of
-from job.format.identity import code_version, source_digest
-from job.format.protect import audited_past, restore_protection
-from storage import open_store
-from storage.generations import COMPLETE, GenerationInfo
-from storage.retention import RetentionPolicy, plan_retention
+from trainproof.format.contract import build_plan, contract_of
+from trainproof.format.identity import code_version, source_digest
+from trainproof.format.protect import audited_past, restore_protection
+from trainproof.storage import open_store
+from trainproof.storage.generations import COMPLETE, GenerationInfo
+from trainproof.storage.retention import RetentionPolicy, plan_retention
 from tests.test_train_helpers import load_state, run
 from tests.test_verify_helpers import read_report, trainproof
 
@@ -28,12 +28,12 @@ OLD = "trainproof 0.0.9+000000000000"
 def test_the_identity_is_the_version_plus_a_digest_of_the_sources(tmp_path):
     assert re.fullmatch(r"trainproof 0\.1\.0\+[0-9a-f]{12}", code_version())
     root = Path(__file__).resolve().parent.parent
-    for pkg in ("job", "storage"):
+    for pkg in ("trainproof",):
         shutil.copytree(root / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     assert source_digest(tmp_path)[:12] == code_version().rsplit("+", 1)[1]
-    (tmp_path / "README.md").write_text("not code")  # outside job/ and storage/: no change
+    (tmp_path / "README.md").write_text("not code")  # outside trainproof/: no change
     assert source_digest(tmp_path)[:12] == code_version().rsplit("+", 1)[1]
-    with (tmp_path / "storage" / "retention.py").open("a") as f:
+    with (tmp_path / "trainproof" / "storage" / "retention.py").open("a") as f:
         f.write("\n# an edit\n")
     assert source_digest(tmp_path)[:12] != code_version().rsplit("+", 1)[1]
 

@@ -1,9 +1,9 @@
-"""The verifier's comparison of sharded states a group of entries at a time (job.proof.compare ``compare_sections``,
-job.train.fsdp ``ShardedSections``): the same verdicts, largest differences and parameter distance as comparing the
+"""The verifier's comparison of sharded states a group of entries at a time (trainproof.proof.compare ``compare_sections``,
+trainproof.train.fsdp ``ShardedSections``): the same verdicts, largest differences and parameter distance as comparing the
 states read whole, while no read holds more than one group of each side, and the reference's bytes are read once
 whatever the number of states compared with it.
 
-Sharded generations are written in this process (DCP, world 1, no process group: job.train.sharded
+Sharded generations are written in this process (DCP, world 1, no process group: trainproof.train.sharded
 ``save_sharded``) into a local store, then read back through the verified reader, as the verifier reads a path.
 """
 
@@ -14,13 +14,13 @@ import math
 import pytest
 import torch
 
-import job.proof.compare as compare_module
-from job.errors import ConfigError
-from job.proof.compare import (SECTIONS, Diff, Tolerance, compare_all, compare_sections, diff_tree, group_bytes,
+import trainproof.proof.compare as compare_module
+from trainproof.errors import ConfigError
+from trainproof.proof.compare import (SECTIONS, Diff, Tolerance, compare_all, compare_sections, diff_tree, group_bytes,
                                parameter_distance)
-from job.train import sharded
-from job.train.fsdp import ShardedSections
-from storage import open_store
+from trainproof.train import sharded
+from trainproof.train.fsdp import ShardedSections
+from trainproof.storage import open_store
 
 CONTRACT = "c" * 64
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from storage.signing import key_id
+from trainproof.storage.signing import key_id
 from tests.support import container
 from tests.support.s3server import dummy_aws_env
 from tests.test_train_helpers import differences, load_state, trajectory

@@ -20,7 +20,7 @@ CUDA = torch.device("cuda")
 
 
 def test_the_async_snapshot_of_cuda_tensors_is_pinned_and_exact():
-    from job.train.async_save import _Snapshotter
+    from trainproof.train.async_save import _Snapshotter
 
     state = {"model": {"w": torch.randn(1024, 1024, device=CUDA), "b": torch.arange(7, device=CUDA)}, "step": 3}
     copied, done = _Snapshotter().copy(state)
@@ -36,9 +36,9 @@ def test_the_async_snapshot_of_cuda_tensors_is_pinned_and_exact():
 @pytest.mark.parametrize(("precision", "dtype", "scaled"), [("fp16", torch.float16, True),
                                                             ("bf16", torch.bfloat16, False)])
 def test_autocast_paths_train_on_the_gpu(precision, dtype, scaled):
-    from job.tasks import load_task
-    from job.train.device import configure_determinism
-    from job.train.run import build_run, train_step
+    from trainproof.tasks import load_task
+    from trainproof.train.device import configure_determinism
+    from trainproof.train.run import build_run, train_step
 
     task = load_task("tinylm")
     task.precision = precision

@@ -1,4 +1,4 @@
-"""Datasets in the bucket (job.data, storage.objects), in process: packing and reading back every kind on every
+"""Datasets in the bucket (trainproof.data, trainproof.storage.objects), in process: packing and reading back every kind on every
 backend, the identity, what a hostile or damaged bucket gets (a refused manifest, a flipped byte or a missing shard
 named in one line, exit 2 through ``trainproof data``), the part cache's bound, and a forked reader.
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from job.data import DATASET_FILE, ShardedDataset, pack_records, pack_samples, token_windows
-from job.data import manifest as dm
-from job.errors import ConfigError, DataError
-from storage import open_store
-from storage.objects import CorruptObjectError, ObjectReader, PartCache, parse_entry
+from trainproof.data import DATASET_FILE, ShardedDataset, pack_records, pack_samples, token_windows
+from trainproof.data import manifest as dm
+from trainproof.errors import ConfigError, DataError
+from trainproof.storage import open_store
+from trainproof.storage.objects import CorruptObjectError, ObjectReader, PartCache, parse_entry
 from tests.test_verify_helpers import cli  # noqa: F401  (fixture)
 
 SMALL = {"shard_bytes": 16 * 1024, "part_bytes": 4096}
@@ -265,7 +265,7 @@ def test_a_cached_part_of_the_wrong_size_is_fetched_again(tmp_path):
 def test_an_object_entry_is_checked_before_use_and_a_part_is_read_once_more_on_a_mismatch(tmp_path):
     store = open_store(str(tmp_path / "objects"))
     store.write_file("blob", os.urandom(10_000))
-    from storage.digest import digest_bytes
+    from trainproof.storage.digest import digest_bytes
 
     digest = digest_bytes(store.read_file("blob"), part_bytes=4096)
     entry = parse_entry({"name": "blob", "bytes": 10_000, "sha256": str(digest), "part_bytes": 4096,

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from job.data import ShardedDataset, pack_records, token_windows
-from job.errors import DataError
-from storage import open_store
-from storage.backend import join
+from trainproof.data import ShardedDataset, pack_records, token_windows
+from trainproof.errors import DataError
+from trainproof.storage import open_store
+from trainproof.storage.backend import join
 from tests.test_examples import final_state, without_invocation
 from tests.test_train_helpers import differences, finish, parse_events, start
 from tests.test_verify_helpers import HOOKED, checks, cli, read_report, trainproof  # noqa: F401  (cli)
@@ -60,7 +60,7 @@ def test_a_bucket_dataset_trains_with_workers_resumes_and_verifies_on_s3(cli, s3
     assert checks(report, "resume")["sample_ids"]["max_abs_diff"] == 0.0
 
     monkeypatch.setenv("TPHOOK_SAVE_PREFETCHED", "1")  # inherited by the path processes
-    monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
+    monkeypatch.setattr("trainproof.train.launch.ENTRY_MODULE", HOOKED)
     result = cli("verify", *common, "--id", "prefetched", "--reuse-reference", "ref")
     assert result.exit_code == 1, result.output + result.stderr
     caught = read_report(store, "prefetched")

@@ -1,4 +1,4 @@
-"""Batches built ahead by DataLoader workers, resumed exactly (job.train.pipeline), through real trainer processes.
+"""Batches built ahead by DataLoader workers, resumed exactly (trainproof.train.pipeline), through real trainer processes.
 
 ``examples/tokenlm.py`` on a small packed dataset in a folder (windows of 17 tokens read through the verified part
 cache, per-window input noise drawn from each window's own generator, dropout in the model):
@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from job.train.data import EpochSampler
-from job.train.pipeline import Lookahead, micro_batches
-from job.train.rng import data_generator
+from trainproof.train.data import EpochSampler
+from trainproof.train.pipeline import Lookahead, micro_batches
+from trainproof.train.rng import data_generator
 from tests.test_examples import final_state, without_invocation
 from tests.test_train_helpers import ROOT, differences, entry_module, finish, parse_events, start, train_cmd, train_env
 from tests.test_verify_helpers import read_report
@@ -118,7 +118,7 @@ def test_zero_two_and_four_workers_end_in_identical_states(continuous, dataset):
     plans = [json.loads((store / "plan.json").read_text()) for store in continuous.values()]
     assert len({p["contract"] for p in plans}) == 1  # the worker count is not part of the contract
     assert plans[0]["data_pipeline"] == {"build": "build_batch", "sample_rng": "trainproof.sample-rng/1"}
-    from job.data import ShardedDataset
+    from trainproof.data import ShardedDataset
 
     packed = ShardedDataset(dataset["url"], cache_dir=dataset["cache"])
     assert packed.data_identity == dataset["identity"]
@@ -158,7 +158,7 @@ def test_sigterm_at_random_steps_with_batches_in_flight_resumes_bitwise(continuo
 def test_a_checkpoint_of_the_workers_position_instead_of_the_consumed_one_ends_elsewhere(continuous, dataset,
                                                                                           tmp_path):
     """The negative control of the test above: the same stops, each checkpoint holding where the workers had been
-    asked to build up to (job.train.pipeline's lookahead) instead of what the trainer consumed."""
+    asked to build up to (trainproof.train.pipeline's lookahead) instead of what the trainer consumed."""
     store, stops = _interrupted(tmp_path, dataset, {"TPHOOK_SAVE_PREFETCHED": "1"})
     expected, got = final_state(continuous[0]), final_state(store)
     found = differences(without_invocation(expected), without_invocation(got))
@@ -187,9 +187,9 @@ def test_a_run_built_without_a_pipeline_trains_as_the_trainers_pipeline_does(dat
     zero workers does; before, it called make_batch, which DatasetTask does not implement."""
     import torch
 
-    from job.tasks import load_task
-    from job.train.pipeline import open_batches
-    from job.train.run import build_run, train_step
+    from trainproof.tasks import load_task
+    from trainproof.train.pipeline import open_batches
+    from trainproof.train.run import build_run, train_step
 
     monkeypatch.setenv("TRAINPROOF_DATA_CACHE", dataset["cache"])
     config = json.loads(Path(dataset["config"]).read_text())
@@ -227,7 +227,7 @@ def test_verify_catches_the_workers_position_saved_at_the_cut(dataset, tmp_path)
 def test_a_damaged_shard_read_by_a_worker_ends_the_run_with_one_line_naming_it(dataset, tmp_path):
     import shutil
 
-    from job.data import ShardedDataset
+    from trainproof.data import ShardedDataset
 
     copy = tmp_path / "damaged"
     shutil.copytree(dataset["url"], copy)

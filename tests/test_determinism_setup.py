@@ -8,7 +8,7 @@ import sys
 
 PROBE = """
 import sys, torch
-from job.train.device import use_deterministic_algorithms
+from trainproof.train.device import use_deterministic_algorithms
 for warn in (False, True):
     use_deterministic_algorithms(warn_only=warn)
     print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),

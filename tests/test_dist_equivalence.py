@@ -8,7 +8,7 @@ associative, so the parameters may differ in the last bits. In float64 those dif
 1e-12 after 12 AdamW steps; a real change of the objective moves them by 1e-2 and more.
 
 The runs use no randomness but the data order: each rank draws dropout masks and noise from its own
-stream (job.train.dist.rank_seed), so with dropout a W=2 run is another, equally valid, random realisation
+stream (trainproof.train.dist.rank_seed), so with dropout a W=2 run is another, equally valid, random realisation
 and cannot be compared with the one-rank run. The data order is global and world-independent.
 """
 

@@ -1,6 +1,6 @@
 """Shared helpers for the distributed tests (no tests here).
 
-Real worlds: ``python -m job train --nproc-per-node W`` (trainproof's launcher, gloo on the CPU, a free
+Real worlds: ``python -m trainproof train --nproc-per-node W`` (trainproof's launcher, gloo on the CPU, a free
 port), or torchrun itself. States are read back through the store and joined with their rank files,
 exactly like a resume does.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from job.tasks.tinylm import TinyLMConfig, TinyLMTask
+from trainproof.tasks.tinylm import TinyLMConfig, TinyLMTask
 from tests.test_train_helpers import ROOT, entry_module, parse_events, train_env
 
 # Short collective timeout: a test that breaks a rank must see the others give up quickly.
@@ -32,7 +32,7 @@ def start_world(store: Path | str, *args: str, world: int = 2, env: dict[str, st
 def start_torchrun(store: Path | str, *args: str, world: int = 2) -> subprocess.Popen:
     """The same run under torchrun (trainproof as a plain worker; torchrun picks the port)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    cmd = [*torchrun, "-m", "job", "train", "--store", str(store), *DIST_ARGS, *args]
+    cmd = [*torchrun, "-m", "trainproof", "train", "--store", str(store), *DIST_ARGS, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=train_env(), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 
@@ -56,10 +56,10 @@ def rank_pids(proc: subprocess.Popen, lines: list[str]) -> list[int]:
 
 def load_world_state(store: Path | str, step: int | None = None) -> dict[str, Any]:
     """The joined state (every rank's part) of generation ``step`` (default: the newest usable one), with its full
-    history reassembled from the run's generations (job.format.history)."""
-    from job.format.history import from_store
-    from job.format.state import decode_generation
-    from storage import open_store
+    history reassembled from the run's generations (trainproof.format.history)."""
+    from trainproof.format.history import from_store
+    from trainproof.format.state import decode_generation
+    from trainproof.storage import open_store
 
     s = open_store(str(store))
     loaded = s.load(step) if step is not None else s.load_latest(quarantine=False)
@@ -75,6 +75,6 @@ class TinyLM64(TinyLMTask):
 
 def tinylm64(config: dict[str, Any] | None = None) -> TinyLM64:
     """``--task tests.test_dist_helpers:tinylm64``."""
-    from job.tasks.base import config_from_dict
+    from trainproof.tasks.base import config_from_dict
 
     return TinyLM64(config_from_dict(TinyLMConfig, config))

@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from job.train.data import epoch_plan, permutation_of
-from job.train.dist import rank_seed, rank_slice
-from job.errors import ConfigError, StateError
-from job.train.launch import world_exit_code
-from job.format.state import decode_generation, rank_file
-from storage import open_store
+from trainproof.train.data import epoch_plan, permutation_of
+from trainproof.train.dist import rank_seed, rank_slice
+from trainproof.errors import ConfigError, StateError
+from trainproof.train.launch import world_exit_code
+from trainproof.format.state import decode_generation, rank_file
+from trainproof.storage import open_store
 from tests.test_dist_helpers import load_world_state, rank_pids, read_until, start_torchrun, start_world
 from tests.test_train_helpers import differences, finish, history_rows, run_all, trajectory
 

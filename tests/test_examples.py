@@ -1,7 +1,7 @@
 """Bring your own model: the ``DatasetTask`` adapter and ``examples/charlm.py`` through the real entry point.
 
 - the adapter returns the sum of per-target losses with an exact count, refuses a reduced or misshapen loss
-  (in process, and as exit 2 from ``python -m job train``), and keeps its randomness on the trainer's generators;
+  (in process, and as exit 2 from ``python -m trainproof train``), and keeps its randomness on the trainer's generators;
 - the example, SIGTERMed mid-run (a real signal to a real process), exits 75, resumes, and ends bitwise equal to
   an uninterrupted run (states read back through the store);
 - the README section's commands run as written (``trainproof`` console script, ``export PYTHONPATH``), and
@@ -9,7 +9,7 @@
 - ``verify`` catches a task that draws from a private generator (the pitfall docs/tasks.md warns about);
 - docs/tasks.md's two task modules (adapter, from scratch) train through the entry point and round-trip config().
 
-Everything else in ``job`` is driven through processes: only ``job.tasks`` and ``storage`` are imported.
+Everything else in ``job`` is driven through processes: only ``trainproof.tasks`` and ``storage`` are imported.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from job.tasks import BatchRequest, ConfigError, DatasetTask, dataset_digest, load_task
-from storage import open_store
+from trainproof.tasks import BatchRequest, ConfigError, DatasetTask, dataset_digest, load_task
+from trainproof.storage import open_store
 from tests.test_train_helpers import differences
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +55,8 @@ def env_without_trainproof(extra: dict[str, str] | None = None, *, pythonpath: b
 
 
 def job(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m job ARGS`` from the repository root, to completion."""
-    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, env=env or env_without_trainproof(),
+    """``python -m trainproof ARGS`` from the repository root, to completion."""
+    return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, env=env or env_without_trainproof(),
                           text=True, capture_output=True, timeout=timeout)
 
 
@@ -68,7 +68,7 @@ def events(stdout: str) -> list[dict[str, Any]]:
 def final_state(store: Path | str) -> dict[str, Any]:
     """The newest usable generation's training state: read and verified by the store, decoded weights-only, with its
     full history reassembled from the run's generations (each holds only the rows since the previous one)."""
-    from job.format.history import from_store
+    from trainproof.format.history import from_store
 
     run = open_store(str(store))
     loaded = run.load_latest(quarantine=False)
@@ -213,10 +213,10 @@ def test_charlm_sigterm_mid_run_exits_75_and_resumes_bitwise(tmp_path):
     config = tmp_path / "charlm.json"
     config.write_text(json.dumps(SIGTERM_CONFIG))
     args = ("--task", CHARLM, "--config", str(config), "--max-steps", str(SIGTERM_TARGET), "--log-format", "json")
-    reference = subprocess.Popen([sys.executable, "-m", "job", "train", "--store", str(tmp_path / "ref"), *args],
+    reference = subprocess.Popen([sys.executable, "-m", "trainproof", "train", "--store", str(tmp_path / "ref"), *args],
                                  cwd=ROOT, env=env_without_trainproof(), text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    victim = subprocess.Popen([sys.executable, "-m", "job", "train", "--store", str(tmp_path / "cut"), *args],
+    victim = subprocess.Popen([sys.executable, "-m", "trainproof", "train", "--store", str(tmp_path / "cut"), *args],
                               cwd=ROOT, env=env_without_trainproof(), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -257,7 +257,7 @@ def test_a_misshapen_loss_stops_training_with_exit_2_and_says_why(tmp_path):
     module.write_text(textwrap.dedent('''
         import torch
         from torch.utils.data import TensorDataset
-        from job.tasks import DatasetTask
+        from trainproof.tasks import DatasetTask
 
         def factory(config):
             x = torch.linspace(-1, 1, 8).unsqueeze(1)
@@ -291,7 +291,7 @@ def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, m
         again = load_task(f"{name}:factory", task.config())
         assert again.config() == task.config() and again.data_identity() == task.data_identity(), name
     env = env_without_trainproof({"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "TRAINPROOF_LOG_FORMAT": "json"})
-    procs = {name: subprocess.Popen([sys.executable, "-m", "job", "train", "--store", str(tmp_path / name),
+    procs = {name: subprocess.Popen([sys.executable, "-m", "trainproof", "train", "--store", str(tmp_path / name),
                                      "--task", f"{name}:factory", "--max-steps", "8"],
                                     cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for name in modules}
@@ -363,7 +363,7 @@ def test_verify_catches_a_task_that_draws_from_a_private_generator(tmp_path):
         import numpy as np
         import torch
         from torch.utils.data import TensorDataset
-        from job.tasks import DatasetTask
+        from trainproof.tasks import DatasetTask
 
         def factory(config):
             private = np.random.default_rng(0)  # WRONG: not checkpointed by the trainer

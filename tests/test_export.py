@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from storage import open_store
+from trainproof.storage import open_store
 from tests.test_train_helpers import run
 from tests.test_verify_helpers import cli, trainproof  # noqa: F401  (cli: a fixture)
 
@@ -54,11 +54,11 @@ def test_export_commits_a_complete_bundle(exported):
 
 
 def test_the_weight_files_are_what_the_libraries_write_and_no_spool_file_is_left(exported):
-    """The weight files are written tensor by tensor through spool files (job.export.tensorfile); the bytes are
+    """The weight files are written tensor by tensor through spool files (trainproof.export.tensorfile); the bytes are
     still exactly what safetensors and torch.save make of the same weights, and the spools are deleted."""
     from safetensors.torch import load, save
 
-    from job.tasks import load_task
+    from trainproof.tasks import load_task
 
     bundle = exported["bundle"]
     full = (bundle / "model.safetensors").read_bytes()
@@ -82,10 +82,10 @@ def test_building_the_bundle_lets_the_gathered_weights_go_and_deletes_its_spools
     import gc
     import weakref
 
-    from job.tasks import load_task
-    from job.export.bundle import FP_FILE, build_files, discard
-    from job.format.state import STATE_FILE, decode
-    from storage.spool import Spool
+    from trainproof.tasks import load_task
+    from trainproof.export.bundle import FP_FILE, build_files, discard
+    from trainproof.format.state import STATE_FILE, decode
+    from trainproof.storage.spool import Spool
 
     run_dir = exported["dir"] / "run"
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -113,9 +113,9 @@ def test_building_the_bundle_lets_the_gathered_weights_go_and_deletes_its_spools
 
 def test_a_damaged_weights_spool_fails_the_content_check(tmp_path):
     """The store's content check reads a spooled weights file from its path (mapped, or tensor by tensor)."""
-    from job.export.bundle import check_file
-    from job.export.tensorfile import write_safetensors
-    from storage.spool import SpoolWriter
+    from trainproof.export.bundle import check_file
+    from trainproof.export.tensorfile import write_safetensors
+    from trainproof.storage.spool import SpoolWriter
 
     with SpoolWriter(str(tmp_path)) as out:
         write_safetensors(out, {"a": torch.arange(6, dtype=torch.float32)})
@@ -170,8 +170,8 @@ def test_exporting_again_reuses_the_committed_bundle(exported, cli):  # noqa: F8
 
 
 def test_a_bundle_whose_metric_is_wrong_fails_its_reload_check(exported, tmp_path):
-    from job.export.bundle import check_file
-    from job.proof.reload import reload_check
+    from trainproof.export.bundle import check_file
+    from trainproof.proof.reload import reload_check
 
     source = open_store(str(exported["dir"] / "dest")).load(4)
     files = dict(source.files)
@@ -192,8 +192,8 @@ def test_the_reload_check_maps_spooled_weight_files_and_refuses_a_malformed_one(
     """With every file spooled (as the weights of any real model are), the reload check maps the weight files,
     reads the records from their spools and reproduces the metrics exactly; a committed model.safetensors whose
     header is not safetensors' is named, not crashed on."""
-    from job.errors import ConfigError
-    from job.proof import reload
+    from trainproof.errors import ConfigError
+    from trainproof.proof import reload
 
     monkeypatch.setattr(reload, "SPOOL_FROM", 1)
     monkeypatch.setenv("TRAINPROOF_SPOOL_DIR", str(tmp_path / "spool"))
@@ -220,7 +220,7 @@ def test_export_of_a_store_without_a_run_is_exit_2(cli, tmp_path):  # noqa: F811
 
 @pytest.mark.parametrize("name,config", [("regression", {}), ("tinylm", {"n_sequences": 12})])
 def test_evaluate_is_deterministic_and_leaves_no_trace(name, config):
-    from job.tasks import load_task
+    from trainproof.tasks import load_task
 
     task = load_task(name, config)
     torch.manual_seed(0)

@@ -46,7 +46,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 def _job(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     from tests.test_train_helpers import train_env
 
-    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, env=train_env({**OFFLINE, **(env or {})}),
+    return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, env=train_env({**OFFLINE, **(env or {})}),
                           text=True, capture_output=True, timeout=timeout)
 
 
@@ -134,14 +134,14 @@ def transformers_only_site(tmp_path_factory) -> Path:
     """A folder of links to transformers, torch, safetensors and their dependencies only (no trainproof)."""
     site = link_site(tmp_path_factory.mktemp("transformers-only-site"), "transformers", "torch", "safetensors",
                      "tokenizers")
-    assert not {"job", "storage", "trainproof", "examples"} & {p.name for p in site.iterdir()}
+    assert not {"trainproof", "examples"} & {p.name for p in site.iterdir()}
     return site
 
 
 CONSUMER = """
 import importlib.util, json, runpy, sys
 sys.path.insert(1, {site!r})
-print("TRAINPROOF-REACHABLE", [m for m in ("job", "storage", "tests", "examples") if importlib.util.find_spec(m)])
+print("TRAINPROOF-REACHABLE", [m for m in ("trainproof", "tests", "examples") if importlib.util.find_spec(m)])
 from transformers import AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained("hf")
 ids = tokenizer("héllo, wörld", add_special_tokens=False)["input_ids"]
@@ -267,7 +267,7 @@ def test_a_flipped_byte_in_the_pretrained_weights_is_refused_by_name(runs, tmp_p
 @pytest.mark.s3
 @pytest.mark.slow  # the local file takes the same path through the store (download_file, hashed spool)
 def test_pretrained_weights_from_an_s3_url_are_read_through_the_store(runs, tmp_path, s3_env):
-    from storage import open_store
+    from trainproof.storage import open_store
 
     assert runs.exported.returncode == 0, runs.exported.stderr[-3000:]
     data = (runs.bundle / "model.safetensors").read_bytes()
@@ -282,8 +282,8 @@ def test_pretrained_weights_from_an_s3_url_are_read_through_the_store(runs, tmp_
 
 # -- in process ---------------------------------------------------------------------------------------------
 def test_pretrained_files_must_fit_the_model_by_name_and_shape():
-    from job.errors import ConfigError
-    from job.train.pretrained import check_fits
+    from trainproof.errors import ConfigError
+    from trainproof.train.pretrained import check_fits
 
     tied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     tied[1].weight = tied[0].weight  # an output layer sharing the embedding
@@ -298,8 +298,8 @@ def test_pretrained_files_must_fit_the_model_by_name_and_shape():
 
 
 def test_bf16_autocast_runs_on_the_cpu_without_a_grad_scaler_and_changes_the_arithmetic():
-    from job.tasks import load_task
-    from job.train.run import build_run, train_step
+    from trainproof.tasks import load_task
+    from trainproof.train.run import build_run, train_step
 
     losses = {}
     for precision in ("fp32", "bf16"):

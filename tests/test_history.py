@@ -1,6 +1,6 @@
 """The bounded per-generation history and its hash chain: a generation holds only the rows since the previous
 committed one, and the full history is reassembled from the run's generations and checked end to end
-(job.format.history). In-process over the real trainer code, then through real processes and the store: a changed
+(trainproof.format.history). In-process over the real trainer code, then through real processes and the store: a changed
 row in an older generation is refused by name; an export after retention deleted old generations says which
 steps it covers."""
 
@@ -12,13 +12,13 @@ import shutil
 import pytest
 import torch
 
-from job.errors import StateError
-from job.tasks import load_task
-from job.format.history import MissingGeneration, assemble, from_store
-from job.train.run import build_run, capture_state, restore_state, train_step
-from job.format.state import (HISTORY_FILE, HISTORY_GENESIS, STATE_FILE, History, check_history, decode, decode_history,
+from trainproof.errors import StateError
+from trainproof.tasks import load_task
+from trainproof.format.history import MissingGeneration, assemble, from_store
+from trainproof.train.run import build_run, capture_state, restore_state, train_step
+from trainproof.format.state import (HISTORY_FILE, HISTORY_GENESIS, STATE_FILE, History, check_history, decode, decode_history,
                              encode, runtime_versions)
-from storage import open_store
+from trainproof.storage import open_store
 from tests.test_train_helpers import differences, history_rows, load_state, run
 from tests.test_verify_helpers import trainproof
 
@@ -219,9 +219,9 @@ def test_an_export_after_retention_says_which_steps_its_history_covers(kept_run,
 def test_only_a_commit_that_landed_drops_history_rows():
     """A background save that fails leaves every row in memory: the next generation (after a restart, the resume
     point's successor) still holds the rows since the last *committed* generation."""
-    from job.errors import TrainError
-    from job.train.async_save import BackgroundSaver
-    from job.train.progress import Reporter
+    from trainproof.errors import TrainError
+    from trainproof.train.async_save import BackgroundSaver
+    from trainproof.train.progress import Reporter
 
     class Flaky:
         reporter = None

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from job.export.tensorfile import write_safetensors
-from job.format.state import STATE_FILE
-from storage import open_store
+from trainproof.export.tensorfile import write_safetensors
+from trainproof.format.state import STATE_FILE
+from trainproof.storage import open_store
 from tests.test_train_helpers import ROOT, run, train_env
 
 
@@ -26,7 +26,7 @@ def trained(tmp_path_factory):
 
 
 def export(store) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "job", "export", "--store", str(store), "--step", "4"], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "trainproof", "export", "--store", str(store), "--step", "4"], cwd=ROOT,
                           env=train_env(), capture_output=True, text=True, timeout=300)
 
 

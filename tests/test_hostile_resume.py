@@ -14,8 +14,8 @@ import shutil
 import pytest
 import torch
 
-from job.format.state import STATE_FILE, decode, encode
-from storage import open_store
+from trainproof.format.state import STATE_FILE, decode, encode
+from trainproof.storage import open_store
 from tests.support.hostile import trained
 from tests.test_train_helpers import differences, load_state, run, trajectory
 
@@ -147,9 +147,9 @@ def test_a_listing_flood_never_restarts_the_run_from_step_zero(tmp_path, six, re
 
 
 def test_a_listing_that_cannot_finish_in_its_budget_fails_the_scan_and_decides_nothing(tmp_path, six):
-    from storage import StoreOptions
-    from storage.errors import ListingIncompleteError
-    from storage.limits import Limits
+    from trainproof.storage import StoreOptions
+    from trainproof.storage.errors import ListingIncompleteError
+    from trainproof.storage.limits import Limits
 
     shutil.copytree(six, tmp_path / "run")
     for i in range(5000):
@@ -165,8 +165,8 @@ def test_a_flood_listed_before_the_generations_hides_none_of_them():
     on the listing would see only the flood. The scan keeps generations only, whatever comes before them."""
     import uuid
 
-    from storage import StoreOptions
-    from storage.limits import Limits
+    from trainproof.storage import StoreOptions
+    from trainproof.storage.limits import Limits
 
     url = f"memory://flood-{uuid.uuid4().hex[:8]}/run"
     store = open_store(url, StoreOptions(limits=Limits(scan_entries=1000)))
@@ -186,8 +186,8 @@ def test_with_a_key_a_forgery_at_the_next_step_is_moved_aside_and_the_run_commit
                                                                                           tmp_path, forger):
     """The forgery is skipped at resume (foreign) and then sat on the step the run must commit: it is moved to
     quarantine, never deleted, and the commit proceeds."""
-    from storage import StoreOptions
-    from storage.signing import Keyring
+    from trainproof.storage import StoreOptions
+    from trainproof.storage.signing import Keyring
 
     signed = f"{run_url}-signed" if "://" in run_url else str(tmp_path / "signed")
     assert run(signed, "--max-steps", "4", "--checkpoint-every", "2", "--keep", "0", env=KEY).code == 0

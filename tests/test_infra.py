@@ -647,7 +647,7 @@ def planned(rental: str) -> dict:
     """The planner's JSON for the typical case recorded in the rental's profile."""
     if rental not in _plans:
         args = [a for a in _plan_line(INFRA / "profiles" / f"rental-{rental}.env") if a not in ("--env", "--json")]
-        out = subprocess.run([sys.executable, "-m", "job", *args, "--json"], cwd=ROOT, capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "trainproof", *args, "--json"], cwd=ROOT, capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 0, out.stderr
         _plans[rental] = json.loads(out.stdout)
@@ -733,7 +733,7 @@ def test_a_regular_install_ships_every_package():
     if not isinstance(listed, list):
         pytest.skip("packages are discovered (packages.find), not listed")
     on_disk = {str(p.parent.relative_to(ROOT)).replace(os.sep, ".")
-               for top in ("job", "storage") for p in (ROOT / top).rglob("__init__.py")}
+               for top in ("trainproof",) for p in (ROOT / top).rglob("__init__.py")}
     assert on_disk <= set(listed), f"not in [tool.setuptools] packages: {sorted(on_disk - set(listed))}"
 
 

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from storage import StoreOptions
-from storage.errors import StoreConfigError
+from trainproof.storage import StoreOptions
+from trainproof.storage.errors import StoreConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_bad_digest_part_size_is_refused_when_a_store_is_opened_not_on_import(tmp_path):
     env = {**os.environ, "TRAINPROOF_DIGEST_PART_MIB": "lots", "PYTHONPATH": str(ROOT)}
-    imported = subprocess.run([sys.executable, "-c", "import storage, storage.digest, job.format.state"],
+    imported = subprocess.run([sys.executable, "-c", "import trainproof.storage, trainproof.storage.digest, trainproof.format.state"],
                               env=env, capture_output=True, text=True)
     assert imported.returncode == 0, imported.stderr
-    listed = subprocess.run([sys.executable, "-m", "job", "ls", "--store", str(tmp_path / "run")], env=env,
+    listed = subprocess.run([sys.executable, "-m", "trainproof", "ls", "--store", str(tmp_path / "run")], env=env,
                             capture_output=True, text=True, cwd=ROOT)
     assert listed.returncode == 2
     assert listed.stderr.strip().splitlines() == [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("job", "storage", "bench", "examples", "tests")
+CHECKED = ("trainproof", "bench", "examples", "tests")
 
 
 def _ruff() -> str:

@@ -68,15 +68,15 @@ def test_two_nodes_on_loopback_stop_together_and_resume_bitwise(tmp_path):
 
 
 def _shard_digests(store) -> dict[str, str]:
-    from job.format.shard_files import is_sharded_file
-    from storage import open_store
+    from trainproof.format.shard_files import is_sharded_file
+    from trainproof.storage import open_store
 
     newest = [g for g in open_store(str(store)).scan() if g.status == "complete"][-1]
     return {name: meta["sha256"] for name, meta in newest.manifest["files"].items() if is_sharded_file(name)}
 
 
 def _barrier_node(node_rank: int, port: int, wait_s: float):
-    from job.train.launch import LaunchConfig
+    from trainproof.train.launch import LaunchConfig
 
     return LaunchConfig(nproc_per_node=1, nnodes=2, node_rank=node_rank, master_port=port, exit_barrier_s=wait_s)
 
@@ -86,7 +86,7 @@ def test_node_zero_keeps_the_store_up_until_the_other_node_reports(capsys):
     import threading
     import time
 
-    from job.train import launch
+    from trainproof.train import launch
 
     port = _free_port()
     host = launch._host_store(_barrier_node(0, port, 30))
@@ -108,7 +108,7 @@ def test_node_zero_keeps_the_store_up_until_the_other_node_reports(capsys):
 
 
 def test_node_zero_stops_waiting_for_a_node_that_never_reports(capsys):
-    from job.train import launch
+    from trainproof.train import launch
 
     port = _free_port()
     host = launch._host_store(_barrier_node(0, port, 0.5))

@@ -11,7 +11,7 @@ from tests.test_train_helpers import ROOT, train_env
 
 def test_measure_plans_from_real_timings_in_a_scratch_run(tmp_path):
     store = tmp_path / "run"
-    argv = [sys.executable, "-m", "job", "plan", "--measure", "--store", str(store), "--task", "regression",
+    argv = [sys.executable, "-m", "trainproof", "plan", "--measure", "--store", str(store), "--task", "regression",
             "--rental", "3d", "--steps", "3", "--json"]
     proc = subprocess.run(argv, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -28,6 +28,6 @@ def test_measure_plans_from_real_timings_in_a_scratch_run(tmp_path):
 
 
 def test_measure_needs_a_store():
-    proc = subprocess.run([sys.executable, "-m", "job", "plan", "--measure", "--rental", "3d"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "trainproof", "plan", "--measure", "--rental", "3d"], cwd=ROOT,
                           env=train_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--store" in proc.stderr

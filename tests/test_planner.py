@@ -11,7 +11,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from job.lifecycle.planner import (
+from trainproof.lifecycle.planner import (
     PlanInputs, daly_interval, format_duration, make_plan, parse_duration, plan_document, plan_from_measurements,
     young_interval,
 )
@@ -21,8 +21,8 @@ MIN, HOUR, DAY = 60.0, 3600.0, 86400.0
 
 
 def tp(*args):
-    """`python -m job ARGS`, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    """`python -m trainproof ARGS`, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 # --- The interval formula -------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def test_parse_duration_rejects(text):
 @pytest.mark.parametrize("seconds, text", [(603060, "6d23h31m"), (1570, "26m10s"), (45.9, "45s"), (0, "0s"),
                                            (86400, "1d"), (3601, "1h1s")])
 def test_format_duration_rounds_down_and_train_parses_it_back(seconds, text):
-    from job.lifecycle.signals import parse_deadline  # what `train --deadline` uses
+    from trainproof.lifecycle.signals import parse_deadline  # what `train --deadline` uses
 
     assert format_duration(seconds) == text
     now = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -12,8 +12,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from job.errors import ConfigError
-from job.lifecycle.signals import Deadline, StopRequest, parse_deadline
+from trainproof.errors import ConfigError
+from trainproof.lifecycle.signals import Deadline, StopRequest, parse_deadline
 from tests.test_train_helpers import differences, finish, from_step, history_rows, load_state, parse_events, run, start, trajectory
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)

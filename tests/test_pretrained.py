@@ -17,7 +17,7 @@ from tests.test_train_helpers import ROOT, run
 TASK = textwrap.dedent('''
     import hashlib, os, torch
     from torch.utils.data import TensorDataset
-    from job.tasks import DatasetTask, Pretrained
+    from trainproof.tasks import DatasetTask, Pretrained
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -55,9 +55,9 @@ def task_module(tmp_path, monkeypatch):
 
 
 def test_a_fresh_start_holds_exactly_the_files_tensors(task_module):
-    from job.tasks import load_task
-    from job.train.pretrained import start_from_pretrained
-    from job.train.run import build_run
+    from trainproof.tasks import load_task
+    from trainproof.train.pretrained import start_from_pretrained
+    from trainproof.train.run import build_run
 
     _, path, weights = task_module
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -91,7 +91,7 @@ def test_the_contract_holds_the_pretrained_sha256_and_a_chosen_precision_and_not
     """``init_sha256`` and ``precision`` enter the contract only when used: a run without them keeps the contract it
     always had (an upgrade refuses no existing run); with them, another file or precision is another experiment,
     named even when the task's settings do not mention it (the file in code, not in config())."""
-    from job.format.contract import build_plan, differences
+    from trainproof.format.contract import build_plan, differences
 
     base = {"task": "t:f", "task_config": {}, "data_identity": "d" * 64, "seed": 1, "world": 1, "objective": "o",
             "code_version": "c"}
@@ -114,7 +114,7 @@ def test_download_file_spools_a_file_with_its_plain_sha256_and_refuses_what_it_m
     digest of a generation's manifest), and a missing file, a file over the cap or a path are refused."""
     import uuid
 
-    from storage import open_store
+    from trainproof.storage import open_store
 
     store = open_store(f"memory://dl-{uuid.uuid4().hex[:8]}/m" if kind == "memory" else str(tmp_path / "m"))
     data = os.urandom(3 * 2**20 + 17)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from job.train import rng
+from trainproof.train import rng
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -1,4 +1,4 @@
-"""Sharded generations (job/train/sharded.py): FSDP2 model + Adam state saved through DCP into the generation store
+"""Sharded generations (trainproof/train/sharded.py): FSDP2 model + Adam state saved through DCP into the generation store
 by 2 real processes on gloo (CPU), loaded back bit for bit, resharded 2 → 1 and 1 → 2, a rank killed mid-save,
 tampered bytes refused. The ranks are ``tests/support/sharded_worker.py``; a few checks run in this process
 (world 1, no process group)."""
@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from job.errors import ConfigError
-from job.train import sharded
-from storage import open_store
-from storage.pieces import Pieces
+from trainproof.errors import ConfigError
+from trainproof.train import sharded
+from trainproof.storage import open_store
+from trainproof.storage.pieces import Pieces
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = "c" * 64
@@ -206,7 +206,7 @@ def test_one_process_round_trip_of_plain_tensors_and_values(tmp_path):
 
 def test_a_buffered_save_writes_host_tensors_from_their_own_memory(tmp_path):
     """``--sync-checkpoint``'s path: the file is handed to the store as its tensors' own buffers
-    (``storage.pieces``), not copied into one Python buffer first (which is what tracemalloc would see)."""
+    (``trainproof.storage.pieces``), not copied into one Python buffer first (which is what tracemalloc would see)."""
     store = open_store(str(tmp_path / "run"))
     state = {"w": torch.arange(24 * 2**20, dtype=torch.float32), "n": 2}  # 96 MiB
     size = state["w"].numel() * 4

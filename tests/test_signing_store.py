@@ -14,9 +14,9 @@ import logging
 
 import pytest
 
-from storage.retention import RetentionPolicy
-from storage import COMPLETE, FOREIGN, CorruptGenerationError, StoreOptions, open_store
-from storage.signing import Keyring, key_id
+from trainproof.storage.retention import RetentionPolicy
+from trainproof.storage import COMPLETE, FOREIGN, CorruptGenerationError, StoreOptions, open_store
+from trainproof.storage.signing import Keyring, key_id
 
 KEY, OLD, OTHER = b"k-new-0123456789abcdef", b"k-old-0123456789abcdef", b"k-other-0123456789abc"
 CONTRACT = "c" * 64
@@ -226,7 +226,7 @@ def test_export_folders_without_a_plan_are_signed_but_not_chained(store_url):
 
 
 def test_unusable_key_files_are_configuration_errors_that_do_not_show_the_key(tmp_path):
-    from storage import StoreConfigError
+    from trainproof.storage import StoreConfigError
 
     for content in (b"", b"\n", b"\xff\xfe" + KEY):
         path = tmp_path / "key"

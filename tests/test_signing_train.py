@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from storage.signing import key_id
+from trainproof.storage.signing import key_id
 from tests.test_train_helpers import ROOT, kept_differences, load_state, run, train_env
 
 KEY = "tp-signing-key-9f1c2e7d5b3a"
@@ -82,7 +82,7 @@ def test_an_unsigned_plan_is_refused_with_a_key(tmp_path):
 
 
 def _job(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "job", *args], cwd=ROOT, env=train_env(env), text=True,
+    return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, env=train_env(env), text=True,
                           capture_output=True, timeout=900)
 
 

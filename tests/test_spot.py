@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from job.lifecycle.spot import SpotConfig, SpotWatcher
+from trainproof.lifecycle.spot import SpotConfig, SpotWatcher
 
 
 class FakeMetadata:

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from job.train import rng
-from job.train.data import EpochSampler, epoch_plan
-from job.errors import ConfigError, StateError
-from job.format.history import assemble
-from job.train.run import build_run, capture_state, restore_state, train_step
-from job.format.state import STATE_SCHEMA, Expected, History, check_consistency, decode, encode, runtime_versions
-from job.tasks import load_task
-from job.tasks.tinylm import TinyLMConfig, TinyLMTask
-from job.train.device import configure_determinism
+from trainproof.train import rng
+from trainproof.train.data import EpochSampler, epoch_plan
+from trainproof.errors import ConfigError, StateError
+from trainproof.format.history import assemble
+from trainproof.train.run import build_run, capture_state, restore_state, train_step
+from trainproof.format.state import STATE_SCHEMA, Expected, History, check_consistency, decode, encode, runtime_versions
+from trainproof.tasks import load_task
+from trainproof.tasks.tinylm import TinyLMConfig, TinyLMTask
+from trainproof.train.device import configure_determinism
 from tests.test_train_helpers import differences
 
 CPU = torch.device("cpu")
@@ -285,7 +285,7 @@ def test_resume_at_an_epoch_boundary_is_bitwise_equal(task, total, cut):
 
 def _reassembled(state: dict, *earlier: dict) -> dict:
     """``state`` with its full history: a resumed run holds only the rows since the state it resumed from, the
-    rest is in that (earlier) generation (job.format.history, chain checked)."""
+    rest is in that (earlier) generation (trainproof.format.history, chain checked)."""
     return assemble(state, {e["progress"]["step"]: e for e in earlier}.get).state
 
 
@@ -338,7 +338,7 @@ def test_a_state_archive_that_expands_past_its_size_is_refused_before_loading():
     import io as _io
     import zipfile as _zip
 
-    from job.format.state import check_archive
+    from trainproof.format.state import check_archive
 
     buf = _io.BytesIO()
     torch.save({"a": torch.zeros(1000)}, buf)

@@ -2,7 +2,7 @@
 conflict error, and the winner's generation verifies with the winner's bytes.
 
 On S3 twice: with small files (single create-only PUTs) and with files of several multipart parts, whose
-completion Ceph RGW does not make create-only (the store claims their keys first: ``storage.s3``)."""
+completion Ceph RGW does not make create-only (the store claims their keys first: ``trainproof.storage.s3``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RACER = r"""
 import os, sys, time
-from storage import open_store, CommitConflictError
+from trainproof.storage import open_store, CommitConflictError
 url, step, who, go, repeat = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 store = open_store(url)
 store.scan()  # warm the client up before the start line
@@ -56,7 +56,7 @@ def test_exactly_one_of_two_concurrent_writers_commits(backend, tmp_path, reques
             env["TRAINPROOF_PART_SIZE_MB"], repeat = "5", 2_500_000
     else:
         url, env = str(tmp_path / "run"), None
-    from storage import open_store
+    from trainproof.storage import open_store
 
     winners_of = {}
     for step in range(1, 6):

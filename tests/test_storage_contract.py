@@ -13,13 +13,13 @@ import os
 
 import pytest
 
-from storage.retention import RetentionPolicy
-from storage import (COMPLETE, FOREIGN, INCOMPLETE, CommitConflictError, CorruptGenerationError, StoreOptions,
+from trainproof.storage.retention import RetentionPolicy
+from trainproof.storage import (COMPLETE, FOREIGN, INCOMPLETE, CommitConflictError, CorruptGenerationError, StoreOptions,
                      open_store)
-from storage.pieces import Pieces
-from storage.spool import SpoolWriter
-from storage.manifest import MARKER, SCHEMA
-from storage.backend import join
+from trainproof.storage.pieces import Pieces
+from trainproof.storage.spool import SpoolWriter
+from trainproof.storage.manifest import MARKER, SCHEMA
+from trainproof.storage.backend import join
 
 C = "contract-a"
 MiB = 2**20

@@ -3,7 +3,7 @@ s3fs/aiobotocore and the session's Ceph RADOS Gateway, so every fault goes throu
 that ignores ``If-None-Match`` is simulated by the proxy deleting that header, which breaks the request's
 signature on RGW: those tests run against moto, which does not check signatures.
 
-Organised by what the store must do on S3 (storage/s3.py says why, fact by fact):
+Organised by what the store must do on S3 (trainproof/storage/s3.py says why, fact by fact):
 - transient faults (503 SlowDown, 500, connection resets, lost responses, stalls) are retried by the one retry
   layer, within its budget, with one log line per retry; commits still land and verify, nothing partial is usable;
 - attempts never multiply (botocore and s3fs add none; aiohttp's one re-send on a reset is pinned and documented);
@@ -25,11 +25,11 @@ import types
 
 import pytest
 
-from storage.retention import RetentionPolicy
-import storage.s3
-from storage import (COMPLETE, INCOMPLETE, CommitConflictError, RetryPolicy, StoreConfigError, StoreOptions,
+from trainproof.storage.retention import RetentionPolicy
+import trainproof.storage.s3
+from trainproof.storage import (COMPLETE, INCOMPLETE, CommitConflictError, RetryPolicy, StoreConfigError, StoreOptions,
                      StoreUnavailableError, open_store)
-from storage.manifest import MARKER
+from trainproof.storage.manifest import MARKER
 from tests.support.faultproxy import Fault, FaultProxy
 
 pytestmark = pytest.mark.s3
@@ -37,9 +37,9 @@ pytestmark = pytest.mark.s3
 MiB = 2**20
 C = "contract-faults"
 LOGGER = "trainproof.storage"
-# Objects of 2 x the store's part size (8 MiB: storage/spool.py PART_SIZE) or more go up as a multipart upload.
+# Objects of 2 x the store's part size (8 MiB: trainproof/storage/spool.py PART_SIZE) or more go up as a multipart upload.
 BIG = 33 * MiB
-ATTEMPT_COPY = re.compile(r"\.[0-9a-f]{12}\.pt$")  # storage.manifest.attempt_object names
+ATTEMPT_COPY = re.compile(r"\.[0-9a-f]{12}\.pt$")  # trainproof.storage.manifest.attempt_object names
 
 
 # -- fixtures and helpers ---------------------------------------------------------------------------------
@@ -508,13 +508,13 @@ def test_a_fresh_upload_is_left_alone_with_the_default_threshold(s3_server, buck
     key = "prefix/run/step-00000001/training_state.pt"
     _start_upload(client, bucket, key)
     initiated = client.list_multipart_uploads(Bucket=bucket)["Uploads"][0]["Initiated"].timestamp()
-    monkeypatch.setattr(storage.s3, "time", types.SimpleNamespace(time=lambda: initiated + 10.0))
+    monkeypatch.setattr(trainproof.storage.s3, "time", types.SimpleNamespace(time=lambda: initiated + 10.0))
     store = open_store(f"s3://{bucket}/prefix/run", options(s3_server.endpoint))
     assert store.options.sweep_multipart_older_than == 3600.0
     store.write_file("plan.json", b"{}")
     assert _uploads(client, bucket) == [key]
     # ...and the same upload, an hour and a bit later, is swept by the next store that writes.
-    monkeypatch.setattr(storage.s3, "time", types.SimpleNamespace(time=lambda: initiated + 3601.0))
+    monkeypatch.setattr(trainproof.storage.s3, "time", types.SimpleNamespace(time=lambda: initiated + 3601.0))
     open_store(f"s3://{bucket}/prefix/run", options(s3_server.endpoint)).write_file("summary.json", b"{}")
     assert _uploads(client, bucket) == []
 
@@ -563,12 +563,12 @@ def test_one_bad_part_does_not_fail_every_attempt(s3_server, proxy, bucket, big_
     (5 * 2**40, 8 * MiB, 525 * MiB),  # S3's largest object
 ])
 def test_the_part_size_grows_so_no_upload_needs_more_than_10000_parts(size, part, expected):
-    got = storage.s3.part_size_for(size, part)
-    assert got == expected and -(-size // got) <= storage.s3.MAX_PARTS and got % MiB == 0
+    got = trainproof.storage.s3.part_size_for(size, part)
+    assert got == expected and -(-size // got) <= trainproof.storage.s3.MAX_PARTS and got % MiB == 0
 
 
 def test_an_upload_over_the_part_limit_goes_up_in_larger_parts(s3_server, proxy, bucket, big_payload, monkeypatch):
-    monkeypatch.setattr(storage.s3, "MAX_PARTS", 3)  # 33 MiB in 8 MiB parts would be 5: 11 MiB parts instead
+    monkeypatch.setattr(trainproof.storage.s3, "MAX_PARTS", 3)  # 33 MiB in 8 MiB parts would be 5: 11 MiB parts instead
     store = prepared(store_via(proxy, bucket))
     commit(store, 1, {"big.bin": big_payload})
     parts = [e for e in requests(proxy, "PUT", "partNumber=") if "big.bin" in e.target]

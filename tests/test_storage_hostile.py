@@ -14,11 +14,11 @@ import threading
 
 import pytest
 
-from storage.retention import RetentionPolicy
-from storage import COMPLETE, CORRUPT, CorruptGenerationError, StoreOptions, open_store
-from storage.backend import CHUNK, join
-from storage.limits import Limits, UntrustedJSONError, loads_untrusted
-from storage.manifest import MARKER, SCHEMA, ManifestError, parse
+from trainproof.storage.retention import RetentionPolicy
+from trainproof.storage import COMPLETE, CORRUPT, CorruptGenerationError, StoreOptions, open_store
+from trainproof.storage.backend import CHUNK, join
+from trainproof.storage.limits import Limits, UntrustedJSONError, loads_untrusted
+from trainproof.storage.manifest import MARKER, SCHEMA, ManifestError, parse
 from tests.support.tamper import wrap
 
 C = "contract-h"
@@ -165,7 +165,7 @@ def test_an_object_swapped_for_a_bigger_one_is_not_read_whole(store_url):
     [info] = store.scan()
     big = b"z" * (5 * CHUNK)
     store.backend.inner.write(join(store.root, "step-00000001", "training_state.pt"), big)
-    from storage.generations import load
+    from trainproof.storage.generations import load
 
     store.backend.bytes_read.clear()
     with pytest.raises(CorruptGenerationError, match="more than"):
@@ -177,7 +177,7 @@ def test_an_object_swapped_for_a_bigger_one_is_not_read_whole(store_url):
 def test_scans_are_not_cut_by_count_but_fail_whole_past_their_time_budget(store_url):
     """A cut view could miss the newest generation (a resume from an older one, or from step 0, and retention
     deleting what it did not see): a scan sees every generation, or raises and decides nothing."""
-    from storage.errors import ListingIncompleteError
+    from trainproof.storage.errors import ListingIncompleteError
 
     store = open_store(store_url, StoreOptions.from_env(limits=Limits(scan_entries=3)))
     for step in range(1, 6):
@@ -258,7 +258,7 @@ def test_a_data_file_swapped_for_a_symlink_is_never_read_through(tmp_path):
     inside = tmp_path / "run" / "step-00000001" / "training_state.pt"
     inside.unlink()
     os.symlink(tmp_path / "outside.pt", inside)
-    from storage.generations import load
+    from trainproof.storage.generations import load
 
     with pytest.raises(CorruptGenerationError, match="not a regular file"):
         load(store._ctx, info)
@@ -273,7 +273,7 @@ def test_a_data_file_swapped_for_a_fifo_does_not_hang_a_load(tmp_path):
     inside = tmp_path / "run" / "step-00000001" / "training_state.pt"
     inside.unlink()
     os.mkfifo(inside)
-    from storage.generations import load
+    from trainproof.storage.generations import load
 
     outcome = []
     worker = threading.Thread(target=lambda: outcome.append(pytest.raises(CorruptGenerationError, load, store._ctx, info)),

@@ -1,8 +1,8 @@
-"""Files of several parts (storage/digest.py): each part's sha256 in the manifest, the root over them as the
+"""Files of several parts (trainproof/storage/digest.py): each part's sha256 in the manifest, the root over them as the
 file's sha256, parts verified one by one as they are read (``GenerationStore.read_parts``), and the sharded
 loader copying each verified part into its tensors without ever holding the file.
 
-The part size is made small here (``storage.digest.PART_BYTES``) so toy files have many parts; every write and
+The part size is made small here (``trainproof.storage.digest.PART_BYTES``) so toy files have many parts; every write and
 read goes through the real backends (a local folder, and S3 over HTTP on loopback)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import tracemalloc
 import pytest
 import torch
 
-import storage.digest as dg
-from job.train import sharded
-from storage import open_store
-from storage.errors import CorruptGenerationError
-from storage.manifest import ManifestError, parse
+import trainproof.storage.digest as dg
+from trainproof.train import sharded
+from trainproof.storage import open_store
+from trainproof.storage.errors import CorruptGenerationError
+from trainproof.storage.manifest import ManifestError, parse
 
 PART = 4096
 CONTRACT = "c" * 64
@@ -223,7 +223,7 @@ def test_a_sharded_load_refuses_a_changed_part_as_corrupt(tmp_path, small_parts)
 def test_a_part_damaged_on_its_first_read_only_is_read_again(tmp_path, small_parts, monkeypatch, caplog):
     """A transient fault (bytes damaged on the way, once): the part is read once more, and only its second read,
     which matches its digest, reaches the sink. Damaged on both reads: refused, naming the part."""
-    from storage.backend import LocalBackend
+    from trainproof.storage.backend import LocalBackend
 
     data = os.urandom(6 * PART + 5)
     store, _ = _committed(tmp_path, data)
@@ -260,8 +260,8 @@ def test_a_part_damaged_on_its_first_read_only_is_read_again(tmp_path, small_par
 def test_a_manifest_too_big_for_readers_is_never_committed(tmp_path, small_parts):
     """Parts make the manifest grow with the state: a commit whose COMPLETE.json no reader would accept fails
     with what to change, and leaves the generation unusable (the previous one stays the resume point)."""
-    from storage import StoreConfigError, StoreOptions
-    from storage.limits import Limits
+    from trainproof.storage import StoreConfigError, StoreOptions
+    from trainproof.storage.limits import Limits
 
     store = open_store(str(tmp_path / "run"), StoreOptions(limits=Limits(manifest_bytes=4000)))
     store.commit(1, {"small.txt": b"hi"}, contract=CONTRACT, world=1, code_version="t")
@@ -276,7 +276,7 @@ def test_a_spool_handed_in_with_only_its_root_is_listed_with_the_parts_read_back
                                                                                   request):
     """A Spool whose sha256 is the root as a plain string (no part list) verifies by value; the manifest must still
     list the parts, or every later read of the generation finds it corrupt."""
-    from storage.spool import Spool
+    from trainproof.storage.spool import Spool
 
     data = os.urandom(9 * PART + 77)
     path = tmp_path / "state.bin"

@@ -1,4 +1,4 @@
-"""A file handed to the store as :class:`storage.pieces.Pieces` (buffers written back to back, never joined): the
+"""A file handed to the store as :class:`trainproof.storage.pieces.Pieces` (buffers written back to back, never joined): the
 same stored bytes, digest and verification as the joined buffer, on every backend (memory://, a local folder, S3
 over HTTP on loopback with 5 MiB multipart parts), and no copy of the whole file in memory."""
 
@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-import storage.digest as dg
-from storage import CorruptGenerationError, StoreOptions, open_store
-from storage.pieces import Pieces, as_pieces, nbytes
+import trainproof.storage.digest as dg
+from trainproof.storage import CorruptGenerationError, StoreOptions, open_store
+from trainproof.storage.pieces import Pieces, as_pieces, nbytes
 from tests.support.tamper import TamperingBackend, flip_first_byte
 
 C = "contract-pieces"

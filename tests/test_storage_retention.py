@@ -10,11 +10,11 @@ import os
 
 import pytest
 
-from storage.retention import RetentionPolicy
-from storage import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, open_store
-from storage.backend import LocalBackend, join
-from storage.manifest import MARKER
-from storage.retention import MIN_GRACE_SECONDS, plan_retention
+from trainproof.storage.retention import RetentionPolicy
+from trainproof.storage import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, open_store
+from trainproof.storage.backend import LocalBackend, join
+from trainproof.storage.manifest import MARKER
+from trainproof.storage.retention import MIN_GRACE_SECONDS, plan_retention
 
 C = "contract-r"
 
@@ -124,7 +124,7 @@ def test_a_young_partial_survives_a_zero_grace_period(store_url, caplog):
 
 
 def test_plan_retention_applies_the_grace_floor():
-    from storage.generations import GenerationInfo
+    from trainproof.storage.generations import GenerationInfo
 
     now = 1_000_000.0
     gens = [GenerationInfo(step=1, name="step-00000001", status=INCOMPLETE, mtime=now - MIN_GRACE_SECONDS / 2),
@@ -167,7 +167,7 @@ def test_local_folder_deletes_refuse_a_symlink(tmp_path):
 
 
 def test_commit_refuses_to_write_through_a_symlinked_step_folder(tmp_path):
-    from storage import CommitConflictError
+    from trainproof.storage import CommitConflictError
 
     (tmp_path / "elsewhere").mkdir()
     store = open_store(str(tmp_path / "run"))
@@ -209,7 +209,7 @@ def test_dry_run_verifies_but_deletes_nothing(store_url):
 
 def test_plan_retention_counts_only_the_given_contract_and_world():
     """The pure function itself filters (a caller may hand it a scan made without a contract)."""
-    from storage.generations import GenerationInfo
+    from trainproof.storage.generations import GenerationInfo
 
     def gen(step, contract=C, world=1):
         return GenerationInfo(step=step, name=f"step-{step:08d}", status=COMPLETE, mtime=0.0,

@@ -9,11 +9,11 @@ import logging
 
 import pytest
 
-from storage import (INCOMPLETE, CommitConflictError, CorruptGenerationError, RetryPolicy, StoreConfigError,
+from trainproof.storage import (INCOMPLETE, CommitConflictError, CorruptGenerationError, RetryPolicy, StoreConfigError,
                      StoreOptions, StoreUnavailableError, open_store)
-from storage.backend import join
-from storage.limits import redact_url
-from storage.manifest import MARKER
+from trainproof.storage.backend import join
+from trainproof.storage.limits import redact_url
+from trainproof.storage.manifest import MARKER
 from tests.support.tamper import flip_first_byte, wrap
 
 C = "contract-s"

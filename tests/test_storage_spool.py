@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import pytest
 
-from storage import CorruptGenerationError, StoreOptions, open_store
-from storage.backend import CHUNK
-from storage.spool import Spool, SpoolWriter, download, hashed_ranges, spans
+from trainproof.storage import CorruptGenerationError, StoreOptions, open_store
+from trainproof.storage.backend import CHUNK
+from trainproof.storage.spool import Spool, SpoolWriter, download, hashed_ranges, spans
 from tests.support.tamper import TamperingBackend, flip_first_byte
 
 PART = 5 * 2**20
@@ -83,7 +83,7 @@ def test_download_stops_at_a_short_object_and_reports_it(tmp_path):
 def test_a_download_of_many_digest_parts_hashes_them_on_the_fetching_threads(tmp_path, extra):
     """A digest of 2 MiB parts over 1 MiB ranges: each digest part is fetched, hashed and written by one thread;
     the answer (bytes seen, root digest, spool bytes) is the in-order path's, whatever the object's true length."""
-    from storage.digest import FileHasher, digest_bytes
+    from trainproof.storage.digest import FileHasher, digest_bytes
 
     size, digest_part, part = 7 * 2**20 + 11, 2 * 2**20, 2**20
     data = os.urandom(size + max(extra, 0))[: size + extra]
@@ -117,8 +117,8 @@ def test_a_download_of_many_digest_parts_hashes_them_on_the_fetching_threads(tmp
 def test_a_read_back_of_many_digest_parts_hashes_them_on_the_fetching_threads(extra):
     """The commit's read-back (no sink): each digest part hashed by the thread that fetched it, with the in-order
     path's answer, an object longer or shorter than claimed included; a one-part digest keeps the in-order path."""
-    from storage.digest import FileHasher
-    from storage.spool import hashed_parts
+    from trainproof.storage.digest import FileHasher
+    from trainproof.storage.spool import hashed_parts
 
     size, digest_part, part = 5 * 2**20 + 3, 2**20, 2**19
     data = os.urandom(size + max(extra, 0))[: size + extra]
@@ -212,7 +212,7 @@ def test_a_spool_changed_after_serialising_is_refused(tmp_path):
 
 
 def test_bad_transfer_settings_are_one_line_errors():
-    from storage import StoreConfigError
+    from trainproof.storage import StoreConfigError
 
     with pytest.raises(StoreConfigError, match="TRAINPROOF_PART_SIZE_MB"):
         StoreOptions.from_env({"TRAINPROOF_PART_SIZE_MB": "1"})

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from job.errors import ConfigError
-from job.train.run import build_run, train_step
-from job.tasks import Task, TaskContext, load_task
-from job.tasks.tinylm import IGNORE
-from job.train.device import configure_determinism
+from trainproof.errors import ConfigError
+from trainproof.train.run import build_run, train_step
+from trainproof.tasks import Task, TaskContext, load_task
+from trainproof.tasks.tinylm import IGNORE
+from trainproof.train.device import configure_determinism
 
 CPU = torch.device("cpu")
 
@@ -118,7 +118,7 @@ def test_tinylm_loss_falls():
     ("nope", {}, "unknown task"),
     ("no_such_module_xyz:make", {}, "cannot import"),
     ("json:nothing_here", {}, "no callable"),
-    ("json:dumps", {}, "not a job.tasks.Task"),
+    ("json:dumps", {}, "not a trainproof.tasks.Task"),
 ])
 def test_bad_task_specs_are_config_errors(task, config, message):
     with pytest.raises(ConfigError, match=message):
@@ -131,7 +131,7 @@ def test_a_user_task_loads_from_package_module_factory(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "line.py").write_text(textwrap.dedent('''
         import torch
-        from job.tasks import Task
+        from trainproof.tasks import Task
 
         class Line(Task):
             objective = "mse_sum_v1"

@@ -1,4 +1,4 @@
-"""``job.export.tensorfile``: safetensors written tensor by tensor are the library's own bytes, and mapped back
+"""``trainproof.export.tensorfile``: safetensors written tensor by tensor are the library's own bytes, and mapped back
 they are the same tensors; a header that points outside its file is refused."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from job.export.tensorfile import map_safetensors, write_safetensors
+from trainproof.export.tensorfile import map_safetensors, write_safetensors
 
 
 def _mixed(seed: int) -> dict[str, torch.Tensor]:

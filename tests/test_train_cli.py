@@ -1,7 +1,7 @@
 """``trainproof train`` as a user drives it: contract refusals, idempotent targets, environment options,
 fallback past a poisoned newest generation, summary.json, and one-line handled failures.
 
-Real ``python -m job train`` processes where the process matters (a run, its environment, its store);
+Real ``python -m trainproof train`` processes where the process matters (a run, its environment, its store);
 the Typer app in this process (CliRunner) for invocations that fail early or do no training.
 """
 
@@ -27,7 +27,7 @@ class _Evil:
 
 def _poison_newest(store_dir: Path, step: int) -> None:
     """Commit, through the real store, a generation whose state carries a pickled object."""
-    from storage import open_store
+    from trainproof.storage import open_store
 
     store = open_store(str(store_dir))
     plan = json.loads(store.read_file("plan.json"))
@@ -63,7 +63,7 @@ def runs(tmp_path_factory):
 @pytest.fixture
 def cli():
     """``trainproof train`` in this process through the Typer app (cheap: torch is already imported)."""
-    from job.cli import _register, app
+    from trainproof.cli import _register, app
 
     _register()
     runner = CliRunner()
@@ -119,7 +119,7 @@ def test_resume_never_refuses_a_store_with_generations(runs, cli, tmp_path):
 
 
 def test_a_poisoned_newest_generation_is_skipped_loudly_and_quarantined(runs):
-    from storage import open_store
+    from trainproof.storage import open_store
 
     r = runs["poisoned"]
     assert r.code == 0, r.stderr
@@ -183,7 +183,7 @@ def test_a_store_that_is_a_file_is_a_configuration_error(cli, tmp_path):
 
 
 def test_checkpoint_cadence_by_steps_and_by_seconds():
-    from job.train.checkpoint import SaveClock
+    from trainproof.train.checkpoint import SaveClock
 
     now = [1000.0]
     by_steps = SaveClock(every_steps=3)

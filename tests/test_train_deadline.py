@@ -9,9 +9,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from job.errors import ConfigError
-from job.lifecycle.finish import DEADLINE_FILE, resolve_run_deadline
-from storage import open_store
+from trainproof.errors import ConfigError
+from trainproof.lifecycle.finish import DEADLINE_FILE, resolve_run_deadline
+from trainproof.storage import open_store
 from tests.test_train_helpers import run
 
 HOOKS = {"TPHOOK_STEP_DELAY": "0.02"}
@@ -67,7 +67,7 @@ def test_rental_ends_refuses_a_duration(tmp_path):
 
 
 def test_export_reserve_is_given_up_when_it_never_fitted():
-    from job.lifecycle.signals import Deadline
+    from trainproof.lifecycle.signals import Deadline
 
     d = Deadline(datetime.now(timezone.utc) + timedelta(seconds=10), margin_s=1.0, initial_save_s=1.0)
     d.finish_s = 20.0  # the export would need 30 s: too late from the start, so only the save is reserved

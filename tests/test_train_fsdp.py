@@ -21,16 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from job.errors import ConfigError, ContractError, TrainError
-from job.proof.compare import SECTIONS, Tolerance, compare_all
-from job.proof.paths import RunReader
-from job.format.contract import build_plan, check_plan
-from job.export.bundle import FP_FILE, export
-from job.train.fsdp import complete_state
-from job.train.fsdp import full_state as gather
-from job.train.sharded import GenerationReader, ShardedLoadError
-from job.format.state import STATE_FILE, decode_generation, rank_file
-from storage import open_store
+from trainproof.errors import ConfigError, ContractError, TrainError
+from trainproof.proof.compare import SECTIONS, Tolerance, compare_all
+from trainproof.proof.paths import RunReader
+from trainproof.format.contract import build_plan, check_plan
+from trainproof.export.bundle import FP_FILE, export
+from trainproof.train.fsdp import complete_state
+from trainproof.train.fsdp import full_state as gather
+from trainproof.train.sharded import GenerationReader, ShardedLoadError
+from trainproof.format.state import STATE_FILE, decode_generation, rank_file
+from trainproof.storage import open_store
 from tests.test_dist_helpers import load_world_state, rank_pids, read_until, start_world
 from tests.test_train_helpers import differences, finish, history_rows, run, trajectory
 from tests.test_verify_helpers import trainproof
@@ -290,7 +290,7 @@ def test_a_sharded_run_exports_the_weights_of_the_same_run_under_ddp(runs):
 def test_the_weights_alone_are_read_without_allocating_the_optimizer(runs, monkeypatch):
     """What an export asks for (``optimizer=False``): the same model tensors, an empty optimizer, and not one
     optimizer tensor allocated (every target DCP fills is allocated by full_state, counted here)."""
-    import job.train.fsdp as fsdp_module
+    import trainproof.train.fsdp as fsdp_module
 
     s = open_store(str(runs / "fsdp"))
     state = load_world_state(runs / "fsdp")
@@ -344,7 +344,7 @@ def test_a_replicated_state_is_returned_as_it_is(runs):
 # -- cheap checks --------------------------------------------------------------------------------------------
 
 def _plan(fsdp: bool = False):
-    from job.format.layout import Layout
+    from trainproof.format.layout import Layout
 
     return build_plan(task="regression", task_config={}, data_identity="d" * 64, seed=1, world=2,
                       objective="mse_mean_v1", code_version="test", layout=Layout.choose(world=2, fsdp=fsdp))
@@ -363,7 +363,7 @@ def test_fsdp_is_part_of_the_plan_and_a_switch_is_refused_by_name():
 
 def test_a_replicated_run_keeps_its_contract():
     # The field enters the hash only when set: every existing (DDP) run's contract is unchanged.
-    from job.format.contract import canonical_json, sha256_hex
+    from trainproof.format.contract import canonical_json, sha256_hex
 
     plan = _plan()
     fields = {k: plan[k] for k in ("config_sha256", "state_schema", "data_identity", "world", "objective", "seed")}
@@ -371,8 +371,8 @@ def test_a_replicated_run_keeps_its_contract():
 
 
 def test_the_layout_is_recorded_and_a_plan_from_before_layouts_still_reads():
-    from job.format.contract import contract_of
-    from job.format.layout import Layout, sharded
+    from trainproof.format.contract import contract_of
+    from trainproof.format.layout import Layout, sharded
 
     new = _plan(fsdp=True)
     assert new["layout"] == {"name": "fully_sharded", "dp_replicate": 1, "dp_shard": 2}
@@ -391,8 +391,8 @@ def test_the_layout_is_recorded_and_a_plan_from_before_layouts_still_reads():
 def test_train_help_names_the_flag():
     from typer.testing import CliRunner
 
-    import job.cli.train  # noqa: F401 - registers the command
-    from job.cli.app import app
+    import trainproof.cli.train  # noqa: F401 - registers the command
+    from trainproof.cli.app import app
 
     result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "--fsdp" in result.output and "FSDP2" in result.output

@@ -1,6 +1,6 @@
 """Shared helpers for the training process tests (no tests here).
 
-Real processes (``python -m job train``) against the local-folder store in ``tmp_path``; states are
+Real processes (``python -m trainproof train``) against the local-folder store in ``tmp_path``; states are
 read back through the store (verified) and decoded weights-only, exactly like a resume does.
 """
 
@@ -23,8 +23,8 @@ HOOK_PREFIX = "TPHOOK_"
 
 
 def entry_module(env: dict[str, str] | None = None) -> str:
-    """``job``, or the test wrapper that injects faults when ``env`` asks for any (tests/support/hooked.py)."""
-    return "tests.support.hooked" if any(k.startswith(HOOK_PREFIX) for k in env or {}) else "job"
+    """``trainproof``, or the test wrapper that injects faults when ``env`` asks for any (tests/support/hooked.py)."""
+    return "tests.support.hooked" if any(k.startswith(HOOK_PREFIX) for k in env or {}) else "trainproof"
 
 
 def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -36,7 +36,7 @@ def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def train_cmd(store: Path | str | None, *args: str, module: str = "job") -> list[str]:
+def train_cmd(store: Path | str | None, *args: str, module: str = "trainproof") -> list[str]:
     """Command line of one training process (``store`` None: no --store option, e.g. from the environment)."""
     return [sys.executable, "-m", module, "train", *(["--store", str(store)] if store is not None else []), *args]
 
@@ -87,12 +87,12 @@ def run(store: Path | str, *args: str, env: dict[str, str] | None = None) -> Res
 def load_state(store: Path | str, step: int | None = None, *, history: str = "full") -> dict[str, Any]:
     """The decoded training state of generation ``step`` (default: the newest usable one).
 
-    ``history``: ``full`` reassembles every step's history row from the run's generations (job.format.history,
+    ``history``: ``full`` reassembles every step's history row from the run's generations (trainproof.format.history,
     chain checked; fails when retention deleted some), ``kept`` as far back as the kept generations reach, ``own``
     leaves the generation's own rows (those since the previous generation) as stored."""
-    from job.format.history import from_store
-    from job.format.state import STATE_FILE, decode
-    from storage import open_store
+    from trainproof.format.history import from_store
+    from trainproof.format.state import STATE_FILE, decode
+    from trainproof.storage import open_store
 
     s = open_store(str(store))
     loaded = s.load(step) if step is not None else s.load_latest(quarantine=False)
@@ -138,7 +138,7 @@ def from_step(state: dict[str, Any], first: int) -> dict[str, Any]:
     history rows ``first``.. and the chain value before them. Comparing that with ``load_state(..., history="kept")``
     of another run still compares every step: equal ``history_chain.before`` values mean equal rows before ``first``
     (sha256 chain), equal rows and digest the rest."""
-    from job.format.state import History
+    from trainproof.format.state import History
 
     chain = state["history_chain"]
     assert first >= chain["first"], f"the state's history starts at step {chain['first']}, after {first}"
@@ -156,6 +156,6 @@ def kept_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def history_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
     """Per-step history as rows (step, epoch, loss, lr, targets, sample_ids)."""
-    from job.format.state import History
+    from trainproof.format.state import History
 
     return History.from_state_dict(state["history"]).rows

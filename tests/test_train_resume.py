@@ -1,7 +1,7 @@
 """Exact resume, in fresh processes: continuous N steps == cut at k + resume to N, bit for bit on CPU.
 
 Per task, the continuous reference, the cut runs, the resumed runs and the negative control
-(``--omit-rng-restore``) are real ``python -m job train`` processes against a local-folder store;
+(``--omit-rng-restore``) are real ``python -m trainproof train`` processes against a local-folder store;
 states are read back through the store and compared section by section (parameters, optimizer state,
 scheduler, GradScaler, progress, per-step loss/lr/sample ids, data position, every RNG state and the
 next draw of every generator).

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import open_store
+from trainproof.storage import open_store
 from tests.test_train_helpers import ROOT, run
 
 EVIL = "evilmod"
@@ -45,10 +45,10 @@ def planted(tmp_path_factory):
 
 
 def job(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m job ARGS`` from ``cwd`` (where the planted module lies), this checkout importable."""
+    """``python -m trainproof ARGS`` from ``cwd`` (where the planted module lies), this checkout importable."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")}
     base["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, "-m", "job", *args], cwd=cwd, env={**base, **(env or {})},
+    return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=cwd, env={**base, **(env or {})},
                           capture_output=True, text=True, timeout=300)
 
 
@@ -105,7 +105,7 @@ def test_the_reload_check_never_imports_the_task_named_by_a_bundle(tmp_path):
     files["config.json"] = json.dumps(config).encode()
     files["SHA256SUMS"] = "".join(f"{hashlib.sha256(v).hexdigest()}  {k}\n" for k, v in sorted(files.items())
                                   if k != "SHA256SUMS").encode()
-    from job.export.bundle import check_file
+    from trainproof.export.bundle import check_file
 
     forged = open_store(str(tmp_path / "forged"))
     forged.commit(4, files, contract="c", world=1, code_version="test", check=check_file,

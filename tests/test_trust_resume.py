@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from job.format.state import STATE_FILE, decode, encode
-from storage import open_store
+from trainproof.format.state import STATE_FILE, decode, encode
+from trainproof.storage import open_store
 from tests.test_train_helpers import differences, from_step, load_state, run, trajectory
 
 TARGET = 10

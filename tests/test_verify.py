@@ -3,7 +3,7 @@ it catches the resume bugs it claims to (each sabotage exits 1 naming the failin
 the extra cuts (the epoch boundary and the middle of epoch 1: a permutation bug after epoch 0); it exits 2 when it
 cannot complete (a path crashes, the store is unreachable).
 
-The passing runs go through the real entry point (``python -m job verify``); the sabotage runs reuse the
+The passing runs go through the real entry point (``python -m trainproof verify``); the sabotage runs reuse the
 passing run's continuous, cut and negative-control paths (``--reuse-reference``: read back from the store and
 re-checked) and run only the resumed path(s), through the Typer app in this process (torch is already imported).
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from storage import open_store
+from trainproof.storage import open_store
 from tests.test_verify_helpers import HOOKED, checks, cli, read_report, sabotaged, trainproof  # noqa: F401  (cli)
 
 TINYLM_CONFIG = {"n_sequences": 37}  # 5 steps an epoch, the last a tail of 5: cut at 3, 8 steps cross an epoch
@@ -221,7 +221,7 @@ def test_a_1e17_drift_on_resume_fails_the_exact_comparison(reference, cli, monke
 
 def test_a_crashing_path_is_exit_2_not_1(reference, cli, monkeypatch):
     monkeypatch.setenv("TPHOOK_SABOTAGE", "crash")
-    monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
+    monkeypatch.setattr("trainproof.train.launch.ENTRY_MODULE", HOOKED)
     result = cli("verify", "--store", reference["store"], "--reuse-reference", "ref", "--id", "crash", "--cuts", "5")
     assert result.exit_code == 2, result.output
     assert "path 'resume' exited 1" in result.stderr and "SabotageCrash" in result.stderr

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from storage import open_store
+from trainproof.storage import open_store
 from tests.test_train_helpers import finish, parse_events, start
 from tests.test_verify_helpers import read_report, trainproof
 

@@ -1,6 +1,6 @@
 """The verifier's declared interfaces, without training anything: every check of the protocol is a
-``job.proof.check.Check`` and the protocol derives its verdicts, failing names, diagnosis and report from its list
-(a check added to the list shows up everywhere); the verification tail (``job.proof.verification``) reports, prunes and
+``trainproof.proof.check.Check`` and the protocol derives its verdicts, failing names, diagnosis and report from its list
+(a check added to the list shows up everywhere); the verification tail (``trainproof.proof.verification``) reports, prunes and
 ends the same way for any runner.
 
 The real checks' behaviour is tested with real processes in tests/test_verify*.py; here a fake check and a fake runner
@@ -16,16 +16,16 @@ from typing import Any
 
 import pytest
 
-from job.proof.check import AFTER, REFERENCE, Check, Skipped
-from job.proof.compare import Diff
-from job.proof.cuts import CutsCheck
-from job.proof.objective import ObjectiveCheck
-from job.proof.protocol import Protocol
-from job.proof.report import print_summary
-from job.proof.settings import ProtocolSettings
-from job.proof.verification import Outcome, VerificationRunner, run_verification
-from job.proof.world import WorldEquivalence
-from storage import open_store
+from trainproof.proof.check import AFTER, REFERENCE, Check, Skipped
+from trainproof.proof.compare import Diff
+from trainproof.proof.cuts import CutsCheck
+from trainproof.proof.objective import ObjectiveCheck
+from trainproof.proof.protocol import Protocol
+from trainproof.proof.report import print_summary
+from trainproof.proof.settings import ProtocolSettings
+from trainproof.proof.verification import Outcome, VerificationRunner, run_verification
+from trainproof.proof.world import WorldEquivalence
+from trainproof.storage import open_store
 
 BASE_VERDICTS = ["all_checks_passed", "positive", "negative_divergence_detected", "cut_checkpoint_ok",
                  "export_reload_ok", "cuts_passed"]

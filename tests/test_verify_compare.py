@@ -1,4 +1,4 @@
-"""The verifier's arithmetic (job.proof.compare), without processes: tolerance semantics, exact integers,
+"""The verifier's arithmetic (trainproof.proof.compare), without processes: tolerance semantics, exact integers,
 structural differences and non-finite values as failures, and the state a cut must hold."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from job.proof.compare import Diff, Tolerance, compare_cut, diff_tree, expected_at_cut
-from job.train.data import EpochSampler
-from job.format.state import History
+from trainproof.proof.compare import Diff, Tolerance, compare_cut, diff_tree, expected_at_cut
+from trainproof.train.data import EpochSampler
+from trainproof.format.state import History
 
 TOL = Tolerance(atol=1e-12, rtol=0.0)
 

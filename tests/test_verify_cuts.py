@@ -80,7 +80,7 @@ HIDDEN = '''
     import torch
     from torch.utils.data import TensorDataset
 
-    from job.tasks import DatasetTask
+    from trainproof.tasks import DatasetTask
 
     ROWS = torch.linspace(-1, 1, 12, dtype=torch.float64).unsqueeze(1)
 

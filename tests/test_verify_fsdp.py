@@ -1,5 +1,5 @@
 """``trainproof verify --fsdp`` and ``trainproof export`` of a sharded run: the sharded model and optimizer read whole
-in one process from the verified shards (``job.train.fsdp.full_state``), then compared or exported like a replicated
+in one process from the verified shards (``trainproof.train.fsdp.full_state``), then compared or exported like a replicated
 run's state.
 
 Real processes: the protocol with ``--fsdp --world 2`` (every path, the world-size equivalence runs and the objective
@@ -17,12 +17,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from job.proof.compare import SECTIONS
-from job.proof.paths import RunReader
-from job.export.bundle import FP_FILE
-from job.train.fsdp import _check_tiling, _unflatten
-from job.train.sharded import ShardedLoadError
-from storage import open_store
+from trainproof.proof.compare import SECTIONS
+from trainproof.proof.paths import RunReader
+from trainproof.export.bundle import FP_FILE
+from trainproof.train.fsdp import _check_tiling, _unflatten
+from trainproof.train.sharded import ShardedLoadError
+from trainproof.storage import open_store
 from tests.test_train_helpers import differences, finish, run, start
 from tests.test_verify_helpers import checks, read_report, trainproof
 
@@ -32,7 +32,7 @@ CONFIG = {"rows": 21}  # the regression fixture otherwise (dropout, noise, gain)
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("verify-fsdp") / "run")
-    # 2 KiB groups: the comparison reads the sharded states in many groups (job.proof.compare), as it would a
+    # 2 KiB groups: the comparison reads the sharded states in many groups (trainproof.proof.compare), as it would a
     # model larger than the verifier's memory
     result = trainproof("verify", "--store", store, "--id", "f2", "--fsdp", "--world", "2", "--steps", "6",
                         "--cut", "4", "--cuts", "4", "--keep-evidence",

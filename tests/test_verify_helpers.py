@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from storage import open_store
+from trainproof.storage import open_store
 from tests.test_train_helpers import entry_module
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def trainproof(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m job ARGS`` as a user runs it (the fault-injecting test wrapper when ``env`` has TPHOOK_*)."""
+    """``python -m trainproof ARGS`` as a user runs it (the fault-injecting test wrapper when ``env`` has TPHOOK_*)."""
     return subprocess.run([sys.executable, "-m", entry_module(env), *args], cwd=ROOT, env=clean_env(env), text=True,
                           capture_output=True, timeout=600)
 
@@ -45,7 +45,7 @@ def checks(report: dict[str, Any], path: str) -> dict[str, dict[str, Any]]:
 @pytest.fixture
 def cli(monkeypatch):
     """The Typer app in this process; TRAINPROOF_* options cleared, logging handed back afterwards."""
-    from job.cli import _register, app
+    from trainproof.cli import _register, app
 
     _register()
     for k in [k for k in os.environ if k.startswith("TRAINPROOF_")]:
@@ -57,7 +57,7 @@ def cli(monkeypatch):
 
 
 HOOKED = "tests.support.hooked"
-"""The fault-injecting wrapper of ``python -m job`` (tests only)."""
+"""The fault-injecting wrapper of ``python -m trainproof`` (tests only)."""
 
 
 def sabotaged(cli, monkeypatch, ref: dict[str, Any], sabotage: str, *extra: str,
@@ -65,7 +65,7 @@ def sabotaged(cli, monkeypatch, ref: dict[str, Any], sabotage: str, *extra: str,
     """``verify --reuse-reference ref`` on ``ref``'s store (its continuous, cut and negative paths reused), the
     resumed paths run by the wrapper with ``TPHOOK_SABOTAGE`` set; the result and the report."""
     monkeypatch.setenv("TPHOOK_SABOTAGE", sabotage)  # inherited by every path
-    monkeypatch.setattr("job.train.launch.ENTRY_MODULE", HOOKED)
+    monkeypatch.setattr("trainproof.train.launch.ENTRY_MODULE", HOOKED)
     vid = vid or f"sabotage-{sabotage}"
     config = ["--task", "tinylm", "--config", ref["config"]] if "config" in ref else []
     result = cli("verify", "--store", ref["store"], *config, "--reuse-reference", "ref", "--id", vid, "--no-export",

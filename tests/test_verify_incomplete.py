@@ -7,9 +7,9 @@ component), tests/test_verify_cuts.py (hidden task state: the first difference, 
 
 from __future__ import annotations
 
-from job.proof.compare import Diff
-from job.proof.diagnose import diagnose_path
-from job.proof.paths import error_lines
+from trainproof.proof.compare import Diff
+from trainproof.proof.diagnose import diagnose_path
+from trainproof.proof.paths import error_lines
 
 TRACEBACK = """\
 warning: something harmless

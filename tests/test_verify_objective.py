@@ -1,4 +1,4 @@
-"""The objective-equivalence check (job.proof.objective): one micro-batch, unequal micro-batches and W ranks
+"""The objective-equivalence check (trainproof.proof.objective): one micro-batch, unequal micro-batches and W ranks
 train the same step within 1e-9 in float64, the mean-of-micro-batch-means negative control is detected (tinylm,
 one rank and two), and a user's ``loss_sum`` that returns a mean fails ``verify`` with the objective check named.
 
@@ -23,11 +23,11 @@ def _run_check(tmp_path: Path, task: str, world: int, config: dict | None = None
     """Plan the check for ``task``, run its processes, compare (as the protocol does)."""
     import os
 
-    from job.proof.check import REFERENCE
-    from job.proof.objective import ObjectiveCheck
-    from job.proof.paths import run_processes
-    from job.tasks import load_task
-    from storage import open_store
+    from trainproof.proof.check import REFERENCE
+    from trainproof.proof.objective import ObjectiveCheck
+    from trainproof.proof.paths import run_processes
+    from trainproof.tasks import load_task
+    from trainproof.storage import open_store
 
     cfg = None
     if config is not None:
@@ -72,7 +72,7 @@ MEAN_LOSS = '''
     import torch
     from torch import nn
 
-    from job.tasks import Task, sha256_of
+    from trainproof.tasks import Task, sha256_of
 
     X = torch.linspace(-1, 1, 12, dtype=torch.float64).unsqueeze(1)
 

@@ -8,7 +8,7 @@
   check (a mean is caught), and a ``deterministic_objective()`` that returns another class is refused with exit 2
   and one line saying what to implement.
 
-Real ``python -m job`` processes throughout.
+Real ``python -m trainproof`` processes throughout.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ USER_TASKS = '''
     from torch import nn
     from torch.utils.data import Dataset, TensorDataset, default_collate
 
-    from job.tasks import DatasetTask
+    from trainproof.tasks import DatasetTask
 
     X = torch.linspace(-1, 1, 24).unsqueeze(1)  # float32, the adapter's default dtype
     IMAGES = torch.linspace(-1, 1, 24 * 16).reshape(24, 1, 4, 4).sin()
@@ -137,8 +137,8 @@ def test_the_docs_adapter_example_verbatim_passes_the_default_verify(tmp_path):
 DERIVED = '''
     import copy
 
-    from job.tasks import DatasetTask
-    from job.tasks.regression import RegressionConfig, RegressionTask
+    from trainproof.tasks import DatasetTask
+    from trainproof.tasks.regression import RegressionConfig, RegressionTask
 
 
     class MeanRegression(RegressionTask):
@@ -182,7 +182,7 @@ def test_a_deterministic_objective_of_another_class_is_refused_with_one_line(tmp
 
 
 CLIPPED = '''
-    from job.tasks.regression import RegressionConfig, RegressionTask
+    from trainproof.tasks.regression import RegressionConfig, RegressionTask
 
 
     class Clipped(RegressionTask):

@@ -1,6 +1,6 @@
 """``trainproof verify --world 2``: the four-path protocol with every path launched as 2 ranks (trainproof's
 launcher, gloo on the CPU), the resume still bitwise, plus the world-size equivalence check (2 ranks vs 1 rank
-with the same global batch, float64, within job.proof.world.TOLERANCE) and its negative control (the loss
+with the same global batch, float64, within trainproof.proof.world.TOLERANCE) and its negative control (the loss
 normalised per rank on steps with uneven target counts), which must be detected.
 
 Runtime: each path is a launcher plus two ranks (several seconds each), so the protocol runs with fewer steps
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from job.proof.world import TOLERANCE, WorldEquivalence, equivalence_config
-from storage import open_store
+from trainproof.proof.world import TOLERANCE, WorldEquivalence, equivalence_config
+from trainproof.storage import open_store
 from tests.test_verify_helpers import checks, cli, read_report, trainproof  # noqa: F401  (cli: a fixture)
 
 
@@ -96,7 +96,7 @@ def _sgd_state(world: int, lr: float, *, steps: int = 2) -> dict:
     """A final state of plain SGD without momentum (its optimizer keeps no per-parameter state), as a run's."""
     import torch
 
-    from job.format.state import History
+    from trainproof.format.state import History
 
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1, dtype=torch.float64)
@@ -117,7 +117,7 @@ def _sgd_state(world: int, lr: float, *, steps: int = 2) -> dict:
 def test_an_optimizer_without_state_is_compared_not_crashed_on():
     """Plain SGD keeps no optimizer state: the world-size comparison gives a result (optimizer difference 0) instead
     of raising on an empty maximum, and its verdicts follow from the parameters and losses."""
-    from job.proof.world import max_differences  # the name the world-size check compares with
+    from trainproof.proof.world import max_differences  # the name the world-size check compares with
 
     one, same = _sgd_state(1, 0.1), _sgd_state(2, 0.1)
     assert max_differences(one, _sgd_state(2, 0.2))["optimizer"] == 0.0

@@ -34,7 +34,7 @@ def writer(url: str, keep: int, size_scale: int) -> None:
     """Resume from the latest usable generation, then commit steps forever (until killed)."""
     import logging
 
-    from storage import RetentionPolicy, open_store
+    from trainproof.storage import RetentionPolicy, open_store
 
     logging.basicConfig(level=logging.ERROR)
     if url.startswith("s3://"):
@@ -57,7 +57,7 @@ def _announce_claims() -> None:
     """Print ``claimed`` each time the S3 backend has claimed a key with its empty create-only PUT (the store's own
     code runs unchanged; this only observes it), so the runner can aim a kill between a claim and its multipart
     completion instead of hoping a random delay lands there."""
-    from storage.s3 import S3Backend
+    from trainproof.storage.s3 import S3Backend
 
     claim = S3Backend._claim
 
@@ -87,7 +87,7 @@ class Report:
 
 def check_store(url: str, last_reported: int, report: Report) -> None:
     """The invariants after a kill."""
-    from storage import COMPLETE, open_store
+    from trainproof.storage import COMPLETE, open_store
 
     store = open_store(url)
     gens = store.scan(contract=CONTRACT, world=1)

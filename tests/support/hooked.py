@@ -1,8 +1,8 @@
 """``python -m tests.support.hooked <trainproof args>``: trainproof with faults injected, for tests only.
 
 The product reads no test switch: a pod spec cannot turn any of this on. Tests that need a slow step, a
-slow save or a deliberately broken resume start this wrapper instead of ``python -m job``; it patches the
-trainer's functions in its own process, points :data:`job.train.launch.ENTRY_MODULE` at itself (so the ranks
+slow save or a deliberately broken resume start this wrapper instead of ``python -m trainproof``; it patches the
+trainer's functions in its own process, points :data:`trainproof.train.launch.ENTRY_MODULE` at itself (so the ranks
 and verifier paths it starts are wrapped too) and runs the real command line. What it injects comes from
 ``TPHOOK_*`` variables, which processes inherit (the verifier passes only ``TRAINPROOF_*`` store settings on):
 
@@ -35,7 +35,7 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          by a process that had itself resumed (``meta.trainer.resumed_from``);
                          ``clip_after_resume`` halve the task's ``grad_clip`` on resume (clipping restored wrong)
 ``TPHOOK_SAVE_PREFETCHED`` ``1``: every checkpoint holds the data position the DataLoader workers were asked to
-                         build up to (job.train.pipeline's lookahead) instead of the one the trainer consumed: the
+                         build up to (trainproof.train.pipeline's lookahead) instead of the one the trainer consumed: the
                          bug of loaders that checkpoint their own prefetching iterator
 ``TPHOOK_DUMP_LOADED``   a path: right after a sharded run (``--fsdp``) loaded its model and optimizer shards,
                          gather them whole (every rank) and ``torch.save`` them there (rank 0), flattened to
@@ -99,7 +99,7 @@ def _state_to_restore(kinds: frozenset[str], state: dict[str, Any]) -> dict[str,
 
 
 def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> None:
-    from job.train import rng
+    from trainproof.train import rng
 
     if "rebuild_scheduler" in kinds and run.scheduler is not None:
         # Constructing a scheduler resets the optimizer's learning rate to the schedule's start.
@@ -165,7 +165,7 @@ def _dump_full(model: Any, optimizer: Any, path: str) -> None:
 
 
 def _save_prefetched() -> None:
-    from job.train import loop, run
+    from trainproof.train import loop, run
 
     part, open_batches, opened = run.capture_rank_part, loop.open_batches, []
 
@@ -192,8 +192,8 @@ def _save_prefetched() -> None:
 
 def install() -> None:
     """Patch the trainer in this process as the ``TPHOOK_*`` variables say, and wrap the processes it starts."""
-    from job.train import checkpoint, launch, loop, resume
-    from job.format.state import STATE_FILE
+    from trainproof.train import checkpoint, launch, loop, resume
+    from trainproof.format.state import STATE_FILE
 
     launch.ENTRY_MODULE = MODULE
     step_delay, save_delay = _seconds("TPHOOK_STEP_DELAY"), _seconds("TPHOOK_SAVE_DELAY")
@@ -226,7 +226,7 @@ def install() -> None:
         loop.build_run = functools.wraps(build)(lambda *a, **kw: build(*a, **{**kw, "per_rank_mean": True}))
     dump = os.environ.get("TPHOOK_DUMP_LOADED")
     if dump:
-        from job.train import fsdp
+        from trainproof.train import fsdp
 
         load = fsdp.load_generation
 
@@ -253,7 +253,7 @@ def install() -> None:
 
 if __name__ == "__main__":
     install()
-    from job.cli import main
+    from trainproof.cli import main
 
     sys.argv[0] = "trainproof"
     main()

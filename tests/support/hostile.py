@@ -30,10 +30,10 @@ from typing import Any, Callable
 
 import torch
 
-from job.format.state import STATE_FILE, decode, encode
-from storage import open_store
-from storage.backend import join
-from storage.manifest import MARKER, SCHEMA
+from trainproof.format.state import STATE_FILE, decode, encode
+from trainproof.storage import open_store
+from trainproof.storage.backend import join
+from trainproof.storage.manifest import MARKER, SCHEMA
 
 GENUINE = (2, 4, 6)
 """The run's own generations before a round (trained to 6, a generation every 2 steps)."""

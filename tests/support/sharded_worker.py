@@ -81,8 +81,8 @@ def local_and_full(state: dict) -> tuple[dict, dict]:
 def main(mode: str, url: str, step: int, out: str) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from job.train import sharded
-    from storage import open_store
+    from trainproof.train import sharded
+    from trainproof.storage import open_store
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -153,7 +153,7 @@ def _blocking_writer(base, block: int, rank: int):
 
 if __name__ == "__main__":
     code = main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
-    # As a trainproof rank ends (job.cli.train._exit_rank): without the interpreter's finalization, whose destruction
+    # As a trainproof rank ends (trainproof.cli.train._exit_rank): without the interpreter's finalization, whose destruction
     # of torch.distributed's C++ objects after the peer (the store's host) has gone can abort the process
     # ("terminate called without an active exception", SIGABRT) after all its work is done and reported.
     sys.stdout.flush()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from storage import GenerationStore
+from trainproof.storage import GenerationStore
 
 
 class TamperingBackend:

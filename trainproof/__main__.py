@@ -1,0 +1,4 @@
+from trainproof.cli import main
+
+if __name__ == "__main__":
+    main()

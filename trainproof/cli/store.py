@@ -1,0 +1,188 @@
+"""``trainproof ls`` and ``trainproof gc``: look at and prune a run's generations."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from trainproof.cli.app import app
+from trainproof.cli.common import (
+    EndpointArg,
+    PathStyleArg,
+    RegionArg,
+    StoreArg,
+    UsageError,
+    handled,
+    open_run,
+    setup_logging,
+)
+from trainproof.storage import COMPLETE, CORRUPT, RetentionPolicy
+
+_STYLE = {"complete": "green", "incomplete": "yellow", "corrupt": "red", "foreign": "magenta"}
+
+
+def shown(text: object) -> str:
+    """Text read from the store, safe for the terminal: control characters replaced, rich markup escaped.
+
+    A folder name, a REASON file or LATEST can hold anything a writer of the bucket put there: ``[/x]`` would
+    crash rich's markup parser, and escape sequences would reach the terminal."""
+    plain = "".join(c if c.isprintable() else "?" for c in str(text))
+    return escape(plain)
+
+
+def _verified(run: Any, g: Any) -> Any:
+    """``g``, marked corrupt (with the reason) when a complete generation's bytes do not match its manifest."""
+    if g.status != COMPLETE:
+        return g
+    problem = run.verify(g.step)
+    return g if problem is None else replace(g, status=CORRUPT, reason=problem)
+
+
+def _age(mtime: float | None) -> str:
+    if mtime is None:
+        return "?"
+    s = max(0, time.time() - mtime)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+@app.command("ls")
+@handled
+def ls_command(
+    store: StoreArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-read every complete generation and check each "
+                                                          "file's sha256 (slow on big states).")] = False,
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
+) -> None:
+    """List a run's generations with their status (complete / incomplete / corrupt / foreign).
+
+    Also shows the LATEST hint (a hint only) and quarantined generations with their reason. Read-only: writes
+    nothing. Without --verify a generation is "complete" when its COMPLETE.json checks out (names, sizes);
+    --verify also hashes every file, so damaged bytes show as corrupt.
+    """
+    setup_logging()
+    run = open_run(store, endpoint_url, region, path_style)
+    gens = run.scan()
+    if verify:
+        gens = [_verified(run, g) for g in gens]
+    quarantined = run.quarantined()
+    hint = run.latest_hint()
+    newest = max((g.step for g in gens if g.status == COMPLETE), default=None)
+    if as_json:
+        doc = {
+            "store": run.url, "latest_hint": hint, "newest_complete_step": newest,
+            "generations": [{"name": g.name, "step": g.step, "status": g.status, "reason": g.reason,
+                             "bytes": g.bytes, "mtime": g.mtime,
+                             "world": (g.manifest or {}).get("world"),
+                             "created_at": (g.manifest or {}).get("created_at")}
+                            for g in gens],
+            "quarantined": [{"name": n, "reason": r} for n, r in quarantined],
+        }
+        print(json.dumps(doc, indent=2))
+        return
+    table = Table(title=f"{shown(run.url)}  (LATEST hint: {shown(hint or 'none')})")
+    names = [g.name for g in gens] + [f"quarantine/{n}" for n, _ in quarantined]
+    # Names are shown whole (they are what a person types next); the note column folds instead.
+    table.add_column("generation", no_wrap=True, min_width=max(map(len, names), default=10))
+    for col in ("status", "bytes", "age"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("note", overflow="fold")
+    for g in gens:
+        note = g.reason or ("newest complete" if g.step == newest else "")
+        table.add_row(shown(g.name), f"[{_STYLE[g.status]}]{g.status}[/]", f"{g.bytes:,}", _age(g.mtime), shown(note))
+    for name, reason in quarantined:
+        table.add_row(shown(f"quarantine/{name}"), "[red]quarantined[/]", "", "", shown(reason))
+    Console().print(table if gens or quarantined else f"{shown(run.url)}: no generations yet")
+
+
+def _run_contract(run: Any) -> str | None:
+    """The run's contract from its plan.json; None for a store without one (retention then deletes nothing
+    when it finds generations of more than one contract)."""
+    from trainproof.format.contract import PLAN_FILE, read_plan
+
+    try:
+        return read_plan(run)["contract"]
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a malformed plan: nothing is safe to collect
+        raise UsageError(f"gc needs a readable {PLAN_FILE} to tell this run's generations from others: {exc}") from None
+
+
+@app.command("gc")
+@handled
+def gc_command(
+    store: StoreArg,
+    keep: Annotated[Optional[int], typer.Option(
+        "--keep", min=1, help="Complete generations to keep (the newest is always kept).")] = None,
+    keep_verifications: Annotated[Optional[int], typer.Option(
+        "--keep-verifications", min=0, help="Keep the N newest verifications (<run>/verification/<id>/ with a "
+        "report) and remove older ones entirely; one without a report (running) is never removed.")] = None,
+    grace_hours: Annotated[float, typer.Option("--grace-hours", min=0.0,
+                                               help="Collect partial generations only once "
+                                                    "this old (never younger than 60 s: a "
+                                                    "writer may still be committing).")] = 6.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")] = False,
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
+) -> None:
+    """Apply retention: keep the K newest complete generations (never the newest complete one, nor newer), and/or
+    the N newest verifications.
+
+    Partial generations older than the grace period are collected; exports, quarantine and other runs'
+    generations are never touched; --keep-verifications touches only <run>/verification/. Exit 0 done,
+    2 bad usage or nothing complete to keep, 1 a store failure.
+    """
+    setup_logging()
+    if keep is None and keep_verifications is None:
+        raise UsageError("nothing to do: pass --keep K (generations) and/or --keep-verifications N")
+    run = open_run(store, endpoint_url, region, path_style)
+    contract = _run_contract(run) if keep is not None else None
+    delete_verb, keep_verb = ("would delete", "would keep") if dry_run else ("deleted", "kept")
+    if keep is not None:
+        if not any(g.status == COMPLETE for g in run.scan(contract=contract)):
+            raise UsageError(f"{shown(run.url)} has no complete generation "
+                             "of this run: nothing can be collected safely")
+        # Only this run's generations (its plan.json's contract) count as "newest" or "old": a stranger's folder
+        # never pushes ours out. Retention re-verifies the newest kept generation before deleting anything. As in
+        # the trainer, the generations around every restore point no audit has passed across are kept too.
+        from trainproof.format.protect import restore_protection
+
+        rule, audit_kept = restore_protection(run, None, keep), set()
+
+        def protect(gens: list) -> frozenset[int]:
+            steps = rule(gens)
+            audit_kept.update(steps - {g.step for g in gens[-keep:]})
+            return steps
+
+        policy = RetentionPolicy(keep=keep, grace_seconds=grace_hours * 3600, contract=contract, protect_rule=protect)
+        doomed = run.apply_retention(policy, dry_run=dry_run)
+        for g in doomed:
+            print(f"{delete_verb} {shown(g.name)} ({g.status})")
+        named = ", ".join(f"step-{s:08d}" for s in sorted(audit_kept))
+        also = f" and {len(audit_kept)} around restore points no audit has passed ({named})" if audit_kept else ""
+        print(f"{delete_verb} {len(doomed)} generation(s); {keep_verb} the {keep} newest complete{also}")
+    if keep_verifications is not None:
+        _gc_verifications(run, keep_verifications, dry_run=dry_run)
+
+
+def _gc_verifications(run, keep: int, *, dry_run: bool) -> None:
+    from trainproof.proof.evidence import plan_verification_gc, remove_verification
+
+    kept, doomed = plan_verification_gc(run, keep)
+    remove_verb, keep_verb = ("would remove", "would keep") if dry_run else ("removed", "kept")
+    for v in doomed:
+        if not dry_run:
+            remove_verification(run, v.vid)
+        print(f"{remove_verb} verification/{v.vid} ({v.created_at})")
+    running = sum(1 for v in kept if not v.created_at)
+    print(f"{remove_verb} {len(doomed)} verification(s); {keep_verb} {len(kept) - running} with a report"
+          + (f" and {running} without one (running or abandoned)" if running else ""))

@@ -1,0 +1,132 @@
+"""The reload check of an export's Hugging Face directory (trainproof.export.hf): what a ``transformers`` user does with
+it, in an interpreter that cannot import trainproof.
+
+The directory is read back from ``<dest>/hf/step-%08d/`` (every file against its own ``COMPLETE.json``) and must hold
+exactly the files, with the sha256, that the bundle's ``config.json`` lists; the files are copied into a local
+folder, and a fresh ``python -I`` process, in which importing ``job`` or ``storage`` fails, loads it with
+``from_pretrained`` of the class its ``config.json`` names (``LlamaForCausalLM``; ``AutoModelForCausalLM`` when
+transformers has no such class; offline: ``HF_HUB_OFFLINE=1``, no remote code) and re-runs the held-out
+evaluation of ``hf_eval.py`` (trainproof's own source text, never the copy read from the store), which must
+reproduce the value ``metrics.json`` records under ``hf`` exactly (same bytes, same CPU kernels and thread count).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from trainproof.export.bundle import EXACT_RTOL, sha256_of
+from trainproof.export.hf import HF_EVAL, HF_EVAL_DATA_FILE, HF_FOLDER
+from trainproof.storage import GenerationStore, StoreError
+from trainproof.storage.manifest import step_dir
+from trainproof.storage.spool import Spool, spool_dir
+
+BOOT = r"""
+import importlib, importlib.abc, json, sys
+
+class NoTrainproof(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("trainproof",):
+            raise ImportError(f"{name}: trainproof is not importable in this check")
+        return None
+
+sys.meta_path.insert(0, NoTrainproof())
+reachable = []
+for name in ("trainproof",):
+    try:
+        importlib.import_module(name)
+        reachable.append(name)
+    except ImportError:
+        pass
+folder, source, with_eval = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+import torch
+import transformers
+# The class config.json names, if transformers has it (a causal LM, a classifier, ...), else the causal-LM auto class.
+arch = (json.load(open(folder + "/config.json")).get("architectures") or [""])[0]
+cls = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
+if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+    cls = transformers.AutoModelForCausalLM
+model = cls.from_pretrained(folder)
+result = {"trainproof_importable": reachable, "architecture": type(model).__name__,
+          "parameters": sum(p.numel() for p in model.parameters())}
+if with_eval:
+    namespace = {"__name__": "hf_eval"}
+    exec(compile(source, "hf_eval.py", "exec"), namespace)
+    from safetensors.torch import load_file
+    metrics = json.load(open("metrics.json"))
+    torch.set_num_threads(metrics["eval"]["threads"])
+    result["value"] = namespace["evaluate"](model, load_file("hf_eval_data.safetensors"))
+print("HF-RELOAD " + json.dumps(result))
+"""
+
+
+def check(dest: GenerationStore, step: int, files: dict[str, Any], config: dict[str, Any], metrics: dict[str, Any],
+          *, timeout: float = 600.0) -> dict[str, Any]:
+    """The ``hf_from_pretrained`` entry of the reload record: ``passed`` when the directory is the one the bundle
+    lists, loads with ``from_pretrained`` without trainproof, and (when the bundle has ``hf_eval.py``) reproduces the
+    recorded value."""
+    listed = (config.get("hf") or {}).get("files")
+    recorded = (metrics.get("hf") or {}).get("value")
+    where = f"{dest.url.rstrip('/')}/{HF_FOLDER}/{step_dir(step)}"
+    if not isinstance(listed, dict) or not listed:
+        return {"passed": False, "why": "config.json's hf block lists no files"}
+    try:
+        loaded = dest.child(HF_FOLDER).load(step, spool_dir=spool_dir(), spool_from=1 << 20)
+    except (StoreError, OSError, ValueError) as exc:  # missing, or a file that no longer matches its manifest
+        return {"passed": False, "directory": where, "why": f"cannot read the directory: {exc}"}
+    try:
+        got = {name: sha256_of(data) for name, data in loaded.files.items()}
+        if got != listed:
+            return {"passed": False, "directory": where,
+                    "why": f"the directory's files differ from config.json's hf list: {sorted(set(got) ^ set(listed))}"
+                           if set(got) != set(listed) else "a file's sha256 differs from config.json's hf list"}
+        with tempfile.TemporaryDirectory(prefix="trainproof-hf-check-", dir=spool_dir()) as work:
+            folder = os.path.join(work, "hf")
+            os.mkdir(folder)
+            for name, data in loaded.files.items():
+                _place(os.path.join(folder, name), data)
+            with_eval = isinstance(recorded, (int, float)) and HF_EVAL_DATA_FILE in files
+            if with_eval:
+                _place(os.path.join(work, HF_EVAL_DATA_FILE), files[HF_EVAL_DATA_FILE])
+                with open(os.path.join(work, "metrics.json"), "w") as fh:
+                    json.dump(metrics, fh)
+            result = _fresh_process(work, folder, with_eval, timeout)
+    finally:
+        loaded.close()
+    out = {"directory": where, "files": len(listed), **result}
+    if "error" in result:
+        return {**out, "passed": False}
+    isolated = not result.get("trainproof_importable")
+    if not with_eval:
+        return {**out, "passed": isolated, "evaluated": False}
+    diff = abs(result["value"] - recorded)
+    return {**out, "recorded": recorded, "reloaded": result["value"], "abs_diff": diff, "rtol": EXACT_RTOL,
+            "passed": isolated and diff <= EXACT_RTOL * max(abs(recorded), 1e-30)}
+
+
+def _place(path: str, data: Any) -> None:
+    if isinstance(data, Spool):
+        shutil.copyfile(data.path, path)
+    else:
+        with open(path, "wb") as fh:
+            fh.write(data)
+
+
+def _fresh_process(work: str, folder: str, with_eval: bool, timeout: float) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    argv = [sys.executable, "-I", "-c", BOOT, folder, HF_EVAL, "1" if with_eval else "0"]
+    try:
+        proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the from_pretrained process did not finish within {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("HF-RELOAD ")]
+    if proc.returncode != 0 or not lines:
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-500:]
+        return {"error": f"the from_pretrained process exited {proc.returncode}: {tail}"}
+    return {"command": "python -I -c <trainproof.proof.hf_reload.BOOT> HF_FOLDER", **json.loads(lines[-1][10:])}

@@ -1,0 +1,79 @@
+"""Move a damaged or abandoned generation aside, keeping the evidence, so its step can be committed again.
+
+Layout: ``<run>/quarantine/step-%08d-<UTC time>-<id>/`` holding the generation's objects plus a ``REASON`` file.
+On a folder this is one atomic rename.  On an object store it is copy-then-delete, in an order that keeps
+every intermediate state safe: copy everything, write ``REASON``, delete ``COMPLETE.json`` *first*, then the
+rest — a crash half-way leaves at worst an incomplete generation (skipped) and a partial copy (harmless).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from trainproof.storage import manifest as mf
+from trainproof.storage.backend import RenamesFolders, read_at_most
+from trainproof.storage.generations import Ctx
+from trainproof.storage.limits import UntrustedJSONError, loads_untrusted
+
+log = logging.getLogger("trainproof.storage")
+QUARANTINE = "quarantine"
+
+
+def quarantine(ctx: Ctx, name: str, reason: str) -> str:
+    """Move generation ``name`` to the quarantine folder with a REASON file; return the new folder name."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest_name = f"{name}-{stamp}-{uuid.uuid4().hex[:6]}"
+    src, dest = ctx.path(name), ctx.path(QUARANTINE, dest_name)
+    note = json.dumps({"generation": name, "reason": reason, "quarantined_at": stamp}, indent=2).encode() + b"\n"
+    if isinstance(ctx.backend, RenamesFolders):
+        backend = ctx.backend
+        ctx.io(f"move {name} to quarantine", lambda: backend.rename_dir(src, dest))
+    else:
+        _copy_then_delete(ctx, name, src, dest)
+    ctx.io(f"write {dest_name}/REASON", lambda: ctx.backend.write(f"{dest}/REASON", note))
+    log.warning("quarantined %s → %s/%s: %s", name, QUARANTINE, dest_name, reason)
+    return dest_name
+
+
+def _copy_then_delete(ctx: Ctx, name: str, src: str, dest: str) -> None:
+    entries = [e for e in ctx.io(f"list {name}", lambda: ctx.backend.listdir(src)) if not e.is_dir]
+    # The marker is copied last so the copy is never "complete" before its files are there.
+    ordered = sorted(entries, key=lambda e: e.name == mf.MARKER)
+    for e in ordered:
+        ctx.io(f"copy {name}/{e.name}", lambda e=e: ctx.backend.copy(f"{src}/{e.name}", f"{dest}/{e.name}"))
+    ctx.io(f"delete {name}/{mf.MARKER}", lambda: ctx.backend.delete(f"{src}/{mf.MARKER}"))
+    ctx.io(f"delete {name}", lambda: ctx.backend.delete_tree(src))
+
+
+def list_quarantined(ctx: Ctx) -> list[tuple[str, str]]:
+    """(folder name, reason) of every quarantined generation, oldest first."""
+    cap = ctx.limits.scan_entries
+    listing = ctx.io("list quarantine", lambda: ctx.backend.listdir(ctx.path(QUARANTINE), limit=cap))
+    if len(listing) > cap:
+        log.warning("quarantine holds more than %d entries (Limits.scan_entries): listing the first %d", cap, cap)
+    out = []
+    for e in sorted(listing[:cap], key=lambda e: e.name):
+        if not e.is_dir or e.is_special:
+            continue
+        out.append((e.name, _reason(ctx, e.name)))
+    return out
+
+
+def _reason(ctx: Ctx, folder: str) -> str:
+    """The REASON file's reason, read defensively (capped, strict JSON, a string): it is printed by ``ls``."""
+    cap = ctx.limits.small_json_bytes
+    try:
+        reason = ctx.path(QUARANTINE, folder, "REASON")
+        raw = ctx.io(f"read {folder}/REASON", lambda: read_at_most(ctx.backend, reason, cap))
+        reason = loads_untrusted(raw, what="REASON", max_bytes=cap)
+    except FileNotFoundError:
+        return "(no REASON file: the move was interrupted)"
+    except UntrustedJSONError as exc:
+        return f"(unreadable REASON file: {exc})"
+    except OSError as exc:  # a symlink or a pipe in place of the file (local folders)
+        return f"(unreadable REASON file: {exc.strerror or exc.__class__.__name__})"
+    reason = reason.get("reason") if isinstance(reason, dict) else None
+    return reason[:1000] if isinstance(reason, str) else "(REASON file without a reason)"

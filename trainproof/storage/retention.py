@@ -1,0 +1,169 @@
+"""What to keep, and deleting the rest without ever losing the last good copy.
+
+``plan_retention`` is a pure function of the list of generations and one :class:`RetentionPolicy` (the rule's
+settings, passed whole: a new rule is a field there and a line here).  Its rules (each one a complaint about
+users of other checkpointing tools have made: retention that deleted the only good copy, or deleted before the
+new checkpoint was written):
+- keep the ``keep`` newest complete generations *of this run* (``contract``/``world`` when given);
+- never delete the newest complete generation, nor anything newer than it (a write may be in flight);
+- a foreign (another contract or world), corrupt, or symlinked generation is never counted as the newest and
+  never deleted: it is left in place with a warning (quarantine moves corrupt ones aside when they are loaded);
+- with no ``contract`` given and complete generations of several contracts in the folder, the newest cannot be
+  told apart from a stranger's, so nothing is deleted;
+- collect partial generations older than the newest complete one once untouched for ``grace_seconds``, which
+  cannot go below MIN_GRACE_SECONDS unless the caller states that no writer is active;
+- export bundles, verification records and quarantine live outside ``step-*`` and are never seen here.
+
+``apply_retention`` then re-verifies (streams every file through sha256) the newest generation it keeps before
+deleting anything: if that one fails, nothing older than the newest generation that does verify is deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable
+
+from trainproof.storage import manifest as mf
+from trainproof.storage.generations import (
+    COMPLETE,
+    CORRUPT,
+    FOREIGN,
+    INCOMPLETE,
+    Ctx,
+    GenerationInfo,
+    scan_capped,
+    verify_hashes,
+)
+
+log = logging.getLogger("trainproof.storage")
+# A partial generation younger than this may belong to a writer that is still writing (a slow upload, a rank
+# that lags): deleting its files under it would turn its commit into a conflict or a corrupt generation.
+MIN_GRACE_SECONDS = 60.0
+DEFAULT_GRACE_SECONDS = 6 * 3600.0
+"""Partial generations younger than this are left alone by default (a slow upload may still be writing them)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """What retention keeps. Validated once, here; passed whole to :func:`plan_retention` and
+    :func:`apply_retention`."""
+
+    keep: int
+    """Complete generations of this run to keep (>= 1: the newest complete generation is never deleted)."""
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    """A partial generation is collected once untouched this long (raised to MIN_GRACE_SECONDS, see below)."""
+    contract: str | None = None
+    """Only complete generations with this contract count as the run's (None: all, unless several contracts)."""
+    world: int | None = None
+    """Only complete generations of this world size count (None: any)."""
+    protect: frozenset[int] = frozenset()
+    """Steps of complete generations to keep anyway (the caller's reasons, e.g. the generation a resume started
+    from, kept until an audit spans it)."""
+    protect_rule: Callable[[list[GenerationInfo]], Iterable[int]] | None = None
+    """More steps to keep, chosen from what is stored: called with this run's complete generations (oldest first)
+    at each retention. Whatever it returns is kept; if it raises, nothing is deleted (a rule that cannot decide
+    costs storage, never a generation)."""
+    i_know_no_writer_is_active: bool = False
+    """Allow a grace below MIN_GRACE_SECONDS (a test, or an offline clean-up with no trainer running)."""
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1 (the newest complete generation is never deleted), got {self.keep}")
+        object.__setattr__(self, "protect", frozenset(self.protect))
+
+    def protecting(self, steps: frozenset[int] | set[int]) -> RetentionPolicy:
+        """This policy, also keeping ``steps``."""
+        return replace(self, protect=self.protect | frozenset(steps))
+
+
+def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *, now: float) -> list[GenerationInfo]:
+    """The generations to delete under ``policy``, oldest first.  Complete generations of another contract or
+    world (when the policy names them) are left alone; a grace below MIN_GRACE_SECONDS is raised to it, with a
+    warning, unless the policy says no writer is active."""
+    grace = effective_grace(policy.grace_seconds, policy.i_know_no_writer_is_active)
+    ours, strangers = [], []
+    for g in generations:
+        if g.status == COMPLETE and g.manifest is not None and _matches(g.manifest, policy.contract, policy.world):
+            ours.append(g)
+        elif g.status in (COMPLETE, CORRUPT, FOREIGN):
+            strangers.append(g)
+    for g in strangers:
+        log.warning("retention: leaving %s alone (%s%s)", g.name, "another run's" if g.status == COMPLETE else g.status,
+                    f": {g.reason}" if g.reason else "")
+    if not ours:
+        return []
+    contracts = {g.manifest["contract"] for g in ours}
+    if len(contracts) > 1:  # only possible with contract=None
+        log.warning("retention: complete generations of %d different contracts and no contract given; deleting "
+                    "nothing (pass the run's contract)", len(contracts))
+        return []
+    ours.sort(key=lambda g: g.step)
+    newest = ours[-1].step
+    kept = {g.step for g in ours[-policy.keep:]} | policy.protect
+    if policy.protect_rule is not None:
+        try:
+            kept |= {int(step) for step in policy.protect_rule(list(ours))}
+        except Exception as exc:  # noqa: BLE001 - a rule that cannot decide keeps everything
+            log.warning("retention: the protection rule failed (%s: %s); deleting nothing", type(exc).__name__, exc)
+            return []
+    doomed = [g for g in ours if g.step not in kept and g.step < newest]
+    doomed += [
+        g for g in generations
+        if g.status == INCOMPLETE and g.step < newest
+        and g.mtime is not None and now - g.mtime > grace
+    ]
+    return sorted(doomed, key=lambda g: g.step)
+
+
+def effective_grace(grace_seconds: float, i_know_no_writer_is_active: bool = False) -> float:
+    """``grace_seconds``, raised to MIN_GRACE_SECONDS (with a warning) unless no writer can be active."""
+    if grace_seconds < MIN_GRACE_SECONDS and not i_know_no_writer_is_active:
+        log.warning("retention: grace period %.0fs raised to %.0fs: a partial generation that young may belong to "
+                    "a writer still writing (pass i_know_no_writer_is_active=True when none can be)",
+                    grace_seconds, MIN_GRACE_SECONDS)
+        return MIN_GRACE_SECONDS
+    return grace_seconds
+
+
+def _matches(manifest: dict, contract: str | None, world: int | None) -> bool:
+    return (contract is None or manifest["contract"] == contract) and (world is None or manifest["world"] == world)
+
+
+def apply_retention(ctx: Ctx, policy: RetentionPolicy, *, dry_run: bool = False,
+                    before_write=lambda: None) -> list[GenerationInfo]:
+    """Delete what ``plan_retention`` selects, after re-verifying the newest generation kept; return it.
+
+    A complete generation loses its COMPLETE.json first, so an interrupted delete leaves it incomplete.  On a
+    local folder a step folder that is a symlink is never entered or deleted through."""
+    found = scan_capped(ctx, contract=policy.contract, world=policy.world)
+    if found.truncated:  # unseen generations could be newer than what we would keep
+        return []
+    doomed = plan_retention(found.generations, policy, now=time.time())
+    if doomed and not _newest_verifies(ctx, found.generations, policy.contract, policy.world):
+        return []
+    if dry_run or not doomed:
+        return doomed
+    before_write()
+    for info in doomed:
+        path = ctx.path(info.name)
+        ctx.io(f"delete {info.name}", lambda: ctx.backend.delete_folder(path, first=mf.MARKER))
+        log.info("retention: deleted %s (%s)", info.name, info.status)
+    return doomed
+
+
+def _newest_verifies(ctx: Ctx, generations: list[GenerationInfo], contract: str | None, world: int | None) -> bool:
+    """Whether the newest complete generation of this run reads back with every listed sha256.  When it does
+    not, log which older one does (that one, and everything older, must then stay)."""
+    ours = [g for g in generations if g.status == COMPLETE and g.manifest and _matches(g.manifest, contract, world)]
+    for rank, g in enumerate(sorted(ours, key=lambda g: g.step, reverse=True)):
+        problem = verify_hashes(ctx, g)
+        if problem is None:
+            if rank:
+                log.warning("retention: %s is the newest generation that verifies; deleting nothing older than it",
+                            g.name)
+            return rank == 0
+        log.warning("retention: %s does not verify (%s); it is not counted as a good copy", g.name, problem)
+    log.warning("retention: no complete generation verifies; deleting nothing")
+    return False

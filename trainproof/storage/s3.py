@@ -1,0 +1,436 @@
+"""S3 (AWS, MinIO, Ceph…) through s3fs, imported lazily so a local run imports nothing remote.
+
+What this module owns, each rule answering something S3 and S3-compatible servers really do:
+- one retry layer: botocore gets ``total_max_attempts=1`` and s3fs ``retries=1``; tenacity in
+  ``trainproof.storage.retry`` retries whole operations;
+- per-endpoint checksum settings (``when_required`` for non-AWS endpoints);
+- create-only writes with ``If-None-Match: *`` (412 → FileExistsError) and a probe that the endpoint honours it,
+  on a plain PUT and on a multipart completion; where only the PUT honours it (Ceph RGW 16 completes a multipart
+  upload over an existing key and replaces it), a large file's key is claimed by a create-only PUT first;
+- the data path (multipart parts, ranged reads of large objects) on a plain boto3 client from worker threads, whose
+  sockets release the GIL (measured on Ceph RGW: about twice the throughput of the same calls through s3fs's one
+  event-loop thread, bench/RESULTS.md); everything else through s3fs;
+- parts that grow with the object, so no upload needs more than S3's 10 000 parts;
+- no listing cache (``use_listings_cache=False`` and ``refresh=True`` on every listing);
+- no partial object on failure (``pipe_file`` aborts its multipart upload; streamed files are discarded);
+- a sweep of unfinished multipart uploads under the run prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+from trainproof.storage.backend import CHUNK, IN_MEMORY, Entry, FsspecBackend, Source, iter_chunks
+from trainproof.storage.digest import FileHasher, digest_bytes
+from trainproof.storage.errors import StoreConfigError
+from trainproof.storage.limits import redact_url
+from trainproof.storage.options import StoreOptions
+from trainproof.storage.pieces import Pieces, nbytes
+from trainproof.storage.retry import RetryStats, is_transient, retry_or_unavailable
+from trainproof.storage.spool import Spool
+
+log = logging.getLogger("trainproof.storage")
+
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    while exc is not None:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error", {})
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if err.get("Code") == "PreconditionFailed" or status == 412:
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _status(exc: BaseException) -> int | None:
+    cause = exc.__cause__
+    response = getattr(cause, "response", None)
+    return response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
+
+
+MAX_PARTS = 10_000
+"""S3's most parts in one multipart upload."""
+
+
+def part_size_for(size: int, part_size: int) -> int:
+    """The part size for an object of ``size`` bytes: ``part_size``, or, when that would take more than
+    :data:`MAX_PARTS` parts, the smallest whole number of MiB that fits (a 100 GB state at 8 MiB parts would need
+    11 921 parts; it goes up in 10 MiB ones)."""
+    if -(-size // part_size) <= MAX_PARTS:
+        return part_size
+    mib = 2**20
+    return -(-size // (MAX_PARTS * mib)) * mib
+
+
+class S3Backend(FsspecBackend):
+    """One s3fs client per store; paths are ``bucket/key`` without the scheme."""
+
+    parallel_ranges = True
+    """Large objects are read back and downloaded as parallel ranged GETs (``trainproof.storage.spool``)."""
+
+    multipart_create_only = False
+    """Whether this endpoint refuses (412) a CompleteMultipartUpload with ``If-None-Match: *`` over an existing key,
+    as AWS, MinIO and moto do; set by :meth:`probe_create_only`. Until a probe says so (and on servers that replace
+    the object instead, like Ceph RGW 16), a create-only multipart write first *claims* its key: a create-only PUT
+    of an empty object, which such servers do refuse when the key exists, and only then uploads over its own
+    claim. So no create-only write ever replaces an object another writer made; a writer that finds the key taken
+    gets FileExistsError, as on AWS (and the commit writes its attempt's copy beside it,
+    ``trainproof.storage.commit``)."""
+
+    def __init__(self, options: StoreOptions, stats: RetryStats | None = None) -> None:
+        import s3fs  # lazy: only S3 runs pay for aiobotocore
+
+        checksum = options.checksum_mode()
+        config = {
+            "retries": {"total_max_attempts": 1, "mode": "standard"},
+            "connect_timeout": options.connect_timeout,
+            "read_timeout": options.read_timeout,
+            "request_checksum_calculation": checksum,
+            "response_checksum_validation": checksum,
+        }
+        if options.use_path_style():
+            config["s3"] = {"addressing_style": "path"}
+        client_kwargs = {"region_name": options.region or "us-east-1"}
+        fs = s3fs.S3FileSystem(
+            endpoint_url=options.endpoint_url,
+            profile=options.profile,
+            client_kwargs=client_kwargs,
+            config_kwargs=config,
+            skip_instance_cache=True,  # one client per store, never shared across threads' stores
+            use_listings_cache=False,  # another process writes the same prefix: never trust a cached listing
+            max_concurrency=options.concurrency,
+        )
+        fs.retries = 1  # s3fs would otherwise retry 5× on top of botocore and tenacity
+        super().__init__(fs)
+        self.options = options
+        self.stats = stats
+        self._config, self._client, self._client_lock = config, None, threading.Lock()
+
+    def _data(self):
+        """The boto3 client of the data path (made on first use; thread-safe, one connection per part in flight)."""
+        with self._client_lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+
+                session = boto3.session.Session(profile_name=self.options.profile)
+                self._client = session.client(
+                    "s3", endpoint_url=self.options.endpoint_url, region_name=self.options.region or "us-east-1",
+                    config=Config(**self._config, max_pool_connections=self.options.concurrency + 4))
+            return self._client
+
+    def _call(self, method: str, **kwargs):
+        """One data-path request; an S3 error becomes the builtin s3fs would raise (FileNotFoundError,
+        PermissionError, an OSError carrying the ClientError as its cause for the retry layer to classify)."""
+        from botocore.exceptions import ClientError
+        from s3fs.errors import translate_boto_error
+
+        try:
+            return getattr(self._data(), method)(**kwargs)
+        except ClientError as exc:
+            raise translate_boto_error(exc) from exc
+
+    def _part_retry(self, what: str, fn):
+        # Part retries are part of the one retry layer: once a part has used its budget the whole write fails
+        # with a StoreError, which the store's outer retry does not repeat (attempts never multiply).
+        return retry_or_unavailable(self.options.retry, what, fn, self.stats)
+
+    # -- primitives -------------------------------------------------------------------------------------
+    def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:
+        part = self.options.part_size
+        try:
+            if isinstance(data, Spool):
+                if data.size >= 2 * part:  # parts read from the file in parallel: never the whole object in memory
+                    create_only = self._claim(path, create_only)
+                    return self._write_multipart(path, data.size, data.read_range, create_only, sha=data.sha256)
+                data = data.read_range(0, data.size)
+            if isinstance(data, Pieces):
+                if data.nbytes >= 2 * part:  # each part joined from the pieces it spans: one part per worker
+                    create_only = self._claim(path, create_only)
+                    return self._write_multipart(path, data.nbytes, data.read, create_only,
+                                                 hash_source=lambda: digest_bytes(data))
+                data = data.tobytes()
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                return self._write_stream(path, data, self._claim(path, create_only))
+            data = bytes(data) if not isinstance(data, bytes) else data
+            if len(data) < 2 * part:
+                size, sha = len(data), digest_bytes(data)
+                self.fs.pipe_file(path, data, mode="create" if create_only else "overwrite")
+                return size, sha
+            view = memoryview(data)
+            create_only = self._claim(path, create_only)
+            return self._write_multipart(path, len(data), lambda a, b: bytes(view[a:b]), create_only)
+        except FileNotFoundError:
+            # s3fs reports a CompleteMultipartUpload whose response was lost as NoSuchUpload (its re-send finds the
+            # upload already completed): the object may well be there, with our size (an empty claim is not).  The
+            # caller's read-back verify checks its bytes, so claiming it here is safe.
+            size = data.size if isinstance(data, Spool) else nbytes(data) if isinstance(data, IN_MEMORY) else None
+            if size is not None and self._size(path) == size:
+                log.warning("the write of %s reported a lost completion "
+                            "but the object exists; verify will check it", path)
+                return size, data.sha256 if isinstance(data, Spool) else digest_bytes(data)
+            raise
+        except OSError as exc:
+            if _is_precondition_failed(exc) and not isinstance(exc, FileExistsError):
+                raise FileExistsError(f"{path} already exists (412 Precondition Failed)") from exc
+            raise
+
+    def _claim(self, path: str, create_only: bool) -> bool:
+        """Before a create-only write that may end in a multipart completion on an endpoint whose completions are
+        not create-only: take the key with a create-only PUT of an empty object (FileExistsError when it exists),
+        so the upload that follows replaces only this writer's own claim. Returns the ``create_only`` to pass on
+        (False once claimed: the key is ours)."""
+        if not create_only or self.multipart_create_only:
+            return create_only
+        self.fs.pipe_file(path, b"", mode="create")
+        return False
+
+    def _write_multipart(self, path: str, size: int, read_range, create_only: bool, *,
+                         sha: str | None = None, hash_source=None) -> tuple[int, str]:
+        """Concurrent multipart upload of ``size`` bytes read by ``read_range(start, end)`` (a slice of bytes in
+        memory, or ``os.pread`` of a spool: at most ``concurrency`` parts are read at a time), each part retried on
+        its own (UploadPart is idempotent), and the upload aborted on failure so no object appears. ``sha``: the
+        bytes' digest when known (a spool's); otherwise computed in parallel with the upload, by ``hash_source()``
+        when given (bytes already in memory, hashed where they lie), else from ``read_range``."""
+        bucket, key, _ = self.fs.split_path(path)
+        upload_id = self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        part = part_size_for(size, self.options.part_size)
+        spans = [(n + 1, off, min(off + part, size)) for n, off in enumerate(range(0, size, part))]
+
+        def put(span):
+            number, start, end = span
+            body = read_range(start, end)  # one part in memory per worker thread
+            out = self._part_retry(f"upload part {number}/{len(spans)} of {key}", lambda: self._call(
+                "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
+            return {"PartNumber": number, "ETag": out["ETag"]}
+
+        def whole_sha() -> str:
+            digest = FileHasher()
+            for start, end in ((s, min(s + part, size)) for s in range(0, size, part)):
+                digest.update(read_range(start, end))  # hashlib releases the GIL
+            return digest.hexdigest()
+
+        try:
+            with ThreadPoolExecutor(max_workers=self.options.concurrency + 1) as pool:
+                digest = pool.submit(hash_source or whole_sha) if sha is None else None
+                parts = list(pool.map(put, spans))
+            sha = sha if digest is None else digest.result()
+            self._complete(path, bucket, key, upload_id, parts, size, create_only)
+        except BaseException:
+            try:
+                self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception:  # the start-up sweep collects what an abort could not
+                pass
+            raise
+        self.fs.invalidate_cache(path)
+        return size, sha
+
+    def _complete(self, path, bucket, key, upload_id, parts, size, create_only) -> None:
+        match = {"IfNoneMatch": "*"} if create_only else {}
+        try:
+            self._call("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                       MultipartUpload={"Parts": parts}, **match)
+        except Exception as exc:
+            # A completion whose response was lost (connection reset, timeout) may have landed: an object of our
+            # size is claimed instead of re-uploading everything; the caller's read-back verify checks its bytes.
+            if is_transient(exc) and self._size(path) == size:
+                log.warning("the write of %s reported a lost completion "
+                            "but the object exists; verify will check it", path)
+                return
+            raise
+
+    def _size(self, path: str) -> int | None:
+        try:
+            return int(self.fs.info(path, refresh=True)["size"])
+        except FileNotFoundError:
+            return None
+
+    def _write_stream(self, path: str, data, create_only: bool) -> tuple[int, str]:
+        # Not `with fs.open(...)`: s3fs commits a partial object when the block exits on an exception.
+        fh = self.fs.open(path, "xb" if create_only else "wb", block_size=self.options.part_size)
+        sha, size = FileHasher(), 0
+        try:
+            for chunk in iter_chunks(data):
+                sha.update(chunk)
+                fh.write(chunk)
+                size += len(chunk)
+        except BaseException:
+            fh.discard()  # aborts the multipart upload; nothing is published
+            raise
+        fh.close()
+        return size, sha.hexdigest()
+
+    def read(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            body = self._call("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+        except OSError as exc:
+            if _status(exc) == 416:  # the object ends before ``start``: nothing there (it is shorter than claimed)
+                return b""
+            raise
+        try:
+            return body.read()
+        finally:
+            body.close()
+
+    def iter_read(self, path: str) -> Iterator[bytes]:
+        # One GET whose body is read chunk by chunk: closing early drops the connection instead of downloading
+        # the rest, so hashing or capping never holds the whole object (s3fs's cat_file would).
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(path)
+        body = self.fs.call_s3("get_object", Bucket=bucket, Key=key)["Body"]
+        try:
+            while block := sync(self.fs.loop, body.read, CHUNK):
+                yield block
+        finally:
+            body.close()
+
+    def listdir(self, path: str, *, prefix: str = "", limit: int | None = None) -> list[Entry]:
+        # Our own paginated ListObjectsV2 (s3fs's ls lists every key into memory first): the prefix narrows the
+        # listing server-side and ``limit`` stops paging, so a prefix with millions of keys costs one page.
+        out: list[Entry] = []
+        for entry in self.iterdir(path, prefix=prefix):
+            out.append(entry)
+            if limit is not None and len(out) > limit:
+                break
+        return out
+
+    def iterdir(self, path: str, *, prefix: str = "") -> Iterator[Entry]:
+        """The children page by page, as they come (``trainproof.storage.backend.StreamsListing``)."""
+        bucket, key, _ = self.fs.split_path(path)
+        base = f"{key.rstrip('/')}/" if key else ""
+        kwargs = {"Bucket": bucket, "Prefix": base + prefix, "Delimiter": "/"}
+        while True:
+            try:
+                page = self.fs.call_s3("list_objects_v2", **kwargs)
+            except FileNotFoundError:
+                return
+            for cp in page.get("CommonPrefixes", []):
+                yield Entry(cp["Prefix"][len(base):].rstrip("/"), 0, True, None)
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(base):]
+                if name:  # not the folder's own "dir/" marker object
+                    mtime = obj.get("LastModified")
+                    yield Entry(name, int(obj.get("Size") or 0), False,
+                                mtime.timestamp() if mtime is not None else None)
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                return
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.fs.info(path, refresh=True)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def delete_tree(self, path: str) -> None:
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
+
+    # -- endpoint checks ----------------------------------------------------------------------------------
+    def check_access(self, bucket: str, prefix: str = "") -> None:
+        """Fail fast, with one clear line, on a missing bucket or refused credentials (StoreConfigError).
+
+        A list of at most one key under the run's prefix, not HeadBucket: AWS authorises HeadBucket as an
+        unprefixed ``s3:ListBucket``, which a policy scoped to the run's prefix refuses. An unreachable endpoint
+        or a 5xx is *not* a configuration error (a MinIO pod may still be starting): the error is re-raised for
+        the caller's bounded retry, which ends in StoreUnavailableError (exit 1), never exit 2."""
+        where = redact_url(self.options.endpoint_url) if self.options.endpoint_url else "AWS S3"
+        try:
+            self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+        except FileNotFoundError:
+            raise StoreConfigError(f"bucket '{bucket}' does not exist at "
+                                   f"{where}: create it or fix the --store URL") from None
+        except PermissionError:
+            raise StoreConfigError(
+                f"access to bucket '{bucket}' at {where} was refused (403): check AWS_ACCESS_KEY_ID/"
+                "AWS_SECRET_ACCESS_KEY, the profile or the IAM role, and the bucket policy") from None
+        except Exception as exc:
+            name = type(exc).__name__
+            if name == "NoCredentialsError":
+                raise StoreConfigError(
+                    "no AWS credentials found: set "
+                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an IAM role") from None
+            if "Connect" in name or "Endpoint" in name or isinstance(exc, (ConnectionError, TimeoutError)):
+                raise ConnectionError(f"cannot reach the S3 endpoint {where} ({name}): if it keeps failing, check "
+                                      "AWS_ENDPOINT_URL / --endpoint-url") from None
+            raise
+
+    def probe_create_only(self, scratch: str) -> bool:
+        """Whether a second create-only PUT of one scratch key is refused (``If-None-Match: *``). Some servers accept
+        and silently ignore the header, which would let two writers both commit. When it is refused, also probe a
+        multipart completion over that key (:attr:`multipart_create_only`)."""
+        key = f"{scratch}/probe-{uuid.uuid4().hex}"
+        try:
+            try:
+                self.write(key, b"1", create_only=True)
+                self.write(key, b"2", create_only=True)
+            except FileExistsError:  # the second PUT, or our first one re-sent after a lost response
+                self.multipart_create_only = self._refuses_completion_over(key)
+                return True
+            return False
+        finally:
+            self.delete(key)
+
+    def _refuses_completion_over(self, key: str) -> bool:
+        """Whether a CompleteMultipartUpload with ``If-None-Match: *`` over the existing ``key`` is refused (412);
+        a refused upload stays open on some servers (moto), so it is aborted either way."""
+        bucket, name, _ = self.fs.split_path(key)
+        upload = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=name)["UploadId"]
+        try:
+            etag = self.fs.call_s3("upload_part", Bucket=bucket, Key=name, UploadId=upload, PartNumber=1,
+                                   Body=b"3")["ETag"]
+            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=name, UploadId=upload,
+                            MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]}, IfNoneMatch="*")
+        except OSError as exc:
+            if not _is_precondition_failed(exc):
+                raise
+            refused = True
+        else:
+            refused = False
+            log.info("the S3 endpoint %s completes a multipart upload over an existing object despite "
+                        "If-None-Match: * (only plain PUTs are create-only there): large files claim their name with "
+                        "a create-only PUT before uploading", redact_url(self.options.endpoint_url or "AWS S3"))
+        try:
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload)
+        except Exception:  # completed (nothing to abort), or left for the multipart sweep
+            pass
+        return refused
+
+    def sweep_multipart(self, bucket: str, prefix: str, older_than: float) -> int:
+        """Abort unfinished multipart uploads under ``prefix`` started more than ``older_than`` s ago."""
+        now, aborted = time.time(), 0
+        kwargs = {"Bucket": bucket, "Prefix": prefix.rstrip("/") + "/"}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", **kwargs)
+            for up in page.get("Uploads", []):
+                started = up.get("Initiated")
+                if started is not None and now - started.timestamp() < older_than:
+                    continue  # may belong to a live writer
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                log.warning("aborted an unfinished multipart upload "
+                            "of s3://%s/%s (left by a killed writer)", bucket, up["Key"])
+                aborted += 1
+            if not page.get("IsTruncated"):
+                return aborted
+            kwargs["KeyMarker"] = page.get("NextKeyMarker")
+            kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker")
+
+
+__all__ = ["S3Backend", "CHUNK"]

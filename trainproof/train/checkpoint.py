@@ -1,0 +1,249 @@
+"""Checkpoints: *when* to save (:class:`SaveClock`) and *how* a save becomes usable (:class:`Checkpointer`).
+
+A save is: serialise the state into a spool file (``trainproof.storage.spool``: ``torch.save`` streams it to local disk
+while it is hashed, so no second in-memory copy of the state exists), hand it to the generation store, which
+uploads it (parallel multipart parts read from the file) under a new
+``step-%08d`` name, reads every object back, checks size and sha256, runs our ``check`` on the stored
+bytes (a real weights-only load), and only then writes ``COMPLETE.json`` create-only and moves the
+LATEST hint. Retention runs after that commit, never before, and never deletes the newest generation.
+
+With world > 1 a generation is ``training_state.pt`` (rank 0's view, its own part inline) plus one
+``rank-%05d.pt`` per other rank, committed together in one ``COMPLETE.json``:
+
+1. every rank writes its own file into the generation and verifies it read back from the store
+   (``store.write_part``: create-only write, size + sha256 of the stored bytes, a real weights-only load);
+2. every rank >= 1 sends rank 0 only its entry (name, bytes, sha256, object) or its error, over the gloo
+   control group; rank 0 writes ``training_state.pt`` the same way;
+3. rank 0 commits the generation (``store.commit_parts``: every listed object must be in the store with its
+   size, then ``COMPLETE.json`` create-only listing every rank's file) and shares the outcome; every rank
+   raises if the commit failed, so all exit non-zero together.
+
+A rank that dies or hangs makes the gather or the outcome broadcast fail (at once, or at the group's
+timeout): no ``COMPLETE.json`` is written for that step unless every rank had already reported its file
+written and verified.  Only digests travel between ranks, so the same protocol carries sharded state.
+
+A sharded run (``--fsdp``, trainproof.train.fsdp) adds its model and optimizer shards to the same generation: first
+every rank writes and verifies its shard file through DCP and rank 0 writes DCP's metadata
+(``trainproof.train.sharded.write_sharded``; a rank that fails makes every rank fail here); rank 0 then commits those
+entries with ``training_state.pt`` and the rank files in one ``COMPLETE.json`` (with the ``sharded`` section and
+the metadata's digest).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainproof.errors import TrainError
+from trainproof.format.shard_files import METADATA_FILE
+from trainproof.format.state import (
+    HISTORY_FILE,
+    STATE_FILE,
+    decode,
+    decode_history,
+    decode_rank_part,
+    encode_history,
+    encode_rank_part,
+    encode_spool,
+    rank_file,
+)
+from trainproof.storage import GenerationStore, RetentionPolicy
+from trainproof.storage.errors import CommitConflictError, StoreError
+from trainproof.storage.spool import Spool
+from trainproof.train.dist import Collectives
+from trainproof.train.progress import Reporter
+
+
+class SaveClock:
+    """Step and/or wall-clock cadence of periodic checkpoints."""
+
+    def __init__(self, every_steps: int = 0, every_seconds: float = 0.0, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self._clock = clock
+        self._last_time = clock()
+
+    def due(self, step: int) -> bool:
+        """True when a periodic checkpoint is due right after optimizer step ``step``."""
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        return bool(self.every_seconds) and self._clock() - self._last_time >= self.every_seconds
+
+    def mark(self) -> None:
+        """A checkpoint was just committed: restart the wall-clock interval."""
+        self._last_time = self._clock()
+
+
+class Checkpointer:
+    """Commits training states as generations of one run in the store (rank 0 writes; see the module doc)."""
+
+    def __init__(
+        self, store: GenerationStore, *, contract: str, world: int, code_version: str, keep: int,
+        reporter: Reporter, last_step: int = 0, sync: Collectives | None = None, spool_dir: str | None = None,
+    ) -> None:
+        self.store = store
+        self.spool_dir = spool_dir
+        """Where states are serialised before upload (``trainproof.storage.spool.spool_dir``: TRAINPROOF_SPOOL_DIR or
+        /tmp)."""
+        self.contract, self.world, self.code_version = contract, world, code_version
+        self.keep = keep
+        self.reporter = reporter
+        self.sync = sync
+        self.last_step = last_step
+        """Step of the newest generation known committed (the resume point, then our own commits)."""
+        self.records: list[dict[str, Any]] = []
+        self.protect: Callable[[list[Any]], frozenset[int]] | None = None
+        """Which generations retention must keep besides the newest ones, given the run's complete generations
+        (those around every restore point no audit has passed across: trainproof.format.protect). Called at each
+        retention."""
+
+    def commit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any],
+               part: dict[str, Any] | None = None, encoded: Spool | None = None, history: bytes | None = None,
+               blocked_s: float | None = None, blocked_since: float | None = None,
+               sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Serialise and commit generation ``step``; then apply retention (rank 0).
+
+        ``state``: the full training state (rank 0; ignored elsewhere), or ``encoded``: that state already
+        serialised into a spool (a background save, trainproof.train.async_save, drops its snapshot once encoded) with
+        ``history``, its ``history.pt`` (state.encode_history); the spool file is deleted once the commit is over,
+        whatever its outcome. ``part``: this
+        rank's own part (ranks >= 1 of a distributed run). ``blocked_s``: how long training was blocked for
+        this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it is blocked until this
+        returns; recorded as the record's ``blocked_s``. ``sharded``: this rank's shards of the model and
+        optimizer (trainproof.train.fsdp ``sharded_state``; every rank of a sharded run passes them, and the ``state``
+        then holds neither). Raises TrainError (exit 1) on every rank when the
+        commit failed: nothing was marked usable, and the previous generation is still the resume point.
+        """
+        rank = self.sync.rank if self.sync else 0
+        try:
+            if self.world == 1 and sharded is None:
+                spool = encoded if encoded is not None else encode_spool(state, self.spool_dir)
+                own = history if encoded is not None else encode_history(state)
+                files = {STATE_FILE: spool, **({HISTORY_FILE: own} if own is not None else {})}
+                record = self._commit_files(step, files, extra)
+            else:
+                record = self._commit_world(step, state, part, extra, rank, sharded)
+        finally:
+            if encoded is not None:
+                encoded.unlink()
+        if record is not None:
+            if blocked_s is None:
+                blocked_s = record["seconds"] if blocked_since is None else time.perf_counter() - blocked_since
+            record["blocked_s"] = blocked_s
+            self.records.append(record)
+            self.reporter.event("checkpoint", **record)
+        self.last_step = step
+        if rank == 0:
+            self._apply_retention()
+        return record
+
+    def _commit_world(self, step: int, state: dict[str, Any] | None, part: dict[str, Any] | None,
+                      extra: dict[str, Any], rank: int, sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        shards: tuple[dict[str, list], dict] | None = None
+        t0 = time.perf_counter()  # the record's seconds: the whole cross-rank commit, the shards' write included
+        if sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
+            from trainproof.train.sharded import write_sharded  # only sharded runs import DCP
+
+            shards = write_sharded(self.store, step, sharded, process_group=self.sync.group)
+        frame = self._write_own_part(step, part, rank) if rank else b""
+        frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
+        record, failure, raised = None, b"", None
+        if rank == 0:
+            spool = None
+            try:
+                spool = encode_spool(state, self.spool_dir)
+                entries = self._rank_entries(step, frames)
+                if shards is not None:
+                    entries, extra = {**entries, **shards[0]}, {**extra, "sharded": shards[1]}
+                record = self._commit_generation(step, {STATE_FILE: spool, HISTORY_FILE: encode_history(state)},
+                                                 extra, entries)
+                record["seconds"] = time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
+                failure, raised = (str(exc) or type(exc).__name__).encode(), exc
+            finally:
+                if spool is not None:
+                    spool.unlink()
+        failure = self.sync.broadcast_bytes(failure, f"share the outcome of step {step}'s commit")
+        if raised is not None:
+            raise raised
+        if failure:
+            raise TrainError(f"step {step} was not committed by rank 0: {failure.decode(errors='replace')}")
+        return record
+
+    def _write_own_part(self, step: int, part: dict[str, Any] | None, rank: int) -> bytes:
+        """Write and verify this rank's file in the store: ``OK`` + its JSON entry, or ``ER`` + the error."""
+        try:
+            data = encode_rank_part(part or {}, step=step, world=self.world)
+            entry = self.store.write_part(step, {rank_file(rank): data}, check=self._check)
+            return b"OK" + json.dumps(entry).encode()
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the whole generation
+            return b"ER" + f"{type(exc).__name__}: {exc}".encode()
+
+    @staticmethod
+    def _rank_entries(step: int, frames: list[bytes]) -> dict[str, list]:
+        """Every other rank's written-and-verified file entry, refusing the generation when one is missing."""
+        entries: dict[str, list] = {}
+        for r, frame in enumerate(frames[1:], start=1):
+            body = frame[2:].decode(errors="replace")
+            if frame[:2] != b"OK":
+                raise TrainError(f"rank {r} could not write its part of step {step}: {body}")
+            entries.update(json.loads(body))
+        return entries
+
+    def _commit_files(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._commit_generation(step, files, extra, None)
+        finally:
+            for spool in files.values():
+                if isinstance(spool, Spool):
+                    spool.unlink()
+
+    def _commit_generation(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any],
+                           rank_entries: dict[str, list] | None) -> dict[str, Any]:
+        """Commit ``files`` (rank 0's) plus, in a distributed run, the other ranks' already-written entries."""
+        t0 = time.perf_counter()
+        digests = {"state": STATE_FILE, **({"dcp_metadata": METADATA_FILE} if "sharded" in extra else {})}
+        common = dict(contract=self.contract, world=self.world, code_version=self.code_version, extra=extra,
+                      digests=digests)
+        try:
+            if rank_entries is None:
+                info = self.store.commit(step, files, check=self._check, **common)
+            else:
+                own = self.store.write_part(step, files, check=self._check)
+                info = self.store.commit_parts(step, {**own, **rank_entries}, **common)
+        except CommitConflictError as exc:
+            raise TrainError(
+                f"step {step} was already committed by another writer ({exc}): two processes are "
+                "training into the same --store; restart one to resume from the other's checkpoint"
+            ) from None
+        except StoreError as exc:
+            raise TrainError(f"checkpoint of step {step} was not committed: {exc}") from None
+        # Recorded and reported by commit(), once it knows how long training was blocked.
+        return {"step": step, "generation": info.name, "bytes": info.bytes, "seconds": time.perf_counter() - t0}
+
+    def _check(self, name: str, stored: bytes | Spool) -> None:
+        # The store hands us the bytes it read back, or the spool the read-back hash proved identical to the
+        # stored object: prove they load as a state, weights-only (a spool is mapped, not read whole).
+        if name == STATE_FILE:
+            decode(stored)
+        elif name == HISTORY_FILE:
+            decode_history(stored)
+        else:
+            decode_rank_part(stored)
+
+    def _apply_retention(self) -> None:
+        if not self.keep:
+            return
+        try:
+            # Only this run's generations count (another contract's or world's never make ours "old").
+            removed = self.store.apply_retention(RetentionPolicy(keep=self.keep, contract=self.contract,
+                                                                 world=self.world, protect_rule=self.protect))
+        except (StoreError, OSError) as exc:
+            # The new generation is committed; a failed cleanup costs storage, not work.
+            self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")
+            return
+        if removed:
+            self.reporter.event("retention", keep=self.keep, removed=[g.name for g in removed])

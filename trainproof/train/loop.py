@@ -1,0 +1,420 @@
+"""``trainproof train``: resume from the newest usable generation, train, checkpoint, stop cleanly.
+
+Read :meth:`Trainer.run` top to bottom: build, resume (generators restored last), loop until the target
+or a stop request (signal, spot notice, deadline), commit, after a deadline export, summarise. Exit codes:
+0 target reached, or deadline reached with a committed checkpoint and a reload-verified export; 75 stopped
+early after committing (run again to resume); 2 configuration/contract error; 1 anything else.
+
+Distributed (world > 1, one process per rank under trainproof's launcher or torchrun): every rank runs this
+same code. Decisions that must be the same everywhere are agreed with one small all-reduce at each step
+boundary: stop (a signal on *any* rank, or a deadline any rank sees too close), and save (a time-based
+checkpoint due on any rank's clock). So all ranks stop after the same step, commit it once, and exit 75
+together. Only rank 0 logs progress and writes plan.json, generations and summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from trainproof.errors import ConfigError
+from trainproof.format.contract import build_plan
+from trainproof.format.identity import code_version
+from trainproof.format.layout import Layout
+from trainproof.format.protect import restore_protection
+from trainproof.format.state import runtime_versions
+from trainproof.storage import GenerationStore, StoreOptions, open_store
+from trainproof.storage.errors import StoreConfigError, StoreError
+from trainproof.tasks import Task, load_task
+from trainproof.tasks.objective import ObjectiveCheckTask
+from trainproof.train import dist
+from trainproof.train.checkpoint import Checkpointer, SaveClock
+from trainproof.train.config import TrainConfig
+from trainproof.train.data import epoch_plan
+from trainproof.train.device import configure_determinism, resolve_device
+from trainproof.train.discover import agree_plan
+from trainproof.train.pipeline import check_workers, open_batches, pipeline_record, worker_failure
+from trainproof.train.progress import Reporter, make_reporter
+from trainproof.train.resume import Resumed, ResumeOptions, resume
+from trainproof.train.run import Run, build_run, capture_rank_part, capture_state, train_step
+from trainproof.train.saver import Capture, final_commit_skip, make_saver
+from trainproof.train.stops import DeadlinePolicy, FinishWork, NoDeadline, NoStop, StopFlags
+
+EXIT_OK, EXIT_FAILURE, EXIT_STOPPED = 0, 1, 75
+SUMMARY_FILE = "summary.json"
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    """How a ``train`` invocation ended."""
+
+    exit_code: int
+    """0, or 75 when stopped early after committing."""
+    reason: str
+    """``target``, ``signal``, ``spot-notice`` or ``deadline``."""
+    step: int
+    """Step reached (committed, unless a stop left no time: see ``committed_step``)."""
+    target: int
+    """Step aimed at."""
+    committed_step: int | None = None
+    """Step of the last committed generation (below ``step`` when a stop left no time for the final commit)."""
+    export: dict[str, Any] | None = None
+    """After a deadline stop: the export and its reload check (``ok``, ``bundle``, or ``why`` not)."""
+
+
+def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopFlags | None = None,
+          deadline: DeadlinePolicy | None = None, finisher: FinishWork | None = None,
+          reporter: Reporter | None = None) -> Outcome:
+    """Run one ``train`` invocation. Raises trainproof.errors.TrainError subclasses on handled failures.
+
+    ``store`` is the opened run (default: ``cfg.store`` with options from the environment). The run's
+    lifecycle is handed in, never built here (``trainproof.lifecycle`` sits above this package): ``stop`` holds
+    the flags the signal handlers and spot watcher set (the CLI installs the handlers before importing
+    torch, so a SIGTERM during start-up is honoured too); ``deadline`` decides when to stop for a deadline
+    and ``finisher`` exports after it. Without them the run never stops early.
+    """
+    stop = stop if stop is not None else NoStop()
+    env = dist.DistEnv.from_env()
+    task = load_task(cfg.task, cfg.task_config)
+    if cfg.objective_check:  # the verifier's objective-equivalence run (trainproof.proof.objective)
+        task = ObjectiveCheckTask(task, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size)
+    if cfg.grad_clip is not None:  # the verifier's clipping runs (trainproof.proof.clipping)
+        task.grad_clip = cfg.grad_clip
+    check_workers(task, task.num_workers if cfg.data_workers is None else cfg.data_workers)
+    device = resolve_device(cfg.device, task, env)
+    configure_determinism(task, device)
+    # Before any collective: a refused epoch plan ends every rank with exit 2 at once, no rendezvous.
+    plan_of_epoch = epoch_plan(task.num_samples(), task.batch_size, env.world)
+    layout = Layout.choose(world=env.world, fsdp=cfg.fsdp or task.fsdp)  # chosen once, here
+    store = store or _open_store(cfg.store)
+    with dist.session(env, device, cfg.dist_timeout_s, group_of_one=layout.sharded) as sync:
+        plan = agree_plan(store, build_plan(
+            task=cfg.task, task_config=task.config(), data_identity=task.data_identity(), seed=cfg.seed,
+            world=env.world, objective=task.objective, code_version=code_version(), epoch_plan=plan_of_epoch,
+            layout=layout, precision=task.precision, init=[p.sha256 for p in task.pretrained()],
+            data_pipeline=pipeline_record(task),
+        ), sync)
+        rep = reporter or (make_reporter(cfg.log_format, log_every=cfg.log_every) if env.rank == 0
+                           else RankReporter(env.rank))
+        with rep:
+            return Trainer(cfg, task=task, device=device, store=store, plan=plan, reporter=rep, stop=stop,
+                           deadline=deadline, finisher=finisher, sync=sync, plan_of_epoch=plan_of_epoch,
+                           layout=layout).run()
+
+
+class RankReporter(Reporter):
+    """What ranks other than 0 show: nothing but their warnings, prefixed with the rank."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def warn(self, message: str) -> None:
+        super().warn(f"rank {self.rank}: {message}")
+
+
+class Trainer:
+    """One process's training session over a run in the store (one rank of it when world > 1)."""
+
+    def __init__(self, cfg: TrainConfig, *, task: Task, device: torch.device, store: GenerationStore,
+                 plan: dict[str, Any], reporter: Reporter, stop: StopFlags, deadline: DeadlinePolicy | None = None,
+                 finisher: FinishWork | None = None, sync: dist.Collectives | None = None,
+                 plan_of_epoch: dict[str, Any] | None = None, layout: Layout | None = None) -> None:
+        self.cfg, self.task, self.device, self.store, self.plan = cfg, task, device, store, plan
+        self.reporter, self.stop = reporter, stop
+        self.sync = sync or dist.Collectives(dist.DistEnv())
+        self.rank, self.world = self.sync.rank, self.sync.world
+        self.layout = layout or Layout.choose(world=self.world, fsdp=cfg.fsdp or task.fsdp)
+        self.epoch_plan = plan_of_epoch or epoch_plan(task.num_samples(), task.batch_size, self.world)
+        self.deadline: DeadlinePolicy = deadline or NoDeadline()
+        self.finisher = finisher  # a deadline also reserves the export and its reload check
+        self._update_finish_estimate()
+        self.clock = SaveClock(cfg.checkpoint_every, cfg.checkpoint_every_seconds)
+        # Commits run their collectives over the checkpoint group (trainproof.train.dist), from whichever thread saves.
+        self.checkpointer = Checkpointer(store, contract=plan["contract"], world=self.world, keep=cfg.keep,
+                                         code_version=code_version(), reporter=reporter, sync=self.sync.saves)
+        # In the background (trainproof.train.async_save) unless --sync-checkpoint: one process or many, DDP or sharded.
+        self.saver = make_saver(self.checkpointer, reporter, background=not cfg.sync_checkpoint,
+                                on_saved=self._observe_save, on_committed=self._committed)
+        self._live: Run | None = None
+        """The run being trained (its history drops the rows of each committed generation: :meth:`_committed`)."""
+        self._stop_seen_at: float | None = None
+        self.resumed = Resumed()
+        """Where this process continued from (None: a fresh start), its world and code changes."""
+        self.ranks_signalled = 0
+        """How many ranks had received a stop signal at the last agreement (the signal may be another rank's)."""
+        self.started_at = datetime.now(timezone.utc)
+
+    def run(self) -> Outcome:
+        """Build, resume, train to the target or a stop request, commit, summarise."""
+        run = build_run(self.task, self.device, self.cfg.seed, env=self.sync.env, sync=self.sync,
+                        per_rank_mean=self.cfg.negative_control == "per-rank-mean",
+                        microbatch_mean=self.cfg.negative_control == "mean-of-microbatch-means", layout=self.layout)
+        self._live = run
+        self.resumed = resume(run, store=self.store, plan=self.plan, sync=self.sync, reporter=self.reporter,
+                              options=self._resume_options())  # generators are restored there, last
+        self.checkpointer.last_step = run.step
+        # retention (rank 0 only) keeps what the audit needs around every restore point not yet audited
+        self.checkpointer.protect = restore_protection(self.store, self.resumed.step, self.cfg.keep)
+        target = self.cfg.target_step(run.step, self.task.default_steps)
+        self._report_start(run, target)
+        left = self.deadline.seconds_left()
+        past = left is not None and left <= 0 and self.finisher is not None
+        try:
+            if not past:
+                run.batches = self._open_batches(run)
+            reason = "deadline" if past else self._loop(run, target)
+            self._close_batches(run)  # before the final commit: what the workers prefetched is never saved
+            committed = self._finish_saves(run, reason)  # the end, or the boundary after a stop request
+        except BaseException as exc:
+            self._close_batches(run)
+            self._land_in_flight_save()
+            failure = worker_failure(exc)  # a dead data worker: one line, not DataLoader's traceback
+            if failure is None:
+                raise
+            raise failure from None
+        finished = self._finish(run, unbounded=past) if reason == "deadline" else None
+        exit_code = EXIT_OK if run.step >= target or (finished or {}).get("ok") else EXIT_STOPPED
+        if past and exit_code != EXIT_OK:
+            # Exit 75 would have a Job restart into the same past deadline forever: a counted failure instead.
+            exit_code = EXIT_FAILURE
+        outcome = Outcome(exit_code=exit_code, reason=reason, step=run.step, target=target, export=finished,
+                          committed_step=committed)
+        if self.rank == 0:
+            self._write_summary(run, outcome)
+        self.reporter.event("done" if exit_code == EXIT_OK else "stopped", step=run.step, target=target,
+                            reason=reason, exit_code=exit_code, signals=self.stop.signals,
+                            notices=self.stop.notices, ranks_signalled=self.ranks_signalled,
+                            committed_step=committed, **({"export": finished} if finished else {}))
+        return outcome
+
+    def _loop(self, run: Run, target: int) -> str:
+        """Optimizer steps until the target; stop requests and saves are decided only at step boundaries."""
+        while run.step < target:
+            if self.world == 1:
+                self.saver.poll()  # a background save that failed fails the run here, naming its step
+            reason, save = self._agree(run, save=run.step > self._saved_through() and self.clock.due(run.step))
+            if save:
+                self._save(run)
+                reason, _ = self._agree(run, save=False)  # a signal may have arrived during the save
+            if reason:
+                self._stop_seen_at = time.monotonic()
+                return reason
+            t0 = time.perf_counter()
+            record = train_step(run)
+            self.deadline.observe_step(time.perf_counter() - t0)
+            self.reporter.step(record, target=target)
+        return "target"
+
+    def _workers(self) -> tuple[int, int]:
+        """(data workers, prefetch depth): this invocation's options, else the task's defaults."""
+        c = self.cfg
+        return (self.task.num_workers if c.data_workers is None else c.data_workers,
+                self.task.prefetch if c.prefetch is None else c.prefetch)
+
+    def _open_batches(self, run: Run) -> Any:
+        """The micro-batches of the steps from run.step + 1 on (trainproof.train.pipeline), from the restored
+        position."""
+        workers, prefetch = self._workers()
+        return open_batches(self.task, run.sampler, seed=self.cfg.seed, first=run.step + 1,
+                            world=self.world, rank=self.rank, workers=workers, prefetch=prefetch,
+                            pin_memory=self.device.type == "cuda")
+
+    def _close_batches(self, run: Run) -> None:
+        """Stop the data workers (once); their prefetched batches are dropped, the position is what was consumed."""
+        batches, run.batches = run.batches, None
+        if batches is not None and getattr(batches, "workers", 0):
+            seconds = batches.close()
+            self.reporter.event("data_workers_stopped", step=run.step, workers=batches.workers,
+                                seconds=round(seconds, 3), left_running=batches.left_running)
+        elif batches is not None:
+            batches.close()
+
+    def _resume_options(self) -> ResumeOptions:
+        c = self.cfg
+        return ResumeOptions(mode=c.resume, seed=c.seed, allow_world_change=c.allow_world_change,
+                             allow_code_change=c.allow_code_change, restore_rng=not c.omit_rng_restore)
+
+    def _report_start(self, run: Run, target: int) -> None:
+        self.reporter.event("start", task=self.cfg.task, step=run.step, target=target,
+                            target_from=self.cfg.target_source(), seed=self.cfg.seed, device=str(self.device),
+                            world=self.world, contract=self.plan["contract"], store=self.store.url,
+                            epoch_plan=self.epoch_plan, world_changes=self.resumed.world_changes,
+                            checkpoint=self.saver.mode, fsdp=self.layout.sharded, layout=self.layout.name,
+                            data_workers=self._workers()[0] if self.task.builds_batches else None,
+                            deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat(),
+                            **({"deadline_reserve_s": round(self.deadline.finish_s, 3)} if self.finisher else {}))
+        self.reporter.begin(step=run.step, target=target)
+
+    def _agree(self, run: Run, *, save: bool) -> tuple[str | None, bool]:
+        """(stop reason or None, whether to save now), the same on every rank.
+
+        Each rank contributes its own view (a signal it received, its deadline estimate, its save clock);
+        one all-reduce makes the union every rank's decision, so a SIGTERM delivered to a single rank
+        stops all of them after the same step. Local when world is 1.
+        """
+        # With world > 1 a background save that failed is agreed here too (trainproof.train.async_save): every rank
+        # fails at this boundary, the one whose save thread saw it first and the others alike.
+        save_failed = int(self.world > 1 and self.saver.poll_failed())
+        flags = [int(bool(self.stop.signals)), int(bool(self.stop.notices)), int(self.deadline.too_close()), int(save),
+                 save_failed]
+        signal, notice, deadline, save_any, failed = self.sync.sum_ints(
+            flags, f"agree whether to stop or save at step {run.step}")
+        if failed:
+            self._fail_with_save(failed)
+        self.ranks_signalled = signal + notice
+        reason = "signal" if signal else "spot-notice" if notice else "deadline" if deadline else None
+        return reason, bool(save_any)
+
+    def _fail_with_save(self, ranks: int) -> None:
+        """``ranks`` ranks saw their background save fail: raise that failure here (a commit fails on every rank
+        together, so this rank's save thread ends with it too), or a PeerError should it have succeeded here."""
+        step = self.saver.in_flight
+        self.saver.wait()  # raises this rank's own failure of the same commit
+        raise dist.PeerError(f"the background checkpoint of step {step} failed on {ranks} other rank(s) "
+                             "(see their log lines); stopping this rank too")
+
+    def _finish(self, run: Run, *, unbounded: bool = False) -> dict[str, Any]:
+        """After a deadline's final commit: rank 0 exports and reload-checks; every rank learns whether it passed.
+
+        ``unbounded``: the run's deadline had already passed when this process started (a restart after the
+        rental's end, or a final commit whose export did not fit): nothing is trained, and the export is made
+        without a time limit, since the machine is evidently still there."""
+        result: dict[str, Any] = {"ok": False, "why": "not rank 0"}
+        if self.rank == 0 and self.finisher is not None:
+            self.reporter.event("export_begin", step=run.step, seconds_left=self.deadline.seconds_left())
+            if unbounded:
+                self.reporter.warn(f"the run's deadline {self.cfg.deadline} has passed: no more training; "
+                                   f"exporting step {run.step} without a time limit")
+            result = ({"ok": False, "why": "the export did not fit before the deadline from this process's start"}
+                      if self.deadline.finish_given_up and not unbounded else
+                      self.finisher.export_and_check(self.store, None if unbounded else self.deadline.seconds_left(),
+                                                     self.deadline.save_estimate_s))
+            if not result["ok"]:
+                saved = f"checkpoint of step {run.step} committed" if run.step else "no step was taken"
+                self.reporter.warn(f"deadline: {saved}, but no verified export ({result['why']}): exit 75; "
+                                   "run again, or `trainproof export` later")
+        ok, = self.sync.sum_ints([int(result["ok"])], "agree whether the deadline export passed")
+        return {**result, "ok": bool(ok)} if self.rank == 0 else {"ok": bool(ok)}
+
+    def _update_finish_estimate(self) -> None:
+        if self.finisher is not None:
+            self.deadline.finish_s = self.finisher.estimate_s(self.deadline.save_estimate_s)
+
+    def _save(self, run: Run) -> None:
+        """Commit this step on every rank (trainproof.train.checkpoint's protocol when world > 1 or sharded): in the
+        background from a host-memory snapshot of what this rank commits (trainproof.train.async_save), or inline with
+        ``--sync-checkpoint`` (trainproof.train.saver)."""
+        t0 = time.perf_counter()
+        previous = self.saver.in_flight
+        waited = self.saver.wait()  # at most one save in flight; raises if the previous one failed
+        if previous is not None and waited >= 0.001:
+            self.reporter.event("checkpoint_wait", step=run.step, waiting_for=previous, seconds=waited)
+        self.reporter.event("checkpoint_begin", step=run.step)
+        extra = {"task": self.cfg.task, "epoch": run.sampler.epoch, "loss": run.history.last_row["loss"],
+                 "next_lr": run.lr(), "world": self.world, "resumed_from": self.resumed.step,
+                 "code_changes": self.resumed.code_changes}
+        self.saver.save(Capture(step=run.step, extra=extra,
+                                state=capture_state(run, self._meta(run)) if self.rank == 0 else None,
+                                part=capture_rank_part(run) if self.rank else None,
+                                sharded=run.parallel.capture(run.model, run.optimizer)), blocked_since=t0)
+        self.clock.mark()
+
+    def _committed(self, step: int) -> None:
+        """Generation ``step`` is committed (on every rank): its history rows live in the store now, so the run's
+        history keeps only the later ones and the next generation holds the rows since this one. Called only
+        after a commit landed: after a failed or skipped save the rows stay for the next generation."""
+        if self._live is not None:
+            self._live.history.committed(step)
+
+    def _saved_through(self) -> int:
+        """The newest step committed or being committed in the background."""
+        return max(self.checkpointer.last_step, self.saver.in_flight or 0)
+
+    def _observe_save(self, seconds: float) -> None:
+        # The deadline reserve uses the commit's own measured time (in the background: serialise → COMPLETE.json).
+        self.deadline.observe_save(seconds)
+        self._update_finish_estimate()
+
+    def _finish_saves(self, run: Run, reason: str) -> int:
+        """After the loop: land the save in flight, then commit the final step when it is new and fits.
+
+        After a signal or spot notice with asynchronous checkpoints, the final step is committed only when the
+        longest measured background commit (x 1.25, + 1 s) fits in what is left of ``--stop-grace`` since the
+        first stop request; otherwise the in-flight commit is the resume point and the run exits 75 from it.
+        A run that has committed nothing yet always tries. Returns the step of the last commit.
+        """
+        self.saver.wait()
+        if run.step > self.checkpointer.last_step:
+            since = getattr(self.stop, "first_at", None) or self._stop_seen_at or time.monotonic()
+            why_not = (None if reason not in ("signal", "spot-notice") or not self.checkpointer.last_step else
+                       final_commit_skip(self.saver.measured_s, since=since, grace_s=self.cfg.stop_grace_s))
+            skip, = self.sync.sum_ints([int(why_not is not None)], f"agree whether to commit step {run.step}")
+            if skip and why_not is None:  # every rank commits, or none: another rank's estimate says it won't fit
+                why_not = f"{skip} other rank(s) estimate the final commit does not fit in --stop-grace"
+            if why_not:
+                last = self.checkpointer.last_step
+                self.reporter.warn(f"stopped at step {run.step}; the last commit is step {last}; {run.step - last} "
+                                   f"step(s) will be redone ({why_not})")
+                self.reporter.event("checkpoint_skipped", step=run.step, committed_step=last, why=why_not)
+                return last
+            self._save(run)
+            self.saver.wait()
+        return self.checkpointer.last_step
+
+    def _land_in_flight_save(self) -> None:
+        """On a failure of the training thread: let the commit in flight land (its work is good), then go on failing."""
+        if self.saver.in_flight is not None:
+            try:
+                self.saver.wait()
+            except Exception as exc:  # noqa: BLE001 - the original failure is the one reported
+                self.reporter.warn(str(exc))
+
+    def _meta(self, run: Run) -> dict[str, Any]:
+        return {
+            "contract": self.plan["contract"], "world": self.world, "world_changes": self.resumed.world_changes,
+            "task": self.cfg.task, "task_config": self.task.config(), "seed": self.cfg.seed,
+            "objective": self.task.objective, "data_identity": self.plan["data_identity"],
+            "code_version": code_version(), "code_changes": self.resumed.code_changes,
+            "versions": runtime_versions(), "device": str(self.device),
+            "amp": run.use_amp, "autocast": None if run.autocast is None else str(run.autocast).removeprefix("torch."),
+            "epoch_plan": self.epoch_plan, **self.layout.record(),
+            # Per invocation, like the trainer's settings: the step this process restored (None: a fresh start).
+            "trainer": {**self.cfg.recorded(), "resumed_from": self.resumed.step},
+        }
+
+    def _write_summary(self, run: Run, outcome: Outcome) -> None:
+        """Run-level ``summary.json`` (overwritten by each process; a failure costs no work)."""
+        last = run.history.last_row or {}
+        saves = [r["seconds"] for r in self.checkpointer.records]
+        summary = {
+            "schema": "trainproof.summary/1", "status": "completed" if outcome.exit_code == 0 else "stopped",
+            "reason": outcome.reason, "exit_code": outcome.exit_code, "task": self.cfg.task,
+            "contract": self.plan["contract"], "step": run.step, "target": outcome.target,
+            "committed_step": outcome.committed_step,
+            "resumed_from": self.resumed.step, "epoch": run.sampler.epoch, "last_loss": last.get("loss"),
+            "next_lr": run.lr(), "checkpoints": self.checkpointer.records,
+            "save_seconds_max": max(saves) if saves else None, "throughput": self.reporter.throughput(),
+            "signals": self.stop.signals, "notices": self.stop.notices, "export": outcome.export,
+            "device": str(self.device), "code_version": code_version(),
+            "ranks_signalled": self.ranks_signalled, "world": self.world, "world_changes": self.resumed.world_changes,
+            "bitwise_comparable": not self.resumed.world_changes, "code_changes": self.resumed.code_changes,
+            "started_at": self.started_at.isoformat(timespec="seconds"),
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        try:
+            self.store.write_file(SUMMARY_FILE, json.dumps(summary, indent=2).encode() + b"\n")
+        except (StoreError, OSError) as exc:
+            self.reporter.warn(f"could not write {SUMMARY_FILE}: {exc}")
+
+
+def _open_store(url: str) -> GenerationStore:
+    try:
+        return open_store(url, StoreOptions.from_env())
+    except StoreConfigError as exc:
+        raise ConfigError(f"--store {url}: {exc}") from None

@@ -1,0 +1,235 @@
+"""Where a step's micro-batches come from: built in the training process, or ahead of the step by DataLoader workers.
+
+The trainer alone decides which samples every step and rank gets (trainproof.train.data: one permutation per epoch, a
+cursor). Workers never decide anything: :class:`Lookahead` runs a *copy* of the sampler ahead of the loop and
+turns the next steps' ids into :class:`trainproof.tasks.batches.BatchRequest` values, exactly as :func:`micro_batches`
+splits them when the step runs; a ``torch.utils.data.DataLoader`` (its own worker processes, queues, pinning and
+in-order delivery) hands each request to :meth:`trainproof.tasks.Task.build_batch` in a worker. When the step runs, the
+trainer draws its ids from the *real* sampler and takes the next built batch, checking it was built for exactly
+those ids. So the checkpointed data position is always what the trainer consumed; what the workers prefetched
+is thrown away with them and rebuilt after a resume, from the same requests, with the same per-sample generators.
+
+Neither the worker count nor the prefetch depth changes a result: every draw inside a build comes from generators
+derived from the request (trainproof.tasks.batches), and a build in the training process (no workers) puts torch's,
+NumPy's and Python's global generators back as it found them. A task that only implements ``make_batch`` is built
+in the training process, at the step, as before (:class:`InProcess`).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import multiprocessing
+import os
+import signal
+import time
+from typing import Any, Iterator, Protocol
+
+import torch
+from torch.utils.data import DataLoader
+
+from trainproof.errors import ConfigError, ContractError, DataError, StateError, TrainError
+from trainproof.tasks.base import Task, TaskContext
+from trainproof.tasks.batches import SAMPLE_RNG, BatchRequest, batch_generators
+from trainproof.train.data import EpochSampler
+from trainproof.train.dist import rank_slice
+
+_ERRORS = {cls.__name__: cls for cls in (TrainError, ConfigError, ContractError, StateError, DataError)}
+
+
+def micro_batches(ids: list[int], world: int, rank: int, micro: int) -> list[list[int]]:
+    """This rank's micro-batches of a step whose global batch is ``ids``: its contiguous share, in slices of
+    ``micro`` samples (the last one shorter)."""
+    mine = rank_slice(ids, world, rank)
+    return [mine[i : i + micro] for i in range(0, len(mine), micro)]
+
+
+def pipeline_record(task: Task) -> dict[str, Any] | None:
+    """What the run contract records of the batch pipeline: the per-sample generator derivation for a task that
+    builds batches ahead (it changes results), None for one built in the training process. Never the worker count
+    or the prefetch depth, which do not change results."""
+    return {"build": "build_batch", "sample_rng": SAMPLE_RNG} if task.builds_batches else None
+
+
+class BatchSource(Protocol):
+    """Where :func:`trainproof.train.run.train_step` takes each micro-batch from."""
+
+    def batch(self, request: BatchRequest, ctx: TaskContext) -> Any:
+        """The micro-batch for ``request`` (this step's), on ``ctx.device``."""
+
+    def close(self) -> float:
+        """Stop building; the seconds it took."""
+
+
+class InProcess:
+    """Each micro-batch built in the training process when the step runs: a task's ``make_batch`` (the run's
+    generators), or its ``build_batch`` under the request's own generators (as a worker would build it, so a
+    :class:`trainproof.train.run.Run` made without a pipeline trains exactly as one with workers)."""
+
+    workers = 0
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def batch(self, request: BatchRequest, ctx: TaskContext) -> Any:
+        if not self.task.builds_batches:
+            return self.task.make_batch(list(request.sample_ids), ctx)
+        with batch_generators(request):
+            built = self.task.build_batch(request)
+        return self.task.batch_to_device(built, ctx.device)
+
+    def close(self) -> float:
+        return 0.0
+
+
+class Lookahead:
+    """The requests of steps ``first`` onwards, from a copy of the sampler (the real one is never advanced here).
+
+    It does not stop at the run's target: a run that reaches its target has batches in flight exactly as a
+    preempted one does, so the verifier's cut path (a run stopped at its target) checkpoints in the same situation
+    as a SIGTERM, and a position taken from the workers instead of the trainer is caught there. What the workers
+    build past the target is dropped with them."""
+
+    def __init__(self, sampler: EpochSampler, *, seed: int, first: int, global_batch: int, world: int, rank: int,
+                 micro: int) -> None:
+        self.sampler = copy.deepcopy(sampler)
+        self.seed, self.first = seed, first
+        self.global_batch, self.world, self.rank, self.micro = global_batch, world, rank, micro
+
+    def __iter__(self) -> Iterator[BatchRequest]:
+        for step in itertools.count(self.first):
+            ids = self.sampler.next_ids(self.global_batch)
+            for i, chunk in enumerate(micro_batches(ids, self.world, self.rank, self.micro)):
+                yield BatchRequest(seed=self.seed, step=step, micro=i, epoch=self.sampler.epoch,
+                                   sample_ids=tuple(chunk))
+
+
+class _Builds:
+    """The DataLoader's "dataset": a request in, the task's batch out (in a worker process, or in this one).
+
+    A handled failure (a damaged shard is a DataError) travels back as a value, so the trainer can end with its
+    one-line message instead of DataLoader's re-raised traceback text."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def __getitem__(self, request: BatchRequest) -> tuple[tuple, Any, tuple | None]:
+        try:
+            with batch_generators(request):
+                return request.key(), self.task.build_batch(request), None
+        except TrainError as exc:
+            return request.key(), None, (type(exc).__name__, str(exc))
+
+
+def _as_built(item: Any) -> Any:
+    return item  # DataLoader's default would convert NumPy arrays inside the batch: the task's batch is final
+
+
+class WorkerBatches:
+    """``build_batch`` run ahead by a DataLoader over :class:`Lookahead`'s requests, in ``workers`` processes (0:
+    in this process, when the step asks, through the same code)."""
+
+    def __init__(self, task: Task, lookahead: Lookahead, *, workers: int, prefetch: int, pin_memory: bool) -> None:
+        self.task, self.workers, self.prefetch = task, workers, prefetch
+        self.lookahead = lookahead
+        self.left_running = 0
+        """Worker processes still alive after :meth:`close` (0 unless one could not be stopped)."""
+        """The requests being built: its sampler is where the workers are, never what a checkpoint holds."""
+        self.loader = DataLoader(
+            _Builds(task), sampler=lookahead, batch_size=None, collate_fn=_as_built, num_workers=workers,
+            prefetch_factor=prefetch if workers else None, pin_memory=pin_memory,
+            # A private generator: DataLoader draws its workers' base seed from this, never from torch's global
+            # generator, whose state is the trainer's (dropout) and would then depend on the worker count.
+            generator=torch.Generator(),
+            multiprocessing_context=_fork() if workers else None, worker_init_fn=_own_process_group,
+        )
+        self._it: Any = iter(self.loader)
+
+    def batch(self, request: BatchRequest, ctx: TaskContext) -> Any:
+        try:
+            key, data, error = next(self._it)
+        except StopIteration:
+            raise RuntimeError(f"the data pipeline ended before step {request.step}") from None
+        except Exception as exc:  # a worker died (killed for memory, a crash): DataLoader says so, or its pipe breaks
+            failure = self._dead_worker() or worker_failure(exc)
+            if failure is None:
+                raise
+            raise failure from None
+        if error is not None:
+            raise _ERRORS.get(error[0], TrainError)(error[1])
+        if key != request.key():  # the lookahead and the loop split the steps differently: a trainer bug
+            raise RuntimeError(f"data pipeline out of step: built {key[:3]} for the step's {request.key()[:3]}")
+        return self.task.batch_to_device(data, ctx.device)
+
+    def _dead_worker(self) -> TrainError | None:
+        """The failure naming a worker that has ended (waiting a moment for it to be reaped), None when all live."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            dead = [w for w in getattr(self._it, "_workers", []) if w.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not dead:
+            return None
+        code = dead[0].exitcode
+        how = f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with {code}"
+        return worker_failure(RuntimeError(f"DataLoader worker (pid {dead[0].pid}) {how}"))
+
+    def close(self) -> float:
+        """Stop the workers: each finishes the batch in hand and exits (DataLoader's own shutdown, which gives a
+        worker 5 s before terminating it); prefetched batches are dropped."""
+        t0 = time.perf_counter()
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self.left_running = sum(w.is_alive() for w in getattr(it, "_workers", []))
+        return time.perf_counter() - t0
+
+
+def worker_failure(exc: BaseException) -> TrainError | None:
+    """The one-line failure (exit 1) for DataLoader's report of a dead worker, None for anything else. DataLoader
+    raises it from its SIGCHLD handler, so it may surface anywhere in the training thread, not only here."""
+    text = str(exc).strip()
+    if isinstance(exc, RuntimeError) and text.startswith("DataLoader worker"):
+        return TrainError(f"a data worker died: {text.splitlines()[0]} (killed for memory? fewer --data-workers or "
+                          "a smaller --prefetch need less); the run resumes from its last commit")
+    return None
+
+
+def _own_process_group(worker_id: int) -> None:
+    """In each worker: leave the trainer's process group. A signal for the group (a terminal's Ctrl-C, ``kill 0``,
+    an init that signals every process) then reaches only the trainer, which finishes its step and stops the workers
+    itself; DataLoader's workers would otherwise die of a SIGTERM not sent by their parent (torch's handler) and turn
+    a clean stop into a failure. The trainer's own shutdown and a dead trainer (DataLoader's watchdog) still end
+    them."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # not permitted here (e.g. already a group leader): the worker stays in the trainer's group
+        pass
+
+
+def _fork() -> Any:
+    """Workers are forked where the platform can (Linux): the task object (its dataset, its model factory) is
+    then inherited as it is, closures included, instead of pickled."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork") if "fork" in methods else None
+
+
+def check_workers(task: Task, workers: int) -> None:
+    """ConfigError (exit 2, before anything is written) when workers are asked of a task that cannot use them."""
+    if workers and not task.builds_batches:
+        raise ConfigError(f"{type(task).__name__} builds its batches in the training process (make_batch): data "
+                          "workers need a task that implements build_batch (DatasetTask does); drop --data-workers "
+                          "/ TRAINPROOF_DATA_WORKERS")
+
+
+def open_batches(task: Task, sampler: EpochSampler, *, seed: int, first: int, world: int, rank: int, workers: int,
+                 prefetch: int, pin_memory: bool) -> BatchSource:
+    """The batch source of steps ``first`` onwards for this rank, from ``sampler``'s position (not advanced)."""
+    check_workers(task, workers)
+    if not task.builds_batches:
+        return InProcess(task)
+    lookahead = Lookahead(sampler, seed=seed, first=first, global_batch=task.batch_size * world,
+                          world=world, rank=rank, micro=task.micro_batch_size)
+    return WorkerBatches(task, lookahead, workers=workers, prefetch=prefetch, pin_memory=pin_memory)

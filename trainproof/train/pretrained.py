@@ -1,0 +1,146 @@
+"""A fresh start from pretrained weights: the task's :meth:`~trainproof.tasks.Task.pretrained` files, read through the
+store layer, verified against the sha256 the task declares, and loaded by name into the model it built.
+
+The rules this keeps (docs/tasks.md, "Start from pretrained weights"):
+
+- **initialisation comes from the seeded generator or from a verified file**, nothing else: the model is built
+  and seeded as always (so the generators are in the same state on every fresh start), then every parameter and
+  buffer is overwritten with the file's tensors. A file whose bytes do not hash to the declared sha256 is refused
+  by name before any tensor is read (exit 2): a flipped byte, a truncated copy or another file at the same path;
+- **the sha256 is in the run contract** (trainproof.format.contract ``init_sha256``), so declaring another file is
+  another experiment, and a resume with it is refused (exit 2, naming the field);
+- **a resume never reads the file**: only a fresh start calls :func:`start_from_pretrained` (trainproof.train.resume);
+  the checkpoint holds the weights from the first commit on, so the file may be gone by then.
+
+The file is downloaded into a local spool file (``TRAINPROOF_SPOOL_DIR``; room for the file is needed once) while it
+is hashed, then read with the safetensors library one tensor at a time, each copied into the model and dropped: the
+process holds the model it trains and one tensor of the file. Every rank reads the files itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+
+from trainproof.errors import ConfigError
+from trainproof.storage import StoreOptions, open_store, redact_url
+from trainproof.storage.errors import StoreConfigError
+from trainproof.storage.spool import Spool, spool_dir
+from trainproof.tasks.base import Pretrained
+
+_SHOWN = 5  # names listed in a message
+
+
+def start_from_pretrained(files: list[Pretrained], load: Any, model: nn.Module) -> dict[str, Any]:
+    """Read, verify and load ``files`` into ``model`` through ``load(model, names, get)`` (the layout's strategy,
+    trainproof.train.parallel ``load_initial``: ``get(name)`` reads one tensor, which the strategy copies into the
+    model's own, cast to its dtype). Returns what to report (the files, their bytes, the time). ConfigError (exit 2)
+    naming the file when one is missing, does not hash to its declared sha256, is not a safetensors file, or does not
+    fit the model."""
+    from safetensors import safe_open
+
+    t0 = time.perf_counter()
+    spools: list[Spool] = []
+    with contextlib.ExitStack() as files_open:
+        handles: dict[str, Any] = {}
+        shapes: dict[str, list[int]] = {}
+        origin: dict[str, str] = {}
+        try:
+            for spec in files:
+                spools.append(fetch_verified(spec))
+                try:  # the library's own checked parser (offsets, sizes, dtypes), over bytes already verified
+                    handle = files_open.enter_context(safe_open(spools[-1].path, framework="pt"))
+                    entries = {k: handle.get_slice(k).get_shape() for k in handle.keys()}
+                except Exception as exc:  # noqa: BLE001 - safetensors' parse errors have their own classes
+                    raise ConfigError(f"pretrained weights {_shown(spec.url)} are not a safetensors file: "
+                                      f"{type(exc).__name__}: {exc}") from None
+                for key, shape in entries.items():
+                    if key in handles:
+                        raise ConfigError(f"pretrained weights: tensor {key!r} is in both {origin[key]} and "
+                                          f"{_shown(spec.url)}: each tensor must come from one file")
+                    handles[key], shapes[key], origin[key] = handle, shape, _shown(spec.url)
+            check_fits(model, shapes, [_shown(s.url) for s in files])
+            load(model, sorted(handles), lambda key: handles[key].get_tensor(key))
+        finally:
+            for spool in spools:
+                spool.unlink()  # an open file stays readable until closed (POSIX)
+    return {"files": [{"url": _shown(s.url), "sha256": s.sha256} for s in files],
+            "bytes": sum(s.size for s in spools), "tensors": len(shapes),
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def fetch_verified(spec: Pretrained) -> Spool:
+    """The file of ``spec`` in a local spool file whose plain sha256 is the declared one, else ConfigError naming it."""
+    parent, name = split_url(spec.url)
+    try:
+        store = open_store(parent, StoreOptions.from_env())
+        spool = store.download_file(name, directory=spool_dir())
+    except FileNotFoundError:
+        raise ConfigError(f"pretrained weights {_shown(spec.url)} do not exist: fix the task's url, or copy the file "
+                          "there") from None
+    except (StoreConfigError, ValueError) as exc:
+        raise ConfigError(f"pretrained weights {_shown(spec.url)}: {exc}") from None
+    if spool.sha256 != spec.sha256:
+        spool.unlink()
+        raise ConfigError(f"pretrained weights {_shown(spec.url)}: its sha256 is {spool.sha256}, not the declared "
+                          f"{spec.sha256}: the file was changed or damaged, so the run does not start from it. Put "
+                          "back the file the task declares, or declare the new file's sha256 (another experiment: "
+                          "a new --store)")
+    return spool
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(the store URL of the file's folder, the file's name) for a local path, ``file://`` or ``s3://`` URL."""
+    parsed = urlparse(url)
+    if parsed.scheme.lower() in ("s3", "s3a"):
+        key = parsed.path.strip("/")
+        folder, _, name = key.rpartition("/")
+        if not name:
+            raise ConfigError(f"pretrained weights {_shown(url)}: name the file, e.g. s3://bucket/models/w.safetensors")
+        return f"{parsed.scheme}://{parsed.netloc}/{folder}".rstrip("/"), name
+    if parsed.scheme.lower() not in ("", "file"):
+        raise ConfigError(f"pretrained weights {_shown(url)}: unsupported scheme {parsed.scheme!r}; use a local path, "
+                          "file:///abs/path or s3://bucket/key")
+    path = os.path.abspath(os.path.expanduser(parsed.path if parsed.scheme else url))
+    return os.path.dirname(path), os.path.basename(path)
+
+
+def check_fits(model: nn.Module, tensors: dict[str, list[int]], names: list[str]) -> None:
+    """ConfigError unless ``tensors`` (name -> shape) cover every entry of ``model``'s state_dict with its shape and
+    nothing else.
+    An entry the model ties to another one (the same parameter under two names, e.g. an output layer sharing the
+    embedding) may be absent when the other is given: loading one loads both."""
+    expected = model.state_dict(keep_vars=True)
+    where = ", ".join(names)
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ConfigError(f"pretrained weights {where} hold {len(unexpected)} tensor(s) the model does not have: "
+                          f"{unexpected[:_SHOWN]}; the model has e.g. {sorted(expected)[:_SHOWN]}")
+    given = {id(expected[k]) for k in tensors}
+    missing = sorted(k for k in expected if k not in tensors and id(expected[k]) not in given)
+    if missing:
+        raise ConfigError(f"pretrained weights {where} lack {len(missing)} of the model's tensor(s): "
+                          f"{missing[:_SHOWN]}")
+    wrong = [f"{k}: file {list(shape)}, model {list(expected[k].shape)}" for k, shape in sorted(tensors.items())
+             if tuple(shape) != tuple(expected[k].shape)]
+    if wrong:
+        raise ConfigError(f"pretrained weights {where} do not fit the model: {'; '.join(wrong[:_SHOWN])}")
+
+
+def copy_into(model: nn.Module, names: list[str], get: Callable[[str], torch.Tensor]) -> None:
+    """Copy each tensor into the model's own (cast to its dtype, moved to its device), one at a time: a replicated
+    layout's load (every rank loads the same verified bytes, so the replicas start equal)."""
+    own = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key in names:
+            own[key].copy_(get(key))
+
+
+def _shown(url: str) -> str:
+    return redact_url(url)
