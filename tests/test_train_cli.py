@@ -196,3 +196,20 @@ def test_checkpoint_cadence_by_steps_and_by_seconds():
     by_time.mark()
     assert not by_time.due(3)  # the interval restarts at each commit
     assert not SaveClock().due(100)  # both off: only the final / stop checkpoints
+
+
+def test_a_verifier_variant_is_one_hidden_value_checked_at_the_edge():
+    """The verifier's modes travel as one value (trainproof.train.variant): round trip, refusals in one line."""
+    from trainproof.errors import ConfigError
+    from trainproof.train.variant import Variant
+
+    plain = Variant()
+    assert plain.argv() == [] and Variant.parse(None) == plain and Variant.parse("{}") == plain
+    objective = Variant(objective_check=True, batch_size=8, micro_batch_size=3, negative_control="mean-of-microbatch-means")
+    option, text = objective.argv()
+    assert option == "--variant" and Variant.parse(text) == objective
+    for bad, said in [('{"grad_clip": -1}', "grad_clip"), ('{"batch_size": 4}', "objective check only"),
+                      ('{"negative_control": "mean"}', "negative_control"), ('{"lr": 1}', "unknown field"),
+                      ("[1]", "JSON object"), ("{", "JSON object"), ('{"objective_check": true, "batch_size": 0}', "batch_size")]:
+        with pytest.raises(ConfigError, match=said):
+            Variant.parse(bad)

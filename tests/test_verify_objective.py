@@ -64,7 +64,7 @@ def test_tinylm_splits_agree_and_the_mean_of_means_control_is_detected(tmp_path,
         assert diffs["optimizer"] > 1e-6, (name, diffs)  # far beyond the tolerance
     if world > 1:
         assert "--nproc-per-node 2" in report["paths"]["w_ranks"]["command"]
-        assert "--negative-control mean-of-microbatch-means" in report["paths"]["w_mean_of_means"]["command"]
+        assert '"negative_control": "mean-of-microbatch-means"' in report["paths"]["w_mean_of_means"]["command"]
     assert check.failing() == [] and check.diagnosis() == []
 
 

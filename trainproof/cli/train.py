@@ -30,6 +30,7 @@ from trainproof.lifecycle.finish import Finisher
 from trainproof.lifecycle.signals import Deadline, StopRequest
 from trainproof.lifecycle.spot import PROVIDERS, SpotConfig, SpotWatcher
 from trainproof.train.config import TrainConfig, load_task_config
+from trainproof.train.variant import Variant
 
 
 def _opt(env: str, help: str) -> Any:
@@ -49,20 +50,9 @@ def train_command(
     keep: Annotated[int, _opt("KEEP", "Complete generations to keep (0: all).")] = 3,
     resume: Annotated[str, _opt("RESUME", "auto: resume from the newest usable generation; never.")] = "auto",
     omit_rng_restore: Annotated[bool, _opt("OMIT_RNG_RESTORE", "Negative control: skip the RNG restore.")] = False,
-    negative_control: Annotated[str, typer.Option(
-        hidden=True, help="The verifier's own negative control (a wrong objective it must detect): "
-        "per-rank-mean, mean-of-microbatch-means. Never for training; no environment variable sets it.")] = "none",
-    objective_check: Annotated[bool, typer.Option(
-        "--objective-check", hidden=True, help="The verifier's objective-equivalence run: the task's deterministic "
-        "variant in float64 (trainproof.proof.objective). Never for training; no environment variable sets "
-        "it.")] = False,
-    batch_size: Annotated[Optional[int], typer.Option(
-        hidden=True, help="With --objective-check: samples per step and rank.")] = None,
-    micro_batch_size: Annotated[Optional[int], typer.Option(
-        hidden=True, help="With --objective-check: samples per forward/backward.")] = None,
-    grad_clip: Annotated[Optional[float], typer.Option(
-        hidden=True, help="The verifier's clipping runs: this max gradient norm instead of the task's. Never for "
-                          "training; no environment variable sets it.")] = None,
+    variant: Annotated[Optional[str], typer.Option(
+        hidden=True, help="The verifier's mode of this process, a JSON object (trainproof.train.variant). Never for "
+        "training; no environment variable sets it.")] = None,
     seed: Annotated[int, _opt("SEED", "Seed of every generator (part of the run contract).")] = 1234,
     config: Annotated[Path | None, _opt("CONFIG", "JSON or TOML file of task settings.")] = None,
     deadline: Annotated[str | None, _opt("DEADLINE", "Stop in time to commit, export and reload-check the export "
@@ -124,12 +114,11 @@ def train_command(
                 store=store, task=task, task_config=load_task_config(config) if config else {},
                 max_steps=max_steps, steps=steps, checkpoint_every=checkpoint_every,
                 checkpoint_every_seconds=checkpoint_every_seconds, keep=keep, resume=resume,
-                omit_rng_restore=omit_rng_restore, negative_control=negative_control, seed=seed,
+                omit_rng_restore=omit_rng_restore, variant=Variant.parse(variant), seed=seed,
                 deadline=None,  # set below from the run's deadline.json (a restart must not move it)
                 device=device, log_every=log_every, log_format=log_format,
                 allow_world_change=allow_world_change, dist_timeout_s=dist_timeout,
-                allow_code_change=allow_code_change, objective_check=objective_check, batch_size=batch_size,
-                micro_batch_size=micro_batch_size, grad_clip=grad_clip,
+                allow_code_change=allow_code_change,
                 sync_checkpoint=sync_checkpoint, stop_grace_s=stop_grace, fsdp=fsdp, data_workers=data_workers,
                 prefetch=prefetch,
             )

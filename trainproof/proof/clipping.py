@@ -4,7 +4,7 @@ The protocol's paths train with the task's own threshold, which a short verifica
 resume that restores the clipping wrongly (another threshold after a resume, clipping only on resumed runs) passes
 with every difference 0, and trainproof.proof.exercised can only report clipping as not exercised. So for a task with
 ``grad_clip`` the verifier makes the path active itself, on a pair of runs of its own (``<id>/clip/``), both with
-``train --grad-clip T`` where ``T`` is :data:`FRACTION` of the smallest gradient norm the continuous path measured
+``train --variant '{"grad_clip": T}'`` where ``T`` is :data:`FRACTION` of the smallest gradient norm the continuous path measured
 (recorded; the gradients of the same steps are no smaller, and every step's events say whether it clipped):
 
 - ``clip_continuous``: ``cut + STEPS_AFTER`` steps from the initial state, committing every step (in the ``again``
@@ -32,6 +32,7 @@ from trainproof.proof.diagnose import diagnose_path
 from trainproof.proof.exercised import path_exercised
 from trainproof.proof.paths import Opener, PathResult, RunReader, load_generation, require_success, seed_run
 from trainproof.proof.settings import ProtocolSettings, train_argv
+from trainproof.train.variant import Variant
 
 FRACTION = 0.5
 """The clip runs' threshold, as a fraction of the smallest gradient norm of the continuous path."""
@@ -59,7 +60,7 @@ class ClipCheck(Check):
         resume = name == "clip_resume"
         return [*train_argv(self.s, self.urls[name], steps=STEPS_AFTER if resume else self.end, every=1,
                             resume=resume),
-                "--grad-clip", repr(self.threshold)]
+                *Variant(grad_clip=self.threshold).argv()]
 
     def jobs(self, phase: str, scratch: Path) -> list[Job]:
         """When :attr:`needed`: ``clip_continuous`` in the ``again`` phase, ``clip_resume`` (seeded first) after."""

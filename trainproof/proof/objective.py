@@ -11,7 +11,7 @@ The runs (each a real ``train`` process, the W-rank ones through the real launch
 
 - ``single``: one rank, one micro-batch of ``G`` samples (the reference);
 - ``unequal``: one rank, micro-batches of ``m`` and ``G - m`` samples (``m = G // 2 + 1``);
-- ``mean_of_means``: as ``unequal`` with ``train --negative-control mean-of-microbatch-means`` (each
+- ``mean_of_means``: as ``unequal`` with the variant ``negative_control: mean-of-microbatch-means`` (each
   micro-batch normalised by its own count, the micro-batches averaged): the negative control, which must
   be detected;
 - with ``--world W``: ``w_ranks`` (W ranks, ``G / W`` each, split unequally again) and ``w_mean_of_means``
@@ -39,6 +39,7 @@ from trainproof.proof.paths import Opener, PathResult, RunReader, VerificationIn
 from trainproof.tasks import Task
 from trainproof.tasks.objective import same_task
 from trainproof.train.data import epoch_plan
+from trainproof.train.variant import Variant
 
 TOLERANCE = 1e-9
 """Absolute, float64: another micro-batch split or world only reorders additions (measured ~1e-16..1e-13)."""
@@ -91,9 +92,9 @@ class ObjectiveCheck(Check):
         out = []
         for name, split in self.splits.items():
             ranks = ["--nproc-per-node", str(split["world"])] if split["world"] > 1 else []
-            negative = ["--negative-control", NEGATIVE] if split.get("negative") else []
-            argv = job_argv("train", "--store", self.urls[name], *ranks, *negative, *self.common, "--objective-check",
-                            "--batch-size", str(split["batch"]), "--micro-batch-size", str(split["micro"]))
+            variant = Variant(objective_check=True, batch_size=split["batch"], micro_batch_size=split["micro"],
+                              negative_control=NEGATIVE if split.get("negative") else "none")
+            argv = job_argv("train", "--store", self.urls[name], *ranks, *self.common, *variant.argv())
             out.append((f"objective/{name}", self.urls[name], argv))
         return out
 
@@ -187,7 +188,7 @@ class ObjectiveCheck(Check):
             "same_experience": {n: self.same.get(n) for n in self.splits if n != "single"},
             "passed": self.passed,
             "negative_control": {"what": "each micro-batch normalised by its own target count and the step's "
-                                         "micro-batches averaged (train --negative-control mean-of-microbatch-means)",
+                                         "micro-batches averaged (train --variant negative_control=mean-of-microbatch-means)",
                                  "max_abs_diff": {n: self.diffs.get(n) for n in self.negatives},
                                  "detected": self.negative_detected},
             "configuration": "the task's deterministic_objective() variant, float64, nn.Dropout p=0 (train "

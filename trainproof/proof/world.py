@@ -7,7 +7,7 @@ batch. It runs three extra ``train`` processes under ``<id>/world_equivalence/``
 - ``one_rank``: one rank, per-rank batch ``W * b`` (the global batch);
 - ``w_ranks``: W ranks (trainproof's launcher, gloo on the CPU), per-rank batch ``b``;
 - ``per_rank_mean``: the same W ranks with the loss normalised per rank (the mean of per-rank means, the
-  hidden option ``--negative-control per-rank-mean`` of the path's ``train``): the negative control, which must be
+  variant ``negative_control: per-rank-mean`` of the path's ``train``): the negative control, which must be
   detected.
 
 Why an internal configuration and not the user's task: each rank draws dropout masks and noise from its
@@ -35,6 +35,7 @@ from trainproof.format.layout import flag as layout_flag
 from trainproof.proof.check import AFTER, Check, Job
 from trainproof.proof.equivalence import max_differences, same_experience
 from trainproof.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv, require_success
+from trainproof.train.variant import Variant
 
 TOLERANCE = 1e-9
 """Absolute, float64: measured W vs 1 differences are ~1e-12 (tests/test_dist_equivalence.py)."""
@@ -92,7 +93,7 @@ class WorldEquivalence(Check):
         world = [] if one else ["--nproc-per-node", str(self.world)]
         # The negative control is an explicit (hidden) option of the path's command line, never an environment
         # variable a pod spec could set by mistake.
-        negative = ["--negative-control", "per-rank-mean"] if run == "per_rank_mean" else []
+        negative = Variant(negative_control="per-rank-mean").argv() if run == "per_rank_mean" else []
         return job_argv("train", "--store", self.urls[run], *world, *negative, "--task", EQUIVALENCE_TASK,
                         "--config", cfg, "--seed", str(self.seed), "--steps", str(equivalence_steps(self.world)),
                         "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
@@ -100,7 +101,7 @@ class WorldEquivalence(Check):
                         *layout_flag(self.fsdp))
 
     def jobs(self, phase: str, scratch: Path) -> list[Job]:
-        """The three runs (the negative one with ``--negative-control per-rank-mean``), after the protocol's paths:
+        """The three runs (the negative one with the variant ``negative_control: per-rank-mean``), after the protocol's paths:
         they need nothing of them, and W-rank runs beside the protocol's W-rank paths would crowd the machine."""
         if phase != AFTER:
             return []
@@ -175,7 +176,7 @@ class WorldEquivalence(Check):
                               "global_batch_size": PER_RANK_BATCH * self.world,
                               "steps": equivalence_steps(self.world), "seed": self.seed},
             "negative_control": {"what": "loss normalised per rank (mean of per-rank means) on steps whose "
-                                         "ranks hold uneven target counts (train --negative-control per-rank-mean)",
+                                         "ranks hold uneven target counts (train --variant negative_control=per-rank-mean)",
                                  "max_abs_diff": self.diffs.get("per_rank_mean"),
                                  "detected": self.negative_detected},
             "paths": self.paths,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainproof.errors import ConfigError
+from trainproof.train.variant import Variant
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,7 +20,6 @@ else:  # Python 3.10 (Ubuntu 22.04's): the same parser, from PyPI
 RESUME_MODES = ("auto", "never")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("auto", "json", "rich")
-NEGATIVE_CONTROLS = ("none", "per-rank-mean", "mean-of-microbatch-means")
 
 
 @dataclass(kw_only=True)
@@ -47,22 +46,8 @@ class TrainConfig:
     """``auto``: resume from the newest usable generation; ``never``: refuse a store that has one."""
     omit_rng_restore: bool = False
     """Negative control: restore everything except the random generators (the run must diverge)."""
-    negative_control: str = "none"
-    """A deliberately wrong objective the verifier runs to prove its checks detect it (never for training):
-    ``per-rank-mean`` normalises each rank's loss by its own target count (the mean of per-rank means);
-    ``mean-of-microbatch-means`` normalises each micro-batch by its own target count and averages the
-    micro-batches of the step (over every rank)."""
-    objective_check: bool = False
-    """The verifier's objective-equivalence runs (trainproof.proof.objective): train the task's
-    ``deterministic_objective()`` variant in float64 with dropout off and the step split as ``batch_size`` /
-    ``micro_batch_size`` say. Never for training."""
-    batch_size: int | None = None
-    """With ``objective_check``: samples per step and rank (default: the task's)."""
-    micro_batch_size: int | None = None
-    """With ``objective_check``: samples per forward/backward (default: the task's)."""
-    grad_clip: float | None = None
-    """The verifier's clipping runs (trainproof.proof.clipping): this max gradient norm instead of the task's. Never for
-    training."""
+    variant: Variant = field(default_factory=Variant)
+    """The verifier's mode of this process (trainproof.train.variant); the default is a plain training run."""
     seed: int = 1234
     """Seed of every random generator at the start of the run; part of the run contract."""
     deadline: datetime | None = None
@@ -119,20 +104,11 @@ class TrainConfig:
             raise ConfigError("--checkpoint-every, --checkpoint-every-seconds and --keep must be >= 0")
         _one_of("--resume", self.resume, RESUME_MODES)
         _one_of("--device", self.device, DEVICES)
-        _one_of("--negative-control", self.negative_control, NEGATIVE_CONTROLS)
         _one_of("--log-format", self.log_format, LOG_FORMATS)
         if self.log_every < 1:
             raise ConfigError("--log-every must be >= 1")
         if self.dist_timeout_s <= 0:
             raise ConfigError(f"--dist-timeout must be > 0 seconds (got {self.dist_timeout_s})")
-        if (self.batch_size is not None or self.micro_batch_size is not None) and not self.objective_check:
-            raise ConfigError("--batch-size/--micro-batch-size are for the verifier's objective check only")
-        for name in ("batch_size", "micro_batch_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
-        if self.grad_clip is not None and not (self.grad_clip > 0 and math.isfinite(self.grad_clip)):
-            raise ConfigError(f"--grad-clip must be a finite number > 0 (got {self.grad_clip})")
         if self.data_workers is not None and not 0 <= self.data_workers <= 256:
             raise ConfigError(f"--data-workers must be in 0..256 (got {self.data_workers})")
         if self.prefetch is not None and not 1 <= self.prefetch <= 1024:
@@ -162,9 +138,7 @@ class TrainConfig:
             "keep": self.keep, "seed": self.seed, "device": self.device,
             "deadline": None if self.deadline is None else self.deadline.isoformat(),
             "allow_world_change": self.allow_world_change, "dist_timeout_s": self.dist_timeout_s,
-            "negative_control": self.negative_control, "allow_code_change": self.allow_code_change,
-            "objective_check": self.objective_check, "batch_size": self.batch_size,
-            "micro_batch_size": self.micro_batch_size, "grad_clip": self.grad_clip,
+            "allow_code_change": self.allow_code_change, "variant": self.variant.to_json(),
             "sync_checkpoint": self.sync_checkpoint,
             "stop_grace_s": self.stop_grace_s, "fsdp": self.fsdp, "data_workers": self.data_workers,
             "prefetch": self.prefetch,

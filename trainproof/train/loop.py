@@ -31,7 +31,6 @@ from trainproof.format.state import runtime_versions
 from trainproof.storage import GenerationStore, StoreOptions, open_store
 from trainproof.storage.errors import StoreConfigError, StoreError
 from trainproof.tasks import Task, load_task
-from trainproof.tasks.objective import ObjectiveCheckTask
 from trainproof.train import dist
 from trainproof.train.checkpoint import Checkpointer, SaveClock
 from trainproof.train.config import TrainConfig
@@ -81,10 +80,7 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
     stop = stop if stop is not None else NoStop()
     env = dist.DistEnv.from_env()
     task = load_task(cfg.task, cfg.task_config)
-    if cfg.objective_check:  # the verifier's objective-equivalence run (trainproof.proof.objective)
-        task = ObjectiveCheckTask(task, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size)
-    if cfg.grad_clip is not None:  # the verifier's clipping runs (trainproof.proof.clipping)
-        task.grad_clip = cfg.grad_clip
+    task = cfg.variant.apply(task)  # a verifier's mode of the task (trainproof.train.variant); else unchanged
     check_workers(task, task.num_workers if cfg.data_workers is None else cfg.data_workers)
     device = resolve_device(cfg.device, task, env)
     configure_determinism(task, device)
@@ -153,8 +149,9 @@ class Trainer:
     def run(self) -> Outcome:
         """Build, resume, train to the target or a stop request, commit, summarise."""
         run = build_run(self.task, self.device, self.cfg.seed, env=self.sync.env, sync=self.sync,
-                        per_rank_mean=self.cfg.negative_control == "per-rank-mean",
-                        microbatch_mean=self.cfg.negative_control == "mean-of-microbatch-means", layout=self.layout)
+                        per_rank_mean=self.cfg.variant.negative_control == "per-rank-mean",
+                        microbatch_mean=self.cfg.variant.negative_control == "mean-of-microbatch-means",
+                        layout=self.layout)
         self._live = run
         self.resumed = resume(run, store=self.store, plan=self.plan, sync=self.sync, reporter=self.reporter,
                               options=self._resume_options())  # generators are restored there, last

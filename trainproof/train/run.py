@@ -64,7 +64,7 @@ class Run:
     parallel: Strategy = field(default_factory=lambda: strategy_for(Layout(world=1)))
     """The layout's strategy (trainproof.train.parallel): how the model is placed, synchronised, saved and loaded."""
     per_rank_mean: bool = False
-    """The verifier's negative control (``--negative-control per-rank-mean``): normalise each rank's loss by
+    """The verifier's negative control (the variant ``negative_control: per-rank-mean``): normalise each rank's loss by
     its *own* target count and average the ranks (the mean of per-rank means), the classic mistake the
     global objective avoids. Never on for training."""
     seed: int = 0
@@ -73,7 +73,7 @@ class Run:
     """Where each micro-batch comes from (trainproof.train.pipeline): None builds them with ``make_batch`` at the
     step."""
     microbatch_mean: bool = False
-    """The objective check's negative control (``--negative-control mean-of-microbatch-means``): normalise each
+    """The objective check's negative control (the variant ``negative_control: mean-of-microbatch-means``): normalise each
     micro-batch by its *own* target count and average the step's micro-batches (over every rank), the mistake
     a ``loss_sum`` that returns a mean makes. Never on for training."""
 
