@@ -4,7 +4,8 @@ The protocol's paths train with the task's own threshold, which a short verifica
 resume that restores the clipping wrongly (another threshold after a resume, clipping only on resumed runs) passes
 with every difference 0, and trainproof.proof.exercised can only report clipping as not exercised. So for a task with
 ``grad_clip`` the verifier makes the path active itself, on a pair of runs of its own (``<id>/clip/``), both with
-``train --variant '{"grad_clip": T}'`` where ``T`` is :data:`FRACTION` of the smallest gradient norm the continuous path measured
+``train --variant '{"grad_clip": T}'`` where ``T`` is :data:`FRACTION` of the smallest gradient norm the continuous path
+measured
 (recorded; the gradients of the same steps are no smaller, and every step's events say whether it clipped):
 
 - ``clip_continuous``: ``cut + STEPS_AFTER`` steps from the initial state, committing every step (in the ``again``

@@ -188,7 +188,7 @@ class ObjectiveCheck(Check):
             "same_experience": {n: self.same.get(n) for n in self.splits if n != "single"},
             "passed": self.passed,
             "negative_control": {"what": "each micro-batch normalised by its own target count and the step's "
-                                         "micro-batches averaged (train --variant negative_control=mean-of-microbatch-means)",
+                                         "micro-batches averaged (variant negative_control=mean-of-microbatch-means)",
                                  "max_abs_diff": {n: self.diffs.get(n) for n in self.negatives},
                                  "detected": self.negative_detected},
             "configuration": "the task's deterministic_objective() variant, float64, nn.Dropout p=0 (train "

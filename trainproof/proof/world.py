@@ -101,8 +101,8 @@ class WorldEquivalence(Check):
                         *layout_flag(self.fsdp))
 
     def jobs(self, phase: str, scratch: Path) -> list[Job]:
-        """The three runs (the negative one with the variant ``negative_control: per-rank-mean``), after the protocol's paths:
-        they need nothing of them, and W-rank runs beside the protocol's W-rank paths would crowd the machine."""
+        """The three runs (the negative one with the variant ``negative_control: per-rank-mean``), after the protocol's
+        paths: they need nothing of them, and W-rank runs beside the protocol's W-rank paths would crowd the machine."""
         if phase != AFTER:
             return []
         self.started = True
@@ -176,7 +176,7 @@ class WorldEquivalence(Check):
                               "global_batch_size": PER_RANK_BATCH * self.world,
                               "steps": equivalence_steps(self.world), "seed": self.seed},
             "negative_control": {"what": "loss normalised per rank (mean of per-rank means) on steps whose "
-                                         "ranks hold uneven target counts (train --variant negative_control=per-rank-mean)",
+                                         "ranks hold uneven target counts (variant negative_control=per-rank-mean)",
                                  "max_abs_diff": self.diffs.get("per_rank_mean"),
                                  "detected": self.negative_detected},
             "paths": self.paths,

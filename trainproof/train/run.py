@@ -73,8 +73,8 @@ class Run:
     """Where each micro-batch comes from (trainproof.train.pipeline): None builds them with ``make_batch`` at the
     step."""
     microbatch_mean: bool = False
-    """The objective check's negative control (the variant ``negative_control: mean-of-microbatch-means``): normalise each
-    micro-batch by its *own* target count and average the step's micro-batches (over every rank), the mistake
+    """The objective check's negative control (the variant ``negative_control: mean-of-microbatch-means``): normalise
+    each micro-batch by its *own* target count and average the step's micro-batches (over every rank), the mistake
     a ``loss_sum`` that returns a mean makes. Never on for training."""
 
     def __post_init__(self) -> None:
