@@ -144,3 +144,58 @@ def test_refused_credentials_are_one_line_exit_2_and_never_printed(s3_server, s3
 
 def test_bad_url_scheme_is_exit_2():
     _assert_one_line_exit_2(tp("ls", "--store", "ftp://x/y"), "unsupported store URL scheme")
+
+
+# --- Store URLs are parsed strictly: a typo is one line (exit 2), and nothing is written anywhere ------------------
+
+TYPOS = [("s3//{bucket}/runs/demo", "did you mean s3://{bucket}/runs/demo?"),
+         ("s3:/{bucket}/runs/demo", "did you mean s3://{bucket}/runs/demo?"),
+         ("s3:{bucket}/runs/demo", "did you mean s3://{bucket}/runs/demo?"),
+         ("gs//{bucket}/runs/demo", "for a folder of that name write ./gs//{bucket}/runs/demo"),
+         ("gs://{bucket}/runs/demo", "for Google Cloud Storage use its S3 API"),
+         ("file://{name}/demo", "did you mean file:///{name}/demo or the folder {name}/demo?")]
+
+
+def _files_under(folder) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _refused_everywhere(tmp_path, bucket: str, env=None) -> None:
+    """Every typo, through `train` and `export --dest` as a user types them from an empty working directory."""
+    name = f"tp-typo-{os.getpid()}-{abs(hash(str(tmp_path))) % 10**8}"  # file://NAME/demo once wrote /demo
+    assert not os.path.exists(f"/{name}") and not os.path.exists("/demo")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    full_env = dict(os.environ if env is None else env, PYTHONPATH=ROOT)
+    for typo, meant in TYPOS:
+        url = typo.format(bucket=bucket, name=name)
+        for args in (["train", "--store", url, "--max-steps", "1"],
+                     ["export", "--store", str(tmp_path / "no-run"), "--dest", url]):
+            result = subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=work, env=full_env,
+                                    capture_output=True, text=True, timeout=120)
+            _assert_one_line_exit_2(result, url, meant.format(bucket=bucket, name=name))
+    assert _files_under(work) == [] and not (tmp_path / "no-run").exists()
+    assert not os.path.exists(f"/{name}") and not os.path.exists("/demo")
+
+
+def test_a_mistyped_store_url_on_a_folder_is_one_line_and_writes_nothing(tmp_path):
+    _refused_everywhere(tmp_path, "mlteam")
+
+
+def test_a_mistyped_store_url_with_s3_configured_writes_nothing_to_the_bucket(tmp_path, s3_server, s3_env):
+    _refused_everywhere(tmp_path, s3_env)
+    assert s3_server.boto3_client().list_objects_v2(Bucket=s3_env).get("KeyCount") == 0
+
+
+def test_plain_paths_stay_plain(tmp_path):
+    """What looks a little like a URL but is written as a path trains where it says."""
+    from trainproof.storage.store import url_problem
+
+    for path in ("runs/demo", "runs//demo", "./s3//x", "./runs:v2", str(tmp_path / "s3:" / "x"), "file:///tmp/x",
+                 "file://localhost/tmp/x", "s3://b/p", "s3a://b/p", "memory://x/run"):
+        assert url_problem(path) is None, path
+    result = subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", "./s3//bucket/run",
+                             "--max-steps", "1"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "s3" / "bucket" / "run" / "plan.json").exists()

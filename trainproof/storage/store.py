@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import replace
@@ -332,6 +333,9 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
     """
     if not url or not url.strip():
         raise StoreConfigError("empty --store URL: pass s3://bucket/prefix/run, file:///path, a folder, or memory://name")
+    problem = url_problem(url)
+    if problem:
+        raise StoreConfigError(f"the store URL {redact_url(url)} {problem}")
     options = options or StoreOptions.from_env()
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
@@ -349,6 +353,43 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
         return _open_s3(url, parsed, options)
     raise StoreConfigError(f"unsupported store URL scheme {scheme!r} in {redact_url(url)}: "
                            "use s3://, file://, a folder, or memory://")
+
+
+SCHEMES = ("s3", "s3a", "file", "memory")
+"""The URL schemes a store can be opened at; anything else with ``://`` is refused."""
+# A word followed by ':' or '//' but not '://' (``s3//bucket``, ``s3:/bucket``, ``s3:bucket``, ``gs//b``): a URL
+# whose scheme separator was mistyped. Left alone, it is a relative folder (``./s3/bucket``) or an S3 URL without
+# a bucket, and a run would write somewhere its operator does not look (and lose it with the machine).
+_MISTYPED = re.compile(r"^(?:(s3a?|s3n|gs|gcs|az|abfss?|adl|file|memory|https?|hdfs|hf|oss|r2)//"
+                       r"|([A-Za-z][A-Za-z0-9+.-]*):/?(?!/))", re.I)
+_USE = "s3://bucket/prefix, file:///abs/path, a folder, or memory://name"
+_OTHER = {
+    "gs": "for Google Cloud Storage use its S3 API: s3://bucket/prefix with --endpoint-url "
+          "https://storage.googleapis.com and HMAC keys in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
+    "http": "an S3 server's address goes in --endpoint-url (or AWS_ENDPOINT_URL), the store in s3://bucket/prefix",
+}
+_OTHER["gcs"], _OTHER["https"] = _OTHER["gs"], _OTHER["http"]
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot name a store, as the end of a one-line error naming what was probably meant; None when
+    it can. A plain path (``runs/demo``, ``./s3/x``, ``/abs``) stays plain."""
+    mistyped = _MISTYPED.match(url)
+    if mistyped and not (os.name == "nt" and len(mistyped.group(0)) <= 3):  # ``C:/x``: a drive letter on Windows
+        scheme = (mistyped.group(1) or mistyped.group(2)).lower()
+        rest = url[mistyped.end():].lstrip("/:")
+        if scheme not in SCHEMES:
+            return f"looks like a URL ({scheme}:): for a folder of that name write ./{url}, else use {_USE}"
+        meant = f"file:///{rest}" if scheme == "file" else f"{scheme}://{rest}"
+        return f"looks like a URL with a mistyped '://': did you mean {meant}? (a folder of that name: ./{url})"
+    parsed = urlparse(url)
+    scheme = parsed.scheme.lower()
+    if "://" in url and scheme not in SCHEMES:
+        return f"has an unsupported store URL scheme, {scheme}://: {_OTHER.get(scheme, 'use ' + _USE)}"
+    if scheme == "file" and parsed.netloc not in ("", "localhost"):
+        return (f"names the host {parsed.netloc!r} (a file URL's path starts after the third slash): did you mean "
+                f"file:///{parsed.netloc}{parsed.path} or the folder {parsed.netloc}{parsed.path}?")
+    return None
 
 
 def _refuse_file_ancestor(url: str, root: str) -> None:
