@@ -9,7 +9,7 @@ import re
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 from trainproof.storage import manifest as mf
@@ -171,17 +171,28 @@ class GenerationStore:
     def load_latest(self, *, contract: str | None = None, world: int | None = None, check: Check | None = None,
                     quarantine: bool = True, spool_dir: str | None = None, spool_from: int | None = None,
                     skip: Callable[[str], bool] | None = None) -> Loaded | None:
-        """The newest usable generation, or None.  Newer ones that are partial, corrupt or foreign are skipped
-        with one warning line each; corrupt ones are moved to quarantine when ``quarantine`` (a read-only
-        caller such as an audit passes False). ``spool_dir``/``spool_from``/``skip``: as for :meth:`load`."""
+        """The newest usable generation, or None (the first of :meth:`usable`, which says what is skipped)."""
+        return next(self.usable(contract=contract, world=world, check=check, quarantine=quarantine,
+                                spool_dir=spool_dir, spool_from=spool_from, skip=skip), None)
+
+    def usable(self, *, contract: str | None = None, world: int | None = None, check: Check | None = None,
+               quarantine: bool = True, spool_dir: str | None = None, spool_from: int | None = None,
+               skip: Callable[[str], bool] | None = None) -> Iterator[Loaded]:
+        """Every usable generation, newest first, each read and verified only when reached (one listing). Those
+        that are partial, corrupt or foreign are skipped with one warning line each; corrupt ones are moved to
+        quarantine when ``quarantine`` (a read-only caller such as an audit passes False).
+        ``spool_dir``/``spool_from``/``skip``: as for :meth:`load`."""
         for info in reversed(self.scan(contract=contract, world=world)):
             if info.status == COMPLETE:
                 try:
-                    return load(self._ctx, info, check, _names(info, skip), spool_dir=spool_dir, spool_from=spool_from)
+                    loaded = load(self._ctx, info, check, _names(info, skip), spool_dir=spool_dir,
+                                  spool_from=spool_from)
                 except CorruptGenerationError as exc:
                     info = GenerationInfo(**{**info.__dict__, "status": CORRUPT, "reason": exc.reason})
+                else:
+                    yield loaded
+                    continue
             self._skip(info, quarantine)
-        return None
 
     def _skip(self, info: GenerationInfo, do_quarantine: bool) -> None:
         log.warning("skipping %s (%s): %s", info.name, info.status, info.reason)

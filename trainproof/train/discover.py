@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 from trainproof.errors import StateError, TrainError
 from trainproof.format.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
 from trainproof.format.shard_files import is_sharded_file
 from trainproof.format.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
-from trainproof.storage import COMPLETE, GenerationStore, Loaded
-from trainproof.storage.errors import CorruptGenerationError, StoreError
+from trainproof.storage import GenerationStore, Loaded
+from trainproof.storage.errors import StoreError
 from trainproof.storage.manifest import step_dir
 from trainproof.storage.spool import Spool, spool_dir
 from trainproof.train.dist import Collectives, PeerError
@@ -55,42 +55,43 @@ def agree_plan(store: GenerationStore, plan: dict[str, Any], sync: Collectives) 
     return stored
 
 
-def load_agreed(store: GenerationStore, contract: str, sync: Collectives, *,
-                code_version: str | None = None, below: int | None = None) -> tuple[str, dict[str, Any]] | None:
-    """(generation name, joined state) of the newest usable generation, loaded by every rank; None if none.
+def agreed_generations(store: GenerationStore, contract: str, sync: Collectives, *,
+                       code_version: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(step, joined state) of each generation this run may resume from, newest first, every one loaded by every
+    rank: rank 0 finds the next (:func:`_candidates`), broadcasts its step, and all ranks agree each load succeeded.
+    The caller stops taking them once one restores (every rank stops at the same one).
 
     ``code_version``: this build's; a generation of other code is passed over for an older one of this build
-    (see the module docstring). ``below``: only generations older than this step (after a newer one turned out
-    unusable while its shards were loaded)."""
-    loaded = sync.on_rank0("find the newest usable generation",
-                           lambda: _latest(store, contract, code_version, below))
-    step = int(sync.broadcast_bytes(str(loaded[0] if loaded else 0).encode() if sync.rank == 0 else None,
-                                    "share the step to resume"))
-    error: Exception | None = None
-    if sync.rank and step:
-        try:
-            loaded = _load(store, contract, step)
-        except (TrainError, StoreError, OSError) as exc:
-            error = exc
-    sync.require_all(error is None, f"load generation {step} to resume")
-    if isinstance(error, TrainError):
-        raise error
-    if error is not None:
-        raise PeerError(f"could not load step {step}, which rank 0 resumes from: {error}")
-    return None if not step else (step, loaded[1])
-
-
-def _latest(store: GenerationStore, contract: str, code_version: str | None,
-            below: int | None = None) -> tuple[int, dict[str, Any]] | None:
-    # Any world: a newer generation written by another world must be refused (or adopted) explicitly,
-    # never silently skipped in favour of an older one that would lose its progress.
-    other_code: list[tuple[int, dict[str, Any]]] = []
+    (see the module docstring)."""
+    candidates = _candidates(store, contract, code_version) if sync.rank == 0 else iter(())
     while True:
-        decoded: dict[int, Any] = {}
-        found = (store.load_latest(contract=contract, check=_checker(decoded), **_spooled()) if below is None
-                 else _load_below(store, contract, below, _checker(decoded)))
-        if found is None:
-            break
+        loaded = sync.on_rank0("find the newest usable generation", lambda: next(candidates, None))
+        step = int(sync.broadcast_bytes(str(loaded[0] if loaded else 0).encode() if sync.rank == 0 else None,
+                                        "share the step to resume"))
+        error: Exception | None = None
+        if sync.rank and step:
+            try:
+                loaded = _load(store, contract, step)
+            except (TrainError, StoreError, OSError) as exc:
+                error = exc
+        sync.require_all(error is None, f"load generation {step} to resume")
+        if isinstance(error, TrainError):
+            raise error
+        if error is not None:
+            raise PeerError(f"could not load step {step}, which rank 0 resumes from: {error}")
+        if not step or loaded is None:
+            return
+        yield step, loaded[1]
+
+
+def _candidates(store: GenerationStore, contract: str,
+                code_version: str | None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Rank 0: the generations to try, newest first, in one pass over the store's usable ones. Any world: a newer
+    generation written by another world must be refused (or adopted) explicitly, never silently skipped in favour
+    of an older one that would lose its progress."""
+    other_code: tuple[int, dict[str, Any]] | None = None  # the newest of other code since the last one offered
+    decoded: dict[int, Any] = {}
+    for found in store.usable(contract=contract, check=_checker(decoded), **_spooled()):
         step = found.info.step
         try:
             state = _joined(found, decoded)
@@ -102,19 +103,17 @@ def _latest(store: GenerationStore, contract: str, code_version: str | None,
         if problem is not None:
             log.warning("skipping %s (inconsistent): %s", found.info.name, problem)
             _quarantine(store, step, problem)
-            below = step  # strictly older from now on, even if the quarantine could not move it
             continue
         written_by = state["meta"].get("code_version")
         if code_version is not None and written_by != code_version:
             log.warning("skipping %s: written by %r, this is %r; looking for an older generation of this build",
                         found.info.name, written_by, code_version)
-            other_code.append((step, state))
-            below = step
+            other_code = other_code or (step, state)
             continue
-        return step, state
+        other_code = None
+        yield step, state
     if other_code:
-        return other_code[0]  # none of this build: the newest, for check_consistency to refuse by name
-    return None
+        yield other_code  # none of this build below: the newest, for check_consistency to refuse by name
 
 
 def _inconsistency(state: dict[str, Any], step: int, contract: str) -> str | None:
@@ -131,19 +130,6 @@ def _problem(exc: Exception) -> str:
         return f"it lacks {exc.args[0]!r}" if exc.args else "a section is missing"
     text = (str(exc).strip().splitlines() or [""])[0]
     return (text if isinstance(exc, TrainError) else f"{type(exc).__name__}: {text}")[:300]
-
-
-def _load_below(store: GenerationStore, contract: str, below: int, check: Any):
-    """The newest complete generation older than ``below`` that verifies (corrupt ones are quarantined)."""
-    for info in reversed(store.scan(contract=contract)):
-        if info.step >= below or info.status != COMPLETE:
-            continue
-        try:
-            return store.load(info.step, check, contract=contract, **_spooled())
-        except CorruptGenerationError as exc:
-            log.warning("skipping %s (corrupt): %s", info.name, exc)
-            _quarantine(store, info.step, str(exc))
-    return None
 
 
 def quarantine_corrupt(store: GenerationStore, step: int, reason: str) -> None:

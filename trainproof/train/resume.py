@@ -1,10 +1,11 @@
 """Where a run continues from: one function, :func:`resume`, and the decisions it makes on the way.
 
 Read :func:`resume` top to bottom: with ``--resume never`` refuse a store that already holds generations;
-otherwise take the newest usable generation every rank agreed on (trainproof.train.discover), decide whether this
-process may continue it (its world size, its code identity), check it against what this run expects, load a
-sharded layout's shards, and restore the rest with the generators last (trainproof.train.run ``restore_state``). It
-returns a small value (:class:`Resumed`) the trainer records in every later generation.
+otherwise go through the usable generations every rank agreed on, newest first, until one restores
+(trainproof.train.discover): decide whether this process may continue it (its world size, its code identity),
+check it against what this run expects, load a sharded layout's shards, and restore the rest with the generators
+last (trainproof.train.run ``restore_state``). It returns a small value (:class:`Resumed`) the trainer records in
+every later generation.
 
 World size: the run's current world is that of its newest usable generation (or plan.json's before the
 first one). Resuming with another world is refused (exit 2) unless ``--allow-world-change``; then the
@@ -30,7 +31,7 @@ from trainproof.format.state import Expected, check_consistency
 from trainproof.storage import COMPLETE, INCOMPLETE, GenerationStore
 from trainproof.storage.errors import StoreError
 from trainproof.storage.manifest import step_dir
-from trainproof.train.discover import load_agreed, quarantine_corrupt, quarantine_unusable
+from trainproof.train.discover import agreed_generations, quarantine_corrupt, quarantine_unusable
 from trainproof.train.dist import Collectives, PeerError
 from trainproof.train.parallel import Strategy
 from trainproof.train.pretrained import start_from_pretrained
@@ -87,29 +88,17 @@ def resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Coll
         sync.on_rank0("check that the store holds no generation", lambda: _refuse_existing_generations(store))
         return _fresh(c)
     # Without --allow-code-change a newer generation of other code is passed over for one of this build.
-    below: int | None = None
+    generations = agreed_generations(store, plan["contract"], sync,
+                                     code_version=None if options.allow_code_change else code_version())
     unusable: list[tuple[int, Exception]] = []  # generations that verified but did not restore, newest first
-    while True:
-        found = load_agreed(store, plan["contract"], sync, below=below,
-                            code_version=None if options.allow_code_change else code_version())
-        if found is None and unusable:
-            _refuse_all_unusable(c, unusable)
-        if found is None and below is not None:
-            # A failed sharded load may have copied verified parts of its files into the model and optimizer
-            # before a later part failed: this process does not train a fresh run from those tensors.
-            raise TrainError(f"every generation left to resume from had a corrupt shard file (quarantined, "
-                             f"the last {step_dir(below)}); this process may hold part of one, so it does not "
-                             "start fresh: run it again to start from step 0")
-        if found is None:
-            sync.on_rank0("look for unusable generations", lambda: _warn_if_unusable_generations(c))
-            return _fresh(c)
-        step, state = found
+    corrupt_shards: int | None = None  # the last generation passed over for a corrupt shard file
+    for step, state in generations:
         failure: Exception | None = None
         try:
             resumed = _decide(c, step, state)
             changed = state["meta"]["world"] != sync.world
             if not _load_shards(c, state, step, changed):
-                below = step  # a corrupt shard: the next older generation (this one was quarantined)
+                corrupt_shards = step  # quarantined: on to the next older generation
                 continue
             check_fits(run, state)
             _restore(c, state, rederive_at=step if changed else None)
@@ -120,13 +109,29 @@ def resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Coll
         if not _agreed_unusable(c, failure, step):
             break
         unusable.append((step, failure or StateError("another rank could not restore it")))
-        below = step
+    else:
+        return _none_restored(c, unusable, corrupt_shards)
     if unusable and c.rank0:  # a generation below them restored: they were damage, or planted
         for bad, exc in unusable:
             quarantine_unusable(store, bad, f"does not restore: {_why(exc)}")
     reporter.event("resume", step=run.step, generation=step_dir(step), rng_restored=options.restore_rng,
                    **({"world_change": resumed.world_changes[-1]} if changed else {}))
     return Resumed(step=run.step, world_changes=resumed.world_changes, code_changes=resumed.code_changes)
+
+
+def _none_restored(c: _Context, unusable: list[tuple[int, Exception]], corrupt_shards: int | None) -> Resumed:
+    """No generation restored: refuse when some verified but did not restore, or one had a corrupt shard file;
+    otherwise a fresh start."""
+    if unusable:
+        _refuse_all_unusable(c, unusable)
+    if corrupt_shards is not None:
+        # A failed sharded load may have copied verified parts of its files into the model and optimizer
+        # before a later part failed: this process does not train a fresh run from those tensors.
+        raise TrainError(f"every generation left to resume from had a corrupt shard file (quarantined, "
+                         f"the last {step_dir(corrupt_shards)}); this process may hold part of one, so it does not "
+                         "start fresh: run it again to start from step 0")
+    c.sync.on_rank0("look for unusable generations", lambda: _warn_if_unusable_generations(c))
+    return _fresh(c)
 
 
 def _why(exc: Exception) -> str:
