@@ -199,3 +199,26 @@ def test_plain_paths_stay_plain(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "s3" / "bucket" / "run" / "plan.json").exists()
+
+
+def _unwritable(tmp_path) -> str:
+    """A folder this process cannot write: a read-only one for a normal user; under /sys for root (which
+    permissions do not stop, and where nothing can be made)."""
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        return str(locked / "run")
+    return f"/sys/trainproof-test-{os.getpid()}/run"
+
+
+def test_an_unwritable_store_folder_is_one_line_and_exit_2(tmp_path):
+    """A read-only or forbidden folder is an operator's mistake (exit 2, its path named, no exception class); a
+    reader such as ls still works there."""
+    store = _unwritable(tmp_path)
+    result = tp("train", "--store", store, "--max-steps", "1")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("trainproof: error: --store ") and "cannot be written" in lines[-1], lines
+    assert "Traceback" not in result.stderr and "Error:" not in lines[-1] and not os.path.exists(store)
+    assert tp("ls", "--store", store).returncode == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -46,12 +47,12 @@ class GenerationStore:
     so a commit can run on a background thread while training continues."""
 
     def __init__(self, backend, root: str, url: str, options: StoreOptions, *, _prepare: Callable | None = None,
-                 _stats: RetryStats | None = None) -> None:
+                 _stats: RetryStats | None = None, _shared: bool = False) -> None:
         self.backend, self.root, self.url, self.options = backend, root, url, options
         self.stats = _stats or RetryStats()
         self._prepare = _prepare
         self._prepared = _prepare is None
-        self._shared = _prepare is not None  # an S3 store (the only kind prepared before its first write)
+        self._shared = _shared  # an S3 store
         self._lock = threading.Lock()
         self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits, keys=options.signing,
                         part_size=options.part_size, concurrency=options.concurrency)
@@ -355,7 +356,7 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
         if os.path.exists(root) and not os.path.isdir(root):
             raise StoreConfigError(f"--store {redact_url(url)} is a file, not a folder")
         _refuse_file_ancestor(url, root)
-        return GenerationStore(LocalBackend(), root, url, options)
+        return GenerationStore(LocalBackend(), root, url, options, _prepare=lambda _store: _writable_folder(url, root))
     if scheme == "memory":
         from fsspec.implementations.memory import MemoryFileSystem
         root = "/" + (parsed.netloc + parsed.path).strip("/")
@@ -411,6 +412,20 @@ def _refuse_file_ancestor(url: str, root: str) -> None:
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise StoreConfigError(f"--store {redact_url(url)}: {parent} is a file, so no folder can be made under it; "
                                "choose a path under a folder")
+
+
+def _writable_folder(url: str, root: str) -> None:
+    """Before the first write to a folder store: a folder that cannot be made or written (a read-only mount, no
+    permission) is one line naming it (exit 2: retrying cannot help), not an OSError from a temporary file's
+    name (exit 1, which a Job controller would retry forever). Readers (ls, audit) never get here."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), root)
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise StoreConfigError(f"--store {redact_url(url)}: the folder {exc.filename or root} cannot be written "
+                               f"({why}): use a writable folder (or mount it read-write)") from None
 
 
 def endpoint_problem(url: str) -> str | None:
@@ -476,7 +491,7 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
             older = options.sweep_multipart_older_than
             store._io("sweep multipart uploads", lambda: backend.sweep_multipart(bucket, prefix, older))
 
-    return GenerationStore(backend, root, url, options, _prepare=prepare, _stats=stats)
+    return GenerationStore(backend, root, url, options, _prepare=prepare, _stats=stats, _shared=True)
 
 
 __all__ = ["GenerationStore", "open_store"]
