@@ -470,7 +470,7 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
                                    "http(s)://host[:port] in --endpoint-url or AWS_ENDPOINT_URL")
     stats = RetryStats()
     backend = S3Backend(options, stats)
-    # The whole retry budget (README: 6 attempts, 120 s): a MinIO pod still starting is exactly this case, and
+    # The whole retry budget (docs/storage.md: 6 attempts, 120 s): a MinIO pod still starting is exactly this case, and
     # giving up sooner would fail a Job attempt that waiting would have saved.
     retry_or_unavailable(options.retry, f"check bucket {bucket}", lambda: backend.check_access(bucket, prefix), stats)
     root = join(bucket, prefix) if prefix else bucket
