@@ -126,6 +126,7 @@ def test_unreachable_endpoint_is_retried_then_exit_1_never_2(s3_env):
     assert result.returncode == 1, (result.stdout, result.stderr)
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("trainproof: error:")]
     assert len(lines) == 1 and "cannot reach" in lines[0] and "127.0.0.1" in lines[0], result.stderr
+    assert "Error" not in lines[0], lines[0]  # what happened, not the exception classes it went through
     # The documented budget (docs/storage.md: 6 attempts, 120 s), not a shorter one: a pod still starting needs it.
     assert result.stderr.count("retrying check bucket") == 5 and "Traceback" not in result.stderr
     assert "attempt 5/6" in result.stderr, result.stderr

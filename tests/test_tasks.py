@@ -3,8 +3,12 @@ masks, and loading a user's own task with ``package.module:factory``."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,3 +162,19 @@ def test_a_user_task_loads_from_package_module_factory(tmp_path, monkeypatch):
     run = build_run(task, CPU, 1)
     losses = [train_step(run)["loss"] for _ in range(6)]
     assert run.step == 6 and run.scheduler is None and losses[-1] < losses[0]
+
+
+def test_a_task_module_not_found_says_where_modules_are_imported_from(tmp_path):
+    """A typo'd or misplaced task module names the folder it was looked for in; a module that imports a missing
+    package names that package instead (not "the task was not found")."""
+    (tmp_path / "usertask.py").write_text("import not_installed_package_xyz\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    lines = {}
+    for spec in ("usertaks:make", "usertask:make"):
+        result = subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", str(tmp_path / "run"),
+                                 "--task", spec], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2, result.stderr
+        lines[spec] = result.stderr.strip().splitlines()[-1]
+    assert f"working directory ({tmp_path})" in lines["usertaks:make"] and "usertaks.py" in lines["usertaks:make"]
+    assert "'not_installed_package_xyz', which is not installed" in lines["usertask:make"], lines
+    assert not (tmp_path / "run").exists()

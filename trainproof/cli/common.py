@@ -48,7 +48,7 @@ def handled(fn: Callable) -> Callable:
         except (StoreConfigError, UsageError) as exc:
             raise fail(str(exc), EXIT_USAGE) from None
         except (StoreError, OSError) as exc:
-            raise fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE) from None
+            raise fail(str(exc) or type(exc).__name__, EXIT_FAILURE) from None  # the message, not the class
 
     return wrapper
 

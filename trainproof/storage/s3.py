@@ -368,7 +368,7 @@ class S3Backend(FsspecBackend):
                     "no AWS credentials found: set "
                     "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an IAM role") from None
             if "Connect" in name or "Endpoint" in name or isinstance(exc, (ConnectionError, TimeoutError)):
-                raise ConnectionError(f"cannot reach the S3 endpoint {where} ({name}): if it keeps failing, check "
+                raise ConnectionError(f"cannot reach the S3 endpoint {where}: if it keeps failing, check "
                                       "AWS_ENDPOINT_URL / --endpoint-url") from None
             raise
 

@@ -84,7 +84,7 @@ def load_task(spec: str, config: dict[str, Any] | None = None) -> Task:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"task {spec!r}: cannot import {module_name!r}: {exc}") from None
+        raise ConfigError(f"task {spec!r}: cannot import {module_name!r}: {_import_hint(module_name, exc)}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"task {spec!r}: {module_name} has no callable {attr!r}")
@@ -92,3 +92,16 @@ def load_task(spec: str, config: dict[str, Any] | None = None) -> Task:
     if not isinstance(task, Task):
         raise ConfigError(f"task {spec!r}: factory returned {type(task).__name__}, not a trainproof.tasks.Task")
     return task
+
+
+def _import_hint(module_name: str, exc: ImportError) -> str:
+    """Why a task module did not import, and where modules are looked for when it is the task's own module."""
+    missing = getattr(exc, "name", None)
+    parts = module_name.split(".")
+    if missing and missing in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+        return (f"no module {missing!r} in the working directory ({os.getcwd()}) or the installed packages: run "
+                f"from the folder that holds {parts[0]}/ or {parts[0]}.py, or add that folder to PYTHONPATH")
+    if missing:
+        return f"it imports {missing!r}, which is not installed here: pip install it (or fix that import)"
+    return str(exc)
+
