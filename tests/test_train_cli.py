@@ -213,3 +213,50 @@ def test_a_verifier_variant_is_one_hidden_value_checked_at_the_edge():
                       ("[1]", "JSON object"), ("{", "JSON object"), ('{"objective_check": true, "batch_size": 0}', "batch_size")]:
         with pytest.raises(ConfigError, match=said):
             Variant.parse(bad)
+
+
+# -- each setting declared once ----------------------------------------------------------------------------
+
+OWN_OPTIONS = {"store", "config", "deadline", "rental_ends", "variant", "endpoint_url", "region", "path_style"}
+"""The options of ``train`` that are not a field of its options objects (each declared once in trainproof/cli)."""
+FILLED_OTHERWISE = {"store", "task_config", "variant", "deadline", "deadline_margin_s"}
+"""TrainConfig fields with no option of their own: --store, --config, --variant, --deadline/--rental-ends, none."""
+RECORDED = {"task", "max_steps", "steps", "checkpoint_every", "checkpoint_every_seconds", "keep", "seed", "device",
+            "deadline", "allow_world_change", "dist_timeout_s", "allow_code_change", "variant", "sync_checkpoint",
+            "stop_grace_s", "fsdp", "data_workers", "prefetch"}
+
+
+def test_every_train_option_is_a_field_declared_once_and_the_record_follows_the_fields():
+    """The options of ``train`` come from the fields of TrainConfig, SpotConfig and LaunchConfig (their flag,
+    variable, default and help), except the few it declares itself; what each state records is the fields declared
+    recorded."""
+    from dataclasses import MISSING, fields
+    from datetime import datetime, timedelta, timezone
+
+    import typer
+
+    from trainproof.cli import _register, app
+    from trainproof.lifecycle.spot import SpotConfig
+    from trainproof.train.config import TrainConfig
+    from trainproof.train.launch import LaunchConfig
+    from trainproof.train.variant import Variant
+
+    _register()
+    options = {p.name: p for p in typer.main.get_command(app).commands["train"].params}
+    declared = {f.name: f for cls in (TrainConfig, SpotConfig, LaunchConfig) for f in fields(cls) if f.metadata.get("help")}
+    assert set(options) == set(declared) | OWN_OPTIONS and not set(declared) & OWN_OPTIONS
+    for name, f in declared.items():
+        flag = (f.metadata["flag"] or name).upper()
+        option = options[name]
+        assert (option.opts, option.envvar) == ([f"--{flag.lower().replace('_', '-')}"], f"TRAINPROOF_{flag}"), name
+        assert (option.default, option.help, option.show_envvar) == (f.default, f.metadata["help"], True), name
+    unset = {f.name for f in fields(TrainConfig) if f.name not in declared}
+    assert unset == FILLED_OTHERWISE
+    assert all(f.default is not MISSING for f in fields(LaunchConfig) if f.name in declared)
+
+    at = datetime.now(timezone.utc) + timedelta(hours=1)
+    record = TrainConfig(store="memory://x", deadline=at, variant=Variant(grad_clip=1.0), fsdp=True).recorded()
+    assert set(record) == RECORDED
+    assert (record["deadline"], record["variant"], record["fsdp"], record["seed"]) == (at.isoformat(), {"grad_clip": 1.0},
+                                                                                      True, 1234)
+    assert TrainConfig(store="memory://x").recorded()["deadline"] is None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
 import sys
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Any, Callable, Optional, get_type_hints
 
 import typer
 
@@ -23,6 +25,36 @@ RegionArg = Annotated[Optional[str], typer.Option("--region", envvar="TRAINPROOF
 PathStyleArg = Annotated[Optional[bool], typer.Option("--path-style/--virtual-host-style",
                                                       help="S3 addressing. Default: path "
                                                            "style when an endpoint is set.")]
+
+
+def options_from(*classes: Any) -> Callable[[Callable], Callable]:
+    """Give a command one option per field of ``classes`` declared with help (``trainproof.train.config.setting``),
+    after its first parameter: ``--FLAG``, the variable ``TRAINPROOF_FLAG``, the field's default and help. The
+    command takes them, by field name, as ``**settings`` (:func:`pick` sorts them out)."""
+
+    def add(fn: Callable) -> Callable:
+        own = inspect.signature(fn, eval_str=True)
+        params = [p.replace(kind=p.KEYWORD_ONLY) for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        derived = [_option(f, get_type_hints(cls)[f.name]) for cls in classes for f in dataclasses.fields(cls)
+                   if f.metadata.get("help")]
+        fn.__signature__ = own.replace(parameters=[params[0], *derived, *params[1:]])  # type: ignore[attr-defined]
+        return fn
+
+    return add
+
+
+def _option(f: dataclasses.Field, annotation: Any) -> inspect.Parameter:
+    flag = f.metadata["flag"] or f.name
+    name = flag.replace("_", "-")
+    option = typer.Option(f"--{name}/--no-{name}" if annotation is bool else f"--{name}",
+                          envvar=f"TRAINPROOF_{flag.upper()}", show_envvar=True, help=f.metadata["help"])
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                             annotation=Annotated[annotation, option])
+
+
+def pick(cls: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """The values of ``cls``'s fields, taken out of ``settings``."""
+    return {f.name: settings.pop(f.name) for f in dataclasses.fields(cls) if f.name in settings}
 
 
 class UsageError(Exception):

@@ -23,6 +23,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
+from trainproof.train.config import setting
+
 log = logging.getLogger("trainproof.spot")
 PROVIDERS = ("none", "aws", "gcp", "azure")
 _DEFAULT_BASE = {"aws": "http://169.254.169.254", "gcp": "http://metadata.google.internal",
@@ -33,12 +35,12 @@ _DEFAULT_BASE = {"aws": "http://169.254.169.254", "gcp": "http://metadata.google
 class SpotConfig:
     """Which metadata service to watch."""
 
-    provider: str = "none"
-    """none | aws | gcp | azure"""
-    endpoint: str | None = None
-    """Base URL of the metadata service; default: the provider's link-local address."""
-    interval_s: float = 5.0
-    """Seconds between polls (AWS gives two minutes' notice; GCP and Azure about 30 s)."""
+    provider: str = setting("none", f"Watch spot interruption notices: {'|'.join(PROVIDERS)}; a notice stops like "
+                            "SIGTERM (commit, exit 75).", flag="spot_notice")
+    endpoint: str | None = setting(None, "Metadata service base URL (default: the provider's link-local address).",
+                                   flag="spot_endpoint")
+    interval_s: float = setting(5.0, "Seconds between metadata polls.", flag="spot_interval")
+    """AWS gives two minutes' notice; GCP and Azure about 30 s."""
     timeout_s: float = 2.0
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -22,72 +22,76 @@ DEVICES = ("auto", "cpu", "cuda")
 LOG_FORMATS = ("auto", "json", "rich")
 
 
+def setting(default: Any = MISSING, help: str | None = None, *, flag: str | None = None, recorded: bool = True) -> Any:
+    """A field of an options object declared once, with what derives from it. ``help``: the field is an option of
+    ``trainproof train`` (``trainproof.cli.train``): ``--FLAG`` and the variable ``TRAINPROOF_FLAG`` (``flag``: the
+    field's name by default), with this default and this help. ``recorded``: :meth:`TrainConfig.recorded` holds it
+    (a field declared without :func:`setting` is neither). A class as ``default`` is its factory."""
+    meta = {"help": help, "flag": flag or None, "recorded": recorded}
+    if isinstance(default, type):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Everything one ``train`` invocation needs. Validation raises ConfigError (exit 2)."""
+    """Everything one ``train`` invocation needs. Validation raises ConfigError (exit 2). Each field is declared
+    once (:func:`setting`): the ``train`` option, its help and default, and whether each state records it."""
 
     store: str
-    """Run location: s3://bucket/prefix/run, file:///abs, a local path or memory://name."""
-    task: str = "regression"
-    """Built-in task name or ``package.module:factory``."""
-    task_config: dict[str, Any] = field(default_factory=dict)
+    """Run location: s3://bucket/prefix/run, file:///abs, a local path or memory://name (``--store``)."""
+    task: str = setting("regression", "Built-in task (regression, tinylm) or package.module:factory.")
+    task_config: dict[str, Any] = setting(dict, recorded=False)
     """Overrides of the task's settings (from ``--config``); part of the run contract."""
-    max_steps: int | None = None
-    """Target total of optimizer steps, idempotent across restarts (what a Kubernetes Job uses)."""
-    steps: int | None = None
-    """Additional optimizer steps from wherever this process resumed (the protocol's semantics)."""
-    checkpoint_every: int = 0
-    """Commit a generation every N optimizer steps (0: off)."""
-    checkpoint_every_seconds: float = 600.0
-    """Commit a generation when this many seconds passed since the last one (0: off)."""
-    keep: int = 3
-    """Complete generations to keep after each commit (0: keep all). The newest is never deleted."""
-    resume: str = "auto"
-    """``auto``: resume from the newest usable generation; ``never``: refuse a store that has one."""
-    omit_rng_restore: bool = False
-    """Negative control: restore everything except the random generators (the run must diverge)."""
-    variant: Variant = field(default_factory=Variant)
-    """The verifier's mode of this process (trainproof.train.variant); the default is a plain training run."""
-    seed: int = 1234
-    """Seed of every random generator at the start of the run; part of the run contract."""
-    deadline: datetime | None = None
-    """Stop (commit, exit 75) early enough to finish the save before this moment."""
-    device: str = "auto"
+    max_steps: int | None = setting(None, "Target total of optimizer steps (idempotent).")
+    steps: int | None = setting(None, "Additional optimizer steps from where this run resumes.")
+    checkpoint_every: int = setting(0, "Commit every N steps (0: off).")
+    checkpoint_every_seconds: float = setting(600.0, "Commit every S seconds (0: off).")
+    keep: int = setting(3, "Complete generations to keep (0: all).")
+    """The newest is never deleted."""
+    resume: str = setting("auto", "auto: resume from the newest usable generation; never.", recorded=False)
+    """``never`` refuses a store that has a generation."""
+    omit_rng_restore: bool = setting(False, "Negative control: skip the RNG restore.", recorded=False)
+    """Restore everything except the random generators (the run must diverge)."""
+    variant: Variant = setting(Variant)
+    """The verifier's mode of this process (trainproof.train.variant, ``--variant``); default: a plain training run."""
+    seed: int = setting(1234, "Seed of every generator (part of the run contract).")
+    deadline: datetime | None = setting(None)
+    """Stop (commit, exit 75) early enough to finish the save before this moment (``--deadline``)."""
+    device: str = setting("auto", "auto, cpu or cuda.")
     """``auto`` picks CUDA when available and the task supports it."""
-    log_every: int = 1
-    """Log one line every N steps (JSON mode)."""
-    log_format: str = "auto"
-    """``rich`` progress bar, ``json`` lines, or ``auto`` (rich on a terminal)."""
+    log_every: int = setting(1, "Log every N steps.", recorded=False)
+    log_format: str = setting("auto", "auto (rich on a terminal), rich or json.", recorded=False)
     deadline_margin_s: float = 1.0
     """Safety margin added to the step and save estimates when honouring ``deadline``."""
-    allow_world_change: bool = False
-    """Resume a run on another world size (data order carries over, per-rank streams are re-derived; the
-    run is then no longer bitwise comparable). Without it such a resume is refused (exit 2)."""
-    allow_code_change: bool = False
-    """Resume a generation written by other code (another trainproof/ source digest); recorded in
-    ``meta.code_changes``. Without it such a resume is refused (exit 2)."""
-    dist_timeout_s: float = 600.0
-    """Timeout of every collective of a distributed run; it must cover rank 0's upload of a generation,
-    during which the other ranks wait for the outcome."""
-
-    fsdp: bool = False
-    """Shard the model and optimizer with FSDP2 over the ranks (trainproof.train.fsdp) instead of replicating them with
-    DDP; checkpoints are then sharded generations (each rank writes its own shards). Part of the run's plan: a
-    run cannot switch. A task can ask for it itself (``Task.fsdp``)."""
-    sync_checkpoint: bool = False
-    """Commit checkpoints inline, blocking training for the whole save (the behaviour before asynchronous
-    checkpoints, trainproof.train.async_save), on every rank."""
-    data_workers: int | None = None
-    """DataLoader worker processes building micro-batches ahead of the step (trainproof.train.pipeline); None: the
-    task's
-    ``num_workers``. Never changes results, so not part of the contract: a run may resume with another count."""
-    prefetch: int | None = None
-    """Micro-batches each data worker builds ahead; None: the task's ``prefetch``. Not part of the contract."""
-    stop_grace_s: float = 25.0
-    """Seconds the platform grants between SIGTERM (or a spot notice) and SIGKILL. After a stop request the
-    final step is committed only when the measured commit time fits what is left; otherwise the run exits 75
-    from the commit that was in flight. Kubernetes: terminationGracePeriodSeconds (30 s by default, 150 s in
-    infra/k8s); AWS spot: 120 s; GCP and Azure spot: 30 s."""
+    dist_timeout_s: float = setting(600.0, "Seconds any collective may wait for a rank.", flag="dist_timeout")
+    """It must cover rank 0's upload of a generation, during which the other ranks wait for the outcome."""
+    allow_world_change: bool = setting(False, "Resume on another world size (no longer bitwise comparable).")
+    """Data order carries over, per-rank streams are re-derived. Without it such a resume is refused (exit 2)."""
+    allow_code_change: bool = setting(False, "Resume a generation written by other code (another source digest of "
+                                      "trainproof/); recorded in meta.code_changes.")
+    """Without it such a resume is refused (exit 2)."""
+    fsdp: bool = setting(False, "Shard the model and optimizer over the ranks with FSDP2 instead of DDP; checkpoints "
+                         "are sharded (each rank writes its own shards, none holds the whole state). Part of the run's "
+                         "plan: give it on every start. Resume on another world size with --allow-world-change (DCP "
+                         "reshards).")
+    """trainproof.train.fsdp. A run cannot switch. A task can ask for it itself (``Task.fsdp``)."""
+    sync_checkpoint: bool = setting(False, "Commit checkpoints inline, blocking training for the whole save (default: "
+                                    "only a copy to host memory blocks; the commit runs in the background).")
+    """The behaviour before asynchronous checkpoints (trainproof.train.async_save), on every rank."""
+    stop_grace_s: float = setting(25.0, "Seconds between SIGTERM (or a spot notice) and SIGKILL: the final step is "
+                                  "committed only when its measured commit time fits; else exit 75 from the commit "
+                                  "in flight. Kubernetes: match terminationGracePeriodSeconds (150 in infra/k8s); AWS "
+                                  "spot 120.", flag="stop_grace")
+    """Kubernetes' default is 30 s; GCP and Azure spot: 30 s."""
+    data_workers: int | None = setting(None, "DataLoader worker processes that load, decode, augment and collate "
+                                       "micro-batches ahead of the step (default: the task's num_workers; 0: in the "
+                                       "training process). Never changes results: a run may resume with another "
+                                       "count.")
+    """trainproof.train.pipeline. Not part of the contract."""
+    prefetch: int | None = setting(None, "Micro-batches each data worker builds ahead (default: the task's prefetch, "
+                                   "2).")
+    """Not part of the contract."""
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -131,18 +135,9 @@ class TrainConfig:
         return "--max-steps" if self.max_steps is not None else "the task's default: no --max-steps given"
 
     def recorded(self) -> dict[str, Any]:
-        """Trainer settings recorded in each state (informational; the contract covers what matters)."""
-        return {
-            "task": self.task, "max_steps": self.max_steps, "steps": self.steps,
-            "checkpoint_every": self.checkpoint_every, "checkpoint_every_seconds": self.checkpoint_every_seconds,
-            "keep": self.keep, "seed": self.seed, "device": self.device,
-            "deadline": None if self.deadline is None else self.deadline.isoformat(),
-            "allow_world_change": self.allow_world_change, "dist_timeout_s": self.dist_timeout_s,
-            "allow_code_change": self.allow_code_change, "variant": self.variant.to_json(),
-            "sync_checkpoint": self.sync_checkpoint,
-            "stop_grace_s": self.stop_grace_s, "fsdp": self.fsdp, "data_workers": self.data_workers,
-            "prefetch": self.prefetch,
-        }
+        """Trainer settings recorded in each state (informational; the contract covers what matters): the fields
+        declared ``recorded``, as JSON values."""
+        return {f.name: _recorded(getattr(self, f.name)) for f in fields(self) if f.metadata.get("recorded")}
 
 
 def load_task_config(path: Path) -> dict[str, Any]:
@@ -164,3 +159,9 @@ def load_task_config(path: Path) -> dict[str, Any]:
 def _one_of(option: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{option} must be one of {', '.join(allowed)} (got {value!r})")
+
+
+def _recorded(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value.to_json() if isinstance(value, Variant) else value

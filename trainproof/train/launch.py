@@ -38,6 +38,7 @@ from datetime import timedelta
 from typing import Any
 
 from trainproof.errors import ConfigError
+from trainproof.train.config import setting
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
 ENTRY_MODULE = "trainproof"
@@ -57,16 +58,14 @@ LAUNCHED_ENV = "TRAINPROOF_LAUNCHED"
 class LaunchConfig:
     """Where this node's ranks sit in the world and how they meet."""
 
-    nproc_per_node: int
-    """Ranks (processes) on this node."""
-    nnodes: int = 1
-    """Nodes, each running one launcher."""
-    node_rank: int = 0
-    """This node's index; node 0 hosts the rendezvous store."""
-    master_addr: str = "127.0.0.1"
-    """Host of node 0, reachable from every node."""
-    master_port: int = 0
-    """Port of the rendezvous store on node 0 (0: any free port; single node only)."""
+    nproc_per_node: int = setting(1, "Ranks on this node (> 1: launch them; DDP, or FSDP2 with --fsdp).")
+    nnodes: int = setting(1, "Nodes of a multi-node launch (each runs this command).")
+    node_rank: int = setting(0, "This node's index in a multi-node launch.")
+    """Node 0 hosts the rendezvous store."""
+    master_addr: str = setting("127.0.0.1", "Host of node 0 (rendezvous).")
+    """Reachable from every node."""
+    master_port: int = setting(0, "Rendezvous port on node 0 (0: any free one).")
+    """Any free port: single node only."""
     failure_grace_s: float = 600.0
     """After a rank failed, how long the others may take to fail on their own before they are killed."""
     exit_barrier_s: float = 120.0
