@@ -118,3 +118,27 @@ def test_a_store_url_query_string_is_refused_and_never_printed():
     result = subprocess.run([sys.executable, "-m", "trainproof", "ls", "--store", "s3://bucket/run?X-Amz-Signature=sig1"],
                             cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "query string" in result.stderr and "sig1" not in result.stderr, result.stderr
+
+
+def test_every_help_is_whole_at_80_columns():
+    """`--help` of every command in an 80-column terminal: no line wider, no option name cut ("…")."""
+    import click
+    import typer
+    from typer.testing import CliRunner
+
+    import trainproof.cli as cli
+
+    cli._register()
+    root = typer.main.get_command(cli.app)
+    commands: list[tuple[list[str], click.Command]] = [([], root)]
+    for path, command in commands:
+        for name, sub in getattr(command, "commands", {}).items():
+            commands.append(([*path, name], sub))
+    assert len(commands) > 8, [p for p, _ in commands]
+    for path, command in commands:
+        out = CliRunner().invoke(cli.app, [*path, "--help"], env={"COLUMNS": "80"}, terminal_width=80).output
+        assert "Usage:" in out and "…" not in out, (path, out)
+        assert max(map(len, out.splitlines())) <= 80, (path, out)
+        for param in command.params:
+            for flag in (param.opts if not getattr(param, "hidden", False) else []):
+                assert flag in out, (path, flag)

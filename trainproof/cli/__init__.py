@@ -1,7 +1,7 @@
 """The command-line face of trainproof: Typer commands that parse options, call, and map errors to exit codes.
 
 Owns: option parsing (``TRAINPROOF_*`` variables included), one-line error messages, exit codes.
-May import every other part of ``job`` (it is the top of the dependency order) and ``storage``; nothing
+May import every other part of ``trainproof`` (it is the top of the dependency order); nothing
 imports it except ``trainproof.__main__`` and the console script. Command bodies stay thin: the work is in
 ``trainproof.train`` (training), ``trainproof.proof`` (verify, audit, export checks) and ``trainproof.lifecycle``
 (signals, spot notices, deadlines, planning).

@@ -10,4 +10,5 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,  # locals can hold credentials
     add_completion=False,
+    rich_markup_mode=None,  # click's plain help: option names whole at any width (rich's table cut 36 at 80)
 )
