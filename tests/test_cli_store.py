@@ -223,3 +223,19 @@ def test_an_unwritable_store_folder_is_one_line_and_exit_2(tmp_path):
     assert lines[-1].startswith("trainproof: error: --store ") and "cannot be written" in lines[-1], lines
     assert "Traceback" not in result.stderr and "Error:" not in lines[-1] and not os.path.exists(store)
     assert tp("ls", "--store", store).returncode == 0
+
+
+def test_store_create_makes_the_bucket_a_run_then_trains_in(s3_server, s3_env, tmp_path):
+    """`trainproof store create`: the bucket is made (once: a second call says it exists), access is checked, and
+    a run trains there; a bad name is one line, exit 2; a folder is made too."""
+    bucket = f"{s3_env}-made"
+    url = f"s3://{bucket}/runs/demo"
+    first, again = tp("store", "create", url), tp("store", "create", url)
+    assert first.returncode == 0 and "created the bucket" in first.stdout, first.stderr
+    assert again.returncode == 0 and "the bucket exists" in again.stdout, again.stderr
+    s3_server.boto3_client().head_bucket(Bucket=bucket)
+    assert tp("train", "--store", url, "--max-steps", "1").returncode == 0
+    _assert_one_line_exit_2(tp("store", "create", "s3://Bad_Name/x"), "not a valid bucket name")
+    folder = tmp_path / "new" / "run"
+    made = tp("store", "create", str(folder))
+    assert made.returncode == 0 and "created the folder" in made.stdout and folder.is_dir(), made.stderr

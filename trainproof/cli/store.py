@@ -1,4 +1,5 @@
-"""``trainproof ls`` and ``trainproof gc``: look at and prune a run's generations."""
+"""``trainproof ls`` and ``trainproof gc``: look at and prune a run's generations; ``trainproof store create``: make
+the bucket or folder a run will use and check it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from trainproof.cli.common import (
     open_run,
     setup_logging,
 )
-from trainproof.storage import COMPLETE, CORRUPT, RetentionPolicy
+from trainproof.storage import COMPLETE, CORRUPT, RetentionPolicy, StoreOptions, create_store
 
 _STYLE = {"complete": "green", "incomplete": "yellow", "corrupt": "red", "foreign": "magenta"}
 
@@ -186,3 +187,29 @@ def _gc_verifications(run, keep: int, *, dry_run: bool) -> None:
     running = sum(1 for v in kept if not v.created_at)
     print(f"{remove_verb} {len(doomed)} verification(s); {keep_verb} {len(kept) - running} with a report"
           + (f" and {running} without one (running or abandoned)" if running else ""))
+
+
+store_app = typer.Typer(help="Set up where runs are stored.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+
+@store_app.command("create")
+@handled
+def store_create_command(
+    url: Annotated[str, typer.Argument(help="s3://bucket/prefix (the bucket is made if missing) or a folder.")],
+    endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
+) -> None:
+    """Make the bucket (or folder) URL names if it does not exist, then check it as a run will use it: it can be
+    listed and written (S3: a create-only write is probed, as before a run's first commit). Safe to repeat.
+
+    Exit 0 ready, 2 what cannot work as given (a bad name, a bucket of another account, refused credentials),
+    1 a storage failure.
+    """
+    setup_logging()
+    options = StoreOptions.from_env(endpoint_url=endpoint_url, region=region, path_style=path_style)
+    store, made = create_store(url, options)
+    where = shown(store.url)
+    kind = "bucket" if store.shared else "folder"
+    print(f"{where}: {'created the ' + kind if made else 'the ' + kind + ' exists'}; listing and writing checked: "
+          f"ready for --store {where}")
+

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Any, Iterator
 
 from trainproof.storage.backend import CHUNK, IN_MEMORY, Entry, FsspecBackend, Source, iter_chunks
 from trainproof.storage.digest import FileHasher, digest_bytes
@@ -55,6 +55,18 @@ def _status(exc: BaseException) -> int | None:
     response = getattr(cause, "response", None)
     return response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
 
+
+_CREATE_REFUSED = {
+    "InvalidBucketName": "{bucket!r} is not a valid bucket name: use 3-63 lowercase letters, digits, '-' and '.'",
+    "BucketAlreadyExists": "bucket {bucket!r} already exists and belongs to someone else (bucket names are shared "
+                           "by every account): choose another name",
+    "InvalidAccessKeyId": "the S3 credentials were refused ({code}): check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+                          "or the profile",
+    "AccessDenied": "creating bucket {bucket!r} was refused: these credentials may not create buckets "
+                    "(s3:CreateBucket); have it created, then run this again to check access",
+}
+"""What a refused bucket creation means to the person who asked for it, by S3 error code."""
+_CREATE_REFUSED["SignatureDoesNotMatch"] = _CREATE_REFUSED["InvalidAccessKeyId"]
 
 MAX_PARTS = 10_000
 """S3's most parts in one multipart upload."""
@@ -344,6 +356,34 @@ class S3Backend(FsspecBackend):
         self.fs.invalidate_cache(path)
 
     # -- endpoint checks ----------------------------------------------------------------------------------
+    def create_bucket(self, bucket: str) -> bool:
+        """Create ``bucket`` (in the configured region on AWS); False when this account already has it.
+        StoreConfigError when the name is refused, another account owns it, or creating buckets is not allowed."""
+        from botocore.exceptions import ClientError, ParamValidationError
+        from s3fs.errors import translate_boto_error
+
+        kwargs: dict[str, Any] = {"Bucket": bucket}
+        if self.options.region and self.options.region != "us-east-1" and not self.options.endpoint_url:
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.options.region}
+        try:
+            try:
+                self._data().head_bucket(Bucket=bucket)
+                return False
+            except ClientError as exc:  # missing, or not ours to look at: creating it says which
+                if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "403", "AccessDenied"):
+                    raise
+            self._data().create_bucket(**kwargs)
+        except ParamValidationError:
+            raise StoreConfigError(_CREATE_REFUSED["InvalidBucketName"].format(bucket=bucket)) from None
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code == "BucketAlreadyOwnedByYou":
+                return False
+            if code in _CREATE_REFUSED:
+                raise StoreConfigError(_CREATE_REFUSED[code].format(bucket=bucket, code=code)) from None
+            raise translate_boto_error(exc) from exc
+        return True
+
     def check_access(self, bucket: str, prefix: str = "") -> None:
         """Fail fast, with one clear line, on a missing bucket or refused credentials (StoreConfigError).
 

@@ -414,6 +414,29 @@ def _refuse_file_ancestor(url: str, root: str) -> None:
                                "choose a path under a folder")
 
 
+def create_store(url: str, options: StoreOptions | None = None) -> tuple[GenerationStore, bool]:
+    """Make what ``url`` names when it does not exist (an S3 bucket, a folder), then check it as a run will use it:
+    listed, and written (the create-only probe on S3). (the store, whether a bucket or folder was made);
+    StoreConfigError naming what is wrong."""
+    options = options or StoreOptions.from_env()
+    problem = url_problem(url) if url and url.strip() else None
+    parsed = urlparse(url)
+    made = False
+    if not problem and parsed.scheme.lower() in ("s3", "s3a") and parsed.netloc and not set("@:") & set(parsed.netloc):
+        from trainproof.storage.s3 import S3Backend
+
+        stats = RetryStats()
+        backend = S3Backend(options, stats)
+        made = retry_or_unavailable(options.retry, f"create bucket {parsed.netloc}",
+                                    lambda: backend.create_bucket(parsed.netloc), stats)
+    elif not problem and parsed.scheme.lower() in ("", "file"):
+        root = os.path.abspath(os.path.expanduser(parsed.path if parsed.scheme else url))
+        made = not os.path.exists(root)
+    store = open_store(url, options)
+    store._before_write()
+    return store, made
+
+
 def _writable_folder(url: str, root: str) -> None:
     """Before the first write to a folder store: a folder that cannot be made or written (a read-only mount, no
     permission) is one line naming it (exit 2: retrying cannot help), not an OSError from a temporary file's
@@ -494,4 +517,4 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
     return GenerationStore(backend, root, url, options, _prepare=prepare, _stats=stats, _shared=True)
 
 
-__all__ = ["GenerationStore", "open_store"]
+__all__ = ["GenerationStore", "create_store", "open_store"]
