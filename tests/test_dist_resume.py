@@ -21,6 +21,7 @@ from trainproof.errors import ConfigError, StateError
 from trainproof.train.launch import world_exit_code
 from trainproof.format.state import decode_generation, rank_file
 from trainproof.storage import open_store
+from tests.support.timing import budget
 from tests.test_dist_helpers import load_world_state, rank_pids, read_until, start_torchrun, start_world
 from tests.test_train_helpers import differences, finish, history_rows, run_all, trajectory
 
@@ -113,7 +114,7 @@ def test_a_rank_killed_during_the_commit_fails_the_generation_without_a_hang(wor
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.monotonic()
     result = finish(proc, timeout=120)
-    assert time.monotonic() - t0 < 15, "rank 0 must give up at once (peer gone), well before any kill"
+    assert time.monotonic() - t0 < budget(15), "rank 0 must give up at once (peer gone), well before any kill"
     assert result.code == 1 and result.last("world_exit")["codes"] == [1, -9], result.stderr
     assert "gather the rank parts of step 10" in result.stderr  # rank 0's own failure, not the launcher's kill
     assert not (store / "step-00000010" / "COMPLETE.json").exists()

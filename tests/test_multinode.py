@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+from tests.support.timing import budget
 from tests.test_dist_helpers import DIST_ARGS, load_world_state, read_until, start_world
 from tests.test_train_helpers import ROOT, differences, finish, trajectory, train_env
 
@@ -115,4 +116,4 @@ def test_node_zero_stops_waiting_for_a_node_that_never_reports(capsys):
     launch._exit_barrier(_barrier_node(0, port, 0.5), host, port, 0)
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [e["event"] for e in events] == ["exit_barrier_incomplete"]
-    assert 0.4 <= events[0]["after_s"] < 10
+    assert 0.4 <= events[0]["after_s"] < budget(10)

@@ -26,6 +26,7 @@ from trainproof.errors import ConfigError
 from trainproof.train import sharded
 from trainproof.storage import open_store
 from trainproof.storage.pieces import Pieces
+from tests.support.timing import budget
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = "c" * 64
@@ -54,7 +55,7 @@ def start(mode: str, store: Path, step: int, out: Path, world: int, **env: str) 
 def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str]]:
     done = []
     for p in procs:
-        out, err = p.communicate(timeout=timeout)
+        out, err = p.communicate(timeout=budget(timeout))
         done.append((p.returncode, out + err))
     return done
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tests.support.timing import budget
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOK_PREFIX = "TPHOOK_"
@@ -69,7 +70,7 @@ def start(store: Path | str | None, *args: str, env: dict[str, str] | None = Non
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> Result:
     """Wait for a process started with :func:`start` and parse its output."""
-    out, err = proc.communicate(timeout=timeout)
+    out, err = proc.communicate(timeout=budget(timeout))
     return Result(proc.returncode, parse_events(out), err)
 
 
