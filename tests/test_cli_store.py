@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 
 from trainproof.storage import open_store
@@ -98,6 +99,26 @@ def test_gc_keep_verifications_removes_only_older_verifications(tmp_path):
     assert {e.name for e in base.list_dir()} == {"c", "running"}
     assert [g.step for g in store.scan()] == [1, 2] and [g.step for g in store.child("exports").scan()] == [2]
     assert tp("gc", "--store", url).returncode == 2  # neither --keep nor --keep-verifications
+
+
+def test_gc_abandoned_hours_removes_only_verifications_left_without_a_report(tmp_path):
+    """A verification that died before its report is removed once nothing under it was written for the stated
+    age; one still running (recent writes), and every one with a report, stay."""
+    url = str(tmp_path / "run")
+    store = open_store(url)
+    commit(store, 1)
+    base = store.child("verification")
+    for vid in ("abandoned", "running", "reported"):
+        commit(base.child(vid).child("continuous"), 1)
+    base.child("reported").write_file("verification.json", json.dumps({"created_at": "2026-01-01"}).encode())
+    two_days_ago = time.time() - 48 * 3600
+    for folder in ("abandoned", "reported"):
+        for path in (tmp_path / "run" / "verification" / folder).rglob("*"):
+            os.utime(path, (two_days_ago, two_days_ago))
+    result = tp("gc", "--store", url, "--abandoned-hours", "24")
+    assert result.returncode == 0, result.stderr
+    assert "removed verification/abandoned" in result.stdout, result.stdout
+    assert {e.name for e in base.list_dir()} == {"running", "reported"} and [g.step for g in store.scan()] == [1]
 
 
 def test_gc_refuses_keep_zero(tmp_path):

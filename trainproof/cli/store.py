@@ -128,6 +128,9 @@ def gc_command(
     keep_verifications: Annotated[Optional[int], typer.Option(
         "--keep-verifications", min=0, help="Keep the N newest verifications (<run>/verification/<id>/ with a "
         "report) and remove older ones entirely; one without a report (running) is never removed.")] = None,
+    abandoned_hours: Annotated[Optional[float], typer.Option(
+        "--abandoned-hours", min=0.0, help="Remove verifications without a report (abandoned: stopped, killed) "
+        "that nothing was written to for H hours; a running one writes all along.")] = None,
     grace_hours: Annotated[float, typer.Option("--grace-hours", min=0.0,
                                                help="Collect partial generations only once "
                                                     "this old (never younger than 60 s: a "
@@ -139,12 +142,13 @@ def gc_command(
     the N newest verifications.
 
     Partial generations older than the grace period are collected; exports, quarantine and other runs'
-    generations are never touched; --keep-verifications touches only <run>/verification/. Exit 0 done,
-    2 bad usage or nothing complete to keep, 1 a store failure.
+    generations are never touched; --keep-verifications and --abandoned-hours touch only <run>/verification/.
+    Exit 0 done, 2 bad usage or nothing complete to keep, 1 a store failure.
     """
     setup_logging()
-    if keep is None and keep_verifications is None:
-        raise UsageError("nothing to do: pass --keep K (generations) and/or --keep-verifications N")
+    if keep is None and keep_verifications is None and abandoned_hours is None:
+        raise UsageError("nothing to do: pass --keep K (generations), --keep-verifications N and/or "
+                         "--abandoned-hours H")
     run = open_run(store, endpoint_url, region, path_style)
     contract = _run_contract(run) if keep is not None else None
     delete_verb, keep_verb = ("would delete", "would keep") if dry_run else ("deleted", "kept")
@@ -171,14 +175,15 @@ def gc_command(
         named = ", ".join(f"step-{s:08d}" for s in sorted(audit_kept))
         also = f" and {len(audit_kept)} around restore points no audit has passed ({named})" if audit_kept else ""
         print(f"{delete_verb} {len(doomed)} generation(s); {keep_verb} the {keep} newest complete{also}")
-    if keep_verifications is not None:
-        _gc_verifications(run, keep_verifications, dry_run=dry_run)
+    if keep_verifications is not None or abandoned_hours is not None:
+        _gc_verifications(run, keep_verifications, abandoned_hours, dry_run=dry_run)
 
 
-def _gc_verifications(run, keep: int, *, dry_run: bool) -> None:
+def _gc_verifications(run, keep: int | None, abandoned_hours: float | None, *, dry_run: bool) -> None:
     from trainproof.proof.evidence import plan_verification_gc, remove_verification
 
-    kept, doomed = plan_verification_gc(run, keep)
+    after = None if abandoned_hours is None else abandoned_hours * 3600
+    kept, doomed = plan_verification_gc(run, keep, abandoned_after_s=after)
     remove_verb, keep_verb = ("would remove", "would keep") if dry_run else ("removed", "kept")
     for v in doomed:
         if not dry_run:

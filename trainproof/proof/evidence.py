@@ -7,8 +7,9 @@ generations: the evidence the comparison read. Once a verdict is in, ``verificat
 generations are the bulk of the bytes. So after a *passed* verdict they are removed unless ``--keep-evidence``;
 a failed or incomplete verification keeps everything (that is when someone will want to look).
 
-``gc --keep-verifications N`` keeps the N newest verifications with a report and removes older ones entirely.
-It only ever touches ``<run>/verification/``: never the run's own generations, exports or quarantine.
+``gc --keep-verifications N`` keeps the N newest verifications with a report and removes older ones entirely;
+``gc --abandoned-hours H`` removes those without a report that nothing was written to for H hours. It only ever
+touches ``<run>/verification/``: never the run's own generations, exports or quarantine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 
 from trainproof.storage import GenerationStore
@@ -73,13 +75,36 @@ def list_verifications(run: GenerationStore) -> list[Verification]:
     return sorted(found, key=lambda v: (v.created_at or "", v.vid))
 
 
-def plan_verification_gc(run: GenerationStore, keep: int) -> tuple[list[Verification], list[Verification]]:
-    """(kept, doomed): the ``keep`` newest verifications with a report stay; one without a report is never
-    removed (it may be running right now)."""
-    reported = [v for v in list_verifications(run) if v.created_at]
-    doomed = reported[:-keep] if keep > 0 else reported
-    kept = [v for v in list_verifications(run) if v not in doomed]
+def plan_verification_gc(run: GenerationStore, keep: int | None, *, abandoned_after_s: float | None = None,
+                         now: float | None = None) -> tuple[list[Verification], list[Verification]]:
+    """(kept, doomed): the ``keep`` newest verifications with a report stay (all, when None). One without a report
+    may be running right now: it is removed only when ``abandoned_after_s`` is given and nothing under it was
+    written for that long (a running verification commits generations all along)."""
+    found = list_verifications(run)
+    reported = [v for v in found if v.created_at]
+    doomed = [] if keep is None else reported[:-keep] if keep > 0 else reported
+    if abandoned_after_s is not None:
+        cutoff = (time.time() if now is None else now) - abandoned_after_s
+        doomed += [v for v in found if not v.created_at and _last_written(run, v.vid) < cutoff]
+    kept = [v for v in found if v not in doomed]
     return kept, doomed
+
+
+def _last_written(run: GenerationStore, vid: str) -> float:
+    """When anything under ``<run>/verification/<vid>/`` was last written (0 when nothing says: an empty folder);
+    a bounded walk, like ``prune_evidence``'s. A time in the future (a clock or a planted object) counts as now."""
+    root, newest = run.child(VERIFICATION_DIR).child(vid), 0.0
+
+    def walk(rel: str, depth: int) -> None:
+        nonlocal newest
+        for entry in root.list_dir(rel):
+            if entry.is_dir and depth < _MAX_DEPTH + 1:
+                walk(f"{rel}/{entry.name}" if rel else entry.name, depth + 1)
+            elif not entry.is_dir and entry.mtime is not None:
+                newest = max(newest, min(entry.mtime, time.time()))
+
+    walk("", 0)
+    return newest
 
 
 def remove_verification(run: GenerationStore, vid: str) -> None:
