@@ -116,6 +116,8 @@ def _chain(store, modes: list[str], rnd: random.Random, seed: int, sync: bool) -
             # may finish and the stop be recorded before it lands (then only one is listed). Never more.
             assert 1 <= len(stopped["signals"]) <= (2 if mode == "double-in-save" else 1), where
         assert load_state(store, history="own")["progress"]["step"] == stopped["step"] >= stopped_at[-1], where
+        said = [ln for ln in result.stderr.splitlines() if ln.startswith("trainproof: stopped")]
+        assert len(said) == 1 and f"committing step {stopped['committed_step']} of" in said[0], where  # committed
         stopped_at.append(stopped["step"])
     return stopped_at
 

@@ -260,3 +260,16 @@ def test_every_train_option_is_a_field_declared_once_and_the_record_follows_the_
     assert (record["deadline"], record["variant"], record["fsdp"], record["seed"]) == (at.isoformat(), {"grad_clip": 1.0},
                                                                                       True, 1234)
     assert TrainConfig(store="memory://x").recorded()["deadline"] is None
+
+
+def test_the_stop_line_names_the_committed_step_not_the_one_reached():
+    from trainproof.cli.train import stop_line
+    from trainproof.train.loop import Outcome
+
+    def line(step, committed):
+        return stop_line(Outcome(exit_code=75, reason="signal", step=step, target=40, committed_step=committed))
+
+    assert "after committing step 30 of 40" in line(30, 30)
+    assert "at step 31 of 40; the last committed step is 30 (the 1 after it will be trained again)" in line(31, 30)
+    assert "before any step was committed" in line(0, None) and "committing" not in line(0, None)
+

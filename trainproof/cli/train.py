@@ -81,11 +81,23 @@ def train_command(store: StoreArg, config: ConfigArg = None, deadline: DeadlineA
             _exit_rank(exc.exit_code)
             raise error from None
     if outcome.exit_code == EXIT_PREEMPTED and os.environ.get("RANK", "0") == "0":
-        # The last line a person sees after a SIGTERM/Ctrl-C: what was kept and what to do next (rank 0 only).
-        sys.stderr.write(f"trainproof: stopped ({outcome.reason}) after committing step {outcome.step} of "
-                         f"{outcome.target}; run the same command again to resume\n")
+        sys.stderr.write(stop_line(outcome) + "\n")
     _exit_rank(outcome.exit_code)
     raise typer.Exit(outcome.exit_code)
+
+
+def stop_line(outcome: Any) -> str:
+    """The last line a person sees after a SIGTERM/Ctrl-C (rank 0): the step that was *committed* (what a restart
+    continues from), not merely reached, and what to do next."""
+    committed, reached = outcome.committed_step, outcome.step
+    head = f"trainproof: stopped ({outcome.reason})"
+    if not committed:
+        return (f"{head} at step {reached} of {outcome.target} before any step was committed; run the same command "
+                "again to start it again")
+    if committed < reached:
+        return (f"{head} at step {reached} of {outcome.target}; the last committed step is {committed} (the "
+                f"{reached - committed} after it will be trained again); run the same command again to resume")
+    return f"{head} after committing step {committed} of {outcome.target}; run the same command again to resume"
 
 
 def _warn_unsigned(run_store: Any) -> None:
