@@ -107,8 +107,8 @@ def test_two_rank_async_saves_overlap_training_and_write_the_same_generations_as
     common = (*_config(tmp_path), *(("--fsdp",) if mode == "fsdp" else ()), "--max-steps", str(TARGET),
               "--checkpoint-every", "5", "--keep", "0")
     a, s = tmp_path / "async", tmp_path / "sync"
-    ra = finish(start_world(a, *common, env=SLOW_SAVE), timeout=300)
-    rs = finish(start_world(s, *common, "--sync-checkpoint"), timeout=300)
+    ra = finish(start_world(a, *common, env=SLOW_SAVE), timeout=budget(300))
+    rs = finish(start_world(s, *common, "--sync-checkpoint"), timeout=budget(300))
     assert (ra.code, rs.code) == (0, 0), (ra.stderr, rs.stderr)
     assert ra.last("start")["checkpoint"] == "async" and rs.last("start")["checkpoint"] == "sync"
     names = [(e["event"], e.get("step")) for e in ra.events]
@@ -141,7 +141,7 @@ def test_a_save_failing_on_rank_0_stops_both_ranks_at_one_boundary_and_the_resta
     shutil.rmtree(spool)
     spool.write_text("not a folder\n")
     t0 = time.monotonic()
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=budget(120))
     assert time.monotonic() - t0 < budget(30), "a rank waited for the failed commit's collectives"
     events = [e for line in lines for e in parse_events(line)] + parse_events(out)
     assert proc.returncode == 1 and [e for e in events if e["event"] == "world_exit"][-1]["codes"] == [1, 1], err
@@ -151,9 +151,9 @@ def test_a_save_failing_on_rank_0_stops_both_ranks_at_one_boundary_and_the_resta
     assert f"rank 1: background checkpoint of step {failed} failed: step {failed} was not committed by rank 0" in err
     assert not (store / f"step-{failed:08d}" / "COMPLETE.json").exists()
     spool.unlink()
-    restart = finish(start_world(store, *common, env={"TRAINPROOF_SPOOL_DIR": str(spool)}), timeout=300)
+    restart = finish(start_world(store, *common, env={"TRAINPROOF_SPOOL_DIR": str(spool)}), timeout=budget(300))
     assert restart.code == 0 and restart.last("resume")["step"] == complete[-1], restart.stderr
-    assert finish(reference, timeout=300).code == 0
+    assert finish(reference, timeout=budget(300)).code == 0
     assert differences(trajectory(load_world_state(ref)), trajectory(load_world_state(store))) == []
     assert not os.listdir(spool), "a spool file was left behind"
 
@@ -173,15 +173,15 @@ def test_on_s3_a_refused_shard_upload_fails_both_ranks_and_the_restart_resumes_t
     with FaultProxy(s3_server.endpoint) as proxy:
         proxy.set_faults([Fault("forbidden", methods={"PUT"}, path_contains="step-00000010/shard-00001")])
         result = finish(start_world(url, *common, env={"AWS_ENDPOINT_URL": proxy.endpoint,
-                                                       "TPHOOK_STEP_DELAY": "0.05"}), timeout=300)
+                                                       "TPHOOK_STEP_DELAY": "0.05"}), timeout=budget(300))
         refused = proxy.stats.injected.get("forbidden", 0)
     assert refused >= 1 and result.code == 1, result.stderr[-3000:]
     assert result.last("world_exit")["codes"] == [1, 1], result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "background checkpoint of step 10 failed" in line]
     assert len(lines) == 2 and all("rank 1" in line for line in lines), result.stderr[-3000:]
     assert [g.step for g in open_store(url).scan() if g.status == "complete"] == [5]
-    restart = finish(start_world(url, *common), timeout=300)
+    restart = finish(start_world(url, *common), timeout=budget(300))
     assert restart.code == 0 and restart.last("resume")["step"] == 5, restart.stderr[-3000:]
-    assert finish(reference, timeout=300).code == 0
+    assert finish(reference, timeout=budget(300)).code == 0
     assert differences(full_state(ref), full_state(url)) == []
     assert differences(trajectory(load_world_state(ref)), trajectory(load_world_state(url))) == []

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from tests.support.timing import budget
 from tests.test_train_helpers import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +96,7 @@ def _run_snippet(bundle: Path, copy: Path, site: Path) -> subprocess.CompletedPr
     (copy / "snippet.py").write_text(_snippet((copy / "README.md").read_text()))
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(copy)}  # no PYTHONPATH (and -E ignores it anyway)
     return subprocess.run([sys.executable, "-S", "-E", "-s", "-c", BOOT.format(site=str(site))], cwd=copy,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=budget(300))
 
 
 @pytest.mark.parametrize("task,args", [

@@ -71,7 +71,7 @@ def test_after_sigterm_the_last_line_says_how_to_resume(tmp_path):
         if '"event": "step"' in line:
             break
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=budget(120))
     assert proc.returncode == 75, err
     assert err.strip().splitlines()[-1].endswith("run the same command again to resume")
 
@@ -108,7 +108,7 @@ def test_regression_lr_min_is_opt_in_and_leaves_the_fixture_alone():
 ])
 def test_a_malformed_endpoint_is_one_line_exit_2_without_secrets(tmp_path, endpoint, why):
     result = subprocess.run([sys.executable, "-m", "trainproof", "ls", "--store", "s3://bucket/run", "--endpoint-url",
-                             endpoint], cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
+                             endpoint], cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=budget(120))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and why in lines[0] and "Traceback" not in result.stderr, result.stderr
@@ -117,7 +117,7 @@ def test_a_malformed_endpoint_is_one_line_exit_2_without_secrets(tmp_path, endpo
 
 def test_a_store_url_query_string_is_refused_and_never_printed():
     result = subprocess.run([sys.executable, "-m", "trainproof", "ls", "--store", "s3://bucket/run?X-Amz-Signature=sig1"],
-                            cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
+                            cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=budget(120))
     assert result.returncode == 2 and "query string" in result.stderr and "sig1" not in result.stderr, result.stderr
 
 

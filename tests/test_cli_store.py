@@ -10,13 +10,14 @@ import time
 
 
 from trainproof.storage import open_store
+from tests.support.timing import budget
 from tests.support.faultproxy import Fault, FaultProxy
 from tests.support.s3server import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tp(*args, env=None, timeout=120):
+def tp(*args, env=None, timeout=budget(120)):
     """Run `python -m trainproof ARGS` as a user would."""
     full_env = dict(os.environ if env is None else env)
     return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, capture_output=True, text=True,
@@ -194,7 +195,7 @@ def _refused_everywhere(tmp_path, bucket: str, env=None) -> None:
         for args in (["train", "--store", url, "--max-steps", "1"],
                      ["export", "--store", str(tmp_path / "no-run"), "--dest", url]):
             result = subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=work, env=full_env,
-                                    capture_output=True, text=True, timeout=120)
+                                    capture_output=True, text=True, timeout=budget(120))
             _assert_one_line_exit_2(result, url, meant.format(bucket=bucket, name=name))
     assert _files_under(work) == [] and not (tmp_path / "no-run").exists()
     assert not os.path.exists(f"/{name}") and not os.path.exists("/demo")
@@ -218,7 +219,7 @@ def test_plain_paths_stay_plain(tmp_path):
         assert url_problem(path) is None, path
     result = subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", "./s3//bucket/run",
                              "--max-steps", "1"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT),
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=budget(300))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "s3" / "bucket" / "run" / "plan.json").exists()
 

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from trainproof.storage.signing import key_id
+from tests.support.timing import budget
 from tests.support import container
 from tests.support.s3server import dummy_aws_env
 from tests.test_train_helpers import differences, load_state, trajectory
@@ -44,7 +45,7 @@ def test_the_script_passes_shellcheck():
     from tests.test_infra import tool
 
     out = subprocess.run([tool("shellcheck"), "--severity=style", str(container.SCRIPT), str(container.ROOT / ".ci/run")],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=budget(60))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -54,7 +55,7 @@ def _pins(text: str) -> dict[str, str]:
 
 def test_the_cpu_lock_differs_from_the_image_lock_only_in_torch():
     """The test image's only difference besides its base: torch's CPU build, without the CUDA wheels."""
-    out = subprocess.run(["bash", str(container.SCRIPT), "lock"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["bash", str(container.SCRIPT), "lock"], capture_output=True, text=True, timeout=budget(60))
     assert out.returncode == 0, out.stderr
     cpu = _pins((container.ROOT / out.stdout.strip().split("=", 1)[1]).read_text())
     cuda = _pins((container.ROOT / "infra/docker/requirements.lock.txt").read_text())
@@ -159,7 +160,7 @@ def wait_for_step(engine: container.Engine, name: str, step: int) -> None:
         pytest.fail(f"{name} ended before step {step}: {seen[-3:]}")
     finally:
         logs.kill()  # not read any further: a run that goes on must not block on a full pipe
-        logs.wait(timeout=30)
+        logs.wait(timeout=budget(30))
 
 
 def _proc(pid: int) -> tuple[list[str], int]:
@@ -195,7 +196,7 @@ def test_sigterm_commits_exits_75_and_a_rerun_resumes_bit_for_bit(engine, image,
 
         engine.cli("kill", "-s", "TERM", name, check=True)
         sent = time.monotonic()
-        code = int(engine.cli("wait", name, timeout=180, check=True).stdout)
+        code = int(engine.cli("wait", name, timeout=budget(180), check=True).stdout)
         waited = time.monotonic() - sent
         out = engine.cli("logs", name, check=True).stdout
     finally:
@@ -304,7 +305,7 @@ def standin(engine, image, s3_server):
     target = s3_server.endpoint.split("://", 1)[1]
     out = engine.cli("build", "-q", "--network", "host", "--build-arg", f"IMAGE={image.tag}", "--build-arg",
                      f"S3_TARGET={target}", "-t", STANDIN, str(Path(__file__).parent / "support" / "compose"),
-                     timeout=600)
+                     timeout=budget(600))
     assert out.returncode == 0, out.stderr
     return STANDIN
 
@@ -375,7 +376,7 @@ def test_the_documented_compose_sequence(engine, image, standin, s3_env, tmp_pat
         assert manifest["signature"]["key_id"] == key_id(key.read_bytes())
     finally:
         print(compose("logs", "--no-color", "--tail", "40", said=False).stdout[-8000:])  # shown when the test fails
-        compose("down", "-v", timeout=300)
+        compose("down", "-v", timeout=budget(300))
 
 
 def _newest_manifest(bucket: str, prefix: str) -> dict:

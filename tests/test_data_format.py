@@ -22,6 +22,7 @@ from trainproof.data import manifest as dm
 from trainproof.errors import ConfigError, DataError
 from trainproof.storage import open_store
 from trainproof.storage.objects import CorruptObjectError, ObjectReader, PartCache, parse_entry
+from tests.support.timing import budget
 from tests.test_verify_helpers import cli  # noqa: F401  (fixture)
 
 SMALL = {"shard_bytes": 16 * 1024, "part_bytes": 4096}
@@ -304,7 +305,7 @@ def test_a_forked_process_reads_through_its_own_client(tmp_path, cache):
     queue = ctx.Queue()
     child = ctx.Process(target=_read_in_child, args=(data, queue))
     child.start()
-    first, second, own = queue.get(timeout=60)
+    first, second, own = queue.get(timeout=budget(60))
     child.join(30)
     assert child.exitcode == 0 and own
     assert first == windows[0].tobytes() and second == windows[300].tobytes()

@@ -20,6 +20,7 @@ from trainproof.data import ShardedDataset, pack_records, token_windows
 from trainproof.errors import DataError
 from trainproof.storage import open_store
 from trainproof.storage.backend import join
+from tests.support.timing import budget
 from tests.test_examples import final_state, without_invocation
 from tests.test_train_helpers import differences, finish, parse_events, start
 from tests.test_verify_helpers import HOOKED, checks, cli, read_report, trainproof  # noqa: F401  (cli)
@@ -123,7 +124,7 @@ def test_a_256_mib_dataset_in_64_shards_trains_resumes_and_verifies_on_s3(s3_env
 
     config = _config(tmp_path, dataset)
     args = ("--task", TASK, "--config", config, "--max-steps", "30")
-    reference = finish(start(f"s3://{s3_env}/runs/ref", *args, "--data-workers", "0", env=env), timeout=600)
+    reference = finish(start(f"s3://{s3_env}/runs/ref", *args, "--data-workers", "0", env=env), timeout=budget(600))
     assert reference.code == 0, reference.stderr
     victim = start(f"s3://{s3_env}/runs/cut", *args, "--data-workers", "2", env={**env, "TPHOOK_STEP_DELAY": "0.2"})
     seen = []
@@ -132,9 +133,9 @@ def test_a_256_mib_dataset_in_64_shards_trains_resumes_and_verifies_on_s3(s3_env
         assert line, victim.stderr.read()
         seen.append(line)
     victim.send_signal(signal.SIGTERM)
-    stopped = finish(victim, timeout=300)
+    stopped = finish(victim, timeout=budget(300))
     assert stopped.code == 75, stopped.stderr
-    resumed = finish(start(f"s3://{s3_env}/runs/cut", *args, "--data-workers", "4", env=env), timeout=600)
+    resumed = finish(start(f"s3://{s3_env}/runs/cut", *args, "--data-workers", "4", env=env), timeout=budget(600))
     assert resumed.code == 0, resumed.stderr
     expected, got = final_state(f"s3://{s3_env}/runs/ref"), final_state(f"s3://{s3_env}/runs/cut")
     assert differences(without_invocation(expected), without_invocation(got)) == []

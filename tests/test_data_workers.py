@@ -28,6 +28,7 @@ import pytest
 from trainproof.train.data import EpochSampler
 from trainproof.train.pipeline import Lookahead, micro_batches
 from trainproof.train.rng import data_generator
+from tests.support.timing import budget
 from tests.test_examples import final_state, without_invocation
 from tests.test_train_helpers import ROOT, differences, entry_module, finish, parse_events, start, train_cmd, train_env
 from tests.test_verify_helpers import read_report
@@ -103,7 +104,7 @@ def continuous(dataset, tmp_path_factory) -> dict[int, Path]:
     stores = {}
     for workers in (0, 2, 4):
         stores[workers] = root / f"w{workers}"
-        result = finish(train(stores[workers], dataset, "--data-workers", str(workers)), timeout=300)
+        result = finish(train(stores[workers], dataset, "--data-workers", str(workers)), timeout=budget(300))
         assert result.code == 0, result.stderr
         assert result.last("start")["data_workers"] == workers
     return stores
@@ -142,7 +143,7 @@ def _interrupted(tmp_path: Path, dataset: dict[str, Any], env: dict[str, str] | 
         assert (shut["workers"], shut["left_running"], shut["step"]) == (workers, 0, stopped["step"])
         assert processes_of(store) == []  # no worker outlived the trainer
         stops.append(stopped["step"])
-    last = finish(train(store, dataset, "--data-workers", "0", env=env), timeout=300)
+    last = finish(train(store, dataset, "--data-workers", "0", env=env), timeout=budget(300))
     assert last.code == 0 and last.last("resume")["step"] == stops[-1], last.stderr
     return store, stops
 
@@ -238,7 +239,7 @@ def test_a_damaged_shard_read_by_a_worker_ends_the_run_with_one_line_naming_it(d
     config = json.loads(Path(dataset["config"]).read_text())
     (tmp_path / "lm.json").write_text(json.dumps({**config, "dataset": str(copy)}))
     result = finish(start(tmp_path / "run", "--task", TASK, "--config", str(tmp_path / "lm.json"), "--max-steps", "40",
-                          "--data-workers", "2", env={"TRAINPROOF_DATA_CACHE": str(tmp_path / "cache")}), timeout=300)
+                          "--data-workers", "2", env={"TRAINPROOF_DATA_CACHE": str(tmp_path / "cache")}), timeout=budget(300))
     assert result.code == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]
     assert len(errors) == 1 and f"shard {shard} part 1/" in errors[0] and "does not match its sha256" in errors[0]
@@ -271,7 +272,7 @@ def test_the_bucket_dataset_example_of_the_docs_runs_as_written(tmp_path):
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", TRAINPROOF_LOG_FORMAT="json",
                TRAINPROOF_DATA_CACHE=str(tmp_path / "cache"))
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=Path(__file__).resolve().parent.parent,
-                            env=env, text=True, capture_output=True, timeout=600)
+                            env=env, text=True, capture_output=True, timeout=budget(600))
     assert result.returncode == 0, result.stderr[-3000:]
     starts = [e for e in parse_events(result.stdout) if e.get("event") == "start"]
     assert [(e["step"], e["data_workers"]) for e in starts] == [(0, 2), (6, 4)]
@@ -307,7 +308,7 @@ def test_two_ranks_with_workers_end_as_two_ranks_without(dataset, tmp_path):
     """Two ranks (DDP on gloo), each with two workers building only its own micro-batches of every step, end in the
     state two ranks reach building them in their own processes."""
     runs = {w: finish(train(tmp_path / f"w{w}", dataset, "--nproc-per-node", "2", "--data-workers", str(w)),
-                      timeout=600) for w in (0, 2)}
+                      timeout=budget(600)) for w in (0, 2)}
     assert [r.code for r in runs.values()] == [0, 0], [r.stderr[-2000:] for r in runs.values()]
     a, b = (final_state(tmp_path / f"w{w}") for w in (0, 2))
     assert a["meta"]["world"] == 2 and differences(without_invocation(a), without_invocation(b)) == []

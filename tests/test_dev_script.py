@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from tests.support.timing import budget
 from tests.test_infra import tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ def _setup_calls(tmp_path: Path, **env: str) -> list[str]:
         (venv / "bin" / name).chmod(0o755)
     full = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")}, "TRAINPROOF_VENV": str(venv), **env}
     result = subprocess.run(["bash", str(ROOT / "scripts" / "dev.sh"), "ls", "--store", "x"], env=full,
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=budget(60))
     assert result.returncode == 0, result.stderr
     return (venv / "calls.log").read_text().splitlines()
 
@@ -45,5 +46,5 @@ def test_trainproof_torch_index_url_switches_the_torch_install_only(tmp_path):
 
 def test_dev_script_passes_shellcheck():
     out = subprocess.run([tool("shellcheck"), "--severity=style", str(ROOT / "scripts" / "dev.sh")],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=budget(60))
     assert out.returncode == 0, out.stdout

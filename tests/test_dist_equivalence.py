@@ -18,6 +18,7 @@ import json
 
 import pytest
 
+from tests.support.timing import budget
 from tests.test_dist_helpers import load_world_state, start_world
 from tests.test_train_helpers import finish, history_rows, start
 
@@ -51,11 +52,11 @@ def runs(tmp_path_factory):
         "lm2": start_world(d / "lm2", *lm, "--config", _config(d, "lm2", {**TINY, "batch_size": 4})),
         "rg1": start(d / "rg1", *rg, "--config", _config(d, "rg1", {**REGRESSION, "batch_size": 8})),
     }
-    results = {name: finish(p, timeout=300) for name, p in procs.items()}
+    results = {name: finish(p, timeout=budget(300)) for name, p in procs.items()}
     negative = start_world(d / "lm2-per-rank-mean", *lm, "--config", str(d / "lm2.json"),
                            env={"TPHOOK_PER_RANK_MEAN": "1"})
     regression2 = start_world(d / "rg2", *rg, "--config", _config(d, "rg2", {**REGRESSION, "batch_size": 4}))
-    results.update({"neg": finish(negative, timeout=300), "rg2": finish(regression2, timeout=300)})
+    results.update({"neg": finish(negative, timeout=budget(300)), "rg2": finish(regression2, timeout=budget(300))})
     assert {n: r.code for n, r in results.items()} == dict.fromkeys(results, 0), {n: r.stderr for n, r in results.items()}
     stores = {"lm1": "lm1", "lm2": "lm2", "neg": "lm2-per-rank-mean", "rg1": "rg1", "rg2": "rg2"}
     return {name: load_world_state(d / folder) for name, folder in stores.items()}

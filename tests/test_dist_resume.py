@@ -38,10 +38,10 @@ def world2(tmp_path_factory):
     common = ("--config", str(d / "cfg.json"))
     cont = start_world(d / "cont", *common, "--max-steps", str(TARGET))
     cut = start_torchrun(d / "cut", *common, "--max-steps", str(CUT))
-    results = {"cont": finish(cont, timeout=300), "cut": finish(cut, timeout=300)}
+    results = {"cont": finish(cont, timeout=budget(300)), "cut": finish(cut, timeout=budget(300))}
     assert [r.code for r in results.values()] == [0, 0], [r.stderr for r in results.values()]
     cut_state = load_world_state(d / "cut")
-    results["resume"] = finish(start_world(d / "cut", *common, "--max-steps", str(TARGET)), timeout=300)
+    results["resume"] = finish(start_world(d / "cut", *common, "--max-steps", str(TARGET)), timeout=budget(300))
     assert results["resume"].code == 0, results["resume"].stderr
     return {"dir": d, "common": common, "results": results, "cut_state": cut_state,
             "reference": trajectory(load_world_state(d / "cont"))}
@@ -75,7 +75,7 @@ def _interrupt(store, world2, victim: str) -> tuple[object, list[int]]:
         os.kill(pids[1], signal.SIGTERM)  # a single worker, as a node agent or a person might
     else:
         proc.send_signal(signal.SIGTERM)  # the launcher, as Kubernetes does: it forwards to every rank
-    return finish(proc, timeout=120), pids
+    return finish(proc, timeout=budget(120)), pids
 
 
 @pytest.mark.parametrize("victims", [("rank1", "launcher")], ids=["rank1-then-launcher"])
@@ -96,7 +96,7 @@ def test_sigterm_stops_every_rank_at_one_committed_step_and_resumes_exactly(worl
         assert state["progress"]["step"] == stopped["step"] > stopped_at[-1]
         assert [p["step"] for p in state["ranks"][1:]] == [stopped["step"]]
         stopped_at.append(stopped["step"])
-    final = finish(start_world(store, *world2["common"], "--max-steps", str(TARGET)), timeout=300)
+    final = finish(start_world(store, *world2["common"], "--max-steps", str(TARGET)), timeout=budget(300))
     assert final.code == 0, final.stderr
     got = load_world_state(store)
     assert differences(world2["reference"], trajectory(got)) == []
@@ -113,13 +113,13 @@ def test_a_rank_killed_during_the_commit_fails_the_generation_without_a_hang(wor
     time.sleep(0.3)  # rank 1 is inside its save, before rank 0 has its part
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.monotonic()
-    result = finish(proc, timeout=120)
+    result = finish(proc, timeout=budget(120))
     assert time.monotonic() - t0 < budget(15), "rank 0 must give up at once (peer gone), well before any kill"
     assert result.code == 1 and result.last("world_exit")["codes"] == [1, -9], result.stderr
     assert "gather the rank parts of step 10" in result.stderr  # rank 0's own failure, not the launcher's kill
     assert not (store / "step-00000010" / "COMPLETE.json").exists()
     assert [g.step for g in open_store(str(store)).scan() if g.status == "complete"] == [5]
-    restart = finish(start_world(store, *world2["common"], "--max-steps", str(TARGET)), timeout=300)
+    restart = finish(start_world(store, *world2["common"], "--max-steps", str(TARGET)), timeout=budget(300))
     assert restart.code == 0 and restart.last("resume")["step"] == 5, restart.stderr
     assert differences(world2["reference"], trajectory(load_world_state(store))) == []
 
@@ -136,7 +136,7 @@ def test_an_epoch_tail_smaller_than_the_world_is_refused_with_the_numbers(tmp_pa
         epoch_plan(9, 4, world=2)
     assert str(caught.value) == EPOCH_REFUSAL
     (tmp_path / "cfg.json").write_text(json.dumps({"rows": 9, "batch_size": 4}))
-    result = finish(start_world(tmp_path / "run", "--config", str(tmp_path / "cfg.json")), timeout=120)
+    result = finish(start_world(tmp_path / "run", "--config", str(tmp_path / "cfg.json")), timeout=budget(120))
     assert result.code == 2 and result.last("world_exit")["codes"] == [2, 2]
     assert f"trainproof: error: rank 0: {EPOCH_REFUSAL}\n" in result.stderr
     assert not (tmp_path / "run" / "plan.json").exists()  # refused before anything was written

@@ -34,6 +34,7 @@ from torch.utils.data import TensorDataset
 
 from trainproof.tasks import BatchRequest, ConfigError, DatasetTask, dataset_digest, load_task
 from trainproof.storage import open_store
+from tests.support.timing import budget
 from tests.test_train_helpers import differences
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -230,7 +231,7 @@ def test_charlm_sigterm_mid_run_exits_75_and_resumes_bitwise(tmp_path):
             if any(e["event"] == "step" and e["step"] >= 2 for e in events(line)):
                 break
         victim.send_signal(signal.SIGTERM)
-        out, err = victim.communicate(timeout=120)
+        out, err = victim.communicate(timeout=budget(120))
         stopped = [e for e in events("".join(seen) + out) if e["event"] == "stopped"]
         assert victim.returncode == 75 and stopped, err
         cut = stopped[-1]["step"]
@@ -238,7 +239,7 @@ def test_charlm_sigterm_mid_run_exits_75_and_resumes_bitwise(tmp_path):
         assert final_state(tmp_path / "cut")["progress"]["step"] == cut  # the stop committed its step
 
         resumed = job("train", "--store", str(tmp_path / "cut"), *args)
-        _, ref_err = reference.communicate(timeout=300)
+        _, ref_err = reference.communicate(timeout=budget(300))
     finally:
         for proc in (victim, reference):
             proc.kill()  # a no-op for a process that has ended; stops it when an assertion above failed
@@ -296,7 +297,7 @@ def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, m
                                     cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for name in modules}
     for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=budget(300))
         assert proc.returncode == 0, f"{name}: {err}"
         losses = [e["loss"] for e in events(out) if e["event"] == "step"]
         assert len(losses) == 8 and losses[-1] < losses[0], (name, losses)
@@ -331,7 +332,7 @@ def test_the_readme_section_runs_as_written_and_its_verify_passes(tmp_path):
     )
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, text=True, capture_output=True,
                             env=env_without_trainproof({"TRAINPROOF_LOG_FORMAT": "json"}, pythonpath=False),
-                            timeout=600)
+                            timeout=budget(600))
     assert result.returncode == 0, f"{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
     # train: 20 steps committed

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.timing import budget
 from tests.test_infra import tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,13 +33,13 @@ def test_gpu_check_parses_and_passes_shellcheck():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real check")
 def test_gpu_check_without_cuda_says_so_and_exits_2(tmp_path):
     result = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
-                            timeout=120)
+                            timeout=budget(120))
     assert result.returncode == 2 and "no CUDA device" in result.stderr and "--dry-run" in result.stderr
 
 
 def test_gpu_check_dry_run_runs_every_step_on_the_cpu_and_prints_one_table(tmp_path):
     result = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=_env(tmp_path), capture_output=True,
-                            text=True, timeout=600)
+                            text=True, timeout=budget(600))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     table = (tmp_path / "summary.md").read_text()
     assert table in result.stdout and "| result | PASS |" in table

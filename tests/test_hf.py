@@ -30,6 +30,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.support.timing import budget
 from tests.test_bundle_standalone import link_site
 from tests.test_examples import readme_commands
 from tests.test_train_helpers import differences, finish, load_state, run, start
@@ -71,11 +72,11 @@ def runs(tmp_path_factory) -> SimpleNamespace:
             if line.startswith("{") and json.loads(line).get("event") == "step" and json.loads(line)["step"] >= 2:
                 break
         victim.send_signal(signal.SIGTERM)
-        stopped = finish(victim, timeout=300)
+        stopped = finish(victim, timeout=budget(300))
     finally:
         victim.kill()
     resumed = run(tmp / "cut", *args, env=OFFLINE)
-    ref = finish(reference, timeout=300)
+    ref = finish(reference, timeout=budget(300))
     exported = _job("export", "--store", str(tmp / "cut"), "--task", HF, env={"TRAINPROOF_HF_SHARD_MB": "0.05"})
     return SimpleNamespace(tmp=tmp, ref=ref, stopped=stopped, resumed=resumed, exported=exported,
                            bundle=tmp / "cut" / "exports" / f"step-{STEPS:08d}",
@@ -164,7 +165,7 @@ def test_from_pretrained_in_an_interpreter_without_trainproof_reproduces_the_met
     shutil.copy(runs.bundle / "hf_eval_data.safetensors", consumer / "hf_eval_data.safetensors")
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(consumer), **OFFLINE}
     result = subprocess.run([sys.executable, "-S", "-E", "-s", "-c", CONSUMER.format(site=str(transformers_only_site))],
-                            cwd=consumer, env=env, capture_output=True, text=True, timeout=300)
+                            cwd=consumer, env=env, capture_output=True, text=True, timeout=budget(300))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "TRAINPROOF-REACHABLE []", lines[0]
@@ -188,7 +189,7 @@ def test_the_readme_hf_block_runs_as_written_verify_passes_and_the_export_reload
                         for line in lines)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_") and k != "PYTHONPATH"}
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, text=True, capture_output=True,
-                            env={**env, "TRAINPROOF_LOG_FORMAT": "json"}, timeout=900)
+                            env={**env, "TRAINPROOF_LOG_FORMAT": "json"}, timeout=budget(900))
     assert result.returncode == 0, f"{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert load_state(store)["progress"]["step"] == 12
     (vid,) = [p.name for p in (store / "verification").iterdir() if p.is_dir()]

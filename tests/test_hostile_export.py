@@ -15,6 +15,7 @@ import torch
 from trainproof.export.tensorfile import write_safetensors
 from trainproof.format.state import STATE_FILE
 from trainproof.storage import open_store
+from tests.support.timing import budget
 from tests.test_train_helpers import ROOT, run, train_env
 
 
@@ -27,7 +28,7 @@ def trained(tmp_path_factory):
 
 def export(store) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainproof", "export", "--store", str(store), "--step", "4"], cwd=ROOT,
-                          env=train_env(), capture_output=True, text=True, timeout=300)
+                          env=train_env(), capture_output=True, text=True, timeout=budget(300))
 
 
 def plant_bundle(store, config: bytes, weights: bytes) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.support.timing import budget
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -112,7 +113,7 @@ def _normalised(objects: list[dict]) -> dict:
 @pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl (with kustomize) not installed")
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_renderer_agrees_with_kubectl_kustomize(name, rendered):
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / name)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / name)], capture_output=True, text=True, timeout=budget(60))
     assert out.returncode == 0, out.stderr
     assert _normalised(rendered[name]) == _normalised([d for d in yaml.safe_load_all(out.stdout) if d])
 
@@ -137,7 +138,7 @@ def test_every_manifest_validates_strictly(rendered, tmp_path):
         files.append(str(path))
     files.append(str(K8S / "s3-credentials.example.yaml"))
     out = subprocess.run([tool("kubernetes-validate"), "--strict", "--kubernetes-version", KUBE_VERSION, "--quiet",
-                          *files], capture_output=True, text=True, timeout=120)
+                          *files], capture_output=True, text=True, timeout=budget(120))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -648,7 +649,7 @@ def planned(rental: str) -> dict:
     if rental not in _plans:
         args = [a for a in _plan_line(INFRA / "profiles" / f"rental-{rental}.env") if a not in ("--env", "--json")]
         out = subprocess.run([sys.executable, "-m", "trainproof", *args, "--json"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=60)
+                             timeout=budget(60))
         assert out.returncode == 0, out.stderr
         _plans[rental] = json.loads(out.stdout)
     return _plans[rental]
@@ -680,7 +681,7 @@ def test_overlay_is_the_planners_recommendation(rental, rendered):
 def test_dockerfile_passes_hadolint():
     assert not list(ROOT.glob(".hadolint.y*ml")), "no config file may switch rules off behind the test's back"
     out = subprocess.run([tool("hadolint"), "--no-color", "--failure-threshold", "style", "Dockerfile"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+                         cwd=ROOT, capture_output=True, text=True, timeout=budget(60))
     assert out.returncode == 0 and out.stdout.strip() == "", out.stdout + out.stderr
 
 
@@ -783,7 +784,7 @@ def test_compose_file():
     assert _seconds(svc["train"]["stop_grace_period"]) >= planned("7d")["grace_s"]
     if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
         out = subprocess.run(["docker", "compose", "-f", str(INFRA / "compose.yaml"), "config", "-q"],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=budget(60))
         assert out.returncode == 0, out.stderr
 
 
@@ -828,7 +829,7 @@ def test_systemd_unit_verifies(tmp_path):
     unit = tmp_path / "trainproof.service"
     unit.write_text(text.replace("/opt/trainproof/supervise.sh", str(script)))
     out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=budget(60))
     assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
 
 
@@ -864,7 +865,7 @@ def fake(tmp_path):
 
         def run(self, codes, *args, **extra):
             return subprocess.run([str(SUPERVISE), *args], env={**env, "FAKE_CODES": codes, **extra},
-                                  capture_output=True, text=True, timeout=30)
+                                  capture_output=True, text=True, timeout=budget(30))
 
         def popen(self, codes, *args, **extra):
             # SIGINT at its default in the supervisor, however pytest was started: a shell started with SIGINT
@@ -911,7 +912,7 @@ def test_a_stop_signal_reaches_the_child_as_sigterm_and_is_not_restarted(fake, s
             assert time.monotonic() < deadline and proc.poll() is None, "the fake trainproof never started"
             time.sleep(0.02)
         proc.send_signal(sig)
-        assert proc.wait(timeout=20) == 75
+        assert proc.wait(timeout=budget(20)) == 75
     finally:
         proc.kill()
     assert "got TERM" in fake.log() and len(fake.runs()) == 1
@@ -935,7 +936,7 @@ def test_a_stop_signal_at_any_moment_reaches_the_child(fake):
             time.sleep(random.random() * 0.003)
             proc.send_signal(signal.SIGINT)
             try:
-                assert proc.wait(timeout=5) == 75
+                assert proc.wait(timeout=budget(5)) == 75
             except subprocess.TimeoutExpired:
                 hung.append(i)
         finally:
@@ -951,7 +952,7 @@ def test_a_stop_signal_during_the_back_off_ends_the_supervisor(fake):
         while "restarting in 30s" not in (line := proc.stderr.readline()):
             assert line and time.monotonic() < deadline, "the supervisor never got to its back-off"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 75
+        assert proc.wait(timeout=budget(10)) == 75
     finally:
         proc.kill()
     assert len(fake.runs()) == 1
@@ -988,7 +989,7 @@ def test_missing_trainproof_is_a_configuration_error(fake):
 
 def test_supervise_passes_shellcheck():
     out = subprocess.run([tool("shellcheck"), "--severity=style", str(SUPERVISE)], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=budget(60))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -1010,7 +1011,7 @@ def test_supervisor_with_the_real_trainer_stops_on_sigterm_and_resumes(tmp_path)
                 assert time.monotonic() < deadline, "no generation committed within 60 s"
                 time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+            proc.wait(timeout=budget(60))
         finally:
             proc.kill()
     out = log.read_text()
@@ -1021,7 +1022,7 @@ def test_supervisor_with_the_real_trainer_stops_on_sigterm_and_resumes(tmp_path)
     assert (store / f"step-{step:08d}" / "COMPLETE.json").exists()  # committed before exiting
 
     again = subprocess.run([str(SUPERVISE), *train, "--max-steps", str(step + 3)], env=env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=budget(120))
     assert again.returncode == 0, again.stderr
     events = [json.loads(ln) for ln in (again.stdout + again.stderr).splitlines() if ln.startswith("{")]
     assert any(e.get("event") == "resume" and e["step"] == step for e in events)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.support.timing import budget
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ("trainproof", "bench", "examples", "tests")
@@ -26,7 +27,7 @@ def _ruff() -> str:
 
 def test_ruff_is_clean():
     result = subprocess.run([_ruff(), "check", "--no-cache", *CHECKED], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=budget(120))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -35,7 +36,7 @@ def test_ruff_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\n" + "x = '" + "y" * 130 + "'\n")
     result = subprocess.run([_ruff(), "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(bad)],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=budget(120))
     assert result.returncode == 1 and "F401" in result.stdout and "E501" in result.stdout, result.stdout
 
 
@@ -48,7 +49,7 @@ BASELINE = ROOT / "tests" / "typecheck-baseline.txt"
 
 def _complex_functions() -> list[str]:
     result = subprocess.run([_ruff(), "check", "--no-cache", "--select", "C901", "--output-format", "concise",
-                             "trainproof"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                             "trainproof"], cwd=ROOT, capture_output=True, text=True, timeout=budget(120))
     return [line for line in result.stdout.splitlines() if " C901 " in line]
 
 
@@ -63,7 +64,7 @@ def _mypy_errors(*paths: str) -> list[str]:
     mypy = Path(sys.executable).parent / "mypy"
     if not mypy.exists():
         pytest.skip("mypy is not installed (it comes with the test extras: pip install -e '.[test]')")
-    result = subprocess.run([str(mypy), *paths], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = subprocess.run([str(mypy), *paths], cwd=ROOT, capture_output=True, text=True, timeout=budget(900))
     assert result.returncode in (0, 1), result.stdout + result.stderr  # 2: mypy itself failed
     return sorted(re.sub(r"^([^:]+):\d+: error: ", r"\1: ", line) for line in result.stdout.splitlines()
                   if ": error: " in line)

@@ -49,7 +49,7 @@ def test_two_nodes_on_loopback_stop_together_and_resume_bitwise(tmp_path):
     start = read_until(nodes[0], lambda e: e.get("event") == "start", lines)
     read_until(nodes[0], lambda e: e.get("event") == "step" and e["step"] >= start["step"] + 6, lines)
     nodes[1].send_signal(signal.SIGTERM)  # node 1's launcher forwards it to its rank; the ranks agree to stop
-    results = [finish(n, timeout=180) for n in nodes]
+    results = [finish(n, timeout=budget(180)) for n in nodes]
     assert [r.code for r in results] == [75, 75], [r.stderr[-2000:] for r in results]
     stopped = next(e for e in results[0].events if e.get("event") == "stopped")
     cut = load_world_state(store)
@@ -58,10 +58,10 @@ def test_two_nodes_on_loopback_stop_together_and_resume_bitwise(tmp_path):
 
     port = _free_port()
     restart = [_node(store, r, port, *common) for r in (0, 1)]
-    done = [finish(n, timeout=180) for n in restart]
+    done = [finish(n, timeout=budget(180)) for n in restart]
     assert [r.code for r in done] == [0, 0], [r.stderr[-2000:] for r in done]
     assert next(e for e in done[0].events if e.get("event") == "resume")["step"] == stopped["step"]
-    ref = finish(reference, timeout=180)
+    ref = finish(reference, timeout=budget(180))
     assert ref.code == 0, ref.stderr[-2000:]
     assert differences(trajectory(load_world_state(tmp_path / "ref")), trajectory(load_world_state(store))) == []
     # The model and optimizer live in the shards: the same bytes, file by file, as the uninterrupted run's.

@@ -20,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tests.support.timing import budget
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +37,7 @@ def _vermin(*paths: str) -> subprocess.CompletedProcess:
     if not vermin.exists():
         pytest.skip("vermin is not installed (it comes with the test extras: pip install -e '.[test]')")
     return subprocess.run([str(vermin), f"-t={_requires_python()}-", "--violations", "--no-tips",
-                           "--eval-annotations", *paths], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--eval-annotations", *paths], cwd=ROOT, capture_output=True, text=True, timeout=budget(300))
 
 
 def test_the_declared_python_range_is_what_the_code_needs():
@@ -56,13 +57,13 @@ def installed(tmp_path_factory) -> Path:
     """A fresh virtualenv with the wheel built from this checkout (its bin/ folder)."""
     base = tmp_path_factory.mktemp("package")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(base / "dist"), str(ROOT)], capture_output=True, text=True, timeout=600)
+                            "-w", str(base / "dist"), str(ROOT)], capture_output=True, text=True, timeout=budget(600))
     assert built.returncode == 0, built.stderr
     wheel = next((base / "dist").glob("trainproof-*.whl"))
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in name}
     assert tops == {"trainproof"}, f"the wheel installs more than one top-level name: {sorted(tops)}"
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=budget(300))
     py = venv / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -70,7 +71,7 @@ def installed(tmp_path_factory) -> Path:
     # without running that folder's own .pth files).
     Path(site, "test-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     done = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=budget(600))
     assert done.returncode == 0, done.stderr
     return venv / "bin"
 
@@ -98,12 +99,12 @@ def test_the_wheel_trains_a_task_beside_a_users_own_storage_and_job_packages(ins
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINPROOF_", "PYTHON"))}
     env["TRAINPROOF_LOG_FORMAT"] = "json"
     where = subprocess.run([str(installed / "python"), "-c", "import trainproof; print(trainproof.__file__)"],
-                           cwd=user, env=env, capture_output=True, text=True, timeout=120)
+                           cwd=user, env=env, capture_output=True, text=True, timeout=budget(120))
     assert where.returncode == 0 and Path(where.stdout.strip()).is_relative_to(installed.parent), where
     result = subprocess.run([str(installed / "trainproof"), "train", "--store", "./run", "--task", "mytask:factory",
-                             "--max-steps", "3"], cwd=user, env=env, capture_output=True, text=True, timeout=600)
+                             "--max-steps", "3"], cwd=user, env=env, capture_output=True, text=True, timeout=budget(600))
     assert result.returncode == 0, result.stderr
     assert json.loads((user / "run" / "summary.json").read_text())["step"] == 3
     listed = subprocess.run([str(installed / "python"), "-m", "trainproof", "ls", "--store", "./run", "--json"],
-                            cwd=user, env=env, capture_output=True, text=True, timeout=120)
+                            cwd=user, env=env, capture_output=True, text=True, timeout=budget(120))
     assert listed.returncode == 0 and '"step": 3' in listed.stdout, listed.stdout + listed.stderr

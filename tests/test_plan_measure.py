@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from tests.support.timing import budget
 from tests.test_train_helpers import ROOT, train_env
 
 
@@ -13,7 +14,7 @@ def test_measure_plans_from_real_timings_in_a_scratch_run(tmp_path):
     store = tmp_path / "run"
     argv = [sys.executable, "-m", "trainproof", "plan", "--measure", "--store", str(store), "--task", "regression",
             "--rental", "3d", "--steps", "3", "--json"]
-    proc = subprocess.run(argv, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(argv, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=budget(300))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     measured = doc["measured"]
@@ -29,5 +30,5 @@ def test_measure_plans_from_real_timings_in_a_scratch_run(tmp_path):
 
 def test_measure_needs_a_store():
     proc = subprocess.run([sys.executable, "-m", "trainproof", "plan", "--measure", "--rental", "3d"], cwd=ROOT,
-                          env=train_env(), capture_output=True, text=True, timeout=60)
+                          env=train_env(), capture_output=True, text=True, timeout=budget(60))
     assert proc.returncode == 2 and "--store" in proc.stderr

@@ -11,6 +11,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from tests.support.timing import budget
 from trainproof.lifecycle.planner import (
     PlanInputs, daly_interval, format_duration, make_plan, parse_duration, plan_document, plan_from_measurements,
     young_interval,
@@ -22,7 +23,7 @@ MIN, HOUR, DAY = 60.0, 3600.0, 86400.0
 
 def tp(*args):
     """`python -m trainproof ARGS`, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, capture_output=True, text=True, timeout=budget(60))
 
 
 # --- The interval formula -------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.timing import budget
 from tests.support import rgw
 from tests.test_infra import tool
 
@@ -40,7 +41,7 @@ def _ceph_daemons_in(folder: str) -> list[int]:
 
 
 def test_the_script_passes_shellcheck():
-    out = subprocess.run([tool("shellcheck"), "--severity=style", SCRIPT], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([tool("shellcheck"), "--severity=style", SCRIPT], capture_output=True, text=True, timeout=budget(60))
     assert out.returncode == 0, out.stdout
 
 
@@ -93,7 +94,7 @@ def test_where_no_gateway_can_start_the_s3_tests_skip_saying_why_or_fail_when_re
     env = {**os.environ, rgw.STATE_ENV: str(tmp_path), rgw.MODE_ENV: mode}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", "-n", "0",
                           "tests/test_storage_contract.py::test_empty_store_has_no_latest[s3]"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget(300))
     assert outcome in out.stdout, out.stdout[-3000:]
     assert "(simulated)" in out.stdout
     assert ("TRAINPROOF_TEST_RGW=require but" in out.stdout) == (mode == "require")

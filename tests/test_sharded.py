@@ -152,7 +152,7 @@ def test_rank_killed_mid_save_leaves_no_complete_json_and_the_previous_generatio
         line = procs[1].stdout.readline()
         assert line or procs[1].poll() is None, procs[1].stderr.read()[-2000:]
     os.kill(procs[1].pid, signal.SIGKILL)
-    (code0, text0), (code1, _) = finish(procs, timeout=90)
+    (code0, text0), (code1, _) = finish(procs, timeout=budget(90))
     # Rank 0 reports the failed save and exits 1; sometimes gloo then aborts it at interpreter exit instead
     # ("terminate called without an active exception": its transport thread to the killed peer is still joinable
     # when the process group is destroyed). Either way rank 0 saw the failure first (its report, below).

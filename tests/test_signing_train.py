@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from trainproof.storage.signing import key_id
+from tests.support.timing import budget
 from tests.test_train_helpers import ROOT, kept_differences, load_state, run, train_env
 
 KEY = "tp-signing-key-9f1c2e7d5b3a"
@@ -83,7 +84,7 @@ def test_an_unsigned_plan_is_refused_with_a_key(tmp_path):
 
 def _job(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=ROOT, env=train_env(env), text=True,
-                          capture_output=True, timeout=900)
+                          capture_output=True, timeout=budget(900))
 
 
 @pytest.mark.slow

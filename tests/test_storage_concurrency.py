@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.support.timing import budget
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RACER = r"""
 import os, sys, time
@@ -41,7 +43,7 @@ def race(url: str, step: int, go: str, env=None, repeat: int = 200_000) -> dict[
     open(go, "w").close()
     results = {}
     for who, p in procs.items():
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=budget(120))
         assert p.returncode == 0, err[-2000:]
         results[who] = out.strip()
     return results

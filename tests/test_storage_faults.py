@@ -124,7 +124,7 @@ def retry_lines(caplog):
     return [r for r in caplog.records if r.name == LOGGER and r.getMessage().startswith("retrying")]
 
 
-def settled_events(proxy, timeout=3.0):
+def settled_events(proxy, timeout=budget(3.0)):
     """The proxy's events once every request it read has its event: a handler records the event just *after*
     sending the response, so the client can raise (or go on) a moment before the last one is logged."""
     deadline = time.monotonic() + timeout

@@ -19,6 +19,7 @@ from trainproof.storage import COMPLETE, CORRUPT, CorruptGenerationError, StoreO
 from trainproof.storage.backend import CHUNK, join
 from trainproof.storage.limits import Limits, UntrustedJSONError, loads_untrusted
 from trainproof.storage.manifest import MARKER, SCHEMA, ManifestError, parse
+from tests.support.timing import budget
 from tests.support.tamper import wrap
 
 C = "contract-h"
@@ -279,7 +280,7 @@ def test_a_data_file_swapped_for_a_fifo_does_not_hang_a_load(tmp_path):
     worker = threading.Thread(target=lambda: outcome.append(pytest.raises(CorruptGenerationError, load, store._ctx, info)),
                               daemon=True)
     worker.start()
-    worker.join(timeout=10)
+    worker.join(timeout=budget(10))
     if worker.is_alive():  # unblock the stuck open() so the thread can end, then fail
         os.close(os.open(inside, os.O_WRONLY | os.O_NONBLOCK))
         pytest.fail("load blocked on a FIFO")

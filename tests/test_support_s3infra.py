@@ -20,6 +20,7 @@ import botocore.exceptions
 import pytest
 from botocore.exceptions import ClientError
 
+from tests.support.timing import budget
 from tests.support.faultproxy import Fault, FaultProxy
 from tests.support.s3server import S3Server, dummy_aws_env, make_boto3_client
 
@@ -125,7 +126,7 @@ def test_multipart_roundtrip_through_proxy(s3, proxy, bucket):
 
 def test_chunked_request_bodies_are_forwarded(s3, proxy, bucket):
     """Transport-chunked bodies (plain and carrying an aws-chunked payload with a trailer)."""
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=budget(10))
     try:
         conn.request("PUT", f"/{bucket}/plain", body=iter([b"hello ", b"chunked ", b"world"]),
                      encode_chunked=True, headers={"Transfer-Encoding": "chunked"})
@@ -445,4 +446,4 @@ def test_server_stop_closes_the_port():
     srv.create_bucket()
     srv.stop()
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection((host, port), timeout=2).close()
+        socket.create_connection((host, port), timeout=budget(2)).close()

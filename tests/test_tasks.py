@@ -19,6 +19,7 @@ from trainproof.train.run import build_run, train_step
 from trainproof.tasks import Task, TaskContext, load_task
 from trainproof.tasks.tinylm import IGNORE
 from trainproof.train.device import configure_determinism
+from tests.support.timing import budget
 
 CPU = torch.device("cpu")
 
@@ -172,7 +173,7 @@ def test_a_task_module_not_found_says_where_modules_are_imported_from(tmp_path):
     lines = {}
     for spec in ("usertaks:make", "usertask:make"):
         result = subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", str(tmp_path / "run"),
-                                 "--task", spec], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                                 "--task", spec], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=budget(300))
         assert result.returncode == 2, result.stderr
         lines[spec] = result.stderr.strip().splitlines()[-1]
     assert f"working directory ({tmp_path})" in lines["usertaks:make"] and "usertaks.py" in lines["usertaks:make"]

@@ -81,9 +81,9 @@ def fsdp2(tmp_path_factory):
     procs = {"cont": start_world(d / "cont", *FSDP, *common, "--max-steps", str(TARGET), "--checkpoint-every", "3"),
              "ddp": start_world(d / "ddp", *common, "--max-steps", str(TARGET)),
              "cut": start_world(d / "cut", *FSDP, *common, "--max-steps", str(CUT))}
-    results = {k: finish(p, timeout=300) for k, p in procs.items()}
+    results = {k: finish(p, timeout=budget(300)) for k, p in procs.items()}
     assert [r.code for r in results.values()] == [0, 0, 0], [r.stderr[-2000:] for r in results.values()]
-    results["resume"] = finish(start_world(d / "cut", *FSDP, *common, "--max-steps", str(TARGET)), timeout=300)
+    results["resume"] = finish(start_world(d / "cut", *FSDP, *common, "--max-steps", str(TARGET)), timeout=budget(300))
     assert results["resume"].code == 0, results["resume"].stderr
     return {"dir": d, "common": common, "results": results, "reference": trajectory(load_world_state(d / "cont")),
             "reference_shards": full_state(d / "cont")}
@@ -134,7 +134,7 @@ def test_sigterm_to_one_rank_commits_once_exits_75_and_resumes_bitwise(fsdp2, tm
     pids = rank_pids(proc, lines)
     read_until(proc, lambda e: e.get("event") == "step" and e["step"] >= 2, lines)
     os.kill(pids[1], signal.SIGTERM)  # a single worker
-    result = finish(proc, timeout=120)
+    result = finish(proc, timeout=budget(120))
     assert result.code == 75, result.stderr
     assert result.last("world_exit")["codes"] == [75, 75]
     stopped = result.last("stopped")
@@ -142,7 +142,7 @@ def test_sigterm_to_one_rank_commits_once_exits_75_and_resumes_bitwise(fsdp2, tm
     commits = [e for e in result.events if e.get("event") == "checkpoint"]
     assert [c["step"] for c in commits] == [stopped["step"]]  # one commit, of the step every rank agreed on
     assert [g.step for g in open_store(str(store)).scan() if g.status == "complete"] == [stopped["step"]]
-    final = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=300)
+    final = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=budget(300))
     assert final.code == 0 and final.last("resume")["step"] == stopped["step"], final.stderr
     assert differences(fsdp2["reference"], trajectory(load_world_state(store))) == []
     assert differences(fsdp2["reference_shards"], full_state(store)) == []
@@ -161,12 +161,12 @@ def test_a_rank_killed_mid_save_leaves_no_complete_json_and_the_restart_resumes_
     time.sleep(0.3)
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.monotonic()
-    result = finish(proc, timeout=120)
+    result = finish(proc, timeout=budget(120))
     assert time.monotonic() - t0 < budget(30), "rank 0 must give up at once (peer gone)"
     assert result.code == 1 and result.last("world_exit")["codes"] == [1, -signal.SIGKILL], result.stderr[-2000:]
     assert not (store / "step-00000006" / "COMPLETE.json").exists()
     assert [g.step for g in open_store(str(store)).scan() if g.status == "complete"] == [3]
-    restart = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=300)
+    restart = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=budget(300))
     assert restart.code == 0 and restart.last("resume")["step"] == 3, restart.stderr[-2000:]
     assert differences(fsdp2["reference"], trajectory(load_world_state(store))) == []
     assert shard_digests(store, TARGET) == shard_digests(fsdp2["dir"] / "cont", TARGET)
@@ -185,7 +185,7 @@ def test_a_corrupt_shard_is_quarantined_and_the_previous_generation_resumed_to_t
     raw[len(raw) // 2] ^= 0x01
     shard.write_bytes(bytes(raw))
 
-    result = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=300)
+    result = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=budget(300))
     assert result.code == 0, result.stderr[-3000:]
     assert result.last("resume")["step"] == complete[-2]  # the generation before the corrupt one
     assert f"skipping step-{TARGET:08d} (corrupt)" in result.stderr and "shard-00001.distcp" in result.stderr
@@ -208,7 +208,7 @@ def test_when_every_generation_has_a_corrupt_shard_the_run_stops_instead_of_star
         raw[-1] ^= 0x01
         shard.chmod(0o644)
         shard.write_bytes(bytes(raw))
-    result = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=300)
+    result = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", str(TARGET)), timeout=budget(300))
     assert result.code == 1 and result.last("world_exit")["codes"] == [1, 1], result.stderr[-3000:]
     assert f"had a corrupt shard file (quarantined, the last step-{complete[0]:08d})" in result.stderr
     assert "run it again to start from step 0" in result.stderr
@@ -241,7 +241,7 @@ def test_a_sharded_deadline_run_exports_its_gathered_model_before_the_deadline(f
 
     store = tmp_path / "run"
     result = finish(start_world(store, *FSDP, *fsdp2["common"], "--max-steps", "1000000", "--deadline", "40s",
-                                env={"TPHOOK_STEP_DELAY": "0.05"}), timeout=300)
+                                env={"TPHOOK_STEP_DELAY": "0.05"}), timeout=budget(300))
     assert result.code == 0, result.stderr[-3000:]
     record = json.loads((store / "deadline.json").read_text())
     assert time.time() <= datetime.fromisoformat(record["at"]).timestamp() + 5  # ended by it (a loaded machine: 5 s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from tests.support.timing import budget
 from tests.test_spot import FakeMetadata
 from tests.test_train_helpers import finish, start
 
@@ -27,7 +28,7 @@ def test_aws_notice_commits_and_exits_75(tmp_path):
                      env=HOOKS)
         _wait_for_generation(store, proc)
         meta.arm()
-        result = finish(proc, timeout=60)
+        result = finish(proc, timeout=budget(60))
     finally:
         meta.close()
     assert result.code == 75, result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trainproof.format.state import STATE_FILE
 from trainproof.storage import open_store
+from tests.support.timing import budget
 from tests.test_train_helpers import run
 from tests.test_verify_helpers import cli  # noqa: F401  (a fixture)
 
@@ -39,7 +40,7 @@ def test_the_audit_writes_only_its_results_no_probe_no_delete(s3_server, s3_env,
     with FaultProxy(s3_server.endpoint) as proxy:
         env = {**train_env(), "AWS_ENDPOINT_URL": proxy.endpoint}
         result = subprocess.run([sys.executable, "-m", "trainproof", "verify", "--store", store, "--audit", "--id", "a1"],
-                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget(600))
         events = list(proxy.events)
     assert result.returncode == 0, result.stderr
     writes = [e for e in events if e.method in ("PUT", "POST", "DELETE")]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from trainproof.storage import open_store
+from tests.support.timing import budget
 from tests.test_train_helpers import ROOT, run
 
 EVIL = "evilmod"
@@ -49,7 +50,7 @@ def job(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")}
     base["PYTHONPATH"] = str(ROOT)
     return subprocess.run([sys.executable, "-m", "trainproof", *args], cwd=cwd, env={**base, **(env or {})},
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=budget(300))
 
 
 def _refused(result: subprocess.CompletedProcess, cwd: Path) -> str:
