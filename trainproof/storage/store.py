@@ -61,6 +61,11 @@ class GenerationStore:
         return f"GenerationStore({redact_url(self.url)!r})"
 
     @property
+    def local_folder(self) -> str | None:
+        """The run's folder on this machine (a folder store), else None (an object store, memory)."""
+        return self.root if isinstance(self.backend, LocalBackend) else None
+
+    @property
     def shared(self) -> bool:
         """Whether others may write here too (an object store), as opposed to a folder or memory of this machine."""
         return self._shared

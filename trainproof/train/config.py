@@ -62,6 +62,9 @@ class TrainConfig:
     """``auto`` picks CUDA when available and the task supports it."""
     log_every: int = setting(1, "Log every N steps.", recorded=False)
     log_format: str = setting("auto", "auto (rich on a terminal), rich or json.", recorded=False)
+    tensorboard: str = setting("auto", "Folder for TensorBoard event files of every step (loss, lr, throughput): "
+                               "auto (<store>/tensorboard for a folder store, none for S3), off, or a path.",
+                               recorded=False)
     deadline_margin_s: float = 1.0
     """Safety margin added to the step and save estimates when honouring ``deadline``."""
     dist_timeout_s: float = setting(600.0, "Seconds any collective may wait for a rank.", flag="dist_timeout")

@@ -43,6 +43,7 @@ from trainproof.train.resume import Resumed, ResumeOptions, resume
 from trainproof.train.run import Run, build_run, capture_rank_part, capture_state, train_step
 from trainproof.train.saver import Capture, final_commit_skip, make_saver
 from trainproof.train.stops import DeadlinePolicy, FinishWork, NoDeadline, NoStop, StopFlags
+from trainproof.train.tensorboard import with_tensorboard
 
 EXIT_OK, EXIT_FAILURE, EXIT_STOPPED = 0, 1, 75
 SUMMARY_FILE = "summary.json"
@@ -95,8 +96,8 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
             layout=layout, precision=task.precision, init=[p.sha256 for p in task.pretrained()],
             data_pipeline=pipeline_record(task),
         ), sync)
-        rep = reporter or (make_reporter(cfg.log_format, log_every=cfg.log_every) if env.rank == 0
-                           else RankReporter(env.rank))
+        rep = reporter or (with_tensorboard(make_reporter(cfg.log_format, log_every=cfg.log_every), cfg.tensorboard,
+                                            store.local_folder) if env.rank == 0 else RankReporter(env.rank))
         with rep:
             return Trainer(cfg, task=task, device=device, store=store, plan=plan, reporter=rep, stop=stop,
                            deadline=deadline, finisher=finisher, sync=sync, plan_of_epoch=plan_of_epoch,
