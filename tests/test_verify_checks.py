@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from trainproof.proof.check import AFTER, REFERENCE, Check, Skipped
+from trainproof.proof.check import AFTER, REFERENCE, Check, Results, Skipped
 from trainproof.proof.compare import Diff
 from trainproof.proof.cuts import CutsCheck
+from trainproof.proof.four_paths import FourPaths
 from trainproof.proof.objective import ObjectiveCheck
 from trainproof.proof.protocol import Protocol
 from trainproof.proof.report import print_summary
@@ -38,10 +39,11 @@ def _protocol(tmp_path: Path, **settings: Any) -> Protocol:
 
 
 @pytest.mark.parametrize("settings,kinds,verdicts", [
-    ({}, [CutsCheck, ObjectiveCheck], BASE_VERDICTS + OBJECTIVE_VERDICTS),
-    ({"world": 2}, [CutsCheck, WorldEquivalence, ObjectiveCheck], BASE_VERDICTS + WORLD_VERDICTS + OBJECTIVE_VERDICTS),
-    ({"objective": False}, [CutsCheck, Skipped], BASE_VERDICTS),
-    ({"reuse": "earlier"}, [CutsCheck, Skipped], BASE_VERDICTS),
+    ({}, [FourPaths, CutsCheck, ObjectiveCheck], BASE_VERDICTS + OBJECTIVE_VERDICTS),
+    ({"world": 2}, [FourPaths, CutsCheck, WorldEquivalence, ObjectiveCheck],
+     BASE_VERDICTS + WORLD_VERDICTS + OBJECTIVE_VERDICTS),
+    ({"objective": False}, [FourPaths, CutsCheck, Skipped], BASE_VERDICTS),
+    ({"reuse": "earlier"}, [FourPaths, CutsCheck, Skipped], BASE_VERDICTS),
 ])
 def test_the_protocols_checks_and_the_verdict_keys_they_give(tmp_path, settings, kinds, verdicts):
     protocol = _protocol(tmp_path, **settings)
@@ -65,10 +67,10 @@ class Fake(Check):
     def __init__(self, *, ok: bool) -> None:
         self.ok_, self.results = ok, None
 
-    def jobs(self, phase, scratch):
+    def jobs(self, phase, scratch, done):
         return [("fake", "unused", [sys.executable, "-c", "print('{\"event\": \"fake\"}')"])] if phase == AFTER else []
 
-    def compare(self, phase, results):
+    def compare(self, phase, results, done):
         if phase == AFTER:
             self.results = results
 
@@ -97,12 +99,10 @@ class Fake(Check):
 
 
 def _pretend_the_paths_passed(protocol: Protocol) -> None:
-    for p in ("cut", "resume"):
-        protocol.diffs[p] = {"parameters": Diff()}
-    protocol.diffs["resume_without_rng"] = {"parameters": Diff(exceeded=True, max_abs=1.0)}
-    protocol.checks = [c for c in protocol.checks if isinstance(c, CutsCheck)]
+    protocol.checks = [c for c in protocol.checks if isinstance(c, (FourPaths, CutsCheck))]
     for c in protocol.checks:
         c.diffs = {name: {"parameters": Diff()} for name in c.diffs}
+    protocol.four.diffs["resume_without_rng"] = {"parameters": Diff(exceeded=True, max_abs=1.0)}
 
 
 @pytest.mark.parametrize("ok", [True, False])
@@ -112,7 +112,7 @@ def test_a_check_added_to_the_list_is_run_judged_and_reported(tmp_path, ok, caps
     assert protocol.comparisons_passed() and protocol.verdicts()["all_checks_passed"]
     fake = Fake(ok=ok)
     protocol.checks.append(fake)
-    assert fake.jobs(REFERENCE, tmp_path) == [] and fake.results is None
+    assert fake.jobs(REFERENCE, tmp_path, Results()) == [] and fake.results is None
     assert protocol._phase(AFTER) == 1 and [r.name for r in fake.results] == ["fake"]
     assert fake.results[0].code == 0 and fake.results[0].event("fake") == {"event": "fake"}
     report = protocol.report()

@@ -23,7 +23,7 @@ def _run_check(tmp_path: Path, task: str, world: int, config: dict | None = None
     """Plan the check for ``task``, run its processes, compare (as the protocol does)."""
     import os
 
-    from trainproof.proof.check import REFERENCE
+    from trainproof.proof.check import REFERENCE, Results
     from trainproof.proof.objective import ObjectiveCheck
     from trainproof.proof.paths import run_processes
     from trainproof.tasks import load_task
@@ -39,12 +39,12 @@ def _run_check(tmp_path: Path, task: str, world: int, config: dict | None = None
     saved = dict(os.environ)
     os.environ.update(clean_env())
     try:
-        results = run_processes(check.jobs(REFERENCE, tmp_path), timeout=600)
+        results = run_processes(check.jobs(REFERENCE, tmp_path, Results()), timeout=600)
     finally:
         os.environ.clear()
         os.environ.update(saved)
     check.record(REFERENCE, results)
-    check.compare(REFERENCE, results)
+    check.compare(REFERENCE, results, Results())
     return check
 
 

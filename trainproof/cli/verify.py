@@ -140,7 +140,9 @@ def _audit(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: d
     from trainproof.proof.audit import Audit, AuditSettings
     from trainproof.proof.compare import Tolerance
 
-    return Audit(AuditSettings(tolerance=tolerance or Tolerance(), task=task, **steps, **common), opener)
+    private = {"TRAINPROOF_S3_CREATE_ONLY": "private"} if StoreOptions.from_env().create_only == "require" else {}
+    return Audit(AuditSettings(tolerance=tolerance or Tolerance(), task=task, replay_env=private, **steps, **common),
+                 opener)
 
 
 def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only: dict[str, Any], **more: Any):

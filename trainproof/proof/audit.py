@@ -35,7 +35,6 @@ position) joined in, as the protocol compares a W-rank path.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +91,9 @@ class AuditSettings:
     store_args: list[str] = field(default_factory=list)
     max_replay_steps: int | None = None
     """Longest replay accepted (default: :func:`replay_cap` of the run's plan)."""
+    replay_env: dict[str, str] = field(default_factory=dict)
+    """The replay's extra environment: ``verify --audit`` sets TRAINPROOF_S3_CREATE_ONLY from ``require`` to ``private``
+    (the replay writes only under this audit's own verification/<id>/: no create-only probe object there)."""
 
 
 def replay_cap(plan: dict[str, Any]) -> int:
@@ -219,12 +221,8 @@ class Audit(VerificationRunner):
                             *layout_flag(sharded(self.plan)),  # as plan.json says: the same state format
                             *(["--nproc-per-node", str(self.world)] if self.world > 1 else []),  # the run's ranks
                             *self.s.store_args)
-            # The replay writes only under this audit's own verification/<id>/ (no other writer): no create-only
-            # probe object there, so the audit writes nothing but its own results.
-            private = {"TRAINPROOF_S3_CREATE_ONLY": "private"} if os.environ.get(
-                "TRAINPROOF_S3_CREATE_ONLY", "require") == "require" else {}
             results = run_processes([("replay", self.replay_url, argv)], timeout=self.s.timeout,
-                                    envs={"replay": private})
+                                    envs={"replay": self.s.replay_env})
         self.paths["replay"] = results[0].to_json()
         require_success(results)
         event = results[0].event("resume") or {}

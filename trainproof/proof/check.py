@@ -1,46 +1,44 @@
 """The verifier's checks: what each one declares, so that the protocol runs, judges and reports every check alike.
 
-:class:`trainproof.proof.protocol.Protocol` owns the four paths of docs/protocol.md (continuous, cut, resume, and the
-resume without RNG restore) and the comparison of every resumed path with the continuous one, state by state.
-Everything else it proves is a :class:`Check` in its list ``Protocol.checks``:
+:class:`trainproof.proof.protocol.Protocol` runs the phases (:data:`PHASES`) and folds over its list of checks
+``Protocol.checks``, handing each the results so far (:class:`Results`); from the list it derives the runs of each phase
+(started together), the resumed paths compared, the verdicts, ``failing_checks``, the ``diagnosis`` and the report:
 
+- :class:`trainproof.proof.four_paths.FourPaths` (first): the four paths of docs/protocol.md (continuous, cut, resume,
+  and the resume without RNG restore), the comparison of every resumed path with the continuous one, the export;
 - :class:`trainproof.proof.cuts.CutsCheck`: resumes at more cuts (every epoch boundary, the middle of later epochs, a
-seeded
-  random step) and a resume of a resume;
+  seeded random step) and a resume of a resume;
 - :class:`trainproof.proof.clipping.ClipCheck`: for a task with ``grad_clip`` its resumed paths never reached, a resume
-on
-  runs where clipping bites;
+  on runs where clipping bites;
 - :class:`trainproof.proof.world.WorldEquivalence` (``--world W``): W ranks train the same model as one rank;
 - :class:`trainproof.proof.objective.ObjectiveCheck`: the objective does not depend on how a step is split;
 - :class:`Skipped`: a check that does not run this time still says so in its report section.
 
-From that list the protocol derives the runs of each phase (started together with its own paths), which resumed
-paths the state-by-state comparison reads, the verdicts and ``all_checks_passed``, ``failing_checks``, the
-``diagnosis``, and each check's block of verification.json. Adding a check is: write a subclass of :class:`Check`,
-and add it to the list in ``Protocol._checks``. Nothing else in the protocol, the report or the command line names
-a particular check.
+Adding a check is: write a subclass of :class:`Check`, and add it to ``Protocol._checks``; a trainer mode it needs is
+a field of :class:`trainproof.train.variant.Variant` (``Variant(...).argv()`` on its runs' command lines). Nothing else
+in the protocol, the report or the command line names a particular check.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainproof.proof.compare import Diff
 from trainproof.proof.paths import PathResult
 
-REFERENCE, RESUMED, AGAIN, AFTER = "reference", "resumed", "again", "after"
+REFERENCE, RESUMED, AGAIN, COMPARE, AFTER, EXPORT = "reference", "resumed", "again", "compare", "after", "export"
 """When a check's runs start: ``reference`` with the continuous and cut paths; ``resumed`` with the resumed paths,
 once the cut's generations exist (a check may seed its own resumed runs from them); ``again`` once the resumed paths
-committed their generations (a resume of a resume is seeded from one); ``after`` once every resumed path
-was compared (runs that need nothing of the protocol's paths, started last so they do not compete with them)."""
-PHASES = (REFERENCE, RESUMED, AGAIN, AFTER)
+committed their generations (a resume of a resume is seeded from one); ``compare`` (no runs): every resumed path is
+compared with the continuous one; ``after``: runs that need nothing of the four paths, started last so they do not
+compete with them; ``export`` (no runs): the resumed result, when every check passed."""
+PHASES = (REFERENCE, RESUMED, AGAIN, COMPARE, AFTER, EXPORT)
 
 Job = tuple[str, str, list[str]]
-"""``(name, url, argv)``: one process for :func:`trainproof.proof.paths.run_processes`; names are unique within a
-phase."""
+"""``(name, url, argv)``: one process for :func:`trainproof.proof.paths.run_processes`; names unique within a phase."""
 
 
 @dataclass(frozen=True)
@@ -54,24 +52,36 @@ class Resumed:
     at: int
     """The step it resumed from: every state it committed after it is compared with the continuous path's."""
     diffs: dict[str, Diff]
-    """The check's own record for this path: the protocol merges each compared step's differences into it."""
+    """The check's own record for this path: the comparison merges each compared step's differences into it."""
+    negative: bool = False
+    """A negative control: compared, but what it exercised proves nothing (trainproof.proof.exercised)."""
+
+
+@dataclass
+class Results:
+    """The results so far, handed to every check in every phase, updated after each (no callback into the protocol)."""
+
+    runs: dict[str, PathResult] = field(default_factory=dict)
+    """Every process that ran, by name (the four paths' and every check's): what each exercised."""
+    resumed: list[Resumed] = field(default_factory=list)
+    """Every check's resumed paths (:meth:`Check.resumed`), which the ``compare`` phase compares."""
+    passed: bool = False
+    """Whether every check passed so far (:meth:`Check.ok`)."""
 
 
 class Check(abc.ABC):
-    """One thing the verifier proves besides the four paths: its runs, its comparison, its verdicts, its report.
+    """One thing the verifier proves: its runs, its comparison, its verdicts, its report.
 
-    A check never starts processes itself: it lists them (:meth:`jobs`) and the protocol starts every check's runs of
-    a phase together with its own paths, then hands each check its results (:meth:`record`, then
-    :meth:`compare`). So the runs of all
-    checks share the machine the way the protocol's own paths do (``--sequential``, ``--timeout``).
+    A check never starts processes itself: it lists them (:meth:`jobs`); the protocol starts every check's runs of a
+    phase together (``--sequential``, ``--timeout``), then hands each its results (:meth:`record`, :meth:`compare`).
     """
 
-    def jobs(self, phase: str, scratch: Path) -> list[Job]:
+    def jobs(self, phase: str, scratch: Path, done: Results) -> list[Job]:
         """The runs to start in ``phase`` (one of :data:`PHASES`); none by default.
 
-        Called once per phase, in order, after the previous phase's runs were compared: a check may prepare here
-        what its runs need (seed a resumed run's store from a generation an earlier phase committed). ``scratch``
-        is a local folder that lives until the phase's runs ended, for files their command lines name."""
+        Called once per phase, in order, after the previous phase's runs were compared (``done``: the results so far):
+        a check may prepare here what its runs need (seed a resumed run's store from a generation an earlier phase
+        committed). ``scratch``: a local folder that lives until the phase's runs ended, for files they name."""
         return []
 
     def record(self, phase: str, results: list[PathResult]) -> None:
@@ -79,17 +89,17 @@ class Check(abc.ABC):
         command lines, exit codes. Called for every check before any run of the phase is judged, so that a report
         stopped by another run's crash still lists every run that ran. Never raises."""
 
-    def compare(self, phase: str, results: list[PathResult]) -> None:
-        """Take the same results (called even when it listed none): check that they ran as intended, read them back
-        from the store, compare.
+    def compare(self, phase: str, results: list[PathResult], done: Results) -> None:
+        """Take the same results (called even when it listed none; ``done``: the results so far, these among them):
+        check that they ran as intended, read them back from the store, compare.
 
         Raises :class:`trainproof.proof.paths.VerificationIncomplete` when a run crashed or a result is missing (the
         verification could not complete, exit 2); a difference is a failed check, recorded, never raised."""
 
     def resumed(self) -> list[Resumed]:
-        """The check's resumed paths that the protocol compares with the continuous path, state by state, reading
-        each continuous state once for every path (a large state is read a group of entries at a time, see
-        :mod:`trainproof.proof.compare`). Asked after the ``resumed`` phase was compared; none by default."""
+        """The check's resumed paths that the ``compare`` phase compares with the continuous path, state by state,
+        reading each continuous state once for every path (a large state is read a group of entries at a time, see
+        :mod:`trainproof.proof.compare`). Asked after every phase (:attr:`Results.resumed`); none by default."""
         return []
 
     @property
@@ -98,9 +108,9 @@ class Check(abc.ABC):
         """The positive part: every comparison the check made is within its tolerance (False before it compared)."""
 
     @property
-    @abc.abstractmethod
     def negative_detected(self) -> bool | None:
-        """Its negative control (a deliberately wrong run) was told apart; None for a check that has none."""
+        """Its negative control (a deliberately wrong run) was told apart; None (default): the check has none."""
+        return None
 
     def ok(self) -> bool:
         """What ``all_checks_passed`` asks of the check: passed, and its negative control (if any) detected."""
@@ -126,13 +136,13 @@ class Check(abc.ABC):
         """The blocks it adds to verification.json, by top-level key (its measurements, tolerance, runs)."""
 
     def covers(self) -> dict[str, str]:
-        """What the protocol's paths did not exercise that this check made active on runs of its own (a ``what`` of
+        """What the resumed paths did not exercise that this check made active on runs of its own (a ``what`` of
         trainproof.proof.exercised's ``not_exercised`` -> how), for the report; nothing by default."""
         return {}
 
     def checks(self) -> dict[str, dict[str, Diff]]:
         """Rows it adds to verification.json's ``checks`` (and the summary table): per path, each compared part's
-        difference, as the protocol's own paths have them; none by default."""
+        difference, as the four paths have them; none by default."""
         return {}
 
 
@@ -149,11 +159,6 @@ class Skipped(Check):
     def passed(self) -> bool:
         """Nothing ran that could fail."""
         return True
-
-    @property
-    def negative_detected(self) -> None:
-        """No negative control ran."""
-        return None
 
     def failing(self) -> list[str]:
         """Nothing ran that could fail."""

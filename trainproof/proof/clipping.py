@@ -14,24 +14,22 @@ measured
   the same end (in the ``after`` phase), compared with ``clip_continuous`` at every step after the cut, exactly like
   the protocol's resume (same tolerance, same checks).
 
-Only when needed: the pair runs when no resumed path of the protocol clipped with the task's own threshold (``needed``,
-asked once the resumed paths ran, returns the threshold or None); otherwise clipping was exercised there and the block
-says so. ``clip_passed`` is
-the verdict; a difference fails ``clip_resume.<check>``.
+Only when needed: the pair runs when no resumed path of the protocol clipped with the task's own threshold
+(:func:`missed`, asked of the results so far once the resumed paths ran); otherwise clipping was exercised there and
+the block says so. ``clip_passed`` is the verdict; a difference fails ``clip_resume.<check>``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from trainproof.format.contract import PLAN_FILE
-from trainproof.proof.check import AFTER, AGAIN, Check, Job
+from trainproof.proof.check import AFTER, AGAIN, Check, Job, Results
 from trainproof.proof.compare import Diff, compare_states
 from trainproof.proof.cuts import resume_checks
 from trainproof.proof.diagnose import diagnose_path
 from trainproof.proof.exercised import path_exercised
-from trainproof.proof.paths import Opener, PathResult, RunReader, load_generation, require_success, seed_run
+from trainproof.proof.paths import Opener, PathResult, RunReader, require_success, seed_copy
 from trainproof.proof.settings import ProtocolSettings, train_argv
 from trainproof.train.variant import Variant
 
@@ -41,12 +39,24 @@ STEPS_AFTER = 3
 """Steps the clip runs train after the protocol's cut."""
 
 
+def missed(done: Results) -> float | None:
+    """When no resumed path of the protocol clipped: a threshold that bites on the clipping check's runs, a fraction
+    of the smallest gradient norm the continuous path measured; else None."""
+    resumed = [r for name, r in done.runs.items() if name == "resume" or name.startswith("resume_at_")]
+    if any(((path_exercised(r) or {}).get("clipping") or {}).get("active_steps") for r in resumed):
+        return None
+    norms = [float(e["grad_norm"]) for e in done.runs["continuous"].events
+             if e.get("event") == "step" and isinstance(e.get("grad_norm"), (int, float))
+             and 0 < e["grad_norm"] < float("inf")] if "continuous" in done.runs else []
+    return FRACTION * min(norms) if norms else None
+
+
 class ClipCheck(Check):
     """``clip_continuous`` and ``clip_resume`` under ``<id>/clip/`` (see the module docstring)."""
 
     def __init__(self, *, settings: ProtocolSettings, grad_clip: float, root_url: str, opener: Opener,
-                 param_names: frozenset[str], needed: Callable[[], float | None]) -> None:
-        self.s, self.opener, self.param_names, self.needed = settings, opener, param_names, needed
+                 param_names: frozenset[str]) -> None:
+        self.s, self.opener, self.param_names = settings, opener, param_names
         self.ran: bool | None = None
         """None until asked; False when the protocol's resumed paths clipped with the task's own threshold."""
         self.threshold: float | None = None
@@ -63,21 +73,16 @@ class ClipCheck(Check):
                             resume=resume),
                 *Variant(grad_clip=self.threshold).argv()]
 
-    def jobs(self, phase: str, scratch: Path) -> list[Job]:
-        """When :attr:`needed`: ``clip_continuous`` in the ``again`` phase, ``clip_resume`` (seeded first) after."""
+    def jobs(self, phase: str, scratch: Path, done: Results) -> list[Job]:
+        """When :func:`missed`: ``clip_continuous`` in the ``again`` phase, ``clip_resume`` (seeded first) after."""
         if phase == AGAIN:
-            self.threshold = self.needed()
+            self.threshold = missed(done)
             self.ran = self.threshold is not None
             name = "clip_continuous"
             return [(name, self.urls[name], self._argv(name))] if self.ran else []
         if phase != AFTER or not self.ran:
             return []
-        source = self.opener(self.urls["clip_continuous"])
-        loaded = load_generation(source, self.s.cut)
-        try:
-            seed_run(self.opener(self.urls["clip_resume"]), source.read_file(PLAN_FILE), loaded, lineage=source)
-        finally:
-            loaded.close()
+        seed_copy(self.opener(self.urls["clip_resume"]), self.opener(self.urls["clip_continuous"]), self.s.cut)
         return [("clip_resume", self.urls["clip_resume"], self._argv("clip_resume"))]
 
     def record(self, phase: str, results: list[PathResult]) -> None:
@@ -85,7 +90,7 @@ class ClipCheck(Check):
             self.paths[r.name] = r.to_json()
             self.exercised[r.name] = path_exercised(r)
 
-    def compare(self, phase: str, results: list[PathResult]) -> None:
+    def compare(self, phase: str, results: list[PathResult], done: Results) -> None:
         """Both runs must have run; the resumed one is compared with the continuous one at every step after the
         cut."""
         if phase == AGAIN:
@@ -93,9 +98,7 @@ class ClipCheck(Check):
             return
         if phase != AFTER or not results:
             return
-        checked = resume_checks(results, {"clip_resume": self.s.cut})
-        self.diffs["rng_restore"] = checked["clip_resume"]
-        if not checked["clip_resume"].within:
+        if resume_checks(results, {"clip_resume": self.s.cut}, {"clip_resume": self.diffs}):
             return
         ref, other = (RunReader(name, self.urls[name], self.opener) for name in ("clip_continuous", "clip_resume"))
         for step in range(self.s.cut + 1, self.end + 1):
@@ -109,10 +112,6 @@ class ClipCheck(Check):
         if self.ran is False:
             return True
         return bool(self.diffs) and all(d.within for d in self.diffs.values())
-
-    @property
-    def negative_detected(self) -> None:
-        return None
 
     def failing(self) -> list[str]:
         return [f"clip_resume.{n}" for n, d in self.diffs.items() if not d.within]

@@ -21,8 +21,9 @@ state), otherwise from a ``cut_at_<c>`` process that trains to ``c``, saves and 
 cut. Every resumed path runs in a fresh process, from a copy committed through the store.
 
 :class:`CutsCheck` is the extra cuts as a :class:`trainproof.proof.check.Check`: its ``cut_at_<c>`` processes start with
-the protocol's reference paths, its ``resume_at_<c>`` paths with the protocol's resumed ones, and the protocol compares
-them with the continuous path in the same pass as its own (each continuous state read once).
+the protocol's reference paths, its ``resume_at_<c>`` paths with the protocol's resumed ones, and the four paths'
+comparison (trainproof.proof.four_paths) compares them with the continuous path in the same pass (each continuous state
+read once).
 """
 
 from __future__ import annotations
@@ -32,18 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from trainproof.errors import ConfigError
-from trainproof.format.contract import PLAN_FILE
-from trainproof.proof.check import AGAIN, REFERENCE, RESUMED, Check, Job, Resumed
+from trainproof.proof.check import AGAIN, REFERENCE, RESUMED, Check, Job, Results, Resumed
 from trainproof.proof.compare import Diff
 from trainproof.proof.diagnose import diagnose_path
-from trainproof.proof.paths import (
-    Opener,
-    PathResult,
-    VerificationIncomplete,
-    load_generation,
-    require_success,
-    seed_run,
-)
+from trainproof.proof.paths import Opener, PathResult, VerificationIncomplete, require_success, seed_copy
 from trainproof.proof.settings import ProtocolSettings, train_argv
 
 EPOCHS = 3
@@ -96,8 +89,10 @@ def plan_cuts(*, protocol_cut: int, steps: int, steps_per_epoch: int, chosen: li
     return extra, max([steps, *(c + 1 for c in extra)]), None if drawn is None else {"step": drawn, "seed": seed}
 
 
-def resume_checks(results: list[PathResult], at: dict[str, int], negative: str | None = None) -> dict[str, Diff]:
-    """The resumed paths' own restore self-check, as an ``rng_restore`` difference by path name.
+def resume_checks(results: list[PathResult], at: dict[str, int], into: dict[str, dict[str, Diff]],
+                  negative: str | None = None) -> set[str]:
+    """The resumed paths' own restore self-check, recorded as each one's ``rng_restore`` difference in ``into[name]``;
+    the names of those whose self-check failed.
 
     A resume whose restore self-check failed is a failed comparison (the path names the check), not a verification
     that could not complete. Raises VerificationIncomplete for a path that failed otherwise, or that did not resume
@@ -105,11 +100,10 @@ def resume_checks(results: list[PathResult], at: dict[str, int], negative: str |
     no entry unless its process reported a failed self-check)."""
     failed = {r.name: event for r in results if r.code != 0 and (event := r.event("restore_check_failed"))}
     require_success([r for r in results if r.name not in failed])
-    out = {}
     for r in results:
         if r.name in failed:
             event = failed[r.name]
-            out[r.name] = Diff(exceeded=True, first_step=at[r.name] + 1, detail=str(
+            into[r.name]["rng_restore"] = Diff(exceeded=True, first_step=at[r.name] + 1, detail=str(
                 event.get("detail") or f"generators {event.get('generators')} failed the restore self-check"))
             continue
         event = r.event("resume") or {}
@@ -117,8 +111,8 @@ def resume_checks(results: list[PathResult], at: dict[str, int], negative: str |
             raise VerificationIncomplete(f"path {r.name!r} did not resume from step {at[r.name]} as intended "
                                          f"(its resume event: {event or 'none'})")
         if r.name != negative:
-            out[r.name] = Diff()  # the resume's own self-check passed (the path ran on)
-    return out
+            into[r.name]["rng_restore"] = Diff()  # the resume's own self-check passed (the path ran on)
+    return set(failed)
 
 
 class CutsCheck(Check):
@@ -168,7 +162,7 @@ class CutsCheck(Check):
         return train_argv(self.s, self.urls[name], steps=self.s.steps - c if resume else c,
                           every=self.s.checkpoint_every if resume else 0, resume=resume)
 
-    def jobs(self, phase: str, scratch: Path) -> list[Job]:
+    def jobs(self, phase: str, scratch: Path, done: Results) -> list[Job]:
         """``cut_at_<c>`` with the reference paths (cuts the continuous path does not commit); ``resume_at_<c>`` with
         the resumed ones, each seeded first with a copy of generation c, committed through the store."""
         if phase == REFERENCE:
@@ -180,12 +174,7 @@ class CutsCheck(Check):
             return []
         for c in self.extra:  # from the continuous path's own generation c, or from cut_at_<c>
             source = self.opener(self.continuous_url if self.continuous_has(c) else self.urls[f"cut_at_{c}"])
-            loaded = load_generation(source, c)
-            try:  # large files in spools, deleted once copied
-                seed_run(self.opener(self.urls[f"resume_at_{c}"]), source.read_file(PLAN_FILE), loaded,
-                         lineage=source)
-            finally:
-                loaded.close()
+            seed_copy(self.opener(self.urls[f"resume_at_{c}"]), source, c)
         return [(f"resume_at_{c}", self.urls[f"resume_at_{c}"], self.argv(c, resume=True)) for c in self.extra]
 
     def _again_jobs(self) -> list[Job]:
@@ -198,11 +187,7 @@ class CutsCheck(Check):
             self.again_skipped = f"the resume path committed no generation at step {self.again}"
             self.diffs.pop(self.again_name, None)
             return []
-        loaded = load_generation(source, self.again)
-        try:
-            seed_run(self.opener(self.urls[self.again_name]), source.read_file(PLAN_FILE), loaded, lineage=source)
-        finally:
-            loaded.close()
+        seed_copy(self.opener(self.urls[self.again_name]), source, self.again)
         argv = train_argv(self.s, self.urls[self.again_name], steps=self.s.steps - self.again,
                           every=self.s.checkpoint_every, resume=True)
         return [(self.again_name, self.urls[self.again_name], argv)]
@@ -211,21 +196,14 @@ class CutsCheck(Check):
         """Its runs' entries, in the ``cuts`` block."""
         self.paths.update({r.name: r.to_json() for r in results})
 
-    def compare(self, phase: str, results: list[PathResult]) -> None:
+    def compare(self, phase: str, results: list[PathResult], done: Results) -> None:
         """Every run must have succeeded, every resume from its cut with the RNG restore (or failed its self-check:
         a failed comparison)."""
         if phase == REFERENCE:
             require_success(results)
-        elif phase == RESUMED:
-            checked = resume_checks(results, {r.name: int(r.name.rsplit("_", 1)[1]) for r in results})
-            for name, diff in checked.items():
-                self.diffs[name]["rng_restore"] = diff
-            self.restore_failed = {name for name, diff in checked.items() if not diff.within}
-        elif phase == AGAIN and results:
-            checked = resume_checks(results, {self.again_name: self.again})
-            for name, diff in checked.items():
-                self.diffs[name]["rng_restore"] = diff
-            self.restore_failed |= {name for name, diff in checked.items() if not diff.within}
+        elif phase in (RESUMED, AGAIN):  # resume_at_<c>, resume_of_resume_at_<c>: resumed from step c
+            self.restore_failed |= resume_checks(results, {r.name: int(r.name.rsplit("_", 1)[1]) for r in results},
+                                                 self.diffs)
 
     def resumed(self) -> list[Resumed]:
         """Every ``resume_at_<c>`` whose own restore self-check passed, compared after step c."""
@@ -245,11 +223,6 @@ class CutsCheck(Check):
         neither)."""
         again = self.again is None or self.again_name not in self.diffs or self._passed_at(0, self.again_name)
         return all(self._passed_at(c) for c in self.extra) and again
-
-    @property
-    def negative_detected(self) -> None:
-        """The protocol's negative control covers the resume; the extra cuts have none of their own."""
-        return None
 
     def failing(self) -> list[str]:
         """``resume_at_<c>.<check>`` of every difference."""

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from trainproof.format.layout import flag as layout_flag
-from trainproof.proof.check import REFERENCE, Check, Job
+from trainproof.proof.check import REFERENCE, Check, Job, Results
 from trainproof.proof.equivalence import max_differences, same_experience
 from trainproof.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv
 from trainproof.tasks import Task
@@ -85,7 +85,7 @@ class ObjectiveCheck(Check):
         self.diffs: dict[str, dict[str, float]] = {}
         self.same: dict[str, bool] = {}
 
-    def jobs(self, phase: str, scratch: Path) -> list[Job]:
+    def jobs(self, phase: str, scratch: Path, done: Results) -> list[Job]:
         """Every run, with the protocol's reference paths (they need nothing of them)."""
         if phase != REFERENCE:
             return []
@@ -103,7 +103,7 @@ class ObjectiveCheck(Check):
         if phase == REFERENCE:
             self.paths = {r.name.split("/", 1)[1]: r.to_json() for r in results}
 
-    def compare(self, phase: str, results: list[PathResult]) -> None:
+    def compare(self, phase: str, results: list[PathResult], done: Results) -> None:
         """Read every run back from the store and compare it with ``single``."""
         if phase != REFERENCE:
             return

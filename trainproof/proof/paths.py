@@ -234,6 +234,15 @@ def seed_run(dst: GenerationStore, plan: bytes, loaded: Any, *, lineage: Generat
     commit_copy(dst, loaded)
 
 
+def seed_copy(dst: GenerationStore, source: GenerationStore, step: int) -> None:
+    """:func:`seed_run` of ``dst`` from generation ``step`` of ``source`` (large files spooled, deleted once copied)."""
+    loaded = load_generation(source, step)
+    try:
+        seed_run(dst, source.read_file(PLAN_FILE), loaded, lineage=source)
+    finally:
+        loaded.close()
+
+
 def history_lineage(src: GenerationStore, loaded: Any) -> list[Any]:
     """The generations of ``src`` below ``loaded`` that hold the rest of its history, oldest first."""
     out: list[Any] = []

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from trainproof.format.layout import flag as layout_flag
-from trainproof.proof.check import AFTER, Check, Job
+from trainproof.proof.check import AFTER, Check, Job, Results
 from trainproof.proof.equivalence import max_differences, same_experience
 from trainproof.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv, require_success
 from trainproof.train.variant import Variant
@@ -100,7 +100,7 @@ class WorldEquivalence(Check):
                         "--resume", "never", "--device", self.device, "--log-format", "json", *self.store_args,
                         *layout_flag(self.fsdp))
 
-    def jobs(self, phase: str, scratch: Path) -> list[Job]:
+    def jobs(self, phase: str, scratch: Path, done: Results) -> list[Job]:
         """The three runs (the negative one with the variant ``negative_control: per-rank-mean``), after the protocol's
         paths: they need nothing of them, and W-rank runs beside the protocol's W-rank paths would crowd the machine."""
         if phase != AFTER:
@@ -113,7 +113,7 @@ class WorldEquivalence(Check):
         if phase == AFTER:
             self.paths = {r.name: r.to_json() for r in results}
 
-    def compare(self, phase: str, results: list[PathResult]) -> None:
+    def compare(self, phase: str, results: list[PathResult], done: Results) -> None:
         """Read the three runs back from the store and compare W ranks (and the negative control) with one rank."""
         if phase != AFTER:
             return
