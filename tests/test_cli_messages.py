@@ -143,3 +143,22 @@ def test_every_help_is_whole_at_80_columns():
         for param in command.params:
             for flag in (param.opts if not getattr(param, "hidden", False) else []):
                 assert flag in out, (path, flag)
+
+
+def test_a_verification_over_its_budget_is_refused_before_anything_runs(tmp_path):
+    """The plan is said before anything runs; over --budget-steps it is one line naming what shrinks it, exit 2,
+    and no path has started (nothing under verification/)."""
+    result = job("verify", "--store", str(tmp_path / "run"), "--budget-steps", "30")
+    line = _one_error_line(result)
+    assert result.returncode == 2 and "over --budget-steps 30" in line and "--cuts" in line, line
+    assert "plan: 9 paths (continuous 18 steps, 3 epochs of 6), 80 steps trained" in result.stderr
+    assert not list((tmp_path / "run").rglob("step-*"))
+
+
+def test_the_plan_counts_every_path_and_commit():
+    from trainproof.proof.budget import Plan
+
+    plan = Plan.of(steps=18, cut=5, extra_cuts=[6, 9], steps_per_epoch=6, every=4, state_bytes=1000)
+    assert plan.paths == [18, 5, 13, 13, 12, 9] and plan.steps == 70
+    assert plan.commits == 4 + 1 + 3 + 3 + 3 + 2 and plan.bytes == plan.commits * 1000
+    assert Plan.of(steps=18, cut=5, extra_cuts=[], steps_per_epoch=6, every=0, state_bytes=1).commits == 4

@@ -47,6 +47,28 @@ def test_ls_json_reports_every_status_and_quarantine(tmp_path):
     assert f"quarantine/{doc['quarantined'][0]['name']}" in table.stdout  # the full name, on one line
 
 
+def test_ls_shows_exports_verdicts_and_why_older_generations_are_kept(tmp_path):
+    url = str(tmp_path / "run")
+    store = open_store(url)
+    for step in range(1, 7):  # 1-3 a fresh start, 4-6 written by a process that resumed from 3
+        store.commit(step, {"training_state.pt": b"s" * 10}, contract="c", world=1, code_version="t",
+                     extra={"resumed_from": None if step <= 3 else 3})
+    store.child("exports").commit(6, {"model_bf16.pt": b"m"}, contract="c", world=1, code_version="t")
+    base = store.child("verification")
+    base.child("v1").write_file("verification.json", json.dumps({"created_at": "2026-01-01", "verdict": "PASSED"})
+                                .encode())
+    commit(base.child("v2").child("continuous"), 1)  # no report: running or abandoned
+    base.child("v3").write_file("verification.json", b"[1, 2]")  # planted, not a report: shown as none
+    doc = json.loads(tp("ls", "--store", url, "--json").stdout)
+    assert [g["step"] for g in doc["generations"] if g["kept_for_audit"]] == [2, 3]  # the restore point, the one before
+    assert [e["step"] for e in doc["exports"]] == [6]
+    assert {v["id"]: v["verdict"] for v in doc["verifications"]} == {"v1": "PASSED", "v2": None, "v3": None}
+    table = tp("ls", "--store", url, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "no audit has passed" in table and "exports: step-00000006" in table and "v1 PASSED" in table, table
+    base.write_file("audited.json", json.dumps({"from": 2, "to": 6, "passed": True}).encode())
+    assert not any(g["kept_for_audit"] for g in json.loads(tp("ls", "--store", url, "--json").stdout)["generations"])
+
+
 def test_gc_keeps_the_newest_and_dry_run_deletes_nothing(tmp_path):
     url = str(tmp_path / "run")
     store = open_store(url)

@@ -79,15 +79,23 @@ def ls_command(
     quarantined = run.quarantined()
     hint = run.latest_hint()
     newest = max((g.step for g in gens if g.status == COMPLETE), default=None)
+    kept_for_audit = _kept_for_audit(run, gens)
+    exports = [g for g in run.child("exports").scan() if g.status == COMPLETE]
+    from trainproof.proof.evidence import list_verifications
+
+    verifications = list_verifications(run)
     if as_json:
         doc = {
             "store": run.url, "latest_hint": hint, "newest_complete_step": newest,
             "generations": [{"name": g.name, "step": g.step, "status": g.status, "reason": g.reason,
                              "bytes": g.bytes, "mtime": g.mtime,
                              "world": (g.manifest or {}).get("world"),
-                             "created_at": (g.manifest or {}).get("created_at")}
+                             "created_at": (g.manifest or {}).get("created_at"),
+                             "kept_for_audit": g.step in kept_for_audit}
                             for g in gens],
             "quarantined": [{"name": n, "reason": r} for n, r in quarantined],
+            "exports": [{"name": g.name, "step": g.step, "bytes": g.bytes} for g in exports],
+            "verifications": [{"id": v.vid, "created_at": v.created_at, "verdict": v.verdict} for v in verifications],
         }
         print(json.dumps(doc, indent=2))
         return
@@ -99,11 +107,32 @@ def ls_command(
         table.add_column(col, no_wrap=True)
     table.add_column("note", overflow="fold")
     for g in gens:
-        note = g.reason or ("newest complete" if g.step == newest else "")
+        note = g.reason or ("newest complete" if g.step == newest else
+                            _AUDIT_NOTE if g.step in kept_for_audit else "")
         table.add_row(shown(g.name), f"[{_STYLE[g.status]}]{g.status}[/]", f"{g.bytes:,}", _age(g.mtime), shown(note))
     for name, reason in quarantined:
         table.add_row(shown(f"quarantine/{name}"), "[red]quarantined[/]", "", "", shown(reason))
-    Console().print(table if gens or quarantined else f"{shown(run.url)}: no generations yet")
+    console = Console()
+    console.print(table if gens or quarantined else f"{shown(run.url)}: no generations yet")
+    if exports:
+        console.print("exports: " + ", ".join(f"{shown(g.name)} ({g.bytes:,} bytes)" for g in exports))
+    if verifications:
+        unreported = "no report (running or abandoned)"
+        console.print("verifications: " + ", ".join(f"{shown(v.vid)} {shown(v.verdict or unreported)}"
+                                                    for v in verifications))
+
+
+_AUDIT_NOTE = "kept beyond --keep: a restore point (or the one before it) no audit has passed"
+
+
+def _kept_for_audit(run: Any, gens: list) -> frozenset[int]:
+    """The generations retention keeps beyond --keep for an audit (trainproof.format.protect): the restore points the
+    complete generations record and the one before each, until a passed audit spans them."""
+    from trainproof.format.protect import read_audited, recorded_restore, steps_to_keep
+
+    complete = [g for g in gens if g.status == COMPLETE]
+    points = [p for g in complete if (p := recorded_restore(g.manifest)) is not None]
+    return steps_to_keep([g.step for g in complete], points, read_audited(run)) if points else frozenset()
 
 
 def _run_contract(run: Any) -> str | None:

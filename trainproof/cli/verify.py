@@ -93,6 +93,11 @@ def verify_command(
     keep_evidence: Annotated[bool, typer.Option(
         "--keep-evidence", help="Keep the paths' step-* generations after a passed verdict (a failed or incomplete "
                                 "one always keeps them; --reuse-reference needs them).")] = False,
+    budget_steps: Annotated[int, typer.Option(
+        min=1, help="Most steps the protocol's paths may train together; a larger plan is refused before it starts, "
+                    "naming what shrinks it (--cuts, --checkpoint-every).")] = 5000,
+    budget_gib: Annotated[float, typer.Option(
+        min=0.0, help="Most GiB their generations may take (estimated from the model's parameters).")] = 20.0,
     reuse: Annotated[Optional[str], typer.Option(
         "--reuse-reference", hidden=True,
         help="Reuse an earlier verification's continuous, cut and negative-control paths.")] = None,
@@ -123,7 +128,7 @@ def verify_command(
                 raise UsageError("--from/--to select generations for --audit")
             runner = _protocol(common, opener, tolerance, protocol_only, checkpoint_every=checkpoint_every,
                                export=export_bundle, parallel=not sequential, world=world, fsdp=fsdp,
-                               objective=objective_check)
+                               objective=objective_check, budget_steps=budget_steps, budget_gib=budget_gib)
     except (UsageError, TrainError, StoreError, OSError, ValueError) as exc:
         raise fail(" ".join(str(exc).split()), EXIT_USAGE) from None
     from trainproof.proof.verification import Outcome, run_verification

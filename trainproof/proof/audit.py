@@ -123,7 +123,7 @@ class Audit(VerificationRunner):
         if not isinstance(self.plan.get("task_config"), dict):
             raise ConfigError(f"{PLAN_FILE} of {self.run_store.url} holds no task_config mapping")
         self.task = load_task(self.task_name, self.plan["task_config"])
-        self.param_names = parameter_names(self.task)
+        self.param_names, _ = parameter_names(self.task)
         self.root = verification_base(opener, settings.store, settings.workdir).child(settings.vid)
         self.replay_url = f"{absolute_url(self.root)}/replay"
         self.a: int | None = None

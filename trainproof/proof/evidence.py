@@ -26,6 +26,7 @@ log = logging.getLogger("trainproof.verify")
 VERIFICATION_DIR, REPORT_FILE = "verification", "verification.json"
 _GENERATION = re.compile(r"step-\d{8}")
 _NEVER = {"exports", "quarantine"}  # folders whose contents outlive a verdict
+_MAX_REPORT_BYTES = 64 * 2**20  # a verification.json is kilobytes; a planted huge one is not read whole
 _MAX_DEPTH = 3  # <id>/world_equivalence/<path>/step-*: deeper is not a path of ours
 
 
@@ -58,6 +59,8 @@ class Verification:
     vid: str
     created_at: str | None
     """From its verification.json; None when it has none (still running, or it died before its report)."""
+    verdict: str | None = None
+    """Its report's verdict (PASSED, FAILED, INCOMPLETE), as stored: shown, never trusted for a decision."""
 
 
 def list_verifications(run: GenerationStore) -> list[Verification]:
@@ -68,10 +71,12 @@ def list_verifications(run: GenerationStore) -> list[Verification]:
         if not entry.is_dir:
             continue
         try:
-            created = json.loads(base.child(entry.name).read_file(REPORT_FILE)).get("created_at")
-        except (FileNotFoundError, ValueError, AttributeError):
-            created = None
-        found.append(Verification(entry.name, created))
+            report = json.loads(base.child(entry.name).read_file(REPORT_FILE, max_bytes=_MAX_REPORT_BYTES))
+            created, verdict = report.get("created_at"), report.get("verdict")
+        except (FileNotFoundError, ValueError, AttributeError, RecursionError):
+            created = verdict = None
+        found.append(Verification(entry.name, created if isinstance(created, str) else None,
+                                  verdict if isinstance(verdict, str) else None))
     return sorted(found, key=lambda v: (v.created_at or "", v.vid))
 
 

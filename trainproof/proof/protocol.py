@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from trainproof.errors import ConfigError
+from trainproof.proof.budget import Plan, check_budget, state_bytes
 from trainproof.proof.check import AFTER, AGAIN, COMPARE, PHASES, REFERENCE, RESUMED, Check, Results, Skipped
 from trainproof.proof.clipping import ClipCheck
 from trainproof.proof.cuts import CutsCheck, plan_cuts
@@ -59,10 +60,12 @@ def verification_base(opener: Opener, store: str, workdir: str | None) -> Genera
     return opener(workdir) if workdir else opener(store).child("verification")
 
 
-def parameter_names(task: Task) -> frozenset[str]:
-    """The model's parameter names (the rest of its state_dict are buffers), built without allocating."""
+def parameter_names(task: Task) -> tuple[frozenset[str], int]:
+    """The model's parameter names (the rest of its state_dict are buffers) and a generation's estimated size
+    (trainproof.proof.budget), built without allocating."""
     with torch.device("meta"):
-        return frozenset(name for name, _ in task.build_model().named_parameters())
+        model = task.build_model()
+    return frozenset(name for name, _ in model.named_parameters()), state_bytes(model)
 
 
 class Protocol(VerificationRunner):
@@ -77,7 +80,7 @@ class Protocol(VerificationRunner):
         if settings.tolerance is None:  # exact where the paths are bitwise by construction (the CPU)
             settings = replace(settings, tolerance=default_tolerance(self.task, settings.device))
         self.s = settings
-        self.param_names = parameter_names(self.task)
+        self.param_names, self.state_bytes = parameter_names(self.task)
         base = verification_base(opener, settings.store, settings.workdir)
         self.root = base.child(settings.vid)
         self.done = Results()
@@ -90,6 +93,12 @@ class Protocol(VerificationRunner):
                 raise ConfigError(f"the cuts {extra_cuts} need {steps} continuous steps; the reused reference "
                                   f"has {settings.steps}")
             self.s = settings = replace(settings, steps=steps)
+        if not settings.reuse:  # a reused reference's paths are not trained again
+            self.plan = Plan.of(steps=steps, cut=settings.cut, extra_cuts=extra_cuts, steps_per_epoch=steps_per_epoch,
+                                every=settings.checkpoint_every, state_bytes=self.state_bytes)
+            log.info("%s", self.plan.line())
+            check_budget(self.plan, max_steps=settings.budget_steps, max_gib=settings.budget_gib,
+                         cuts_given=settings.cuts is not None)
         self.four = FourPaths(settings=settings, opener=opener, task=self.task, param_names=self.param_names,
                               root=self.root, reference=base.child(settings.reuse) if settings.reuse else None)
         """The four paths: the first check, whose paths, export and environment the report's envelope holds."""

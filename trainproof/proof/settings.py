@@ -64,6 +64,10 @@ class ProtocolSettings:
     ``cuts`` block, not in ``settings``."""
     objective: bool = True
     """Run the objective-equivalence check (trainproof.proof.objective); skipped when reusing a reference."""
+    budget_steps: int = 5000
+    """Most steps the main paths may train together (trainproof.proof.budget): a larger plan is refused."""
+    budget_gib: float = 20.0
+    """Most GiB their generations may take, estimated from the model's parameters."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.cut < self.steps:
