@@ -76,14 +76,14 @@ def test_the_background_save_runs_at_low_cpu_priority_and_spools_the_state(tmp_p
         reporter = None
         world = 1
 
-        def commit(self, step, state, *, extra, encoded, blocked_s):
+        def commit(self, capture):
             seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             child = threading.Thread(target=lambda: seen.setdefault(
                 "child", os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
             child.start()
             child.join()
-            seen["state"] = torch.load(encoded.path, weights_only=True)["w"]
-            encoded.unlink()
+            seen["state"] = torch.load(capture.encoded.path, weights_only=True)["w"]
+            capture.encoded.unlink()
 
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     saver = BackgroundSaver(Recorder(), Reporter(), on_saved=lambda s: None)

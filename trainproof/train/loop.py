@@ -32,7 +32,7 @@ from trainproof.storage import GenerationStore, StoreOptions, open_store
 from trainproof.storage.errors import StoreConfigError, StoreError
 from trainproof.tasks import Task, load_task
 from trainproof.train import dist
-from trainproof.train.checkpoint import Checkpointer, SaveClock
+from trainproof.train.checkpoint import Capture, Checkpointer, SaveClock
 from trainproof.train.config import TrainConfig
 from trainproof.train.data import epoch_plan
 from trainproof.train.device import configure_determinism, resolve_device
@@ -41,7 +41,7 @@ from trainproof.train.pipeline import check_workers, open_batches, pipeline_reco
 from trainproof.train.progress import Reporter, make_reporter
 from trainproof.train.resume import Resumed, ResumeOptions, resume
 from trainproof.train.run import Run, build_run, capture_rank_part, capture_state, train_step
-from trainproof.train.saver import Capture, final_commit_skip, make_saver
+from trainproof.train.saver import final_commit_skip, make_saver
 from trainproof.train.stops import DeadlinePolicy, FinishWork, NoDeadline, NoStop, StopFlags
 
 EXIT_OK, EXIT_FAILURE, EXIT_STOPPED = 0, 1, 75

@@ -10,10 +10,11 @@ training thread after a commit landed, and never after a failed one (a failed sa
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable, Protocol
 
-from trainproof.train.async_save import BackgroundSaver, Capture
-from trainproof.train.checkpoint import Checkpointer
+from trainproof.train.async_save import BackgroundSaver
+from trainproof.train.checkpoint import Capture, Checkpointer
 from trainproof.train.progress import Reporter
 
 
@@ -68,8 +69,7 @@ class SyncSaver:
         return 0.0
 
     def save(self, capture: Capture, *, blocked_since: float) -> None:
-        self.checkpointer.commit(capture.step, capture.state, extra=capture.extra, part=capture.part,
-                                 blocked_since=blocked_since, sharded=capture.sharded)
+        self.checkpointer.commit(replace(capture, blocked_since=blocked_since))
         self.on_committed(capture.step)
         self.on_saved(time.perf_counter() - blocked_since)
 
