@@ -220,6 +220,24 @@ def test_a_final_commit_that_does_not_fit_the_stop_grace_is_skipped(tmp_path):
     assert differences(trajectory(load_state(ref)), trajectory(load_state(store))) == []
 
 
+def test_the_final_commit_is_skipped_only_after_a_stop_request_when_it_does_not_fit():
+    """The decision (trainproof.train.saver.final_commit_skip) on plain values: the longest measured commit x 1.25
+    + 1 s against what is left of --stop-grace; never skipped at the target or a deadline, nor before a first commit
+    or without a measured one."""
+    from trainproof.train.saver import final_commit_skip
+
+    fits = {"measured_s": [1.0, 3.0], "stopped_for_s": 10.0, "grace_s": 15.0}  # 4.75 s needed, 5 s left
+    late = {**fits, "stopped_for_s": 11.0}  # 4 s left
+    assert final_commit_skip(reason="signal", committed=10, **fits) is None
+    assert final_commit_skip(reason="signal", committed=10, **late) == (
+        "a commit takes ~3.0 s, 4.0 s of the 15 s --stop-grace are left")
+    assert final_commit_skip(reason="spot-notice", committed=10, **{**late, "stopped_for_s": 99.0}) == (
+        "a commit takes ~3.0 s, 0.0 s of the 15 s --stop-grace are left")
+    for reason, committed, values in (("target", 10, late), ("deadline", 10, late), ("signal", 0, late),
+                                      ("signal", 10, {**late, "measured_s": []})):
+        assert final_commit_skip(reason=reason, committed=committed, **values) is None, (reason, committed)
+
+
 def test_a_save_that_waits_for_the_previous_one_reports_the_wait(tmp_path):
     """Saves every 2 steps that take 0.5 s: each waits for the one in flight and says how long."""
     result = run(tmp_path / "run", "--max-steps", "8", "--checkpoint-every", "2", "--keep", "0",

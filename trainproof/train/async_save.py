@@ -25,7 +25,7 @@ Rules, and why:
   queued and emitted at the next boundary or wait (:class:`DeferredReporter`), so two threads never write
   the JSON log at once and events keep their order; warnings go to stderr at once as single writes.
 * **The stop path** (SIGTERM, spot notice, deadline) first waits for the commit in flight, then commits the
-  final step (trainproof.train.loop ``Trainer._finish_saves``), keeping the exit-75 promise.
+  final step (trainproof.train.saver ``Saving.finish``), keeping the exit-75 promise.
 
 Distributed runs (world > 1, DDP or sharded) save in the background too. Every rank snapshots what it commits:
 rank 0 the training state, every other rank its own part (generators, data position), and in a sharded run

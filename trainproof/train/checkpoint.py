@@ -1,4 +1,4 @@
-"""Checkpoints: *when* to save (:class:`SaveClock`), *how* a :class:`Capture` becomes usable (:class:`Checkpointer`).
+"""Checkpoints: how a save (:class:`Capture`) becomes usable (:class:`Checkpointer`); *when* is trainproof.train.saver.
 
 A save is: serialise the state into a spool file (``trainproof.storage.spool``: ``torch.save`` streams it to local disk
 while it is hashed, so no second in-memory copy of the state exists), hand it to the generation store, which
@@ -57,27 +57,6 @@ from trainproof.train.dist import Collectives
 from trainproof.train.progress import Reporter
 
 
-class SaveClock:
-    """Step and/or wall-clock cadence of periodic checkpoints."""
-
-    def __init__(self, every_steps: int = 0, every_seconds: float = 0.0, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
-        self._clock = clock
-        self._last_time = clock()
-
-    def due(self, step: int) -> bool:
-        """True when a periodic checkpoint is due right after optimizer step ``step``."""
-        if self.every_steps and step % self.every_steps == 0:
-            return True
-        return bool(self.every_seconds) and self._clock() - self._last_time >= self.every_seconds
-
-    def mark(self) -> None:
-        """A checkpoint was just committed: restart the wall-clock interval."""
-        self._last_time = self._clock()
-
-
 @dataclass(kw_only=True)
 class Capture:
     """What one rank commits for one step: the one argument of :meth:`Checkpointer.commit`."""
@@ -90,12 +69,10 @@ class Capture:
     part: dict[str, Any] | None = None
     """A rank >= 1's own part (its generators and data position)."""
     sharded: dict[str, Any] | None = None
-    """This rank's shards of the model and optimizer (trainproof.train.fsdp ``sharded_state``; every rank of a
-    sharded run passes them, and the ``state`` then holds neither)."""
+    """This rank's shards of the model and optimizer (every rank of a sharded run; ``state`` then holds neither)."""
     encoded: Spool | None = None
-    """Rank 0's state already serialised into a spool (a background save, trainproof.train.async_save, drops its
-    snapshot once encoded), deleted once the commit is over, whatever its outcome; with ``history``, its
-    ``history.pt`` (state.encode_history)."""
+    """Or rank 0's state already serialised (trainproof.train.async_save drops its snapshot then), with ``history``
+    (its ``history.pt``, state.encode_history); the spool is deleted once the commit is over, whatever its outcome."""
     history: bytes | None = None
     blocked_s: float | None = None
     """How long training was blocked for this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it
@@ -127,23 +104,21 @@ class Checkpointer:
         retention."""
 
     def commit(self, c: Capture) -> dict[str, Any] | None:
-        """Serialise and commit generation ``c.step`` (see :class:`Capture`); then apply retention (rank 0).
-
-        Raises TrainError (exit 1) on every rank when the commit failed: nothing was marked usable, and the previous
-        generation is still the resume point.
-        """
-        rank = self.sync.rank if self.sync else 0
+        """Serialise and commit generation ``c.step``, then apply retention (rank 0). Raises TrainError (exit 1) on
+        every rank when it failed: nothing was marked usable, the previous generation is still the resume point."""
+        rank, spool = (self.sync.rank if self.sync else 0), c.encoded
         try:
             if self.world == 1 and c.sharded is None:
-                spool = c.encoded if c.encoded is not None else encode_spool(c.state, self.spool_dir)
+                spool = spool if spool is not None else encode_spool(c.state, self.spool_dir)
                 own = c.history if c.encoded is not None else encode_history(c.state)
-                files = {STATE_FILE: spool, **({HISTORY_FILE: own} if own is not None else {})}
-                record = self._commit_files(c.step, files, c.extra)
+                files: dict[str, Spool | bytes] = {STATE_FILE: spool}
+                files.update({HISTORY_FILE: own} if own is not None else {})
+                record = self._commit_generation(c.step, files, c.extra, None)
             else:
                 record = self._commit_world(c, rank)
         finally:
-            if c.encoded is not None:
-                c.encoded.unlink()
+            if spool is not None:
+                spool.unlink()
         if record is not None:
             blocked_s = c.blocked_s
             if blocked_s is None:
@@ -208,14 +183,6 @@ class Checkpointer:
                 raise TrainError(f"rank {r} could not write its part of step {step}: {body}")
             entries.update(json.loads(body))
         return entries
-
-    def _commit_files(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return self._commit_generation(step, files, extra, None)
-        finally:
-            for spool in files.values():
-                if isinstance(spool, Spool):
-                    spool.unlink()
 
     def _commit_generation(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any],
                            rank_entries: dict[str, list] | None) -> dict[str, Any]:
