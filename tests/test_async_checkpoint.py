@@ -76,14 +76,14 @@ def test_the_background_save_runs_at_low_cpu_priority_and_spools_the_state(tmp_p
         reporter = None
         world = 1
 
-        def commit(self, step, state, *, extra, encoded, blocked_s):
+        def commit(self, capture):
             seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             child = threading.Thread(target=lambda: seen.setdefault(
                 "child", os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
             child.start()
             child.join()
-            seen["state"] = torch.load(encoded.path, weights_only=True)["w"]
-            encoded.unlink()
+            seen["state"] = torch.load(capture.encoded.path, weights_only=True)["w"]
+            capture.encoded.unlink()
 
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     saver = BackgroundSaver(Recorder(), Reporter(), on_saved=lambda s: None)
@@ -218,6 +218,24 @@ def test_a_final_commit_that_does_not_fit_the_stop_grace_is_skipped(tmp_path):
     assert resumed.code == 0 and resumed.last("resume")["step"] == committed, resumed.stderr
     assert finish(reference).code == 0
     assert differences(trajectory(load_state(ref)), trajectory(load_state(store))) == []
+
+
+def test_the_final_commit_is_skipped_only_after_a_stop_request_when_it_does_not_fit():
+    """The decision (trainproof.train.saver.final_commit_skip) on plain values: the longest measured commit x 1.25
+    + 1 s against what is left of --stop-grace; never skipped at the target or a deadline, nor before a first commit
+    or without a measured one."""
+    from trainproof.train.saver import final_commit_skip
+
+    fits = {"measured_s": [1.0, 3.0], "stopped_for_s": 10.0, "grace_s": 15.0}  # 4.75 s needed, 5 s left
+    late = {**fits, "stopped_for_s": 11.0}  # 4 s left
+    assert final_commit_skip(reason="signal", committed=10, **fits) is None
+    assert final_commit_skip(reason="signal", committed=10, **late) == (
+        "a commit takes ~3.0 s, 4.0 s of the 15 s --stop-grace are left")
+    assert final_commit_skip(reason="spot-notice", committed=10, **{**late, "stopped_for_s": 99.0}) == (
+        "a commit takes ~3.0 s, 0.0 s of the 15 s --stop-grace are left")
+    for reason, committed, values in (("target", 10, late), ("deadline", 10, late), ("signal", 0, late),
+                                      ("signal", 10, {**late, "measured_s": []})):
+        assert final_commit_skip(reason=reason, committed=committed, **values) is None, (reason, committed)
 
 
 def test_a_save_that_waits_for_the_previous_one_reports_the_wait(tmp_path):

@@ -229,8 +229,8 @@ def test_only_a_commit_that_landed_drops_history_rows():
         world = 1
         fail = True
 
-        def commit(self, step, state, *, encoded, **kw):
-            encoded.unlink()  # the serialised state (a spool file), as the real checkpointer deletes it
+        def commit(self, capture):
+            capture.encoded.unlink()  # the serialised state (a spool file), as the real checkpointer deletes it
             if self.fail:
                 raise OSError("the store went away")
 

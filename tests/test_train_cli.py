@@ -183,7 +183,7 @@ def test_a_store_that_is_a_file_is_a_configuration_error(cli, tmp_path):
 
 
 def test_checkpoint_cadence_by_steps_and_by_seconds():
-    from trainproof.train.checkpoint import SaveClock
+    from trainproof.train.saver import SaveClock
 
     now = [1000.0]
     by_steps = SaveClock(every_steps=3)
@@ -196,6 +196,19 @@ def test_checkpoint_cadence_by_steps_and_by_seconds():
     by_time.mark()
     assert not by_time.due(3)  # the interval restarts at each commit
     assert not SaveClock().due(100)  # both off: only the final / stop checkpoints
+
+
+def test_a_checkpoint_is_due_only_after_a_step_not_yet_saved():
+    """The periodic decision (trainproof.train.saver.save_due) on plain values: never a step already committed or
+    being committed in the background, else the step cadence or the seconds since the last checkpoint."""
+    from trainproof.train.saver import save_due
+
+    every = {"every_steps": 5, "every_seconds": 60.0}
+    assert save_due(10, saved_through=5, elapsed_s=0.0, **every)
+    assert not save_due(10, saved_through=10, elapsed_s=999.0, **every)  # committed, or in flight
+    assert not save_due(11, saved_through=10, elapsed_s=59.0, **every)
+    assert save_due(11, saved_through=10, elapsed_s=60.0, **every)
+    assert not save_due(11, saved_through=0, elapsed_s=1e9, every_steps=0, every_seconds=0.0)  # both off
 
 
 def test_a_verifier_variant_is_one_hidden_value_checked_at_the_edge():

@@ -25,7 +25,7 @@ Rules, and why:
   queued and emitted at the next boundary or wait (:class:`DeferredReporter`), so two threads never write
   the JSON log at once and events keep their order; warnings go to stderr at once as single writes.
 * **The stop path** (SIGTERM, spot notice, deadline) first waits for the commit in flight, then commits the
-  final step (trainproof.train.loop ``Trainer._finish_saves``), keeping the exit-75 promise.
+  final step (trainproof.train.saver ``Saving.finish``), keeping the exit-75 promise.
 
 Distributed runs (world > 1, DDP or sharded) save in the background too. Every rank snapshots what it commits:
 rank 0 the training state, every other rank its own part (generators, data position), and in a sharded run
@@ -51,30 +51,14 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from trainproof.errors import TrainError
 from trainproof.format.state import encode_history, encode_spool
-from trainproof.train.checkpoint import Checkpointer
+from trainproof.train.checkpoint import Capture, Checkpointer
 from trainproof.train.progress import Reporter
-
-
-@dataclass(kw_only=True)
-class Capture:
-    """What one rank commits for one step (see :meth:`trainproof.train.checkpoint.Checkpointer.commit`)."""
-
-    step: int
-    state: dict[str, Any] | None
-    """Rank 0's training state (None on other ranks)."""
-    extra: dict[str, Any]
-    """The manifest's extra fields (task, epoch, loss, next learning rate, ...)."""
-    part: dict[str, Any] | None = None
-    """A rank >= 1's own part (its generators and data position)."""
-    sharded: dict[str, Any] | None = None
-    """This rank's shards of the model and optimizer (a sharded layout)."""
 
 
 class DeferredReporter(Reporter):
@@ -263,13 +247,14 @@ class BackgroundSaver:
             if self.checkpointer.world > 1 or own:
                 # Every rank enters the cross-rank commit whatever happens, so that no rank waits alone in one of
                 # its collectives: rank 0 serialises the state inside it, where a failure reaches every rank.
-                self.checkpointer.commit(step, state, extra=extra, blocked_s=blocked_s, **own)
+                self.checkpointer.commit(Capture(step=step, state=state, extra=extra, blocked_s=blocked_s, **own))
             else:
                 # Serialised into a spool file (no in-memory copy); the snapshot is dropped once it is written.
-                history = {"history": encode_history(state)} if "history" in state else {}
+                history = encode_history(state) if "history" in state else None
                 spool = encode_spool(state, self.checkpointer.spool_dir)
                 del state
-                self.checkpointer.commit(step, None, extra=extra, encoded=spool, blocked_s=blocked_s, **history)
+                self.checkpointer.commit(Capture(step=step, state=None, extra=extra, encoded=spool, history=history,
+                                                 blocked_s=blocked_s))
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which fails the run
             failure = exc
         self._result = (time.perf_counter() - t0, failure)

@@ -1,4 +1,4 @@
-"""Checkpoints: *when* to save (:class:`SaveClock`) and *how* a save becomes usable (:class:`Checkpointer`).
+"""Checkpoints: how a save (:class:`Capture`) becomes usable (:class:`Checkpointer`); *when* is trainproof.train.saver.
 
 A save is: serialise the state into a spool file (``trainproof.storage.spool``: ``torch.save`` streams it to local disk
 while it is hashed, so no second in-memory copy of the state exists), hand it to the generation store, which
@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from trainproof.errors import TrainError
@@ -56,25 +57,27 @@ from trainproof.train.dist import Collectives
 from trainproof.train.progress import Reporter
 
 
-class SaveClock:
-    """Step and/or wall-clock cadence of periodic checkpoints."""
+@dataclass(kw_only=True)
+class Capture:
+    """What one rank commits for one step: the one argument of :meth:`Checkpointer.commit`."""
 
-    def __init__(self, every_steps: int = 0, every_seconds: float = 0.0, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
-        self._clock = clock
-        self._last_time = clock()
-
-    def due(self, step: int) -> bool:
-        """True when a periodic checkpoint is due right after optimizer step ``step``."""
-        if self.every_steps and step % self.every_steps == 0:
-            return True
-        return bool(self.every_seconds) and self._clock() - self._last_time >= self.every_seconds
-
-    def mark(self) -> None:
-        """A checkpoint was just committed: restart the wall-clock interval."""
-        self._last_time = self._clock()
+    step: int
+    state: dict[str, Any] | None
+    """Rank 0's full training state (None on other ranks, and once ``encoded``)."""
+    extra: dict[str, Any]
+    """The manifest's extra fields (task, epoch, loss, next learning rate, ...)."""
+    part: dict[str, Any] | None = None
+    """A rank >= 1's own part (its generators and data position)."""
+    sharded: dict[str, Any] | None = None
+    """This rank's shards of the model and optimizer (every rank of a sharded run; ``state`` then holds neither)."""
+    encoded: Spool | None = None
+    """Or rank 0's state already serialised (trainproof.train.async_save drops its snapshot then), with ``history``
+    (its ``history.pt``, state.encode_history); the spool is deleted once the commit is over, whatever its outcome."""
+    history: bytes | None = None
+    blocked_s: float | None = None
+    """How long training was blocked for this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it
+    is blocked until the commit returns; recorded as the record's ``blocked_s`` (neither: the commit's seconds)."""
+    blocked_since: float | None = None
 
 
 class Checkpointer:
@@ -100,65 +103,53 @@ class Checkpointer:
         (those around every restore point no audit has passed across: trainproof.format.protect). Called at each
         retention."""
 
-    def commit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any],
-               part: dict[str, Any] | None = None, encoded: Spool | None = None, history: bytes | None = None,
-               blocked_s: float | None = None, blocked_since: float | None = None,
-               sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """Serialise and commit generation ``step``; then apply retention (rank 0).
-
-        ``state``: the full training state (rank 0; ignored elsewhere), or ``encoded``: that state already
-        serialised into a spool (a background save, trainproof.train.async_save, drops its snapshot once encoded) with
-        ``history``, its ``history.pt`` (state.encode_history); the spool file is deleted once the commit is over,
-        whatever its outcome. ``part``: this
-        rank's own part (ranks >= 1 of a distributed run). ``blocked_s``: how long training was blocked for
-        this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it is blocked until this
-        returns; recorded as the record's ``blocked_s``. ``sharded``: this rank's shards of the model and
-        optimizer (trainproof.train.fsdp ``sharded_state``; every rank of a sharded run passes them, and the ``state``
-        then holds neither). Raises TrainError (exit 1) on every rank when the
-        commit failed: nothing was marked usable, and the previous generation is still the resume point.
-        """
-        rank = self.sync.rank if self.sync else 0
+    def commit(self, c: Capture) -> dict[str, Any] | None:
+        """Serialise and commit generation ``c.step``, then apply retention (rank 0). Raises TrainError (exit 1) on
+        every rank when it failed: nothing was marked usable, the previous generation is still the resume point."""
+        rank, spool = (self.sync.rank if self.sync else 0), c.encoded
         try:
-            if self.world == 1 and sharded is None:
-                spool = encoded if encoded is not None else encode_spool(state, self.spool_dir)
-                own = history if encoded is not None else encode_history(state)
-                files = {STATE_FILE: spool, **({HISTORY_FILE: own} if own is not None else {})}
-                record = self._commit_files(step, files, extra)
+            if self.world == 1 and c.sharded is None:
+                spool = spool if spool is not None else encode_spool(c.state, self.spool_dir)
+                own = c.history if c.encoded is not None else encode_history(c.state)
+                files: dict[str, Spool | bytes] = {STATE_FILE: spool}
+                files.update({HISTORY_FILE: own} if own is not None else {})
+                record = self._commit_generation(c.step, files, c.extra, None)
             else:
-                record = self._commit_world(step, state, part, extra, rank, sharded)
+                record = self._commit_world(c, rank)
         finally:
-            if encoded is not None:
-                encoded.unlink()
+            if spool is not None:
+                spool.unlink()
         if record is not None:
+            blocked_s = c.blocked_s
             if blocked_s is None:
-                blocked_s = record["seconds"] if blocked_since is None else time.perf_counter() - blocked_since
+                blocked_s = record["seconds"] if c.blocked_since is None else time.perf_counter() - c.blocked_since
             record["blocked_s"] = blocked_s
             self.records.append(record)
             self.reporter.event("checkpoint", **record)
-        self.last_step = step
+        self.last_step = c.step
         if rank == 0:
             self._apply_retention()
         return record
 
-    def _commit_world(self, step: int, state: dict[str, Any] | None, part: dict[str, Any] | None,
-                      extra: dict[str, Any], rank: int, sharded: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def _commit_world(self, c: Capture, rank: int) -> dict[str, Any] | None:
+        step, extra = c.step, c.extra
         shards: tuple[dict[str, list], dict] | None = None
         t0 = time.perf_counter()  # the record's seconds: the whole cross-rank commit, the shards' write included
-        if sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
+        if c.sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
             from trainproof.train.sharded import write_sharded  # only sharded runs import DCP
 
-            shards = write_sharded(self.store, step, sharded, process_group=self.sync.group)
-        frame = self._write_own_part(step, part, rank) if rank else b""
+            shards = write_sharded(self.store, step, c.sharded, process_group=self.sync.group)
+        frame = self._write_own_part(step, c.part, rank) if rank else b""
         frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
         record, failure, raised = None, b"", None
         if rank == 0:
             spool = None
             try:
-                spool = encode_spool(state, self.spool_dir)
+                spool = encode_spool(c.state, self.spool_dir)
                 entries = self._rank_entries(step, frames)
                 if shards is not None:
                     entries, extra = {**entries, **shards[0]}, {**extra, "sharded": shards[1]}
-                record = self._commit_generation(step, {STATE_FILE: spool, HISTORY_FILE: encode_history(state)},
+                record = self._commit_generation(step, {STATE_FILE: spool, HISTORY_FILE: encode_history(c.state)},
                                                  extra, entries)
                 record["seconds"] = time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
@@ -192,14 +183,6 @@ class Checkpointer:
                 raise TrainError(f"rank {r} could not write its part of step {step}: {body}")
             entries.update(json.loads(body))
         return entries
-
-    def _commit_files(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return self._commit_generation(step, files, extra, None)
-        finally:
-            for spool in files.values():
-                if isinstance(spool, Spool):
-                    spool.unlink()
 
     def _commit_generation(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any],
                            rank_entries: dict[str, list] | None) -> dict[str, Any]:

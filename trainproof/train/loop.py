@@ -32,7 +32,7 @@ from trainproof.storage import GenerationStore, StoreOptions, open_store
 from trainproof.storage.errors import StoreConfigError, StoreError
 from trainproof.tasks import Task, load_task
 from trainproof.train import dist
-from trainproof.train.checkpoint import Checkpointer, SaveClock
+from trainproof.train.checkpoint import Capture
 from trainproof.train.config import TrainConfig
 from trainproof.train.data import epoch_plan
 from trainproof.train.device import configure_determinism, resolve_device
@@ -41,7 +41,7 @@ from trainproof.train.pipeline import check_workers, open_batches, pipeline_reco
 from trainproof.train.progress import Reporter, make_reporter
 from trainproof.train.resume import Resumed, ResumeOptions, resume
 from trainproof.train.run import Run, build_run, capture_rank_part, capture_state, train_step
-from trainproof.train.saver import Capture, final_commit_skip, make_saver
+from trainproof.train.saver import Saving
 from trainproof.train.stops import DeadlinePolicy, FinishWork, NoDeadline, NoStop, StopFlags
 from trainproof.train.tensorboard import with_tensorboard
 
@@ -129,15 +129,10 @@ class Trainer:
         self.layout = layout or Layout.choose(world=self.world, fsdp=cfg.fsdp or task.fsdp)
         self.epoch_plan = plan_of_epoch or epoch_plan(task.num_samples(), task.batch_size, self.world)
         self.deadline: DeadlinePolicy = deadline or NoDeadline()
-        self.finisher = finisher  # a deadline also reserves the export and its reload check
-        self._update_finish_estimate()
-        self.clock = SaveClock(cfg.checkpoint_every, cfg.checkpoint_every_seconds)
-        # Commits run their collectives over the checkpoint group (trainproof.train.dist), from whichever thread saves.
-        self.checkpointer = Checkpointer(store, contract=plan["contract"], world=self.world, keep=cfg.keep,
-                                         code_version=code_version(), reporter=reporter, sync=self.sync.saves)
-        # In the background (trainproof.train.async_save) unless --sync-checkpoint: one process or many, DDP or sharded.
-        self.saver = make_saver(self.checkpointer, reporter, background=not cfg.sync_checkpoint,
-                                on_saved=self._observe_save, on_committed=self._committed)
+        self.finisher = finisher
+        self._observe_save()  # no commit measured yet: the deadline's reserve from its estimates
+        self.saving = Saving(cfg, store, contract=plan["contract"], sync=self.sync, reporter=reporter,
+                             on_saved=self._observe_save, on_committed=self._committed)
         self._live: Run | None = None
         """The run being trained (its history drops the rows of each committed generation: :meth:`_committed`)."""
         self._stop_seen_at: float | None = None
@@ -156,9 +151,9 @@ class Trainer:
         self._live = run
         self.resumed = resume(run, store=self.store, plan=self.plan, sync=self.sync, reporter=self.reporter,
                               options=self._resume_options())  # generators are restored there, last
-        self.checkpointer.last_step = run.step
+        self.saving.checkpointer.last_step = run.step
         # retention (rank 0 only) keeps what the audit needs around every restore point not yet audited
-        self.checkpointer.protect = restore_protection(self.store, self.resumed.step, self.cfg.keep)
+        self.saving.checkpointer.protect = restore_protection(self.store, self.resumed.step, self.cfg.keep)
         target = self.cfg.target_step(run.step, self.task.default_steps)
         self._report_start(run, target)
         left = self.deadline.seconds_left()
@@ -168,10 +163,11 @@ class Trainer:
                 run.batches = self._open_batches(run)
             reason = "deadline" if past else self._loop(run, target)
             self._close_batches(run)  # before the final commit: what the workers prefetched is never saved
-            committed = self._finish_saves(run, reason)  # the end, or the boundary after a stop request
+            committed = self.saving.finish(run.step, reason, stop=self.stop, stop_seen_at=self._stop_seen_at,
+                                           capture=lambda: self._capture(run))  # the end, or after a stop request
         except BaseException as exc:
             self._close_batches(run)
-            self._land_in_flight_save()
+            self.saving.abandon()
             failure = worker_failure(exc)  # a dead data worker: one line, not DataLoader's traceback
             if failure is None:
                 raise
@@ -194,11 +190,9 @@ class Trainer:
     def _loop(self, run: Run, target: int) -> str:
         """Optimizer steps until the target; stop requests and saves are decided only at step boundaries."""
         while run.step < target:
-            if self.world == 1:
-                self.saver.poll()  # a background save that failed fails the run here, naming its step
-            reason, save = self._agree(run, save=run.step > self._saved_through() and self.clock.due(run.step))
+            reason, save = self._agree(run, save=self.saving.due(run.step))
             if save:
-                self._save(run)
+                self.saving.save(run.step, lambda: self._capture(run))
                 reason, _ = self._agree(run, save=False)  # a signal may have arrived during the save
             if reason:
                 self._stop_seen_at = time.monotonic()
@@ -243,7 +237,7 @@ class Trainer:
                             target_from=self.cfg.target_source(), seed=self.cfg.seed, device=str(self.device),
                             world=self.world, contract=self.plan["contract"], store=self.store.url,
                             epoch_plan=self.epoch_plan, world_changes=self.resumed.world_changes,
-                            checkpoint=self.saver.mode, fsdp=self.layout.sharded, layout=self.layout.name,
+                            checkpoint=self.saving.saver.mode, fsdp=self.layout.sharded, layout=self.layout.name,
                             data_workers=self._workers()[0] if self.task.builds_batches else None,
                             deadline=None if self.cfg.deadline is None else self.cfg.deadline.isoformat(),
                             **({"deadline_reserve_s": round(self.deadline.finish_s, 3)} if self.finisher else {}))
@@ -256,26 +250,16 @@ class Trainer:
         one all-reduce makes the union every rank's decision, so a SIGTERM delivered to a single rank
         stops all of them after the same step. Local when world is 1.
         """
-        # With world > 1 a background save that failed is agreed here too (trainproof.train.async_save): every rank
-        # fails at this boundary, the one whose save thread saw it first and the others alike.
-        save_failed = int(self.world > 1 and self.saver.poll_failed())
+        save_failed = int(self.saving.failed())  # world > 1: a background save that failed is agreed here too
         flags = [int(bool(self.stop.signals)), int(bool(self.stop.notices)), int(self.deadline.too_close()), int(save),
                  save_failed]
         signal, notice, deadline, save_any, failed = self.sync.sum_ints(
             flags, f"agree whether to stop or save at step {run.step}")
         if failed:
-            self._fail_with_save(failed)
+            self.saving.fail(failed)
         self.ranks_signalled = signal + notice
         reason = "signal" if signal else "spot-notice" if notice else "deadline" if deadline else None
         return reason, bool(save_any)
-
-    def _fail_with_save(self, ranks: int) -> None:
-        """``ranks`` ranks saw their background save fail: raise that failure here (a commit fails on every rank
-        together, so this rank's save thread ends with it too), or a PeerError should it have succeeded here."""
-        step = self.saver.in_flight
-        self.saver.wait()  # raises this rank's own failure of the same commit
-        raise dist.PeerError(f"the background checkpoint of step {step} failed on {ranks} other rank(s) "
-                             "(see their log lines); stopping this rank too")
 
     def _finish(self, run: Run, *, unbounded: bool = False) -> dict[str, Any]:
         """After a deadline's final commit: rank 0 exports and reload-checks; every rank learns whether it passed.
@@ -300,78 +284,28 @@ class Trainer:
         ok, = self.sync.sum_ints([int(result["ok"])], "agree whether the deadline export passed")
         return {**result, "ok": bool(ok)} if self.rank == 0 else {"ok": bool(ok)}
 
-    def _update_finish_estimate(self) -> None:
-        if self.finisher is not None:
-            self.deadline.finish_s = self.finisher.estimate_s(self.deadline.save_estimate_s)
-
-    def _save(self, run: Run) -> None:
-        """Commit this step on every rank (trainproof.train.checkpoint's protocol when world > 1 or sharded): in the
-        background from a host-memory snapshot of what this rank commits (trainproof.train.async_save), or inline with
-        ``--sync-checkpoint`` (trainproof.train.saver)."""
-        t0 = time.perf_counter()
-        previous = self.saver.in_flight
-        waited = self.saver.wait()  # at most one save in flight; raises if the previous one failed
-        if previous is not None and waited >= 0.001:
-            self.reporter.event("checkpoint_wait", step=run.step, waiting_for=previous, seconds=waited)
-        self.reporter.event("checkpoint_begin", step=run.step)
+    def _capture(self, run: Run) -> Capture:
+        """What this rank commits of this step: rank 0 the state, the others their part; when sharded, its shards."""
         extra = {"task": self.cfg.task, "epoch": run.sampler.epoch, "loss": run.history.last_row["loss"],
                  "next_lr": run.lr(), "world": self.world, "resumed_from": self.resumed.step,
                  "code_changes": self.resumed.code_changes}
-        self.saver.save(Capture(step=run.step, extra=extra,
-                                state=capture_state(run, self._meta(run)) if self.rank == 0 else None,
-                                part=capture_rank_part(run) if self.rank else None,
-                                sharded=run.parallel.capture(run.model, run.optimizer)), blocked_since=t0)
-        self.clock.mark()
+        return Capture(step=run.step, extra=extra,
+                       state=capture_state(run, self._meta(run)) if self.rank == 0 else None,
+                       part=capture_rank_part(run) if self.rank else None,
+                       sharded=run.parallel.capture(run.model, run.optimizer))
 
     def _committed(self, step: int) -> None:
-        """Generation ``step`` is committed (on every rank): its history rows live in the store now, so the run's
-        history keeps only the later ones and the next generation holds the rows since this one. Called only
-        after a commit landed: after a failed or skipped save the rows stay for the next generation."""
+        """Generation ``step`` landed (on every rank): its history rows live in the store now, so the run's history
+        keeps only the later ones (after a failed or skipped save the rows stay for the next generation)."""
         if self._live is not None:
             self._live.history.committed(step)
 
-    def _saved_through(self) -> int:
-        """The newest step committed or being committed in the background."""
-        return max(self.checkpointer.last_step, self.saver.in_flight or 0)
-
-    def _observe_save(self, seconds: float) -> None:
-        # The deadline reserve uses the commit's own measured time (in the background: serialise → COMPLETE.json).
-        self.deadline.observe_save(seconds)
-        self._update_finish_estimate()
-
-    def _finish_saves(self, run: Run, reason: str) -> int:
-        """After the loop: land the save in flight, then commit the final step when it is new and fits.
-
-        After a signal or spot notice with asynchronous checkpoints, the final step is committed only when the
-        longest measured background commit (x 1.25, + 1 s) fits in what is left of ``--stop-grace`` since the
-        first stop request; otherwise the in-flight commit is the resume point and the run exits 75 from it.
-        A run that has committed nothing yet always tries. Returns the step of the last commit.
-        """
-        self.saver.wait()
-        if run.step > self.checkpointer.last_step:
-            since = getattr(self.stop, "first_at", None) or self._stop_seen_at or time.monotonic()
-            why_not = (None if reason not in ("signal", "spot-notice") or not self.checkpointer.last_step else
-                       final_commit_skip(self.saver.measured_s, since=since, grace_s=self.cfg.stop_grace_s))
-            skip, = self.sync.sum_ints([int(why_not is not None)], f"agree whether to commit step {run.step}")
-            if skip and why_not is None:  # every rank commits, or none: another rank's estimate says it won't fit
-                why_not = f"{skip} other rank(s) estimate the final commit does not fit in --stop-grace"
-            if why_not:
-                last = self.checkpointer.last_step
-                self.reporter.warn(f"stopped at step {run.step}; the last commit is step {last}; {run.step - last} "
-                                   f"step(s) will be redone ({why_not})")
-                self.reporter.event("checkpoint_skipped", step=run.step, committed_step=last, why=why_not)
-                return last
-            self._save(run)
-            self.saver.wait()
-        return self.checkpointer.last_step
-
-    def _land_in_flight_save(self) -> None:
-        """On a failure of the training thread: let the commit in flight land (its work is good), then go on failing."""
-        if self.saver.in_flight is not None:
-            try:
-                self.saver.wait()
-            except Exception as exc:  # noqa: BLE001 - the original failure is the one reported
-                self.reporter.warn(str(exc))
+    def _observe_save(self, seconds: float | None = None) -> None:
+        """A deadline reserves each commit's measured time (serialise → COMPLETE.json), the export and its check."""
+        if seconds is not None:
+            self.deadline.observe_save(seconds)
+        if self.finisher is not None:
+            self.deadline.finish_s = self.finisher.estimate_s(self.deadline.save_estimate_s)
 
     def _meta(self, run: Run) -> dict[str, Any]:
         return {
@@ -389,14 +323,14 @@ class Trainer:
     def _write_summary(self, run: Run, outcome: Outcome) -> None:
         """Run-level ``summary.json`` (overwritten by each process; a failure costs no work)."""
         last = run.history.last_row or {}
-        saves = [r["seconds"] for r in self.checkpointer.records]
+        saves = [r["seconds"] for r in self.saving.checkpointer.records]
         summary = {
             "schema": "trainproof.summary/1", "status": "completed" if outcome.exit_code == 0 else "stopped",
             "reason": outcome.reason, "exit_code": outcome.exit_code, "task": self.cfg.task,
             "contract": self.plan["contract"], "step": run.step, "target": outcome.target,
             "committed_step": outcome.committed_step,
             "resumed_from": self.resumed.step, "epoch": run.sampler.epoch, "last_loss": last.get("loss"),
-            "next_lr": run.lr(), "checkpoints": self.checkpointer.records,
+            "next_lr": run.lr(), "checkpoints": self.saving.checkpointer.records,
             "save_seconds_max": max(saves) if saves else None, "throughput": self.reporter.throughput(),
             "signals": self.stop.signals, "notices": self.stop.notices, "export": outcome.export,
             "device": str(self.device), "code_version": code_version(),
