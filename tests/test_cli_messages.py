@@ -162,3 +162,14 @@ def test_the_plan_counts_every_path_and_commit():
     assert plan.paths == [18, 5, 13, 13, 12, 9] and plan.steps == 70
     assert plan.commits == 4 + 1 + 3 + 3 + 3 + 2 and plan.bytes == plan.commits * 1000
     assert Plan.of(steps=18, cut=5, extra_cuts=[], steps_per_epoch=6, every=0, state_bytes=1).commits == 4
+
+
+def test_a_target_already_reached_says_nothing_is_trained(tmp_path):
+    """--max-steps is a total: a run already past it exits 0 (idempotent) and says why nothing happened."""
+    store = tmp_path / "run"
+    assert run(store, "--max-steps", "4").code == 0
+    again = run(store, "--max-steps", "3")
+    assert again.code == 0 and "nothing to train: the run is at step 4, past its target of 3" in again.stderr
+    assert again.last("done")["step"] == 4
+    more = run(store, "--steps", "1")
+    assert more.code == 0 and "nothing to train" not in more.stderr and more.last("done")["step"] == 5

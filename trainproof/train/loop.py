@@ -156,6 +156,10 @@ class Trainer:
         self.saving.checkpointer.protect = restore_protection(self.store, self.resumed.step, self.cfg.keep)
         target = self.cfg.target_step(run.step, self.task.default_steps)
         self._report_start(run, target)
+        if run.step >= target and self.rank == 0:  # a target total already reached: say so, not a silent exit 0
+            self.reporter.warn(f"nothing to train: the run is at step {run.step}, "
+                               f"{'past' if run.step > target else 'at'} its target of {target} steps in all "
+                               "(--max-steps is a total; --steps N trains N more)")
         left = self.deadline.seconds_left()
         past = left is not None and left <= 0 and self.finisher is not None
         try:
