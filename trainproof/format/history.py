@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trainproof.errors import StateError
-from trainproof.format.state import HISTORY_FILE, STATE_FILE, History, check_history, decode, decode_history
+from trainproof.format.state import (
+    HISTORY_DIR,
+    HISTORY_FILE,
+    STATE_FILE,
+    History,
+    check_history,
+    decode,
+    decode_history,
+)
 from trainproof.storage import COMPLETE, GenerationStore
 from trainproof.storage.errors import StoreError
 from trainproof.storage.manifest import step_dir
@@ -34,6 +42,8 @@ class MissingGeneration(StateError):
     """The generation holding the next older rows is not in the run (retention deleted it, or it was quarantined)."""
 
 
+KEPT_COPY = "kept_copy"
+"""Set in what a fetch returns from ``<run>/history/`` rather than from the generation itself."""
 Fetch = Callable[[int], "dict[str, Any] | None"]
 """Generation ``step``'s decoded history section (its ``history.pt``, or its ``training_state.pt``: a mapping with
 ``progress.step``, ``history`` and ``history_chain``), or None when the run has none."""
@@ -90,8 +100,19 @@ def assemble(state: dict[str, Any], fetch: Fetch, *, since: int = 1, partial: bo
 
 
 def _previous(fetch: Fetch, need: int, newer: int, before: str) -> History:
-    """Generation ``need``'s rows, checked to end exactly where generation ``newer``'s chain starts."""
+    """Generation ``need``'s rows, checked to end exactly where generation ``newer``'s chain starts. A kept copy of
+    them (``KEPT_COPY``) that does not check out is missing, not damage: the generation itself is gone."""
     prev = fetch(need)
+    if prev is not None and prev.get(KEPT_COPY):
+        try:
+            return _checked(prev, need, newer, before)
+        except StateError as exc:
+            raise MissingGeneration(f"the kept copy of {step_dir(need)}'s history rows is not this run's: "
+                                    f"{exc}") from None
+    return _checked(prev, need, newer, before)
+
+
+def _checked(prev: dict[str, Any] | None, need: int, newer: int, before: str) -> History:
     if prev is None:
         raise MissingGeneration(f"the history before step {need + 1} is in "
                                 f"{step_dir(need)}, which the run no longer has "
@@ -123,7 +144,7 @@ def store_fetch(store: GenerationStore, contract: str | None = None) -> Fetch:
         if complete is None:
             complete = {g.step for g in store.scan(contract=contract) if g.status == COMPLETE}
         if step not in complete:
-            return None
+            return kept(step)
         try:
             info = store.generation(step, contract=contract)
             if info.manifest is not None and HISTORY_FILE in info.manifest["files"]:
@@ -139,6 +160,29 @@ def store_fetch(store: GenerationStore, contract: str | None = None) -> Fetch:
             return decode(loaded.files[STATE_FILE])
         finally:
             loaded.close()
+
+    kept = _kept_copies(store, contract)
+    return fetch
+
+
+def _kept_copies(store: GenerationStore, contract: str | None) -> Fetch:
+    """The rows of a generation retention deleted, from its copy under ``<run>/history/`` (HISTORY_DIR), marked
+    ``kept_copy``: a copy that is unreadable or does not chain is treated as missing, never as a reason to fail
+    (anyone who can write to the bucket could have put it there; the chain check decides what is the run's)."""
+    copies = store.child(HISTORY_DIR)
+    complete: set[int] | None = None
+
+    def fetch(step: int) -> dict[str, Any] | None:
+        nonlocal complete
+        try:
+            if complete is None:
+                complete = {g.step for g in copies.scan(contract=contract) if g.status == COMPLETE}
+            if step not in complete:
+                return None
+            info = copies.generation(step, contract=contract)
+            return {**decode_history(copies.load_files(info, [HISTORY_FILE]).files[HISTORY_FILE]), KEPT_COPY: True}
+        except (StoreError, OSError, StateError) as exc:
+            raise MissingGeneration(f"the kept copy of {step_dir(step)}'s history rows cannot be read: {exc}") from None
 
     return fetch
 

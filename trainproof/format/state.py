@@ -334,6 +334,9 @@ def decode_rank_part(data: bytes | Spool) -> dict[str, Any]:
 
 
 HISTORY_FILE = "history.pt"
+HISTORY_DIR = "history"
+"""Under the run: a copy of each generation's ``history.pt`` as a generation of its own, never deleted by retention
+(trainproof.train.checkpoint writes it with ``--keep``; trainproof.format.history reads it, chain-checked)."""
 HISTORY_SCHEMA = "trainproof.history/1"
 
 

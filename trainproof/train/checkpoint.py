@@ -40,6 +40,7 @@ from typing import Any
 from trainproof.errors import TrainError
 from trainproof.format.shard_files import METADATA_FILE
 from trainproof.format.state import (
+    HISTORY_DIR,
     HISTORY_FILE,
     STATE_FILE,
     decode,
@@ -108,17 +109,19 @@ class Checkpointer:
         every rank when it failed: nothing was marked usable, the previous generation is still the resume point."""
         rank, spool = (self.sync.rank if self.sync else 0), c.encoded
         try:
+            own = c.history if c.encoded is not None else encode_history(c.state) if rank == 0 else None
             if self.world == 1 and c.sharded is None:
                 spool = spool if spool is not None else encode_spool(c.state, self.spool_dir)
-                own = c.history if c.encoded is not None else encode_history(c.state)
                 files: dict[str, Spool | bytes] = {STATE_FILE: spool}
                 files.update({HISTORY_FILE: own} if own is not None else {})
                 record = self._commit_generation(c.step, files, c.extra, None)
             else:
-                record = self._commit_world(c, rank)
+                record = self._commit_world(c, rank, own)
         finally:
             if spool is not None:
                 spool.unlink()
+        if record is not None and own is not None:
+            self._keep_history(c.step, own)
         if record is not None:
             blocked_s = c.blocked_s
             if blocked_s is None:
@@ -131,7 +134,20 @@ class Checkpointer:
             self._apply_retention()
         return record
 
-    def _commit_world(self, c: Capture, rank: int) -> dict[str, Any] | None:
+    def _keep_history(self, step: int, rows: bytes) -> None:
+        """With retention on, the generation's own history rows are committed again under ``<run>/history/`` (a
+        generation of their own, a few KB, never deleted by retention): the whole run's per-step metrics outlive
+        the generations retention deletes (trainproof.format.history reads them, chain-checked). Never fatal."""
+        if not self.keep:
+            return
+        try:
+            self.store.child(HISTORY_DIR).commit(step, {HISTORY_FILE: rows}, contract=self.contract, world=self.world,
+                                                 code_version=self.code_version, check=self._check)
+        except (StoreError, OSError) as exc:  # a planted name, a full bucket: the curve starts later, no more
+            self.reporter.warn(f"the metrics of step {step} were not kept under {HISTORY_DIR}/ ({exc}): once "
+                               "retention deletes that generation, the exported curve starts after it")
+
+    def _commit_world(self, c: Capture, rank: int, history: bytes | None) -> dict[str, Any] | None:
         step, extra = c.step, c.extra
         shards: tuple[dict[str, list], dict] | None = None
         t0 = time.perf_counter()  # the record's seconds: the whole cross-rank commit, the shards' write included
@@ -149,8 +165,8 @@ class Checkpointer:
                 entries = self._rank_entries(step, frames)
                 if shards is not None:
                     entries, extra = {**entries, **shards[0]}, {**extra, "sharded": shards[1]}
-                record = self._commit_generation(step, {STATE_FILE: spool, HISTORY_FILE: encode_history(c.state)},
-                                                 extra, entries)
+                rows = history if history is not None else encode_history(c.state)
+                record = self._commit_generation(step, {STATE_FILE: spool, HISTORY_FILE: rows}, extra, entries)
                 record["seconds"] = time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
                 failure, raised = (str(exc) or type(exc).__name__).encode(), exc
