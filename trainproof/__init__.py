@@ -1,16 +1,18 @@
-"""trainproof's job: training with exact resume, its proof, and the run's lifecycle, behind one command line.
+"""trainproof: training with exact resume, its proof, and the run's lifecycle, behind one command line.
 
-Parts, in dependency order (each may import only the ones after it):
+Parts, in dependency order (each may import only the ones after it; docs/architecture.md draws them):
 
 - :mod:`trainproof.cli`: Typer commands: parse options, call, map errors to exit codes;
 - :mod:`trainproof.lifecycle`: stop signals, spot notices, the deadline and its finishing export, the planner;
-- :mod:`trainproof.proof`: the verifier's paths, comparisons, report, audit, world checks, export reload checks;
-- :mod:`trainproof.train`: the loop, run state, checkpoints, resume, data position, generators, distributed plumbing;
-- :mod:`trainproof.tasks`: what is trained (built-in tasks and the interface a user's task implements);
-- :mod:`trainproof.errors`: the few domain exceptions, with their exit codes.
+- :mod:`trainproof.proof`: the verifier's checks and paths, comparisons, report, audit, export reload checks;
+- :mod:`trainproof.export`: the bundle a run leaves (weights, evaluation, Hugging Face directory, loss curve);
+- :mod:`trainproof.train`: the loop, saving, resume, data position, generators, distributed plumbing;
+- :mod:`trainproof.format`, :mod:`trainproof.tasks`, :mod:`trainproof.data`: what is stored and how it is read
+  back; what is trained; datasets in the bucket;
+- :mod:`trainproof.errors`: the few domain exceptions, with their exit codes;
+- :mod:`trainproof.storage`: generations in a folder or a bucket; imports nothing else of this package.
 
-Everything remote goes through :mod:`storage`, which never imports this package; this package never imports
-s3fs or botocore. ``tests/test_architecture.py`` checks these rules.
+Only :mod:`trainproof.storage` imports s3fs or botocore. ``tests/test_architecture.py`` checks these rules.
 """
 
 import time
