@@ -6,6 +6,7 @@ Owns: :mod:`trainproof.lifecycle.signals` (SIGTERM/SIGINT set a flag; the deadli
 (checkpoint interval and reserve for a rental, a pure calculation) and :mod:`trainproof.lifecycle.measure` (``plan
 --measure``).
 
-May import: ``trainproof.proof``, ``trainproof.train``, ``trainproof.tasks``, ``trainproof.errors``, ``trainproof.storage``. Must
-not import ``trainproof.cli``. The training loop never imports this package: the CLI hands it the objects built here.
+May import: ``trainproof.proof``, ``trainproof.train``, ``trainproof.tasks``, ``trainproof.errors``,
+``trainproof.storage``. Must not import ``trainproof.cli``. The training loop never imports this package: the CLI
+hands it the objects built here.
 """
