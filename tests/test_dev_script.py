@@ -45,6 +45,7 @@ def test_trainproof_torch_index_url_switches_the_torch_install_only(tmp_path):
 
 
 def test_dev_script_passes_shellcheck():
-    out = subprocess.run([tool("shellcheck"), "--severity=style", str(ROOT / "scripts" / "dev.sh")],
+    out = subprocess.run([tool("shellcheck"), "--severity=style", str(ROOT / "scripts" / "dev.sh"),
+                          str(ROOT / "scripts" / "loaded-test.sh")],
                          capture_output=True, text=True, timeout=budget(60))
     assert out.returncode == 0, out.stdout
