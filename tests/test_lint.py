@@ -42,7 +42,7 @@ def test_ruff_catches_a_violation(tmp_path):
 
 # --- Complexity and types: ceilings that may only fall ------------------------------------------------------------
 
-COMPLEXITY_CEILING = 11
+COMPLEXITY_CEILING = 10
 """Functions of the product over ruff's McCabe limit (``[tool.ruff.lint.mccabe]``); lower it when one is simplified."""
 BASELINE = ROOT / "tests" / "typecheck-baseline.txt"
 

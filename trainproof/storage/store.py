@@ -357,7 +357,7 @@ def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
     if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
-        root = os.path.abspath(os.path.expanduser(parsed.path if scheme == "file" else url))
+        root = _local_root(url, parsed)
         if os.path.exists(root) and not os.path.isdir(root):
             raise StoreConfigError(f"--store {redact_url(url)} is a file, not a folder")
         _refuse_file_ancestor(url, root)
@@ -424,20 +424,19 @@ def create_store(url: str, options: StoreOptions | None = None) -> tuple[Generat
     listed, and written (the create-only probe on S3). (the store, whether a bucket or folder was made);
     StoreConfigError naming what is wrong."""
     options = options or StoreOptions.from_env()
-    problem = url_problem(url) if url and url.strip() else None
-    parsed = urlparse(url)
-    made = False
-    if not problem and parsed.scheme.lower() in ("s3", "s3a") and parsed.netloc and not set("@:") & set(parsed.netloc):
+    problem = url_problem(url) if url and url.strip() else "is empty"
+    parsed, made = urlparse(url), False
+    if not problem and parsed.scheme.lower() in ("s3", "s3a"):
         from trainproof.storage.s3 import S3Backend
 
+        bucket, _ = _s3_location(url, parsed, options)
         stats = RetryStats()
         backend = S3Backend(options, stats)
-        made = retry_or_unavailable(options.retry, f"create bucket {parsed.netloc}",
-                                    lambda: backend.create_bucket(parsed.netloc), stats)
+        made = retry_or_unavailable(options.retry, f"create bucket {bucket}", lambda: backend.create_bucket(bucket),
+                                    stats)
     elif not problem and parsed.scheme.lower() in ("", "file"):
-        root = os.path.abspath(os.path.expanduser(parsed.path if parsed.scheme else url))
-        made = not os.path.exists(root)
-    store = open_store(url, options)
+        made = not os.path.exists(_local_root(url, parsed))
+    store = open_store(url, options)  # refuses what ``problem`` names, with its own message
     store._before_write()
     return store, made
 
@@ -477,9 +476,8 @@ def endpoint_problem(url: str) -> str | None:
     return None
 
 
-def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
-    from trainproof.storage.s3 import S3Backend
-
+def _s3_location(url: str, parsed, options: StoreOptions) -> tuple[str, str]:
+    """(bucket, prefix) of an s3:// store URL; StoreConfigError for what cannot work (no request is made)."""
     bucket, prefix = parsed.netloc, parsed.path.strip("/")
     # Credentials in the URL would end up in logs and process listings: refuse them.  A bucket name never holds
     # '@' or ':'; a ':' there is "KEY:SECRET" whose secret held a '/' (which ended the authority early).
@@ -496,6 +494,18 @@ def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
         if problem:
             raise StoreConfigError(f"the S3 endpoint URL {redact_url(options.endpoint_url)} {problem}: pass "
                                    "http(s)://host[:port] in --endpoint-url or AWS_ENDPOINT_URL")
+    return bucket, prefix
+
+
+def _local_root(url: str, parsed) -> str:
+    """The folder a plain path or file:// URL names, absolute."""
+    return os.path.abspath(os.path.expanduser(parsed.path if parsed.scheme.lower() == "file" else url))
+
+
+def _open_s3(url: str, parsed, options: StoreOptions) -> GenerationStore:
+    from trainproof.storage.s3 import S3Backend
+
+    bucket, prefix = _s3_location(url, parsed, options)
     stats = RetryStats()
     backend = S3Backend(options, stats)
     # The whole retry budget (docs/storage.md: 6 attempts, 120 s): a MinIO pod still starting is exactly this case, and
