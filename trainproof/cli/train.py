@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -28,7 +27,7 @@ from trainproof.cli.common import (
     setup_logging,
 )
 from trainproof.errors import ConfigError, TrainError
-from trainproof.lifecycle.finish import Finisher
+from trainproof.lifecycle.finish import Finisher, process_age_s
 from trainproof.lifecycle.signals import Deadline, StopRequest
 from trainproof.lifecycle.spot import SpotConfig, SpotWatcher
 from trainproof.train.config import TrainConfig, load_task_config
@@ -137,7 +136,7 @@ def _deadline_work(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.deadline is None:
         return {}
     # The reload check is a fresh process like this one: our own start-up so far (torch imported) measures it.
-    startup_s = min(time.monotonic() - trainproof.IMPORTED_AT, 120.0)
+    startup_s = min(process_age_s(trainproof.IMPORTED_AT), 120.0)
     return {"deadline": Deadline(cfg.deadline, margin_s=cfg.deadline_margin_s),
             "finisher": Finisher(startup_s, cfg.task)}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -132,23 +133,47 @@ def _aware(text: object) -> datetime:
     return at
 
 
+def process_age_s(fallback_since: float) -> float:
+    """Seconds since this process started, interpreter start-up included (Linux: ``/proc/self/stat``); elsewhere
+    since ``fallback_since`` (a ``time.monotonic()`` value taken as early as possible)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat, open("/proc/uptime", encoding="ascii") as uptime:
+            # Field 22 (starttime, clock ticks after boot) follows the command name, which may hold spaces: split
+            # after its closing parenthesis.
+            started = int(stat.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+            age = float(uptime.read().split()[0]) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        age = -1.0
+    return age if 0.0 <= age < 86400.0 else time.monotonic() - fallback_since
+
+
 class Finisher:
     """Estimates and performs the export + fresh-process reload check after a deadline's final commit."""
 
+    EXIT_SHARE = 0.5
+    """This process's own end (interpreter finalization: torch's modules and objects torn down) as a share of its
+    start-up. Measured on 2 cores: 0.45-0.9 s after the last event for a start-up of 2-3 s, and it grows with the
+    machine's load as the start-up does."""
+
     def __init__(self, startup_s: float, task: str) -> None:
         self.startup_s = startup_s
+        """How long this process took to start, import torch and open the run: the reload check is such a process."""
         self.task = task
         """The run's task as this process was told it (the export compares plan.json with it)."""
-        """How long this process took to import torch and open the run: the reload check is such a process."""
+
+    def exit_s(self) -> float:
+        """Seconds kept after the reload check for this process to write its summary and end."""
+        return 0.5 + self.EXIT_SHARE * self.startup_s
 
     def estimate_s(self, save_s: float) -> float:
-        """Seconds the export and its reload check may take.
+        """Seconds the export, its reload check and this process's end may take.
 
         The export reads the generation back, evaluates twice and commits about as many bytes as a save, so
         twice the save; the reload check is a fresh ``python -m trainproof`` process, so this process's own start-up
-        (measured), plus a second for the evaluations.
+        (measured from the process's start), plus a second for the evaluations; then this process ends
+        (:meth:`exit_s`).
         """
-        return 2.0 * save_s + self.startup_s + 1.0
+        return 2.0 * save_s + self.startup_s + 1.0 + self.exit_s()
 
     def export_and_check(self, store: GenerationStore, seconds_left: float | None, save_s: float) -> dict[str, Any]:
         """Export the newest generation and reload-check it; ``{"ok": bool, ...}``, never raises."""
@@ -159,8 +184,9 @@ class Finisher:
         from trainproof.proof.reload import export_and_check
 
         t0 = time.perf_counter()
-        # The reload check gets what is left of the deadline once the export is committed (3600 s without one).
-        ends_at = None if seconds_left is None else time.monotonic() + seconds_left
+        # The reload check gets what is left of the deadline once the export is committed, less this process's end
+        # (3600 s without a deadline): a check that runs later is stopped, so the run still ends by the deadline.
+        ends_at = None if seconds_left is None else time.monotonic() + seconds_left - self.exit_s()
         try:
             checked = export_and_check(store, task=self.task, store_args=[], timeout=3600.0, ends_at=ends_at)
         except (TrainError, VerificationIncomplete, StoreError, OSError) as exc:
