@@ -151,6 +151,7 @@ def test_a_verification_over_its_budget_is_refused_before_anything_runs(tmp_path
     result = job("verify", "--store", str(tmp_path / "run"), "--budget-steps", "30")
     line = _one_error_line(result)
     assert result.returncode == 2 and "over --budget-steps 30" in line and "--cuts" in line, line
+    assert "--samples 8: epochs of 2 steps" in line, line
     assert "plan: 9 paths (continuous 18 steps, 3 epochs of 6), 80 steps trained" in result.stderr
     assert not list((tmp_path / "run").rglob("step-*"))
 
@@ -162,6 +163,48 @@ def test_the_plan_counts_every_path_and_commit():
     assert plan.paths == [18, 5, 13, 13, 12, 9] and plan.steps == 70
     assert plan.commits == 4 + 1 + 3 + 3 + 3 + 2 and plan.bytes == plan.commits * 1000
     assert Plan.of(steps=18, cut=5, extra_cuts=[], steps_per_epoch=6, every=0, state_bytes=1).commits == 4
+
+
+@pytest.mark.parametrize("steps_per_epoch,global_batch", [(4092, 8), (300, 32), (40, 1)])
+def test_the_samples_a_refused_plan_suggests_make_it_fit(steps_per_epoch, global_batch):
+    """A packed dataset's default verify (three epochs of thousands of steps) is refused naming a --samples value;
+    the plan of that many samples (the default cuts, short epochs still crossed) is within the budget."""
+    import re
+
+    from trainproof.errors import ConfigError
+    from trainproof.proof.budget import Plan, check_budget
+    from trainproof.proof.cuts import plan_cuts
+
+    def plan(spe: int) -> Plan:
+        extra, steps, _ = plan_cuts(protocol_cut=5, steps=10, steps_per_epoch=spe, chosen=None, seed=1234)
+        return Plan.of(steps=steps, cut=5, extra_cuts=extra, steps_per_epoch=spe, every=1, state_bytes=2**20)
+
+    samples = steps_per_epoch * global_batch
+    with pytest.raises(ConfigError) as refused:
+        check_budget(plan(steps_per_epoch), max_steps=500, max_gib=20.0, cuts_given=False, samples=samples,
+                     global_batch=global_batch)
+    fewer = int(re.search(r"--samples (\d+)", str(refused.value)).group(1))
+    assert fewer < samples and fewer % global_batch == 0
+    short = plan(fewer // global_batch)
+    assert short.paths[0] >= 3 * short.steps_per_epoch  # three epochs, their boundaries crossed
+    check_budget(short, max_steps=500, max_gib=20.0, cuts_given=False, samples=fewer, global_batch=global_batch)
+
+
+def test_the_first_samples_of_a_task_are_another_experiment_of_the_same_task():
+    from trainproof.errors import ConfigError
+    from trainproof.tasks import load_task
+    from trainproof.tasks.base import first_samples
+    from trainproof.train.variant import Variant
+
+    whole = load_task("regression")
+    identity = whole.data_identity()
+    part = Variant.parse('{"samples": 8}').apply(load_task("regression"))
+    assert part.num_samples() == 8 and whole.num_samples() == 24
+    assert part.data_identity() not in (identity, first_samples(load_task("regression"), 12).data_identity())
+    assert first_samples(load_task("regression"), 24).data_identity() == identity  # all of them: the task itself
+    for bad in ("0", "25", "true", '"8"'):
+        with pytest.raises(ConfigError, match="samples"):
+            Variant.parse('{"samples": %s}' % bad).apply(load_task("regression"))
 
 
 def test_a_target_already_reached_says_nothing_is_trained(tmp_path):

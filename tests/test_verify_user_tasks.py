@@ -95,7 +95,8 @@ USER_TASKS = '''
             "namedtuple": (lines, mlp, attr_loss, named),
         }[kind]
         return DatasetTask(dataset=data, build_model=model, per_sample_loss=loss, config=dict(config), batch_size=4,
-                           optimizer="adam", lr=0.01, collate=collate, eval_dataset=data)
+                           optimizer="adam", lr=0.01, collate=collate, eval_dataset=data,
+                           verify_samples=config.get("verify_samples"))
 '''
 
 
@@ -123,6 +124,26 @@ def test_float32_adapter_tasks_pass_the_default_verify(tmp_path, kind):
     assert report["all_checks_passed"] is True and report["objective_equivalence_passed"] is True
     assert report["environment"]["precision"].startswith("float32")
     assert report["objective_equivalence"]["tolerance"]["dtype"] == "float64"
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["task-verify_samples", "verify--samples"])
+def test_verify_on_a_subset_of_the_samples_crosses_its_short_epochs(tmp_path, declared):
+    """A task's ``verify_samples`` (or ``verify --samples``) has every path train on the first 8 of 24 samples:
+    epochs of 2 steps instead of 6, every one crossed and resumed at, the negative control still caught; the runs'
+    own plans say so, and verification.json records it."""
+    config = {"kind": "dataclass", **({"verify_samples": 8} if declared else {})}
+    result, store = _verify(tmp_path, "usertasks", USER_TASKS, config, "--no-export", "--no-objective-check",
+                            *([] if declared else ["--samples", "8"]))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "trains on the first 8 of the task's 24 samples" in result.stderr
+    report = read_report(store, "v")
+    assert report["all_checks_passed"] is True and report["settings"]["samples"] == 8
+    plans = list((Path(store) / "verification" / "v").rglob("plan.json"))
+    assert len(plans) >= 4
+    for plan in plans:
+        assert json.loads(plan.read_text())["epoch_plan"]["samples"] == 8, plan
+    cuts = report["cuts"]  # every boundary of the three short epochs (steps 2 and 4) resumed at and passed
+    assert cuts["steps_per_epoch"] == 2 and {2, 4} <= set(cuts["all"]) and all(cuts["passed"].values()), cuts
 
 
 def test_the_docs_adapter_example_verbatim_passes_the_default_verify(tmp_path):

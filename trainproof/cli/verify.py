@@ -93,9 +93,13 @@ def verify_command(
     keep_evidence: Annotated[bool, typer.Option(
         "--keep-evidence", help="Keep the paths' step-* generations after a passed verdict (a failed or incomplete "
                                 "one always keeps them; --reuse-reference needs them).")] = False,
+    samples: Annotated[Optional[int], typer.Option(
+        min=0, help="Train every path on the dataset's first N samples: epochs of N / global batch steps, so a "
+                    "large dataset's epoch boundaries are still crossed within the budget. Default: the task's "
+                    "verify_samples, else all; 0: all.")] = None,
     budget_steps: Annotated[int, typer.Option(
         min=1, help="Most steps the protocol's paths may train together; a larger plan is refused before it starts, "
-                    "naming what shrinks it (--cuts, --checkpoint-every).")] = 5000,
+                    "naming what shrinks it (--samples, --cuts, --checkpoint-every).")] = 5000,
     budget_gib: Annotated[float, typer.Option(
         min=0.0, help="Most GiB their generations may take (estimated from the model's parameters).")] = 20.0,
     reuse: Annotated[Optional[str], typer.Option(
@@ -110,7 +114,8 @@ def verify_command(
     store_args = store_cli_args(endpoint_url, region, path_style)
     common = dict(store=store, device=device, workdir=workdir, timeout=timeout, store_args=store_args,
                   **({"vid": vid} if vid else {}))
-    protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse, cuts=cuts)
+    protocol_only = dict(task=task, steps=steps, cut=cut, seed=seed, config=config, reuse=reuse, cuts=cuts,
+                         samples=samples)
     try:
         from trainproof.proof.settings import given_tolerance  # torch is slow to import: keep `--help` fast
 
@@ -164,7 +169,7 @@ def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only
     protocol_cut = pick(o["cut"], default_cut if chosen is None else chosen[0])
     settings = ProtocolSettings(task=task, config=o["config"], steps=pick(o["steps"], default_steps),
                                 cut=protocol_cut, seed=pick(o["seed"], 1234), cuts=chosen,
-                                tolerance=tolerance, reuse=o["reuse"], **more, **common)
+                                tolerance=tolerance, reuse=o["reuse"], samples=o["samples"], **more, **common)
     return Protocol(settings, opener)
 
 

@@ -439,7 +439,10 @@ def _metrics(task: Task, plan: dict, state: dict, metric: float, metric_bf16: fl
 
 def _data(task: Task, plan: dict, state: dict) -> dict[str, Any]:
     data = state["ranks"][0].get("data") or {}
-    return {"data_identity": plan["data_identity"], "contract": plan["contract"], "num_samples": task.num_samples(),
+    epoch_plan = state["meta"].get("epoch_plan")  # what the run trained on (a verification: a subset of the samples)
+    samples = epoch_plan.get("samples") if isinstance(epoch_plan, dict) else None
+    return {"data_identity": plan["data_identity"], "contract": plan["contract"],
+            "num_samples": samples if isinstance(samples, int) else task.num_samples(),
             "epoch_plan": state["meta"].get("epoch_plan"), "epoch": data.get("epoch"), "cursor": data.get("cursor"),
             "samples_seen": state["progress"]["samples_seen"], "targets_seen": state["progress"]["targets_seen"]}
 

@@ -67,16 +67,31 @@ def state_bytes(model: Any) -> int:
     return OVERHEAD + ADAM_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def check_budget(plan: Plan, *, max_steps: int, max_gib: float, cuts_given: bool) -> None:
-    """ConfigError (exit 2), one line naming what shrinks the plan, when it exceeds ``max_steps`` or ``max_gib``."""
+def check_budget(plan: Plan, *, max_steps: int, max_gib: float, cuts_given: bool, samples: int,
+                 global_batch: int) -> None:
+    """ConfigError (exit 2), one line naming what shrinks the plan, when it exceeds ``max_steps`` or ``max_gib``.
+    ``samples``: what each path's epoch holds (the task's, or ``--samples``), in steps of ``global_batch``."""
     if plan.steps <= max_steps and plan.bytes <= max_gib * 2**30:
         return
     over = (f"{plan.steps} steps (over --budget-steps {max_steps})" if plan.steps > max_steps
             else f"about {_size(plan.bytes)} (over --budget-gib {max_gib:g})")
-    why = ("" if cuts_given else f"; the default cuts cover three epochs of {plan.steps_per_epoch} steps: pick "
-           f"cuts within the first epoch or two with --cuts (e.g. --cuts {_example(plan.steps_per_epoch)})")
+    fewer = _fewer(plan, samples=samples, global_batch=global_batch, max_steps=max_steps, max_gib=max_gib)
+    why = "" if cuts_given else (
+        f"; the default cuts cover three epochs of {plan.steps_per_epoch} steps: "
+        + (f"verify on fewer samples with --samples (e.g. --samples {fewer}: epochs of "
+           f"{-(-fewer // global_batch)} steps, still crossed) or " if fewer else "")
+        + f"pick cuts within the first epoch or two with --cuts (e.g. --cuts {_example(plan.steps_per_epoch)})")
     raise ConfigError(f"this verification would train {over}: {plan.line()[6:]}{why}; a larger --checkpoint-every "
                       "commits fewer generations; or raise --budget-steps/--budget-gib")
+
+
+def _fewer(plan: Plan, *, samples: int, global_batch: int, max_steps: int, max_gib: float) -> int | None:
+    """A sample count whose epochs are short enough for the plan to fit (the default cuts' paths grow with the
+    epoch), in whole global batches and at least two steps an epoch; None when that is not fewer than ``samples``."""
+    share = min(max_steps / max(1, plan.steps), max_gib * 2**30 / max(1, plan.bytes))
+    steps = max(2, int(plan.steps_per_epoch * share * 0.8))
+    fewer = steps * global_batch
+    return fewer if fewer < samples else None
 
 
 def _example(steps_per_epoch: int) -> str:

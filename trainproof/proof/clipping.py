@@ -69,9 +69,8 @@ class ClipCheck(Check):
 
     def _argv(self, name: str) -> list[str]:
         resume = name == "clip_resume"
-        return [*train_argv(self.s, self.urls[name], steps=STEPS_AFTER if resume else self.end, every=1,
-                            resume=resume),
-                *Variant(grad_clip=self.threshold).argv()]
+        return train_argv(self.s, self.urls[name], steps=STEPS_AFTER if resume else self.end, every=1, resume=resume,
+                          variant=Variant(grad_clip=self.threshold))
 
     def jobs(self, phase: str, scratch: Path, done: Results) -> list[Job]:
         """When :func:`missed`: ``clip_continuous`` in the ``again`` phase, ``clip_resume`` (seeded first) after."""

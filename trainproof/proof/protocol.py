@@ -46,6 +46,7 @@ from trainproof.proof.verification import VerificationRunner
 from trainproof.proof.world import WorldEquivalence
 from trainproof.storage import GenerationStore
 from trainproof.tasks import Task, load_task
+from trainproof.tasks.base import first_samples
 from trainproof.train.config import load_task_config
 from trainproof.train.data import epoch_plan
 
@@ -77,6 +78,7 @@ class Protocol(VerificationRunner):
     def __init__(self, settings: ProtocolSettings, opener: Opener) -> None:
         self.s, self.opener = settings, opener
         self.task = load_task(settings.task, load_task_config(settings.config) if settings.config else {})
+        settings = self._on_subset(settings)
         if settings.tolerance is None:  # exact where the paths are bitwise by construction (the CPU)
             settings = replace(settings, tolerance=default_tolerance(self.task, settings.device))
         self.s = settings
@@ -98,12 +100,24 @@ class Protocol(VerificationRunner):
                                 every=settings.checkpoint_every, state_bytes=self.state_bytes)
             log.info("%s", self.plan.line())
             check_budget(self.plan, max_steps=settings.budget_steps, max_gib=settings.budget_gib,
-                         cuts_given=settings.cuts is not None)
+                         cuts_given=settings.cuts is not None, samples=self.task.num_samples(),
+                         global_batch=self.task.batch_size * settings.world)
         self.four = FourPaths(settings=settings, opener=opener, task=self.task, param_names=self.param_names,
                               root=self.root, reference=base.child(settings.reuse) if settings.reuse else None)
         """The four paths: the first check, whose paths, export and environment the report's envelope holds."""
         self.checks: list[Check] = self._checks(extra_cuts, steps_per_epoch)
         """Everything proved, the four paths first, in the order of their verdicts in verification.json."""
+
+    def _on_subset(self, settings: ProtocolSettings) -> ProtocolSettings:
+        """The settings with the samples every path trains on (``--samples``, else the task's ``verify_samples``; 0
+        or the whole dataset: None), and :attr:`task` restricted to them, so the epoch plan below is the paths'."""
+        samples = settings.samples if settings.samples is not None else self.task.verify_samples
+        if not samples or samples == self.task.num_samples():
+            return replace(settings, samples=None)
+        total = self.task.num_samples()
+        self.task = first_samples(self.task, samples)
+        log.info("every path trains on the first %d of the task's %d samples", samples, total)
+        return replace(settings, samples=samples)
 
     def _checks(self, extra_cuts: list[int], steps_per_epoch: int) -> list[Check]:
         """The verification's checks (trainproof.proof.check): adding one is adding it here."""

@@ -7,7 +7,7 @@ path that differed in an option (another seed, device, commit cadence) would com
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -16,6 +16,7 @@ from trainproof.errors import ConfigError
 from trainproof.format.layout import flag as layout_flag
 from trainproof.proof.compare import Tolerance
 from trainproof.proof.paths import job_argv, new_id
+from trainproof.train.variant import Variant
 
 DEFAULT_SCHEDULE = {"regression": (10, 5), "tinylm": (8, 3)}
 """(steps, cut) per built-in task: regression is the fixture of docs/protocol.md (the cut mid-epoch at cursor 20 of 24,
@@ -68,6 +69,9 @@ class ProtocolSettings:
     """Most steps the main paths may train together (trainproof.proof.budget): a larger plan is refused."""
     budget_gib: float = 20.0
     """Most GiB their generations may take, estimated from the model's parameters."""
+    samples: int | None = None
+    """Every path trains on the task's first this many samples (``--samples``; trainproof.tasks.base.first_samples);
+    None: the whole dataset. The protocol resolves it from the task's ``verify_samples`` when not given."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.cut < self.steps:
@@ -87,7 +91,7 @@ class ProtocolSettings:
                 **({"atol": None, "rtol": None, "comparison": None} if self.tolerance is None else
                    {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "comparison": self.tolerance.mode}),
                 "device": self.device, "checkpoint_every": self.checkpoint_every, "reused_reference": self.reuse,
-                "world": self.world, "fsdp": self.fsdp, "objective_check": self.objective}
+                "world": self.world, "fsdp": self.fsdp, "objective_check": self.objective, "samples": self.samples}
 
 
 CPU_EXACT = ("CPU with the trainer's deterministic settings (deterministic algorithms, the task's fixed thread count, "
@@ -124,12 +128,13 @@ def default_schedule(task: str) -> tuple[int, int]:
 
 
 def train_argv(s: ProtocolSettings, url: str, *, steps: int, every: int, resume: bool,
-               negative: bool = False) -> list[str]:
+               negative: bool = False, variant: Variant | None = None) -> list[str]:
     """The ``train`` command line of one path of the protocol into run ``url``.
 
     ``steps``: updates to train (a resumed path: additional ones, so one that silently started over ends short);
     ``every``: its commit cadence (0: only at the end); ``resume``: continue the run's newest generation (the copy of
-    a cut) rather than start fresh; ``negative``: the negative control, resumed without the RNG restore."""
+    a cut) rather than start fresh; ``negative``: the negative control, resumed without the RNG restore;
+    ``variant``: a check's trainer mode (trainproof.train.variant), on the protocol's subset of samples."""
     args = ["--task", s.task, *(["--config", str(s.config)] if s.config else []), "--seed", str(s.seed),
             "--steps", str(steps), "--checkpoint-every", str(every), "--checkpoint-every-seconds", "0",
             "--keep", "0", "--resume", "auto" if resume else "never", "--device", s.device, "--log-format", "json",
@@ -137,4 +142,5 @@ def train_argv(s: ProtocolSettings, url: str, *, steps: int, every: int, resume:
     if s.world > 1:
         args = ["--nproc-per-node", str(s.world), *args]
     args += layout_flag(s.fsdp)
+    args += replace(variant or Variant(), samples=s.samples).argv()
     return job_argv("train", "--store", url, *args, *(["--omit-rng-restore"] if negative else []))

@@ -107,7 +107,9 @@ class DatasetTask(Task):
     - ``objective``, ``cpu_threads`` (default 1: bitwise-reproducible CPU runs), ``dtype``,
       ``supports_cuda``, ``default_steps``, ``precision`` (``auto``, ``bf16``, ``fp16``, ``fp32``), ``tokenizer``:
       as on :class:`Task`;
-    - ``pretrained``: weights files (:class:`~trainproof.tasks.base.Pretrained`) the model starts from on a fresh start.
+    - ``pretrained``: weights files (:class:`~trainproof.tasks.base.Pretrained`) the model starts from on a fresh start;
+    - ``verify_samples``: ``trainproof verify`` trains on the first this many samples (a short epoch for a large
+      dataset; ``verify --samples`` overrides it), or None for all of them.
     """
 
     def __init__(
@@ -121,7 +123,7 @@ class DatasetTask(Task):
         eval_dataset: Dataset | None = None, eval_metric: str = "loss", objective: str = "per_target_mean_v1",
         cpu_threads: int | None = 1, dtype: torch.dtype = torch.float32, supports_cuda: bool = True,
         default_steps: int = 10, precision: str = "auto", pretrained: Sequence[Pretrained] = (),
-        tokenizer: Any = None, num_workers: int = 0, prefetch: int = 2,
+        tokenizer: Any = None, num_workers: int = 0, prefetch: int = 2, verify_samples: int | None = None,
     ) -> None:
         require(isinstance(config, Mapping), f"config must be a dict of settings, not {type(config).__name__}")
         try:
@@ -144,6 +146,11 @@ class DatasetTask(Task):
                  "DatasetTask: data_identity must be a sha256 hex digest (64 lowercase hex digits)")
         require(isinstance(num_workers, int) and num_workers >= 0, "DatasetTask: num_workers must be >= 0")
         require(isinstance(prefetch, int) and prefetch >= 1, "DatasetTask: prefetch must be >= 1")
+        require(verify_samples is None or (isinstance(verify_samples, int) and not isinstance(verify_samples, bool)
+                                           and 1 <= verify_samples <= len(dataset)),  # type: ignore[arg-type]
+                f"DatasetTask: verify_samples must be between 1 and the dataset's {len(dataset)} samples "  # type: ignore[arg-type]
+                f"(got {verify_samples!r})")
+        self.verify_samples = verify_samples
         self.dataset, self.eval_dataset = dataset, eval_dataset
         self._build_model, self._per_sample_loss = build_model, per_sample_loss
         self._batch_size, self._micro_batch_size = batch_size, micro

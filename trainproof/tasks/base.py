@@ -60,6 +60,10 @@ class Task(abc.ABC):
     """Parameter dtype."""
     default_steps: int = 10
     """Target when neither ``--max-steps`` nor ``--steps`` is given."""
+    verify_samples: int | None = None
+    """Samples ``trainproof verify`` trains its paths on: the first this many of the dataset, so that an epoch (and
+    the three the verification crosses) stays short for a large dataset; ``verify --samples`` overrides it. None:
+    the whole dataset. It never changes a training run."""
     grad_clip: float | None = None
     """Max global gradient norm, or None for no clipping."""
     fsdp: bool = False
@@ -213,6 +217,23 @@ class Task(abc.ABC):
         user's task: ``trainproof export`` refuses a task without it.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement evaluate(model)")
+
+
+def first_samples(task: Task, samples: int) -> Task:
+    """``task`` trained on its first ``samples`` samples (ids ``0 .. samples - 1``) only: what ``verify --samples``
+    runs. The data identity names the subset (a run of it is another experiment than the whole dataset's); nothing
+    else of the task changes. ConfigError (exit 2) when the dataset is smaller."""
+    total = task.num_samples()
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= total:
+        raise ConfigError(f"verify on the first {samples!r} samples: the task has {total}; give --samples between 1 "
+                          f"and {total}")
+    if samples == total:
+        return task
+    whole = task.data_identity
+    # Instance attributes shadow the methods: every caller, the task's own code included, sees the subset.
+    task.num_samples = lambda: samples  # type: ignore[method-assign]
+    task.data_identity = lambda: sha256_of("trainproof.first_samples/1", whole(), samples)  # type: ignore[method-assign]
+    return task
 
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")

@@ -38,6 +38,8 @@ class Variant:
     the micro-batches of the step."""
     grad_clip: float | None = None
     """The clipping runs (trainproof.proof.clipping): this max gradient norm instead of the task's."""
+    samples: int | None = None
+    """``verify --samples``: train on the task's first this many samples (trainproof.tasks.base.first_samples)."""
 
     def __post_init__(self) -> None:
         if self.negative_control not in NEGATIVE_CONTROLS:
@@ -49,6 +51,9 @@ class Variant:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{OPTION}: {name} must be an integer >= 1 (got {value!r})")
+        if self.samples is not None and (isinstance(self.samples, bool) or not isinstance(self.samples, int)
+                                         or self.samples < 1):
+            raise ConfigError(f"{OPTION}: samples must be an integer >= 1 (got {self.samples!r})")
         clip = self.grad_clip
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                                  or not (clip > 0 and math.isfinite(clip))):
@@ -81,7 +86,12 @@ class Variant:
         return cls(**data)
 
     def apply(self, task: Any) -> Any:
-        """The task this variant trains: the objective check's float64 twin, and the clipping runs' threshold."""
+        """The task this variant trains: the subset of its samples, the objective check's float64 twin, and the
+        clipping runs' threshold."""
+        if self.samples is not None:
+            from trainproof.tasks.base import first_samples
+
+            task = first_samples(task, self.samples)
         if self.objective_check:
             from trainproof.tasks.objective import ObjectiveCheckTask
 
