@@ -282,8 +282,8 @@ def doc_modules() -> dict[str, str]:
 
 def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, monkeypatch):
     modules = doc_modules()
-    # the adapter one, the from-scratch one, and the latter with its batches built by workers
-    assert set(modules) == {"mytask", "lines", "wlines"}, sorted(modules)
+    # the adapter one, the from-scratch one, the latter with its batches built by workers, the classifier
+    assert set(modules) == {"mytask", "lines", "wlines", "classify"}, sorted(modules)
     for name, body in modules.items():
         (tmp_path / f"{name}.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -303,7 +303,80 @@ def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, m
         assert len(losses) == 8 and losses[-1] < losses[0], (name, losses)
         assert final_state(tmp_path / name)["progress"]["step"] == 8
         started = next(e for e in events(out) if e["event"] == "start")
-        assert started["data_workers"] == {"mytask": 0, "lines": None, "wlines": 2}[name]
+        assert started["data_workers"] == {"mytask": 0, "lines": None, "wlines": 2, "classify": 0}[name]
+
+
+def test_the_classifier_example_exports_its_accuracy_and_the_reload_check_reproduces_it(tmp_path, monkeypatch):
+    """docs/tasks.md's classifier declares ``eval_metrics={"accuracy": ...}``: ``trainproof export`` records the
+    accuracy of the exported weights beside the loss (what a plain evaluation of those weights gives), prints it,
+    and the fresh-process reload check reproduces it from both weights files."""
+    (tmp_path / "classify.py").write_text(doc_modules()["classify"])
+    env = env_without_trainproof({"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    store = tmp_path / "run"
+    for argv in (["train", "--store", str(store), "--task", "classify:factory", "--max-steps", "24"],
+                 ["export", "--store", str(store), "--task", "classify:factory"]):
+        done = subprocess.run([sys.executable, "-m", "trainproof", *argv], cwd=tmp_path, env=env, text=True,
+                              capture_output=True, timeout=budget(300))
+        assert done.returncode == 0, done.stderr[-3000:]
+    bundle = store / "exports" / "step-00000024"
+    recorded = json.loads((bundle / "metrics.json").read_text())["eval"]
+    assert recorded["metric"] == "loss" and set(recorded["others"]) == set(recorded["others_bf16"]) == {"accuracy"}
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = load_task("classify:factory", {})
+    model = task.build_model()
+    model.load_state_dict(_full_precision(bundle))
+    x, y = task.eval_dataset.tensors
+    with torch.no_grad():
+        expected = float((model(x).argmax(dim=1) == y).double().mean())
+    assert recorded["others"]["accuracy"] == expected and 0.5 < expected <= 1.0  # trained: better than a coin
+    assert f"other metrics: accuracy {expected:.6g}" in done.stdout, done.stdout
+    check = json.loads((store / "exports" / "step-00000024.reload-check.json").read_text())
+    assert check["passed"] and check["checks"]["other_metrics_reproduced"] == {"passed": True,
+                                                                              "metrics": ["accuracy"]}
+    assert check["others"]["accuracy"] == {"recorded": expected, "reloaded": expected}
+
+
+def test_eval_metrics_are_checked_like_the_loss_and_a_metric_not_reproduced_fails_the_reload_check():
+    """A metric function that returns booleans (or reduces) is one line naming the metric; names are checked when
+    the task is built; the reload check fails a metric whose value, or set of names, the bundle does not match."""
+    from trainproof.proof.reload import _others_close
+
+    x = torch.linspace(-1, 1, 8).unsqueeze(1)
+    data = TensorDataset(x, (x > 0).long().squeeze(1))
+    build = lambda **kw: DatasetTask(dataset=data, build_model=lambda: torch.nn.Linear(1, 2), config={},  # noqa: E731
+                                     per_sample_loss=lambda m, b: torch.nn.functional.cross_entropy(
+                                         m(b[0]), b[1], reduction="none"), batch_size=4, eval_dataset=data, **kw)
+    as_bool = build(eval_metrics={"accuracy": lambda m, b: m(b[0]).argmax(1) == b[1]})
+    with pytest.raises(ConfigError, match=r"eval_metrics\['accuracy'\] must return a floating-point .*use \.float"):
+        as_bool.evaluate_metrics(as_bool.build_model())
+    reduced = build(eval_metrics={"accuracy": lambda m, b: (m(b[0]).argmax(1) == b[1]).float().mean()})
+    with pytest.raises(ConfigError, match=r"eval_metrics\['accuracy'\] returned shape \(\), expected \(4,\)"):
+        reduced.evaluate_metrics(reduced.build_model())
+    for bad in ({"loss": lambda m, b: None}, {"": lambda m, b: None}, {"accuracy": 1}):
+        with pytest.raises(ConfigError, match="eval_metrics"):
+            build(eval_metrics=bad)
+    good = build(eval_metrics={"accuracy": lambda m, b: (m(b[0]).argmax(1) == b[1]).float()})
+    model = good.build_model()
+    values = good.evaluate_metrics(model)
+    assert set(values) == {"loss", "accuracy"} and values["loss"] == good.evaluate(model)
+    assert values["accuracy"] in {k / 8 for k in range(9)}  # a mean over the 8 evaluation samples
+    recorded = {"others": {"accuracy": 0.75}, "others_bf16": {"accuracy": 0.5}}
+    assert _others_close(recorded, {"accuracy": 0.75}, {"accuracy": 0.5})["passed"]
+    assert _others_close(recorded, {"accuracy": 0.625}, {"accuracy": 0.5})["failed"] == ["others.accuracy"]
+    assert not _others_close(recorded, {"accuracy": 0.75, "f1": 0.5}, {"accuracy": 0.5, "f1": 0.5})["passed"]
+    assert not _others_close({"others": {"accuracy": "0.75"}, "others_bf16": {"accuracy": 0.5}},
+                             {"accuracy": 0.75}, {"accuracy": 0.5})["passed"]
+    assert _others_close({}, {}, {})["passed"]  # a task without other metrics: nothing recorded, nothing to match
+
+
+def _full_precision(bundle: Path) -> dict[str, torch.Tensor]:
+    """The exported full-precision weights, read the way a user would."""
+    name = json.loads((bundle / "config.json").read_text())["weights"]["full_precision"]
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(str(bundle / name))
+    return torch.load(bundle / name, weights_only=True)
 
 
 def readme_commands(heading: str = "## Train your own model") -> list[str]:

@@ -31,6 +31,7 @@ from trainproof.cli.common import (
 )
 from trainproof.errors import TrainError
 from trainproof.storage import StoreError, StoreOptions, open_store
+from trainproof.storage.limits import safe
 
 _STEP_HELP = "Generation to export: a step number, or 'latest' (the newest usable one)."
 
@@ -207,6 +208,12 @@ def export_command(
     record = checked.record
     print(f"reload check ({record['metric']}): recorded {record['recorded']:.10g}, reloaded bf16 "
           f"{record['reloaded_bf16']:.10g}: {'passed' if checked.passed else 'FAILED'} -> {checked.location}")
+    others = record.get("others")
+    others = others if isinstance(others, dict) else {}
+    shown = [f"{safe(name, 64)} {entry['reloaded']:.6g}" for name, entry in list(others.items())[:16]
+             if isinstance(entry, dict) and isinstance(entry.get("reloaded"), float)]
+    if shown:  # the task's other metrics (DatasetTask eval_metrics), reproduced with the rest
+        print(f"other metrics: {', '.join(shown)}")
     hf = record["checks"].get("hf_from_pretrained")
     if hf is not None:  # a transformers model's Hugging Face directory (trainproof.proof.hf_reload)
         print(f"Hugging Face directory {hf.get('directory')}: from_pretrained without trainproof "

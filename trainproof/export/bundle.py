@@ -281,8 +281,8 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
         mapped = map_safetensors(files[BF16_SAFETENSORS].path)
         bf16 = {k: mapped[k] for k in weights}  # the file's order is the library's; the state_dict's order is kept
         files[BF16_FILE], sums[BF16_FILE] = _spooled(lambda out: torch.save(bf16, out), directory)
-        metric, threads = evaluate_weights(task, weights)
-        metric_bf16, _ = evaluate_weights(task, bf16)
+        metric, others, threads = evaluate_weights(task, weights)
+        metric_bf16, others_bf16, _ = evaluate_weights(task, bf16)
         hf = None
         if hf_out is not None:
             from trainproof.export import hf as hf_export
@@ -308,10 +308,11 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
                                   "model_args": alone.model_args if alone else {},
                                   "standalone": {"model_py": alone is not None, "program": program_note},
                                   **({"hf": hf_config} if hf_config else {})}),
-            "metrics.json": _json({**_metrics(task, plan, state, metric, metric_bf16, threads), "history": covered,
+            "metrics.json": _json({**_metrics(task, plan, state, (metric, others), (metric_bf16, others_bf16),
+                                            threads), "history": covered,
                                    **({"hf": hf_metrics} if hf_metrics else {})}),
             "data.json": _json(_data(task, plan, state)),
-            "README.md": readme(metric_name=task.eval_metric, metric=metric, fp_name=FP_FILE,
+            "README.md": readme(metric_name=task.eval_metric, metric=metric, others=others, fp_name=FP_FILE,
                                 bf16_names=[BF16_SAFETENSORS, BF16_FILE], has_model_py=alone is not None,
                                 program_note=program_note, has_plot=plot is not None,
                                 hf_folder=hf_config.get("folder"), hf_eval=bool(hf and hf.eval_data)).encode(),
@@ -423,7 +424,10 @@ def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> 
     }
 
 
-def _metrics(task: Task, plan: dict, state: dict, metric: float, metric_bf16: float, threads: int) -> dict[str, Any]:
+def _metrics(task: Task, plan: dict, state: dict, full: tuple[float, dict[str, float]],
+             bf16: tuple[float, dict[str, float]], threads: int) -> dict[str, Any]:
+    """metrics.json; ``full``/``bf16``: the evaluation metric and the task's other metrics of each weights file."""
+    (metric, others), (metric_bf16, others_bf16) = full, bf16
     rows, progress = History.from_state_dict(state["history"]), state["progress"]
     last = rows.row(-1) if len(rows) else {}
     return {
@@ -432,7 +436,8 @@ def _metrics(task: Task, plan: dict, state: dict, metric: float, metric_bf16: fl
         "targets_seen": progress["targets_seen"],
         "target_unit": "tokens" if plan["objective"].startswith("global_token_mean") else "targets",
         "eval": {"metric": task.eval_metric, "value": metric, "value_bf16": metric_bf16, "device": "cpu",
-                 "threads": threads, "dtype": str(task.dtype).removeprefix("torch.")},
+                 "threads": threads, "dtype": str(task.dtype).removeprefix("torch."),
+                 "others": others, "others_bf16": others_bf16},
         "bf16_tolerance": {"rtol": BF16_RTOL, "why": BF16_WHY},
     }
 
@@ -448,19 +453,25 @@ def _data(task: Task, plan: dict, state: dict) -> dict[str, Any]:
 
 
 # -- helpers shared with the reload check ---------------------------------------------------------------
-def evaluate_weights(task: Task, weights: dict[str, torch.Tensor]) -> tuple[float, int]:
-    """``task.evaluate`` of a freshly built CPU model holding ``weights`` (cast to the task's dtype).
+def evaluate_weights(task: Task, weights: dict[str, torch.Tensor]) -> tuple[float, dict[str, float], int]:
+    """``task.evaluate_metrics`` of a freshly built CPU model holding ``weights`` (cast to the task's dtype).
 
-    Returns (metric, CPU threads used). The thread count is the task's (one for the built-ins), so the
-    same bytes give the same metric in any process; the global generators are left untouched.
+    Returns (the ``eval_metric``, the task's other metrics by name, CPU threads used). The thread count is the
+    task's (one for the built-ins), so the same bytes give the same metrics in any process; the global generators
+    are left untouched.
     """
     with _cpu_threads(task.cpu_threads) as threads, torch.random.fork_rng(devices=[]):
         model = task.build_model().to(dtype=task.dtype)
         model.load_state_dict(weights)  # each tensor copied (and cast) into the model's own: no converted copy
         try:
-            return float(task.evaluate(model)), threads
+            values = task.evaluate_metrics(model)
         except NotImplementedError as exc:
             raise ConfigError(f"cannot export: {exc} (the bundle's metric needs it)") from None
+    if not isinstance(values, dict) or task.eval_metric not in values:
+        raise ConfigError(f"cannot export: evaluate_metrics must return a dict holding eval_metric "
+                          f"{task.eval_metric!r} (got {type(values).__name__})")
+    others = {str(k): float(v) for k, v in values.items() if k != task.eval_metric}
+    return float(values[task.eval_metric]), others, threads
 
 
 @contextlib.contextmanager

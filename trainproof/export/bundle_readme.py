@@ -43,15 +43,18 @@ model = AutoModelForCausalLM.from_pretrained("{folder}")  # a local copy of that
 
 
 def readme(*, metric_name: str, metric: float, fp_name: str, bf16_names: list[str], has_model_py: bool,
-           program_note: str | None, has_plot: bool, hf_folder: str | None = None, hf_eval: bool = False) -> str:
+           program_note: str | None, has_plot: bool, hf_folder: str | None = None, hf_eval: bool = False,
+           others: dict[str, float] | None = None) -> str:
     """The bundle's README.md (``hf_folder``: where the Hugging Face directory of a ``transformers`` model lies,
-    relative to the bundles' folder; ``hf_eval``: the bundle holds ``hf_eval.py`` and its data)."""
+    relative to the bundles' folder; ``hf_eval``: the bundle holds ``hf_eval.py`` and its data; ``others``: the
+    task's other metrics of the same evaluation)."""
+    also = "".join(f", {name} {value:.6g}" for name, value in (others or {}).items())
     rows = [
         (", ".join(f"`{n}`" for n in bf16_names), "model weights, floating tensors in bfloat16"),
         (f"`{fp_name}`", "the same weights in full precision"),
         ("`config.json`", "task, task settings (`task_config`), dtype, "
                           "seed, run contract, source generation, versions"),
-        ("`metrics.json`", f"final loss, evaluation ({metric_name} {metric:.6g} "
+        ("`metrics.json`", f"final loss, evaluation ({metric_name} {metric:.6g}{also} "
                            "in full precision), steps, samples seen"),
         ("`data.json`", "data identity (sha256) and data position"),
     ]

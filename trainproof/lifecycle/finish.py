@@ -195,6 +195,7 @@ class Finisher:
         return {"ok": checked.passed, "bundle": checked.bundle.url, "reload_check": checked.location,
                 "seconds": round(time.perf_counter() - t0, 3), "metric": record["metric"],
                 "recorded": record["recorded"], "reloaded_bf16": record["reloaded_bf16"],
+                "others": record.get("others", {}),
                 **({} if checked.passed else {"why": "the reload check failed"})}
 
 

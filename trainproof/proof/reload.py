@@ -87,17 +87,18 @@ def _check(dest: GenerationStore, step: int, files: dict[str, Any], task: str) -
         raise ConfigError(f"{where} is not a readable bundle: {exc}") from None
     if not isinstance(config, dict) or not isinstance(metrics, dict) or not isinstance(config.get("task_config"), dict):
         raise ConfigError(f"{where}: config.json or metrics.json is not a bundle record")
-    task = load_task(trusted_task(config.get("task"), task, f"config.json of {where}"), config["task_config"])
+    built = load_task(trusted_task(config.get("task"), task, f"config.json of {where}"), config["task_config"])
     full = _weights(files, (config.get("weights") or {}).get("full_precision"), where)
     bf16 = _weights(files, BF16_FILE, where)
     not_bf16 = sorted(k for k, v in bf16.items() if v.is_floating_point() and v.dtype != torch.bfloat16)
-    fp_metric, threads = evaluate_weights(task, full)
-    bf16_metric, _ = evaluate_weights(task, bf16)
+    fp_metric, fp_others, threads = evaluate_weights(built, full)
+    bf16_metric, bf16_others, _ = evaluate_weights(built, bf16)
     recorded = metrics["eval"]
     checks = {
         "full_precision_reproduced": _close(recorded["value"], fp_metric, EXACT_RTOL),
         "bf16_reproduced": _close(recorded["value_bf16"], bf16_metric, EXACT_RTOL),
         "bf16_within_tolerance": _close(recorded["value"], bf16_metric, BF16_RTOL),
+        "other_metrics_reproduced": _others_close(recorded, fp_others, bf16_others),
         "sha256sums": {"passed": _sums_ok(files, sums)},
         "bf16_dtype": {"passed": not not_bf16, **({"not_bf16": not_bf16[:5]} if not_bf16 else {})},
     }
@@ -111,9 +112,35 @@ def _check(dest: GenerationStore, step: int, files: dict[str, Any], task: str) -
         "pid": os.getpid(), "files_verified_against": "COMPLETE.json (size and sha256 of every file)",
         "metric": recorded["metric"], "recorded": recorded["value"], "recorded_bf16": recorded["value_bf16"],
         "reloaded_full_precision": fp_metric, "reloaded_bf16": bf16_metric, "threads": threads,
+        "others": {name: {"recorded": _number(recorded.get("others"), name), "reloaded": value}
+                   for name, value in fp_others.items()},
         "checks": checks, "passed": all(c["passed"] for c in checks.values()),
         "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _others_close(recorded: dict[str, Any], full: dict[str, float], bf16: dict[str, float]) -> dict[str, Any]:
+    """The task's other metrics (``eval_metrics``: accuracy, ...) reproduced exactly from both weights files, and
+    the same names recorded as reloaded (a recorded metric the task no longer computes, or one it computes that
+    the bundle lacks, fails)."""
+    failed = []
+    for key, reloaded in (("others", full), ("others_bf16", bf16)):
+        saved = recorded.get(key, {})
+        saved = saved if isinstance(saved, dict) else {}
+        if set(saved) != set(reloaded):
+            failed.append(f"{key}: recorded {sorted(map(str, saved))[:8]}, reloaded {sorted(reloaded)[:8]}")
+            continue
+        for name, value in reloaded.items():
+            was = _number(saved, name)
+            if was is None or not _close(was, value, EXACT_RTOL)["passed"]:
+                failed.append(f"{key}.{name}")
+    return {"passed": not failed, "metrics": sorted(full), **({"failed": failed[:8]} if failed else {})}
+
+
+def _number(record: Any, name: str) -> float | None:
+    """A recorded metric's value, or None when the record holds no number by that name."""
+    value = record.get(name) if isinstance(record, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _weights(files: dict[str, Any], name: Any, where: str) -> dict[str, torch.Tensor]:

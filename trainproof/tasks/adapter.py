@@ -104,6 +104,9 @@ class DatasetTask(Task):
     - ``data_identity``: a sha256 hex of the exact data; default: the dataset's ``data_identity`` attribute when it
       has one (trainproof.data's bucket datasets), else computed over every sample once;
     - ``eval_dataset``: held-out samples for :meth:`evaluate` (the per-target mean loss), or None;
+    - ``eval_metrics``: further metrics of the same evaluation, ``{name: per_sample(model, batch)}``; each function
+      returns one value per target like ``per_sample_loss`` (e.g. ``(model(x).argmax(1) == y).float()`` for
+      ``accuracy``) and the metric is their mean over ``eval_dataset``. Exports record them beside ``eval_metric``;
     - ``objective``, ``cpu_threads`` (default 1: bitwise-reproducible CPU runs), ``dtype``,
       ``supports_cuda``, ``default_steps``, ``precision`` (``auto``, ``bf16``, ``fp16``, ``fp32``), ``tokenizer``:
       as on :class:`Task`;
@@ -124,6 +127,7 @@ class DatasetTask(Task):
         cpu_threads: int | None = 1, dtype: torch.dtype = torch.float32, supports_cuda: bool = True,
         default_steps: int = 10, precision: str = "auto", pretrained: Sequence[Pretrained] = (),
         tokenizer: Any = None, num_workers: int = 0, prefetch: int = 2, verify_samples: int | None = None,
+        eval_metrics: Mapping[str, Callable[[nn.Module, Any], torch.Tensor]] | None = None,
     ) -> None:
         require(isinstance(config, Mapping), f"config must be a dict of settings, not {type(config).__name__}")
         try:
@@ -151,6 +155,7 @@ class DatasetTask(Task):
                 f"DatasetTask: verify_samples must be between 1 and the dataset's {len(dataset)} samples "  # type: ignore[arg-type]
                 f"(got {verify_samples!r})")
         self.verify_samples = verify_samples
+        self._eval_metrics = _checked_metrics(eval_metrics, eval_metric)
         self.dataset, self.eval_dataset = dataset, eval_dataset
         self._build_model, self._per_sample_loss = build_model, per_sample_loss
         self._batch_size, self._micro_batch_size = batch_size, micro
@@ -245,31 +250,60 @@ class DatasetTask(Task):
         return losses.to(torch.promote_types(losses.dtype, torch.float32)).sum()
 
     def _check_losses(self, losses: Any, batch: AdaptedBatch) -> None:
+        self._check_values(losses, batch, "per_sample_loss")
+
+    def _check_values(self, values: Any, batch: AdaptedBatch, what: str) -> None:
+        """ConfigError naming ``what`` unless ``values`` is one floating-point value per target of ``batch``."""
         want = (batch.samples,) if self.targets_per_sample == 1 else (batch.samples, self.targets_per_sample)
-        if not isinstance(losses, torch.Tensor) or not losses.is_floating_point():
-            raise ConfigError(f"per_sample_loss must return a floating-point tensor of shape {want}, "
-                              f"got {type(losses).__name__}")
-        if tuple(losses.shape) != want:
-            hint = (" (a scalar: the loss was reduced; use reduction='none')" if losses.dim() == 0 else "")
-            raise ConfigError(f"per_sample_loss returned shape {tuple(losses.shape)}, expected {want}: one loss "
+        if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+            raise ConfigError(f"{what} must return a floating-point tensor of shape {want}, "
+                              f"got {type(values).__name__}" + (f" of {values.dtype} (use .float())"
+                                                                 if isinstance(values, torch.Tensor) else ""))
+        if tuple(values.shape) != want:
+            hint = (" (a scalar: the values were reduced; use reduction='none')" if values.dim() == 0 else "")
+            raise ConfigError(f"{what} returned shape {tuple(values.shape)}, expected {want}: one value "
                               f"per target, {batch.samples} samples x targets_per_sample={self.targets_per_sample}"
                               f"{hint}")
 
     def evaluate(self, model: nn.Module) -> float:
         """Per-target mean of ``per_sample_loss`` over ``eval_dataset``, in order, no augmentation, dropout off."""
+        return self.evaluate_metrics(model)[self.eval_metric]
+
+    def evaluate_metrics(self, model: nn.Module) -> dict[str, float]:
+        """The evaluation loss and every ``eval_metrics`` entry, per-target means over ``eval_dataset`` in one pass
+        (in order, no augmentation, dropout off)."""
         if self.eval_dataset is None:
             raise NotImplementedError("DatasetTask: pass eval_dataset=... to make the task exportable")
         weight = next(model.parameters())
-        total, count = 0.0, 0
+        totals = dict.fromkeys([self.eval_metric, *self._eval_metrics], 0.0)
+        count = 0
         n = len(self.eval_dataset)  # type: ignore[arg-type]
         with eval_mode(model):
             for start in range(0, n, self._micro_batch_size):
                 ids = list(range(start, min(start + self._micro_batch_size, n)))
                 data = to_device(self._collate([self.eval_dataset[i] for i in ids]), weight.device, weight.dtype)
                 batch = AdaptedBatch(data=data, samples=len(ids), targets=len(ids) * self.targets_per_sample)
-                total += float(self.loss_sum(model, batch).double())
+                totals[self.eval_metric] += float(self.loss_sum(model, batch).double())
+                for name, per_sample in self._eval_metrics.items():
+                    values = per_sample(model, batch.data)
+                    self._check_values(values, batch, f"eval_metrics[{name!r}]")
+                    totals[name] += float(values.double().sum())
                 count += batch.targets
-        return total / count
+        return {name: total / count for name, total in totals.items()}
+
+
+def _checked_metrics(metrics: Any, primary: str) -> dict[str, Callable[[nn.Module, Any], torch.Tensor]]:
+    """``eval_metrics`` as a dict, each name a non-empty string other than ``eval_metric`` with a function."""
+    if metrics is None:
+        return {}
+    require(isinstance(metrics, Mapping), "DatasetTask: eval_metrics must be a dict {name: per_sample(model, batch)}")
+    for name, fn in metrics.items():
+        require(isinstance(name, str) and name.strip() != "" and len(name) <= 64 and name.isprintable(),
+                f"DatasetTask: eval_metrics names must be short printable strings (got {name!r})")
+        require(name != primary, f"DatasetTask: eval_metrics[{name!r}] has the name of eval_metric, which is the "
+                                 "evaluation loss; name it otherwise")
+        require(callable(fn), f"DatasetTask: eval_metrics[{name!r}] must be a function (model, batch) -> values")
+    return dict(metrics)
 
 
 def dataset_digest(dataset: Dataset) -> str:

@@ -218,6 +218,13 @@ class Task(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement evaluate(model)")
 
+    def evaluate_metrics(self, model: nn.Module) -> dict[str, float]:
+        """Every metric of one deterministic evaluation of ``model``: :attr:`eval_metric` (what :meth:`evaluate`
+        returns) and any others the task declares, e.g. ``accuracy`` (their names say which way is better). The
+        export bundle records them all and its fresh-process reload check must reproduce each. Default: only
+        ``{eval_metric: evaluate(model)}``; override it to compute further metrics in the same pass."""
+        return {self.eval_metric: float(self.evaluate(model))}
+
 
 def first_samples(task: Task, samples: int) -> Task:
     """``task`` trained on its first ``samples`` samples (ids ``0 .. samples - 1``) only: what ``verify --samples``

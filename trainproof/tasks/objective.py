@@ -115,6 +115,9 @@ class ObjectiveCheckTask(Task):
     def evaluate(self, model: nn.Module) -> float:
         return self.inner.evaluate(model)
 
+    def evaluate_metrics(self, model: nn.Module) -> dict[str, float]:
+        return self.inner.evaluate_metrics(model)
+
 
 def _float64(value: Any) -> Any:
     """Every floating tensor of a batch as float64 (in mappings, sequences, named tuples and dataclasses:
