@@ -166,16 +166,16 @@ def test_local_folder_deletes_refuse_a_symlink(tmp_path):
     assert sorted(os.listdir(tmp_path / "real")) == [MARKER, "keep.pt"]
 
 
-def test_commit_refuses_to_write_through_a_symlinked_step_folder(tmp_path):
-    from trainproof.storage import CommitConflictError
-
+def test_commit_never_writes_through_a_symlinked_step_folder_but_moves_the_link_aside(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     store = open_store(str(tmp_path / "run"))
     commit(store, 1)
     os.symlink(tmp_path / "elsewhere", tmp_path / "run" / "step-00000002")
-    with pytest.raises(CommitConflictError, match="symlink"):
-        commit(store, 2)
+    commit(store, 2)
     assert os.listdir(tmp_path / "elsewhere") == []
+    assert (tmp_path / "run" / "step-00000002").is_dir() and not (tmp_path / "run" / "step-00000002").is_symlink()
+    (moved,) = (tmp_path / "run" / "quarantine").iterdir()
+    assert os.readlink(moved / "OCCUPANT") == str(tmp_path / "elsewhere")  # the link itself, not what it led to
 
 
 def test_only_step_generations_are_subject_to_keep(store_url):

@@ -175,8 +175,11 @@ class Finisher:
         """
         return 2.0 * save_s + self.startup_s + 1.0 + self.exit_s()
 
-    def export_and_check(self, store: GenerationStore, seconds_left: float | None, save_s: float) -> dict[str, Any]:
-        """Export the newest generation and reload-check it; ``{"ok": bool, ...}``, never raises."""
+    def export_and_check(self, store: GenerationStore, seconds_left: float | None, save_s: float,
+                         step: int | None = None) -> dict[str, Any]:
+        """Export generation ``step`` (the run's final commit; None: the newest usable) and reload-check it;
+        ``{"ok": bool, ...}``, never raises. The step is named: a newer generation that is not this run's own
+        (planted above its target) is never what a deadline exports."""
         need = self.estimate_s(save_s)
         if seconds_left is not None and seconds_left < need:
             return {"ok": False, "why": f"{seconds_left:.1f}s left before the deadline, the export needs ~{need:.1f}s"}
@@ -188,7 +191,8 @@ class Finisher:
         # (3600 s without a deadline): a check that runs later is stopped, so the run still ends by the deadline.
         ends_at = None if seconds_left is None else time.monotonic() + seconds_left - self.exit_s()
         try:
-            checked = export_and_check(store, task=self.task, store_args=[], timeout=3600.0, ends_at=ends_at)
+            checked = export_and_check(store, step=step, task=self.task, store_args=[], timeout=3600.0,
+                                       ends_at=ends_at)
         except (TrainError, VerificationIncomplete, StoreError, OSError) as exc:
             return {"ok": False, "why": " ".join(f"{type(exc).__name__}: {exc}".split())[:500]}
         record = checked.record

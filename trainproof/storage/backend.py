@@ -122,7 +122,8 @@ class RenamesFolders(Protocol):
     """A backend that moves a folder in one step (a local rename); others copy every object, then delete."""
 
     def rename_dir(self, src: str, dst: str) -> None:
-        """Move folder ``src`` to ``dst`` (which must not exist)."""
+        """Move folder ``src`` to ``dst`` (which must not exist). Any entry moves the same way, itself: a file, a
+        FIFO, a symlink (the link, never what it points to)."""
 
 
 def reads_in_parallel(backend: object) -> bool:
@@ -329,7 +330,7 @@ class LocalBackend:
         return os.path.exists(path)
 
     def rename_dir(self, src: str, dst: str) -> None:
-        """Atomic move of a whole folder (used by quarantine)."""
+        """Atomic move of a whole folder, or of any other entry itself (used by quarantine)."""
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         os.rename(src, dst)
         _fsync_dir(os.path.dirname(dst))

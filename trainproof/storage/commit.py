@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Callable
 
 from trainproof.storage import digest as dg
 from trainproof.storage import manifest as mf
 from trainproof.storage.backend import read_at_most
 from trainproof.storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError, StoreError
 from trainproof.storage.generations import CORRUPT, FOREIGN, INCOMPLETE, Check, Ctx, anchor, in_chain, scan
+from trainproof.storage.limits import safe
 from trainproof.storage.pieces import nbytes
-from trainproof.storage.quarantine import quarantine
+from trainproof.storage.quarantine import move_aside, quarantine
 from trainproof.storage.spool import Spool
 
 Data = "bytes | Pieces | Spool"
@@ -49,15 +51,18 @@ def commit_generation(
     writer committed this step, CorruptGenerationError when the read-back disagrees, and StoreError or a
     builtin OSError when the store fails; in every failure case nothing is marked usable."""
     attempt = uuid.uuid4().hex
-    written = write_part(ctx, step, files, check=check, attempt=attempt, contract=contract)
+    written = write_part(ctx, step, files, check=check, attempt=attempt, contract=contract, code_version=code_version)
     return mark_usable(ctx, step, written, contract=contract, world=world, code_version=code_version,
                        attempt=attempt, digests=digests, extra=extra)
 
 
 def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | None = None,
-               attempt: str | None = None, contract: str | None = None) -> dict[str, tuple[int, str, str]]:
+               attempt: str | None = None, contract: str | None = None,
+               code_version: str | None = None) -> dict[str, tuple[int, str, str]]:
     """Phase 1 (any number of writers, e.g. one per rank): write ``files`` into generation ``step`` create-only
-    and verify them read back from the store.  Returns name → (bytes, sha256, object) for ``mark_usable``."""
+    and verify them read back from the store.  Returns name → (bytes, sha256, object) for ``mark_usable``.
+    ``contract``/``code_version``: the writer's; a generation at ``step`` of another contract or build is moved
+    to quarantine rather than refused (see :func:`_refuse_committed`)."""
     if not files:
         raise ValueError("a generation needs at least one file")
     bad = {n: mf.name_problem(n) for n in files if mf.name_problem(n)}
@@ -65,7 +70,7 @@ def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | No
         raise ValueError(f"invalid file names for a generation: {bad}")
     name = mf.step_dir(step)
     attempt = attempt or uuid.uuid4().hex
-    _refuse_committed(ctx, name, contract)
+    _refuse_committed(ctx, name, contract, code_version)
     written = {fname: _write_file(ctx, name, fname, data, attempt) for fname, data in files.items()}
     _verify(ctx, name, written, check, files)
     return written
@@ -107,34 +112,67 @@ def _signed(ctx: Ctx, step: int, manifest: dict) -> dict:
     return ctx.keys.sign(chained)
 
 
-def _refuse_committed(ctx: Ctx, name: str, contract: str | None = None) -> None:
-    here = [e for e in ctx.io("list generations", lambda: ctx.backend.listdir(ctx.root, prefix=name)) if e.name == name]
-    if here and (here[0].is_special or not here[0].is_dir):
-        # A symlinked step folder would make this commit write (and later delete) outside the run.
-        raise CommitConflictError(f"{name} exists and is not a folder (a symlink or a special file); "
-                                  "refusing to write through it")
-    if not ctx.io(f"check {name}", lambda: ctx.backend.exists(ctx.path(name, mf.MARKER))):
+def _refuse_committed(ctx: Ctx, name: str, contract: str | None = None, code_version: str | None = None) -> None:
+    """Clear the way for committing ``name``: whatever occupies it and cannot be this run's goes to quarantine;
+    CommitConflictError when a writer of this run (this build) committed it already."""
+    if not _clear_occupants(ctx, name):
         return
     if ctx.keys is None and contract is None:
         raise CommitConflictError(f"{name} is already committed (by another writer or an earlier attempt); "
                                   "refusing to write it again")
     # Is the occupant this run's own? Only then did another writer win the step. One that cannot be (with a key:
-    # unsigned, wrongly signed, another run's or out of chain; any: another contract, a manifest that does not
-    # parse) is moved aside with its evidence, and this commit proceeds: nothing stored can block a run.
+    # unsigned, wrongly signed, another run's or out of chain; any: another contract or build, a manifest that does
+    # not parse) is moved aside with its evidence, and this commit proceeds: nothing stored can block a run.
     info = in_chain(ctx, name, contract=contract, world=None)
     if info.status == INCOMPLETE:
         return  # its COMPLETE.json went away meanwhile (retention, quarantine)
+    reason = info.reason
     if info.status not in (FOREIGN, CORRUPT):
-        raise CommitConflictError(f"{name} is already committed (by another writer of this run or an earlier "
-                                  "attempt); refusing to write it again")
-    log.warning("%s is occupied by a generation that is not this run's (%s): moving it to quarantine",
-                name, info.reason)
+        built_by = (info.manifest or {}).get("code_version")
+        if code_version is None or built_by == code_version:
+            raise CommitConflictError(f"{name} is already committed (by another writer of this run or an earlier "
+                                      "attempt); refusing to write it again")
+        # Another build's generation at a step this build commits: a resume never takes it (it was passed over for
+        # an older generation of this build, or planted), so it can only be in the way.
+        reason = f"written by another build ({safe(built_by, 80)}; this is {code_version})"
+    log.warning("%s is occupied by a generation that is not this run's (%s): moving it to quarantine", name, reason)
     try:
-        quarantine(ctx, name, f"occupied the step this run commits: {info.reason}")
+        quarantine(ctx, name, f"occupied the step this run commits: {reason}")
     except (OSError, StoreError) as exc:
         if ctx.io(f"check {name}", lambda: ctx.backend.exists(ctx.path(name, mf.MARKER))):
-            raise CommitConflictError(f"{name} is occupied by a generation that is not this run's ({info.reason}) "
+            raise CommitConflictError(f"{name} is occupied by a generation that is not this run's ({reason}) "
                                       f"and could not be moved to quarantine: {exc}") from None
+
+
+def _clear_occupants(ctx: Ctx, name: str) -> bool:
+    """Move aside what occupies ``name`` without being a generation folder; whether a ``COMPLETE.json`` file is
+    left there (a committed generation, whose owner the caller decides)."""
+    here = [e for e in ctx.io("list generations", lambda: ctx.backend.listdir(ctx.root, prefix=name)) if e.name == name]
+    for entry in (e for e in here if not e.is_dir or e.is_special):
+        # Not this run's: a file, a FIFO, a symlink (writing through it would write, and later delete, outside the
+        # run), an object named like the folder. Moved aside, never followed: nothing stored blocks a commit.
+        what = "a symlink or a special file" if entry.is_special else "a file"
+        _or_conflict(lambda: move_aside(ctx, name, f"occupied the step this run commits: {what}, not a generation "
+                                                   "folder"), f"{name} exists and is not a folder ({what})")
+    marker = [e for e in ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.path(name), prefix=mf.MARKER))
+              if e.name == mf.MARKER]
+    if any(e.is_dir or e.is_special for e in marker):
+        # A folder, link or FIFO where the marker goes: no writer of this run made it, and it would fail the
+        # commit's create-only marker write. The step's folder goes to quarantine whole (a partial write of ours
+        # in it is rewritten anyway).
+        _or_conflict(lambda: quarantine(ctx, name, f"occupied the step this run commits: its {mf.MARKER} is not a "
+                                                   "file"), f"{name}/{mf.MARKER} is not a file")
+        return False
+    return bool(marker)
+
+
+def _or_conflict(move: Callable[[], object], what: str) -> None:
+    """``move()``; CommitConflictError naming ``what`` when the store refuses it (nothing is written through)."""
+    try:
+        move()
+    except (OSError, StoreError) as exc:
+        raise CommitConflictError(f"{what} and could not be moved to quarantine: {exc}; refusing to write "
+                                  "through it") from None
 
 
 def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tuple[int, str, str]:

@@ -22,20 +22,60 @@ log = logging.getLogger("trainproof.storage")
 QUARANTINE = "quarantine"
 
 
+OCCUPANT = "OCCUPANT"
+"""What :func:`move_aside` names the entry it moved, inside its quarantine folder."""
+
+
 def quarantine(ctx: Ctx, name: str, reason: str) -> str:
     """Move generation ``name`` to the quarantine folder with a REASON file; return the new folder name."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    dest_name = f"{name}-{stamp}-{uuid.uuid4().hex[:6]}"
-    src, dest = ctx.path(name), ctx.path(QUARANTINE, dest_name)
-    note = json.dumps({"generation": name, "reason": reason, "quarantined_at": stamp}, indent=2).encode() + b"\n"
+    root, dest_name, note = _destination(ctx, name, reason)
+    src, dest = ctx.path(name), ctx.path(root, dest_name)
     if isinstance(ctx.backend, RenamesFolders):
         backend = ctx.backend
         ctx.io(f"move {name} to quarantine", lambda: backend.rename_dir(src, dest))
     else:
         _copy_then_delete(ctx, name, src, dest)
     ctx.io(f"write {dest_name}/REASON", lambda: ctx.backend.write(f"{dest}/REASON", note))
-    log.warning("quarantined %s → %s/%s: %s", name, QUARANTINE, dest_name, reason)
+    log.warning("quarantined %s → %s/%s: %s", name, root, dest_name, reason)
     return dest_name
+
+
+def move_aside(ctx: Ctx, name: str, reason: str) -> str:
+    """Move what occupies the run's entry ``name`` without being a folder (a file, a FIFO, a symlink; on an object
+    store an object named like a folder) into a quarantine folder of its own, as ``OCCUPANT`` beside a REASON
+    file, so the run can write its folder there. The entry itself moves: a symlink as the link, never followed.
+    Returns the quarantine folder's name."""
+    root, dest_name, note = _destination(ctx, name, reason)
+    src, dest = ctx.path(name), ctx.path(root, dest_name, OCCUPANT)
+    if isinstance(ctx.backend, RenamesFolders):
+        backend = ctx.backend
+        ctx.io(f"move {name} to quarantine", lambda: backend.rename_dir(src, dest))
+    else:  # an object: copied, then deleted (its key only; a folder of the same name is another listing entry)
+        ctx.io(f"copy {name}", lambda: ctx.backend.copy(src, dest))
+        ctx.io(f"delete {name}", lambda: ctx.backend.delete(src))
+    ctx.io(f"write {dest_name}/REASON", lambda: ctx.backend.write(ctx.path(root, dest_name, "REASON"), note))
+    log.warning("moved %s aside → %s/%s: %s", name, root, dest_name, reason)
+    return dest_name
+
+
+def _destination(ctx: Ctx, name: str, reason: str) -> tuple[str, str, bytes]:
+    """(quarantine root, a fresh folder name in it, the REASON file's bytes) for moving ``name`` aside."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    note = json.dumps({"generation": name, "reason": reason, "quarantined_at": stamp}, indent=2).encode() + b"\n"
+    return quarantine_root(ctx), f"{name}-{stamp}-{uuid.uuid4().hex[:6]}", note
+
+
+def quarantine_root(ctx: Ctx) -> str:
+    """``quarantine`` when it is a real folder or absent; otherwise (a file, a symlink that would lead the moves out
+    of the run, a FIFO: planted) a fresh ``quarantine-<id>`` beside it, so that nothing at that name stops a move."""
+    here = [e for e in ctx.io("list quarantine", lambda: ctx.backend.listdir(ctx.root, prefix=QUARANTINE))
+            if e.name == QUARANTINE]
+    if all(e.is_dir and not e.is_special for e in here):
+        return QUARANTINE
+    fresh = f"{QUARANTINE}-{uuid.uuid4().hex[:8]}"
+    log.warning("%s is occupied by something that is not a folder (a file or a link): quarantining into %s",
+                QUARANTINE, fresh)
+    return fresh
 
 
 def _copy_then_delete(ctx: Ctx, name: str, src: str, dest: str) -> None:

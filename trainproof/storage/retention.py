@@ -4,7 +4,8 @@
 settings, passed whole: a new rule is a field there and a line here).  Its rules (each one a complaint about
 users of other checkpointing tools have made: retention that deleted the only good copy, or deleted before the
 new checkpoint was written):
-- keep the ``keep`` newest complete generations *of this run* (``contract``/``world`` when given);
+- keep the ``keep`` newest complete generations *of this run* (``contract``/``world`` when given; none above the
+  writer's newest commit, ``upto``, counts);
 - never delete the newest complete generation, nor anything newer than it (a write may be in flight);
 - a foreign (another contract or world), corrupt, or symlinked generation is never counted as the newest and
   never deleted: it is left in place with a warning (quarantine moves corrupt ones aside when they are loaded);
@@ -65,6 +66,10 @@ class RetentionPolicy:
     """More steps to keep, chosen from what is stored: called with this run's complete generations (oldest first)
     at each retention. Whatever it returns is kept; if it raises, nothing is deleted (a rule that cannot decide
     costs storage, never a generation)."""
+    upto: int | None = None
+    """The writer's newest commit: complete generations above it are neither counted nor deleted (a run commits
+    upward, so one above its newest is not its own writing: passed over by its resume, or planted; counted, K of
+    them would make retention delete each generation the run commits)."""
     i_know_no_writer_is_active: bool = False
     """Allow a grace below MIN_GRACE_SECONDS (a test, or an offline clean-up with no trainer running)."""
 
@@ -85,6 +90,8 @@ def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *
     grace = effective_grace(policy.grace_seconds, policy.i_know_no_writer_is_active)
     ours, strangers = [], []
     for g in generations:
+        if policy.upto is not None and g.step > policy.upto:
+            continue  # above the writer's newest commit: not its own, never counted, never deleted here
         if g.status == COMPLETE and g.manifest is not None and _matches(g.manifest, policy.contract, policy.world):
             ours.append(g)
         elif g.status in (COMPLETE, CORRUPT, FOREIGN):
@@ -141,7 +148,8 @@ def apply_retention(ctx: Ctx, policy: RetentionPolicy, *, dry_run: bool = False,
     if found.truncated:  # unseen generations could be newer than what we would keep
         return []
     doomed = plan_retention(found.generations, policy, now=time.time())
-    if doomed and not _newest_verifies(ctx, found.generations, policy.contract, policy.world):
+    below = [g for g in found.generations if policy.upto is None or g.step <= policy.upto]
+    if doomed and not _newest_verifies(ctx, below, policy.contract, policy.world):
         return []
     if dry_run or not doomed:
         return doomed

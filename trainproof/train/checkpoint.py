@@ -143,6 +143,10 @@ class Checkpointer:
         try:
             self.store.child(HISTORY_DIR).commit(step, {HISTORY_FILE: rows}, contract=self.contract, world=self.world,
                                                  code_version=self.code_version, check=self._check)
+        except CommitConflictError:
+            # This run kept the step already: an earlier attempt committed it, then the generation went (a rollback
+            # to an older one, a quarantine) and the step was trained again, to the same rows.
+            return
         except (StoreError, OSError) as exc:  # a planted name, a full bucket: the curve starts later, no more
             self.reporter.warn(f"the metrics of step {step} were not kept under {HISTORY_DIR}/ ({exc}): once "
                                "retention deletes that generation, the exported curve starts after it")
@@ -239,7 +243,8 @@ class Checkpointer:
         try:
             # Only this run's generations count (another contract's or world's never make ours "old").
             removed = self.store.apply_retention(RetentionPolicy(keep=self.keep, contract=self.contract,
-                                                                 world=self.world, protect_rule=self.protect))
+                                                                 world=self.world, protect_rule=self.protect,
+                                                                 upto=self.last_step))
         except (StoreError, OSError) as exc:
             # The new generation is committed; a failed cleanup costs storage, not work.
             self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")

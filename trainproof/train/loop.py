@@ -280,7 +280,7 @@ class Trainer:
             result = ({"ok": False, "why": "the export did not fit before the deadline from this process's start"}
                       if self.deadline.finish_given_up and not unbounded else
                       self.finisher.export_and_check(self.store, None if unbounded else self.deadline.seconds_left(),
-                                                     self.deadline.save_estimate_s))
+                                                     self.deadline.save_estimate_s, step=run.step or None))
             if not result["ok"]:
                 saved = f"checkpoint of step {run.step} committed" if run.step else "no step was taken"
                 self.reporter.warn(f"deadline: {saved}, but no verified export ({result['why']}): exit 75; "

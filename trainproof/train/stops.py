@@ -38,7 +38,8 @@ class FinishWork(Protocol):
     """The export and its reload check after a deadline's final commit (trainproof.lifecycle.finish.Finisher)."""
 
     def estimate_s(self, save_s: float) -> float: ...
-    def export_and_check(self, store: GenerationStore, seconds_left: float | None, save_s: float) -> dict[str, Any]: ...
+    def export_and_check(self, store: GenerationStore, seconds_left: float | None, save_s: float,
+                         step: int | None = None) -> dict[str, Any]: ...
 
 
 class NoStop:
