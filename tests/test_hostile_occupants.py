@@ -1,4 +1,5 @@
-"""Nothing stored at a name the run writes next can stop it (issue 37, items 1 and 2).
+"""Nothing stored at a name the run writes next can stop it: the step it commits, ``quarantine``, an export bundle's
+name (``deadline.json``: tests/test_train_deadline.py).
 
 A co-tenant plants an occupant at the step the restarted run commits next: a plain file, a symlink, a FIFO, a folder
 whose ``COMPLETE.json`` is a folder, with ``quarantine`` itself a file or a symlink leading out of the run; on S3 one
@@ -147,3 +148,18 @@ def test_an_empty_object_named_like_the_next_step_does_not_stop_a_run_on_s3(tmp_
     quarantined = [e.name for e in store.backend.listdir(f"{store.root}/quarantine")]
     assert len(quarantined) == 1 and quarantined[0].startswith(f"step-{NEXT:08d}-")
     assert f"step-{NEXT:08d}" not in [e.name for e in store.backend.listdir(store.root) if not e.is_dir]
+
+
+def test_a_file_where_the_export_bundle_goes_is_moved_aside_and_the_export_made(tmp_path, three):
+    """``exports/step-00000003`` planted as a plain file: ``trainproof export`` used to fail (the move to quarantine
+    took the file for a folder); now the file is moved aside whole and the bundle committed and reload-checked."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(three, run_dir)
+    (run_dir / "exports").mkdir()
+    (run_dir / "exports" / "step-00000003").write_bytes(b"x")
+    done = subprocess.run([sys.executable, "-m", "trainproof", "export", "--store", str(run_dir)], cwd=ROOT,
+                          env=train_env(None), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "passed" in done.stdout and (run_dir / "exports" / "step-00000003" / "COMPLETE.json").is_file()
+    (moved,) = (run_dir / "exports" / "quarantine").iterdir()
+    assert (moved / "OCCUPANT").read_bytes() == b"x"

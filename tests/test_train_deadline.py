@@ -85,6 +85,32 @@ def test_process_age_counts_from_the_process_start():
     assert 0.3 <= age < 0.3 + budget(5.0)
 
 
+@pytest.mark.parametrize("occupant", ["folder", "fifo", "symlink-to-fifo"])
+def test_a_deadline_record_that_is_not_a_file_never_stops_a_start(tmp_path, occupant):
+    """deadline.json planted as a folder, a FIFO or a link (to a FIFO: a read would block) on a folder store: the
+    start counts the deadline afresh (from now: no plan yet), writes its record, and a folder is moved aside."""
+    import os
+
+    root = tmp_path / "run"
+    root.mkdir()
+    target = root / DEADLINE_FILE
+    if occupant == "folder":
+        (target / "x").mkdir(parents=True)
+    elif occupant == "fifo":
+        os.mkfifo(target)
+    else:
+        os.mkfifo(tmp_path / "pipe")
+        target.symlink_to(tmp_path / "pipe")
+    before = datetime.now(timezone.utc)
+    at = resolve_run_deadline(open_store(str(root)), "90m")
+    assert before + timedelta(minutes=90) <= at <= datetime.now(timezone.utc) + timedelta(minutes=90)
+    assert target.is_file() and not target.is_symlink()
+    assert datetime.fromisoformat(json.loads(target.read_text())["at"]) == at
+    moved = list((root / "quarantine").glob(f"{DEADLINE_FILE}-*/OCCUPANT"))
+    assert len(moved) == (1 if occupant == "folder" else 0)  # a FIFO or link is replaced by the write itself
+    assert (tmp_path / "pipe").exists() == (occupant == "symlink-to-fifo")  # what a link led to is untouched
+
+
 def test_relative_deadline_counts_from_the_first_start(tmp_path, caplog):
     run_store = open_store(str(tmp_path / "run"))
     first = resolve_run_deadline(run_store, "90m")

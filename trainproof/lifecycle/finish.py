@@ -22,7 +22,7 @@ from typing import Any
 from trainproof.errors import ConfigError, TrainError
 from trainproof.lifecycle.signals import is_duration, parse_deadline
 from trainproof.storage import GenerationStore
-from trainproof.storage.errors import StoreError
+from trainproof.storage.errors import StoreError, not_a_file
 from trainproof.storage.limits import safe
 
 log = logging.getLogger("trainproof.finish")
@@ -58,6 +58,12 @@ def resolve_run_deadline(store: GenerationStore, spec: str, *, absolute_only: bo
         if not isinstance(saved, dict):
             raise TypeError("not an object")
         first = _aware(saved.get("first_start"))
+    except OSError as exc:
+        if not not_a_file(exc):
+            raise  # the store failing, not what it holds
+        log.warning("%s is not a file (a folder, a link or a FIFO): counting the deadline from %s", DEADLINE_FILE,
+                    "the run's plan.json" if created else "now")
+        return _record_afresh(store, record, spec, created or now, keys)
     except (ValueError, TypeError, KeyError, RecursionError, AttributeError) as exc:
         # Damaged (or planted) record: the old value is unknowable; count from the plan's creation (or now).
         log.warning("%s is unreadable (%s): counting the deadline from %s", DEADLINE_FILE, type(exc).__name__,
@@ -111,7 +117,15 @@ def _plan_created(store: GenerationStore, now: datetime) -> datetime | None:
 
 def _record_afresh(store: GenerationStore, record: dict[str, Any], spec: str, first: datetime, keys: Any) -> datetime:
     at = parse_deadline(spec, first)
-    store.write_file(DEADLINE_FILE, _signed({**record, "first_start": first.isoformat(), "at": at.isoformat()}, keys))
+    data = _signed({**record, "first_start": first.isoformat(), "at": at.isoformat()}, keys)
+    try:
+        store.write_file(DEADLINE_FILE, data)
+    except OSError as exc:
+        if not not_a_file(exc):
+            raise
+        # A folder at the name (a file, link or FIFO is replaced by the write itself): moved aside, then written.
+        store.move_aside(DEADLINE_FILE, f"occupied {DEADLINE_FILE}, which the run writes: not a file")
+        store.write_file(DEADLINE_FILE, data)
     return at
 
 

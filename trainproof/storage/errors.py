@@ -7,6 +7,8 @@ Everything else at the storage boundary is a builtin: ``FileNotFoundError``, ``F
 
 from __future__ import annotations
 
+import errno
+
 
 class StoreError(Exception):
     """Base class of every error the store raises on purpose."""
@@ -38,3 +40,9 @@ class CorruptGenerationError(StoreError):
         super().__init__(f"{name}: {reason}")
         self.name = name
         self.reason = reason
+
+
+def not_a_file(exc: OSError) -> bool:
+    """Whether ``exc`` says a stored name is not a regular file: what the local backend raises for a symlink, a
+    FIFO or a folder where a file was expected (planted, or swapped after a listing). Never a transient failure."""
+    return exc.errno in (errno.ELOOP, errno.EINVAL, errno.EISDIR, errno.ENOTDIR)

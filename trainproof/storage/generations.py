@@ -7,7 +7,6 @@ folder exists.  Anything else is reported with the reason and skipped, never rai
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import queue
@@ -31,7 +30,7 @@ from trainproof.storage.backend import (
     reads_in_parallel,
 )
 from trainproof.storage.digest import FileHasher, cores, hasher_for
-from trainproof.storage.errors import CorruptGenerationError, ListingIncompleteError
+from trainproof.storage.errors import CorruptGenerationError, ListingIncompleteError, not_a_file
 from trainproof.storage.limits import Limits
 from trainproof.storage.pieces import as_pieces
 from trainproof.storage.spool import CONCURRENCY, PART_SIZE, Spool, download, hashed_parts, hashed_ranges, in_order
@@ -147,7 +146,7 @@ def anchor(ctx: Ctx) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if not _not_a_file(exc):
+        if not not_a_file(exc):
             raise
         return "not-a-file"  # a symlink or pipe in its place: matches no signed generation's anchor
     return signing.digest(raw)
@@ -193,7 +192,7 @@ def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None,
     except mf.ManifestError as exc:
         return GenerationInfo(status=CORRUPT, reason=str(exc), **base)
     except OSError as exc:
-        if not _not_a_file(exc):
+        if not not_a_file(exc):
             raise
         return GenerationInfo(status=CORRUPT, reason=f"{mf.MARKER} is not a regular file", **base)
     if ctx.keys is not None:
@@ -282,11 +281,6 @@ def scan(ctx: Ctx, *, contract: str | None = None, world: int | None = None) -> 
     return scan_capped(ctx, contract=contract, world=world).generations
 
 
-def _not_a_file(exc: OSError) -> bool:
-    # What LocalBackend raises when an object was swapped for a symlink or a pipe after the listing.
-    return exc.errno in (errno.ELOOP, errno.EINVAL, errno.EISDIR, errno.ENOTDIR)
-
-
 @contextmanager
 def _missing_is_corrupt(name: str, fname: str):
     """A file listed in the manifest that is gone, or is no longer a regular file: the generation is corrupt."""
@@ -295,7 +289,7 @@ def _missing_is_corrupt(name: str, fname: str):
     except FileNotFoundError:
         raise CorruptGenerationError(name, f"{fname} is missing") from None
     except OSError as exc:
-        if not _not_a_file(exc):
+        if not not_a_file(exc):
             raise
         raise CorruptGenerationError(name, f"{fname} is not a regular file") from None
 
@@ -438,7 +432,7 @@ def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
         except FileNotFoundError:
             return f"{obj} is missing"
         except OSError as exc:
-            if not _not_a_file(exc):
+            if not not_a_file(exc):
                 raise
             return f"{obj} is not a regular file"
         if size != meta["bytes"]:

@@ -27,7 +27,13 @@ OCCUPANT = "OCCUPANT"
 
 
 def quarantine(ctx: Ctx, name: str, reason: str) -> str:
-    """Move generation ``name`` to the quarantine folder with a REASON file; return the new folder name."""
+    """Move generation ``name`` to the quarantine folder with a REASON file; return the new folder name. When
+    ``name`` is not a folder (a file, a link, a FIFO, an object), :func:`move_aside` moves it."""
+    here = [e for e in ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.root, prefix=name)) if e.name == name]
+    if any(not e.is_dir or e.is_special for e in here):
+        moved = move_aside(ctx, name, reason)
+        if not any(e.is_dir and not e.is_special for e in here):  # on S3 an object and a folder may share a name
+            return moved
     root, dest_name, note = _destination(ctx, name, reason)
     src, dest = ctx.path(name), ctx.path(root, dest_name)
     if isinstance(ctx.backend, RenamesFolders):

@@ -33,7 +33,7 @@ from trainproof.storage.generations import (
 )
 from trainproof.storage.limits import loads_untrusted, plain_name_problem, redact_url
 from trainproof.storage.options import StoreOptions
-from trainproof.storage.quarantine import list_quarantined, quarantine
+from trainproof.storage.quarantine import list_quarantined, move_aside, quarantine
 from trainproof.storage.retention import DEFAULT_GRACE_SECONDS, RetentionPolicy, apply_retention
 from trainproof.storage.retry import RetryStats, retry_or_unavailable
 from trainproof.storage.spool import Spool, download
@@ -213,6 +213,12 @@ class GenerationStore:
         """Move generation ``step`` aside with a REASON file (evidence kept); its step can be committed again."""
         self._before_write()
         return quarantine(self._ctx, mf.step_dir(step), reason)
+
+    def move_aside(self, name: str, reason: str) -> str:
+        """Move what occupies the run-level name ``name`` (a folder, a link, a FIFO where the run keeps a file) into
+        quarantine with a REASON file, the entry itself, so the run can write its file there; the folder's name."""
+        self._before_write()
+        return move_aside(self._ctx, name, reason)
 
     def quarantined(self) -> list[tuple[str, str]]:
         """(folder, reason) of every quarantined generation."""
