@@ -124,6 +124,34 @@ def test_gc_keep_verifications_removes_only_older_verifications(tmp_path):
     assert tp("gc", "--store", url).returncode == 2  # neither --keep nor --keep-verifications
 
 
+def test_gc_orders_verifications_by_when_the_store_wrote_them_never_by_what_a_report_claims(tmp_path):
+    """Planted reports dated in the future do not push the genuine newest audit out; a 100 000-deep report and one
+    with a numeric date are counted as no report, with no traceback; the newest genuine one stays."""
+    url = str(tmp_path / "run")
+    store = open_store(url)
+    commit(store, 1)
+    base = store.child("verification")
+    now = time.time()
+    reports = {
+        "genuine-old": json.dumps({"created_at": "2026-01-01T00:00:00+00:00", "verdict": "PASSED"}).encode(),
+        "planted-future-1": json.dumps({"created_at": "2999-01-01T00:00:00+00:00", "verdict": "PASSED"}).encode(),
+        "planted-future-2": json.dumps({"created_at": "2999-01-02T00:00:00+00:00", "verdict": "PASSED"}).encode(),
+        "planted-deep": b"[" * 100_000 + b"]" * 100_000,
+        "planted-numeric": json.dumps({"created_at": 99999999999, "verdict": 1}).encode(),
+        "genuine-new": json.dumps({"created_at": "2026-01-02T00:00:00+00:00", "verdict": "PASSED"}).encode(),
+    }
+    for age, (vid, raw) in zip(range(len(reports), 0, -1), reports.items()):
+        base.child(vid).write_file("verification.json", raw)
+        os.utime(tmp_path / "run" / "verification" / vid / "verification.json", (now - 60 * age, now - 60 * age))
+    listed = {v["id"]: v for v in json.loads(tp("ls", "--store", url, "--json").stdout)["verifications"]}
+    assert listed["planted-numeric"]["verdict"] is None and listed["planted-deep"]["created_at"] is None
+    result = tp("gc", "--store", url, "--keep-verifications", "1")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    left = {e.name for e in base.list_dir()}
+    assert "genuine-new" in left and not {"planted-future-1", "planted-future-2", "genuine-old"} & left, left
+    assert "planted-deep" in left  # no readable report: like a running one, only --abandoned-hours removes it
+
+
 def test_gc_abandoned_hours_removes_only_verifications_left_without_a_report(tmp_path):
     """A verification that died before its report is removed once nothing under it was written for the stated
     age; one still running (recent writes), and every one with a report, stay."""

@@ -14,19 +14,20 @@ touches ``<run>/verification/``: never the run's own generations, exports or qua
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
 from dataclasses import dataclass
 
 from trainproof.storage import GenerationStore
+from trainproof.storage.errors import not_a_file
+from trainproof.storage.limits import UntrustedJSONError, loads_untrusted, safe
 
 log = logging.getLogger("trainproof.verify")
 VERIFICATION_DIR, REPORT_FILE = "verification", "verification.json"
 _GENERATION = re.compile(r"step-\d{8}")
 _NEVER = {"exports", "quarantine"}  # folders whose contents outlive a verdict
-_MAX_REPORT_BYTES = 64 * 2**20  # a verification.json is kilobytes; a planted huge one is not read whole
+_MAX_REPORT_BYTES = 16 * 2**20  # a verification.json is kilobytes to a few MiB; a planted huge one is not read whole
 _MAX_DEPTH = 3  # <id>/world_equivalence/<path>/step-*: deeper is not a path of ours
 
 
@@ -58,26 +59,42 @@ class Verification:
 
     vid: str
     created_at: str | None
-    """From its verification.json; None when it has none (still running, or it died before its report)."""
+    """From its verification.json (shown only); None when it has no readable one (still running, died before its
+    report, or what is there is not a report)."""
     verdict: str | None = None
     """Its report's verdict (PASSED, FAILED, INCOMPLETE), as stored: shown, never trusted for a decision."""
+    reported_at: float = 0.0
+    """When the store says its verification.json was written (the listing's time, at most now): what orders
+    verifications. The report's own ``created_at`` is what anyone who can write there says, so it orders nothing."""
 
 
 def list_verifications(run: GenerationStore) -> list[Verification]:
-    """Every verification of the run, oldest first (by the report's ``created_at``, then id)."""
+    """Every verification of the run, oldest first (by when the store says each report was written, then id).
+    Each report is read capped and parsed defensively; one that does not parse counts as no report."""
     base = run.child(VERIFICATION_DIR)
     found = []
     for entry in base.list_dir():
-        if not entry.is_dir:
+        if not entry.is_dir or entry.is_special:
             continue
-        try:
-            report = json.loads(base.child(entry.name).read_file(REPORT_FILE, max_bytes=_MAX_REPORT_BYTES))
-            created, verdict = report.get("created_at"), report.get("verdict")
-        except (FileNotFoundError, ValueError, AttributeError, RecursionError):
-            created = verdict = None
-        found.append(Verification(entry.name, created if isinstance(created, str) else None,
-                                  verdict if isinstance(verdict, str) else None))
-    return sorted(found, key=lambda v: (v.created_at or "", v.vid))
+        folder = base.child(entry.name)
+        listed = [e for e in folder.list_dir() if e.name == REPORT_FILE and not e.is_dir and not e.is_special]
+        created = verdict = None
+        if listed:
+            try:
+                report = loads_untrusted(folder.read_file(REPORT_FILE, max_bytes=_MAX_REPORT_BYTES), what=REPORT_FILE,
+                                         max_bytes=_MAX_REPORT_BYTES)
+                if isinstance(report, dict):  # anything else is not a report: counted as none
+                    created, verdict = report.get("created_at"), report.get("verdict")
+                    created = safe(created, 64) if isinstance(created, str) else "(no created_at)"
+            except (FileNotFoundError, UntrustedJSONError) as exc:
+                log.warning("verification/%s: %s is not a readable report (%s); counted as none", safe(entry.name),
+                            REPORT_FILE, safe(exc))
+            except OSError as exc:
+                if not not_a_file(exc):
+                    raise
+        at = min(listed[0].mtime or 0.0, time.time()) if listed and created is not None else 0.0
+        found.append(Verification(entry.name, created, safe(verdict, 32) if isinstance(verdict, str) else None, at))
+    return sorted(found, key=lambda v: (v.reported_at, v.vid))
 
 
 def plan_verification_gc(run: GenerationStore, keep: int | None, *, abandoned_after_s: float | None = None,
