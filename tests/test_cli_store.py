@@ -65,7 +65,9 @@ def test_ls_shows_exports_verdicts_and_why_older_generations_are_kept(tmp_path):
     assert {v["id"]: v["verdict"] for v in doc["verifications"]} == {"v1": "PASSED", "v2": None, "v3": None}
     table = tp("ls", "--store", url, env={**os.environ, "COLUMNS": "200"}).stdout
     assert "no audit has passed" in table and "exports: step-00000006" in table and "v1 PASSED" in table, table
-    base.write_file("audited.json", json.dumps({"from": 2, "to": 6, "passed": True}).encode())
+    base.child("a1").write_file("verification.json", json.dumps(
+        {"kind": "audit", "verdict": "PASSED", "settings": {"from": 2, "to": 6}}).encode())
+    base.write_file("audited.json", json.dumps({"from": 2, "to": 6, "passed": True, "id": "a1"}).encode())
     assert not any(g["kept_for_audit"] for g in json.loads(tp("ls", "--store", url, "--json").stdout)["generations"])
 
 
@@ -94,7 +96,10 @@ def test_gc_keeps_the_generations_around_a_restore_point_until_an_audit_passed_a
     assert real.returncode == 0, real.stderr
     assert [g.step for g in store.scan()] == [5, 6, 7, 8]
     assert "and 2 around restore points no audit has passed (step-00000005, step-00000006)" in real.stdout
-    store.child("verification").write_file("audited.json", json.dumps({"from": 5, "to": 8, "passed": True}).encode())
+    store.child("verification").child("a1").write_file("verification.json", json.dumps(
+        {"kind": "audit", "verdict": "PASSED", "settings": {"from": 5, "to": 8}}).encode())
+    store.child("verification").write_file("audited.json", json.dumps({"from": 5, "to": 8, "passed": True,
+                                                                       "id": "a1"}).encode())
     again = tp("gc", "--store", url, "--keep", "2")
     assert again.returncode == 0 and "around restore points" not in again.stdout, again.stdout + again.stderr
     assert [g.step for g in store.scan()] == [7, 8]

@@ -117,14 +117,54 @@ def test_every_restore_point_among_the_newest_and_the_generation_before_it_are_k
     assert restore_protection(store, None, keep=2)(gens) == {6, 7}  # only what the 2 newest recorded
     assert restore_protection(store, None, keep=2)(gens[:3]) == frozenset()  # a fresh run protects nothing
     audits = store.child("verification")
-    audits.write_file("audited.json", json.dumps({"from": 6, "to": 9, "passed": True}).encode())
+    _audited(audits, 6, 9)
     assert rule(gens) == {2, 3}  # the audit 6 -> 9 passed across 7, not across 3
-    audits.write_file("audited.json", json.dumps({"from": 2, "to": 9, "passed": False}).encode())
+    _audited(audits, 2, 9, passed=False)
     assert rule(gens) == {2, 3, 6, 7}
-    audits.write_file("audited.json", json.dumps({"from": 2, "to": 9, "passed": True}).encode())
+    _audited(audits, 2, 9)
     assert rule(gens) == frozenset()
     audits.write_file("audited.json", b"[" * 100000)  # unreadable (too deep, too big): nothing is released
     assert rule(gens) == {2, 3, 6, 7}
+
+
+def _audited(audits, start: int, end: int, *, passed: bool = True, report: bool = True, vid: str = "a1") -> None:
+    """What a finished audit leaves: its report under ``verification/<vid>/`` and the record naming it."""
+    if report:
+        audits.child(vid).write_file("verification.json", json.dumps({
+            "kind": "audit", "verdict": "PASSED" if passed else "FAILED",
+            "settings": {"from": start, "to": end}}).encode())
+    audits.write_file("audited.json", json.dumps({"from": start, "to": end, "passed": passed, "id": vid}).encode())
+
+
+def test_an_audit_record_releases_nothing_unless_it_is_the_runs_own(tmp_path, monkeypatch):
+    """A planted ``audited.json`` claiming every step audited (what the audit CronJob's credential may write) used to
+    release every restore point. Without a key it counts only when its own report is a passed audit of the same span
+    within the run; with a key only when signed."""
+    gens = [_resumed(s, None) for s in (1, 2, 3)] + [_resumed(s, 3) for s in (4, 5, 6)]
+    store = open_store(str(tmp_path / "run"))
+    rule = restore_protection(store, 3, keep=2)
+    audits = store.child("verification")
+    protected = {2, 3}
+    assert rule(gens) == protected
+    audits.write_file("audited.json", json.dumps({"from": 0, "to": 10**9, "passed": True}).encode())
+    assert rule(gens) == protected  # names no verification
+    _audited(audits, 0, 10**9)  # a planted report too, but a span past the run's newest generation
+    assert rule(gens) == protected
+    _audited(audits, 2, 6, report=False)
+    audits.child("a1").write_file("verification.json", json.dumps({
+        "kind": "audit", "verdict": "PASSED", "settings": {"from": 2, "to": 5}}).encode())  # another span
+    assert rule(gens) == protected
+    audits.write_file("audited.json", json.dumps({"from": 2, "to": 6, "passed": True, "id": "../a1"}).encode())
+    assert rule(gens) == protected  # not a verification's name
+    _audited(audits, 2, 6)
+    assert rule(gens) == frozenset()  # the run's own audit (without a key, what it looks like)
+    monkeypatch.setenv("TRAINPROOF_SIGNING_KEY", "k" * 32)
+    keyed = open_store(str(tmp_path / "run"))
+    keyed_rule = restore_protection(keyed, 3, keep=2)
+    assert keyed_rule(gens) == protected  # unsigned: ignored with a key
+    record = json.loads(keyed.child("verification").read_file("audited.json"))
+    keyed.child("verification").write_file("audited.json", json.dumps(keyed.options.signing.sign(record)).encode())
+    assert keyed_rule(gens) == frozenset()
     assert audited_past({"from": 5, "to": 6, "passed": True}, 5) and not audited_past({"from": 5, "to": 5}, 5)
     assert not audited_past({"from": True, "to": 9, "passed": True}, 5)
 

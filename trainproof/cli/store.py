@@ -128,11 +128,13 @@ _AUDIT_NOTE = "kept beyond --keep: a restore point (or the one before it) no aud
 def _kept_for_audit(run: Any, gens: list) -> frozenset[int]:
     """The generations retention keeps beyond --keep for an audit (trainproof.format.protect): the restore points the
     complete generations record and the one before each, until a passed audit spans them."""
-    from trainproof.format.protect import read_audited, recorded_restore, steps_to_keep
+    from trainproof.format.protect import read_audited, recorded_restore, steps_to_keep, within_run
 
     complete = [g for g in gens if g.status == COMPLETE]
     points = [p for g in complete if (p := recorded_restore(g.manifest)) is not None]
-    return steps_to_keep([g.step for g in complete], points, read_audited(run)) if points else frozenset()
+    if not points:
+        return frozenset()
+    return steps_to_keep([g.step for g in complete], points, within_run(read_audited(run), complete[-1].step))
 
 
 def _run_contract(run: Any) -> str | None:

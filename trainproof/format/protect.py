@@ -15,17 +15,27 @@ genuine generation before it stays until an audit has passed across it, which a 
 
 A passed audit records its span in ``<run>/verification/audited.json`` (trainproof.proof.audit), which this module
 reads; it releases the restore points inside its span. An audit written elsewhere (``--workdir``) releases nothing: it
-only costs storage.
+only costs storage. The record releases protection, so it is evidence and is authenticated before it counts
+(:func:`read_audited`): with a signing key it must carry a valid signature; without one it must name a verification
+whose own report (``verification/<id>/verification.json``) is a passed audit of the same span, and its span must end
+at or before the run's newest generation (:func:`within_run`). A record that fails counts as none: nothing released.
 """
 
 from __future__ import annotations
 
-import json
+import logging
+import re
 from typing import Any, Callable, Iterable
+
+from trainproof.storage.limits import UntrustedJSONError, loads_untrusted
 
 AUDITED_FILE = "audited.json"
 """Under ``<run>/verification/``: the span ``{from, to, passed}`` of the newest passed audit."""
 _MAX_AUDITED_BYTES = 64 * 1024
+_MAX_REPORT_BYTES = 16 * 2**20
+_VID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"""A verification id as a name under ``verification/`` (no separators, no parent)."""
+log = logging.getLogger("trainproof.retention")
 
 
 def audited_past(record: Any, step: int) -> bool:
@@ -63,13 +73,48 @@ def steps_to_keep(steps: list[int], restore_points: Iterable[int], record: Any) 
 
 
 def read_audited(store: Any) -> Any:
-    """The run's audit record (None when there is none or it cannot be read: then nothing is released)."""
+    """The run's audit record when it is authenticated (see the module docstring), else None: then nothing is
+    released. Never raises: the store failing here must not fail a commit (the generations are kept)."""
     try:
-        raw = store.child("verification").read_file(AUDITED_FILE, max_bytes=_MAX_AUDITED_BYTES)
-        return json.loads(raw) if len(raw) <= _MAX_AUDITED_BYTES else None
-    except (FileNotFoundError, ValueError, UnicodeDecodeError, RecursionError):
-        return None
+        verification = store.child("verification")
+        record = _small_json(verification, AUDITED_FILE, _MAX_AUDITED_BYTES)
+        if not isinstance(record, dict):
+            return None
+        keys = getattr(getattr(store, "options", None), "signing", None)
+        if keys is not None:
+            problem = keys.problem(record)
+            if problem is not None:
+                log.warning("verification/%s is not this run's (%s): it releases no restore point", AUDITED_FILE,
+                            problem)
+                return None
+            return record
+        vid = record.get("id")
+        if not isinstance(vid, str) or not _VID.fullmatch(vid):
+            return None
+        report = _small_json(verification.child(vid), "verification.json", _MAX_REPORT_BYTES)
+        settings = report.get("settings") if isinstance(report, dict) else None
+        if not (isinstance(settings, dict) and report.get("kind") == "audit" and report.get("verdict") == "PASSED"
+                and settings.get("from") == record.get("from") and settings.get("to") == record.get("to")):
+            log.warning("verification/%s names no passed audit of its span (verification/%s): it releases no "
+                        "restore point", AUDITED_FILE, vid)
+            return None
+        return record
     except Exception:  # noqa: BLE001 - the store failing here must not fail a commit: keep the generations
+        return None
+
+
+def within_run(record: Any, newest: int) -> Any:
+    """``record`` when its span ends at or before the run's newest generation ``newest``, else None: an audit can
+    only have replayed generations that existed (a record claiming every step is not an audit of this run)."""
+    end = _step(record.get("to")) if isinstance(record, dict) else None
+    return record if end is not None and end <= newest else None
+
+
+def _small_json(store: Any, name: str, cap: int) -> Any:
+    """A small record read capped and parsed defensively; None when absent or not strict JSON."""
+    try:
+        return loads_untrusted(store.read_file(name, max_bytes=cap), what=name, max_bytes=cap)
+    except (FileNotFoundError, UntrustedJSONError):
         return None
 
 
@@ -84,6 +129,7 @@ def restore_protection(store: Any, resumed_from: int | None, keep: int) -> Calla
         points = {r for r, step in recorded if r and r < step} | ({resumed_from} if resumed_from else set())
         if not points:
             return frozenset()
-        return steps_to_keep([g.step for g in generations], points, read_audited(store))
+        return steps_to_keep([g.step for g in generations], points,
+                             within_run(read_audited(store), generations[-1].step) if generations else None)
 
     return rule

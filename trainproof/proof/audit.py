@@ -244,6 +244,9 @@ class Audit(VerificationRunner):
             return
         record = {"from": self.a, "to": self.b, "passed": True, "id": self.s.vid,
                   "restore_points": self.span.get("restore_points", [])}
+        keys = self.run_store.options.signing
+        if keys is not None:  # it releases retention's protection: evidence, signed like the generations
+            record = keys.sign(record)
         try:
             self.run_store.child("verification").write_file(AUDITED_FILE, (json.dumps(record) + "\n").encode())
             self.audited_record = f"{self.run_store.url}/verification/{AUDITED_FILE}"
