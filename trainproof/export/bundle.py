@@ -37,7 +37,6 @@ import os
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
 import torch
@@ -50,7 +49,7 @@ from trainproof.format.shard_files import is_sharded_file
 from trainproof.format.state import STATE_FILE, History, decode
 from trainproof.storage import COMPLETE, INCOMPLETE, CorruptGenerationError, GenerationStore
 from trainproof.storage.backend import CHUNK
-from trainproof.storage.digest import FileHasher
+from trainproof.storage.digest import FileHasher, digest_bytes
 from trainproof.storage.limits import loads_untrusted
 from trainproof.storage.manifest import step_dir
 from trainproof.storage.spool import Spool, SpoolWriter, spool_dir
@@ -132,9 +131,10 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
     del model
     dest = dest or run.child("exports")
     source = {"run": run.url, "generation": loaded.info.name,
-              "state_sha256": loaded.info.manifest["files"][STATE_FILE]["sha256"]}
-    existing = _existing(dest, loaded.info.step, source, task_name,
-                         {k: v.detach().cpu().contiguous() for k, v in state["model"].items()})
+              "state_sha256": loaded.info.manifest["files"][STATE_FILE]["sha256"],
+              "committed_at": loaded.info.manifest.get("created_at")}
+    step = loaded.info.step
+    existing, pending = _existing(dest, step, source, task_name)
     if existing is not None:
         return existing
     hf_files: dict[str, Any] = {}  # a transformers model's Hugging Face directory (trainproof.export.hf)
@@ -142,6 +142,13 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
                         hf_out=hf_files)
     commit = {"contract": plan["contract"], "world": plan.get("world", 1),
               "code_version": state["meta"].get("code_version", "")}
+    if pending is not None:  # without a key: reused only when every stored byte is what this state exports
+        problem = _differs(dest, step, pending, files, hf_files)
+        if problem is None:
+            discard(files)
+            discard(hf_files)
+            return _bundle(dest, step, pending, reused=True, task=task_name)
+        _quarantine_bundle(dest, step, source, problem)
     try:
         if hf_files:  # before the bundle, whose config.json lists the directory's files
             from trainproof.export.hf import commit_directory
@@ -175,34 +182,43 @@ def _steps_text(steps: list[int]) -> str:
     return ", ".join(map(str, steps[-20:])) + (f" (and {len(steps) - 20} older)" if len(steps) > 20 else "") or "none"
 
 
-def _existing(dest: GenerationStore, step: int, source: dict[str, Any], task: str,
-              weights: dict[str, torch.Tensor]) -> Bundle | None:
+def _existing(dest: GenerationStore, step: int, source: dict[str, Any],
+              task: str) -> tuple[Bundle | None, dict[str, Any] | None]:
     """An already committed bundle of this step, reused only when it is this state's own: its files verify, its
-    ``COMPLETE.json`` names this generation and state (and, with a signing key, is validly signed: discovery
-    refuses it otherwise), its ``config.json`` parses as an object naming the same state and, without a key, its
-    weights are byte for byte the ones this state gives (nothing else can tell a planted bundle from ours). Any
-    other bundle in the way is moved to the destination's quarantine (evidence kept, one warning) and rebuilt."""
+    ``COMPLETE.json`` names this generation and state, its ``config.json`` parses as an object naming the same state,
+    and, with a signing key, it is validly signed (discovery refuses it otherwise): then ``(bundle, None)``. Without
+    a key nothing but its bytes can tell a planted bundle from ours, so one that passes these checks comes back as
+    ``(None, manifest)``: the caller builds the export (it is deterministic) and reuses the stored one only when
+    every file, the Hugging Face directory's too, is byte for byte what it built (:func:`_differs`). Any other bundle
+    in the way is moved to the destination's quarantine (evidence kept, one warning) and rebuilt: ``(None, None)``."""
     info = dest.generation(step)
     if info.status == INCOMPLETE:
-        return None  # no COMPLETE.json: the commit writes beside what is there
+        return None, None  # no COMPLETE.json: the commit writes beside what is there
     problem = info.reason if info.status != COMPLETE else None
     loaded = None
     if problem is None:
         try:
-            loaded = dest.load(step)
-            problem = _not_ours(loaded, source, weights, keyed=dest.options.signing is not None)
+            loaded = dest.load(step, skip=lambda name: name != "config.json")
+            problem = _not_ours(loaded, source)
         except CorruptGenerationError as exc:
             problem = exc.reason
-    if problem is None:
-        return _bundle(dest, step, loaded.info.manifest, reused=True, task=task)
+    manifest = loaded.info.manifest if loaded is not None else None
+    if problem is None and manifest is not None:
+        if dest.options.signing is not None:
+            return _bundle(dest, step, manifest, reused=True, task=task), None
+        return None, manifest
+    _quarantine_bundle(dest, step, source, problem or "unreadable")
+    return None, None
+
+
+def _quarantine_bundle(dest: GenerationStore, step: int, source: dict[str, Any], problem: str) -> None:
     log.warning("%s/%s holds a bundle that is not this state's export (%s): moving it to quarantine and "
                 "building the export again", dest.url, step_dir(step), problem)
     dest.quarantine(step, f"not the export of {source['generation']}: {problem}")
-    return None
 
 
-def _not_ours(loaded: Any, source: dict[str, Any], weights: dict[str, torch.Tensor], *, keyed: bool) -> str | None:
-    """Why a verified bundle is not the export of ``source`` (None when it is)."""
+def _not_ours(loaded: Any, source: dict[str, Any]) -> str | None:
+    """Why a verified bundle does not even claim to be the export of ``source`` (None when it does)."""
     extra = loaded.info.manifest.get("extra") or {}
     theirs = extra.get("source") if isinstance(extra, dict) else None
     if not isinstance(theirs, dict) or extra.get("kind") != "export" or any(
@@ -216,15 +232,34 @@ def _not_ours(loaded: Any, source: dict[str, Any], weights: dict[str, torch.Tens
     if not isinstance(config, dict) or not isinstance(config.get("source"), dict) \
             or config["source"].get("state_sha256") != source["state_sha256"]:
         return "its config.json names another state"
-    if keyed:
-        return None  # signed by an accepted key, for this state
-    if FP_FILE not in loaded.files:
-        return f"it has no {FP_FILE}"
-    from trainproof.export.tensorfile import write_safetensors
+    return None
 
-    spool, sha = _spooled(lambda out: write_safetensors(out, weights), None)
-    spool.unlink()
-    return None if sha == sha256_of(loaded.files[FP_FILE]) else f"its {FP_FILE} is not this state's weights"
+
+def _differs(dest: GenerationStore, step: int, manifest: dict[str, Any], files: dict[str, Any],
+             hf_files: dict[str, Any]) -> str | None:
+    """Why the stored bundle (``manifest``, and its Hugging Face directory) is not byte for byte the ``files`` this
+    state exports (None when it is). Digests are compared as the store computes them, then every stored byte is
+    read back against its manifest: a file the export does not write, or one that differs, is a reason."""
+    listed = manifest.get("files")
+    stored: dict[str, Any] = listed if isinstance(listed, dict) else {}
+    if set(stored) != set(files):
+        extra, missing = sorted(set(stored) - set(files))[:3], sorted(set(files) - set(stored))[:3]
+        return f"its files are not the export's (extra {extra}, missing {missing})"
+    for name, data in files.items():
+        ours = str(data.sha256) if isinstance(data, Spool) else str(digest_bytes(data))
+        entry = stored[name]
+        if not isinstance(entry, dict) or entry.get("sha256") != ours:
+            return f"its {name} is not this state's"
+    problem = dest.verify(step)
+    if problem is not None:
+        return problem
+    if hf_files:
+        from trainproof.export.hf import HF_FOLDER, same_directory
+
+        if not same_directory(dest.child(HF_FOLDER), step, {n: sha256_of(d) for n, d in hf_files.items()},
+                              sha256_of):
+            return "its Hugging Face directory is not this state's"
+    return None
 
 
 def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reused: bool, task: str) -> Bundle:
@@ -419,8 +454,7 @@ def _config(task: Task, plan: dict, state: dict, source: dict, fp_name: str) -> 
         "versions": meta.get("versions"), "trained_on": meta.get("device"), "amp": meta.get("amp"),
         "autocast": meta.get("autocast"),
         "weights": {"bf16": BF16_FILE, "bf16_safetensors": BF16_SAFETENSORS, "full_precision": fp_name},
-        "source": source,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "source": source,  # with the source generation's commit time: the bundle is a function of the state alone
     }
 
 

@@ -253,29 +253,34 @@ def commit_directory(dest: Any, step: int, files: dict[str, Any], *, check: Call
                      digest: Callable[[Any], str], contract: str, world: int, code_version: str) -> None:
     """Commit the directory's files as generation ``step`` of ``<dest>/hf`` (write -> verify -> mark usable, ``check``
     run on each file read back), before the bundle that lists them. One already committed there with the same files
-    (``digest``: a file's plain sha256; an export that stopped between the two commits) is kept; one with other files
-    is refused (ConfigError): choose another --dest."""
-    from trainproof.errors import ConfigError
+    (``digest``: a file's plain sha256; an export that stopped between the two commits) is kept; one with other
+    files (another export's, or planted: its config.json could name custom code a user's ``from_pretrained`` runs)
+    is moved to quarantine and this one committed."""
     from trainproof.storage import COMPLETE
-    from trainproof.storage.manifest import step_dir
 
     folder = dest.child(HF_FOLDER)
     if any(g.step == step and g.status == COMPLETE for g in folder.scan()):
-        theirs = set(folder.generation(step).manifest["files"])
-        ours = {n: digest(d) for n, d in files.items()}
-        if theirs == set(ours) and _same(folder, step, ours, digest):
+        if same_directory(folder, step, {n: digest(d) for n, d in files.items()}, digest):
             return
-        raise ConfigError(f"{folder.url}/{step_dir(step)} already holds another Hugging Face directory; "
-                          "choose another --dest")
+        folder.quarantine(step, "not this state's Hugging Face directory: its files differ from the export's")
     folder.commit(step, files, contract=contract, world=world, code_version=code_version, check=check,
                   extra={"kind": "hf-directory"})
 
 
-def _same(folder: Any, step: int, ours: dict[str, str], digest: Callable[[Any], str]) -> bool:
-    """Whether the committed directory's files have the plain sha256 ``ours`` (read back and hashed)."""
+def same_directory(folder: Any, step: int, ours: dict[str, str], digest: Callable[[Any], str]) -> bool:
+    """Whether generation ``step`` of ``folder`` is complete, holds exactly the files of ``ours`` (name -> plain
+    sha256) and each read back (verified against its manifest) hashes to it."""
+    from trainproof.storage import COMPLETE
+    from trainproof.storage.errors import CorruptGenerationError
     from trainproof.storage.spool import spool_dir
 
-    loaded = folder.load(step, spool_dir=spool_dir(), spool_from=1 << 20)
+    info = folder.generation(step)
+    if info.status != COMPLETE or set((info.manifest or {}).get("files") or {}) != set(ours):
+        return False
+    try:
+        loaded = folder.load(step, spool_dir=spool_dir(), spool_from=1 << 20)
+    except CorruptGenerationError:
+        return False
     try:
         return all(digest(loaded.files[n]) == ours[n] for n in ours)
     finally:
