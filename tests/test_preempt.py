@@ -14,6 +14,7 @@ import pytest
 
 from trainproof.errors import ConfigError
 from trainproof.lifecycle.signals import Deadline, StopRequest, parse_deadline
+from tests.support.timing import budget
 from tests.test_train_helpers import differences, finish, from_step, history_rows, load_state, parse_events, run, start, trajectory
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
@@ -152,7 +153,10 @@ def test_deadline_stops_in_time_after_committing(tmp_path):
     # save guess + the export's 2 x 1 s + this process's start-up + 1 s) + the 1 s margin, over 7 s whatever the
     # start-up took (10 s fitted on a fast machine, which then exported and exited 0). So the export is given up:
     # commit, exit 75.
-    result = run(tmp_path / "run", "--max-steps", "100000", "--deadline", "7s", "--checkpoint-every", "25",
+    # On a loaded machine the start-up alone can take 7 s: the deadline scales with the load like the start-up and
+    # the reserve do (each a multiple of the start-up), so it stays too short for the export and long enough to train.
+    result = run(tmp_path / "run", "--max-steps", "100000", "--deadline", f"{round(budget(7))}s",
+                 "--checkpoint-every", "25",
                  "--log-every", "1000", env={"TPHOOK_STEP_DELAY": "0.01"})
     assert result.code == 75, result.stderr
     stopped = result.last("stopped")

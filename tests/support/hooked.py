@@ -12,6 +12,8 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          ``COMPLETE.json``; and after a rank wrote its part (lets a signal or a kill land
                          mid-save)
 ``TPHOOK_PER_RANK_MEAN`` ``1``: every run normalises its loss per rank (a trainer bug on every path)
+``TPHOOK_FULL_AT_STEP``  a step: every write into that step's folder of a local store fails as a full disk does
+                         (``ENOSPC``), so its commit fails; other steps are written normally
 ``TPHOOK_SABOTAGE``      break the *resume* on purpose, the bugs the verifier claims to catch
                          (comma-separated; a fresh start is never affected):
                          ``skip_optimizer`` load the optimizer's hyper-parameters but not its state;
@@ -190,6 +192,23 @@ def _save_prefetched() -> None:
     run.capture_rank_part = loop.capture_rank_part = prefetched_part
 
 
+def _disk_full_at(step: int) -> None:
+    """Writes into ``step-<step>/`` of a local store fail with ENOSPC (a disk that filled up at that step)."""
+    import errno
+
+    from trainproof.storage.backend import LocalBackend
+
+    write, folder = LocalBackend.write, f"{os.sep}step-{step:08d}{os.sep}"
+
+    @functools.wraps(write)
+    def full_write(self: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        if folder in path:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return write(self, path, *args, **kwargs)
+
+    LocalBackend.write = full_write  # type: ignore[method-assign]
+
+
 def install() -> None:
     """Patch the trainer in this process as the ``TPHOOK_*`` variables say, and wrap the processes it starts."""
     from trainproof.train import checkpoint, launch, loop, resume
@@ -221,6 +240,9 @@ def install() -> None:
             return frame
 
         checkpoint.Checkpointer._check, checkpoint.Checkpointer._write_own_part = slow_check, slow_part
+    full = os.environ.get("TPHOOK_FULL_AT_STEP")
+    if full:
+        _disk_full_at(int(full))
     if os.environ.get("TPHOOK_PER_RANK_MEAN") == "1":
         build = loop.build_run
         loop.build_run = functools.wraps(build)(lambda *a, **kw: build(*a, **{**kw, "per_rank_mean": True}))
