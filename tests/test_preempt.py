@@ -14,7 +14,6 @@ import pytest
 
 from trainproof.errors import ConfigError
 from trainproof.lifecycle.signals import Deadline, StopRequest, parse_deadline
-from tests.support.timing import budget
 from tests.test_train_helpers import differences, finish, from_step, history_rows, load_state, parse_events, run, start, trajectory
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
@@ -147,15 +146,24 @@ def test_sigterm_at_random_moments_loses_nothing_and_resumes_exactly(tmp_path):
         assert [r["step"] for r in history_rows(got)] == list(range(got["history_chain"]["first"], TARGET + 1))
 
 
+def _startup_s(tmp_path) -> float:
+    """This machine's start-up of a train process now, as the product measures it: a short run with a far deadline
+    reports the reserve it keeps, 3.5 s + 1.5 x its start-up (trainproof.lifecycle.finish.Finisher)."""
+    probe = run(tmp_path / "probe", "--max-steps", "1", "--deadline", "1h", "--log-every", "1000")
+    assert probe.code == 0, probe.stderr
+    return (probe.last("start")["deadline_reserve_s"] - 3.5) / 1.5
+
+
 def test_deadline_stops_in_time_after_committing(tmp_path):
-    # The periodic checkpoints give the deadline logic a measured save time early on. 7 s is too short for the
-    # export and its reload check as well on any machine: at the first check the reserve is a step, 1.5 x (the 1 s
-    # save guess + the export's 2 x 1 s + this process's start-up + 1 s) + the 1 s margin, over 7 s whatever the
-    # start-up took (10 s fitted on a fast machine, which then exported and exited 0). So the export is given up:
-    # commit, exit 75.
-    # On a loaded machine the start-up alone can take 7 s: the deadline scales with the load like the start-up and
-    # the reserve do (each a multiple of the start-up), so it stays too short for the export and long enough to train.
-    result = run(tmp_path / "run", "--max-steps", "100000", "--deadline", f"{round(budget(7))}s",
+    # The periodic checkpoints give the deadline logic a measured save time early on. The export and its reload
+    # check are given up at the first check when the time left is under a step + 1.5 x the 1 s save guess + the
+    # 1 s margin + 1.5 x the export's reserve (3.5 s + 1.5 x this process's start-up s): ~7.75 s + 2.25 s. A deadline
+    # of 5 s + 2 x the start-up measured just before (s') gives that up whenever s' < 1.4 + 1.6 s, and leaves time to
+    # train (more than a step, the save and the margin after the start-up) whenever s < 2.5 + 2 s'. So the export is
+    # given up: commit, exit 75, whatever the machine's speed (a deadline scaled by the load average alone was
+    # long enough to export on a machine whose load average was high and whose start-up was quick).
+    deadline_s = 5 + 2 * _startup_s(tmp_path)
+    result = run(tmp_path / "run", "--max-steps", "100000", "--deadline", f"{round(deadline_s)}s",
                  "--checkpoint-every", "25",
                  "--log-every", "1000", env={"TPHOOK_STEP_DELAY": "0.01"})
     assert result.code == 75, result.stderr

@@ -20,6 +20,25 @@ from trainproof.storage.backend import CHUNK
 from trainproof.storage.spool import Spool, SpoolWriter, download, hashed_ranges, spans
 from tests.support.tamper import TamperingBackend, flip_first_byte
 
+
+class ThreadsSeen:
+    """The names of the threads that called, for a test that the work was spread: a caller that has seen no other
+    thread yet waits (at most 0.5 s) for one to arrive, so a fast first thread cannot take every part before the pool
+    starts its others (a pool starts a thread only when none is idle)."""
+
+    def __init__(self):
+        self.names, self._lock, self._second = set(), threading.Lock(), threading.Event()
+
+    def __call__(self):
+        with self._lock:
+            self.names.add(threading.current_thread().name)
+            if len(self.names) > 1:
+                self._second.set()
+        self._second.wait(0.5)
+
+    def __len__(self):
+        return len(self.names)
+
 PART = 5 * 2**20
 C = "contract-spool"
 
@@ -87,10 +106,10 @@ def test_a_download_of_many_digest_parts_hashes_them_on_the_fetching_threads(tmp
 
     size, digest_part, part = 7 * 2**20 + 11, 2 * 2**20, 2**20
     data = os.urandom(size + max(extra, 0))[: size + extra]
-    threads, ranges = set(), []
+    threads, ranges = ThreadsSeen(), []
 
     def read(a, b):
-        threads.add(threading.current_thread().name)
+        threads()
         ranges.append((a, b))
         return data[a:b]
 
@@ -122,10 +141,10 @@ def test_a_read_back_of_many_digest_parts_hashes_them_on_the_fetching_threads(ex
 
     size, digest_part, part = 5 * 2**20 + 3, 2**20, 2**19
     data = os.urandom(size + max(extra, 0))[: size + extra]
-    threads = set()
+    threads = ThreadsSeen()
 
     def read(a, b):
-        threads.add(threading.current_thread().name)
+        threads()
         return data[a:b]
 
     got = hashed_parts(read, size, FileHasher(digest_part), part_size=part, concurrency=3)
