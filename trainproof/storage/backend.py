@@ -110,6 +110,19 @@ def iter_listing(backend: Backend, path: str, *, prefix: str = "") -> Iterator[E
 
 
 @runtime_checkable
+class ListsTrees(Protocol):
+    """A backend that lists every object below a folder in one paged listing (S3 without a delimiter: 1000 keys a
+    request), so a scan of many small folders costs a page per thousand objects instead of a request per folder."""
+
+    def itertree(self, path: str, *, prefix: str = "", cap: int | None = None) -> Iterator[tuple[str, Entry]]:
+        """``(folder, child)`` for each object below the folders of ``path`` whose names start with ``prefix``:
+        ``folder`` is the first part of its key below ``path``, ``child`` its entry directly in that folder (a key
+        deeper than that shows as a folder entry, once per key). Objects directly in ``path`` are not yielded. With
+        ``cap``, a folder yields at most ``cap + 1`` children (one more, so the caller can tell it was cut) and the
+        rest of it is not listed."""
+
+
+@runtime_checkable
 class ReadsIntoBuffers(Protocol):
     """A backend that can read a range into a caller's buffer (no allocation per part: a local file's pread)."""
 

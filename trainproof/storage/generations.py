@@ -13,7 +13,7 @@ import queue
 import time
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from trainproof.storage import manifest as mf
 from trainproof.storage import signing
@@ -21,6 +21,7 @@ from trainproof.storage.backend import (
     CHUNK,
     Backend,
     Entry,
+    ListsTrees,
     ReadsIntoBuffers,
     hash_object,
     iter_listing,
@@ -153,9 +154,11 @@ def anchor(ctx: Ctx) -> str | None:
 
 
 def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None,
-            entry: Entry | None = None, run_anchor: str | None | bool = False) -> GenerationInfo:
+            entry: Entry | None = None, run_anchor: str | None | bool = False,
+            listing: list[Entry] | None = None) -> GenerationInfo:
     """Classify one generation folder from its listing and manifest (no hashing).  ``entry`` is its entry in
     the root's listing when the caller has it; without one it is looked up (a symlink is never followed).
+    ``listing``: the folder's children when the caller listed them already (a scan's one listing of the tree).
     With signing keys (``ctx.keys``): an unsigned, wrongly signed or another run's (``run_anchor``, read from
     the root when not given) manifest is foreign; the chain is checked by ``scan`` (it needs every generation)."""
     step = mf.parse_step_dir(name)
@@ -167,12 +170,13 @@ def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None,
         return GenerationInfo(step=step, name=name, status=FOREIGN, mtime=entry.mtime, reason=(
             "not a folder (a symlink or a special file): never followed, loaded or deleted"))
     cap = ctx.limits.scan_entries
-    listing = ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.path(name), limit=cap))
-    entries = {e.name: e for e in listing if not e.is_dir}
+    children = listing if listing is not None else ctx.io(
+        f"list {name}", lambda: ctx.backend.listdir(ctx.path(name), limit=cap))
+    entries = {e.name: e for e in children if not e.is_dir}
     size = sum(e.size for e in entries.values())
     mtimes = [e.mtime for e in entries.values() if e.mtime is not None]
-    base = dict(step=step, name=name, bytes=size, mtime=max(mtimes) if mtimes else None)
-    if len(listing) > cap:
+    base: dict[str, Any] = dict(step=step, name=name, bytes=size, mtime=max(mtimes) if mtimes else None)
+    if len(children) > cap:
         return GenerationInfo(status=CORRUPT, reason=f"holds more than {cap} objects (Limits.scan_entries)", **base)
     if mf.MARKER not in entries:
         return GenerationInfo(status=INCOMPLETE, reason=f"no {mf.MARKER}: partial or abandoned write", **base)
@@ -245,13 +249,37 @@ def scan_capped(ctx: Ctx, *, contract: str | None = None, world: int | None = No
         return kept
 
     entries = sorted(ctx.io("list generations", listing), key=lambda e: e.name)
+    trees = _listed_trees(ctx, {e.name for e in entries if e.is_dir and not e.is_special}, in_time)
     run_anchor = anchor(ctx) if ctx.keys is not None else False
     found = []
     for e in entries:
         in_time("classifying the generations")
-        found.append(inspect(ctx, e.name, contract=contract, world=world, entry=e, run_anchor=run_anchor))
+        found.append(inspect(ctx, e.name, contract=contract, world=world, entry=e, run_anchor=run_anchor,
+                             listing=None if trees is None else trees.get(e.name, [])))
     # Without a plan.json (an export folder) there is no run to chain: bundles are checked by signature alone.
     return Scan(_chained(found) if ctx.keys is not None and run_anchor is not None else found, False)
+
+
+def _listed_trees(ctx: Ctx, folders: set[str], in_time: Callable[[str], None]) -> dict[str, list[Entry]] | None:
+    """The children of each generation folder in ``folders`` from one listing of the tree, where the backend lists
+    trees (``ListsTrees``: S3); None elsewhere (each folder is then listed by itself, as cheap on a local disk).
+    A flood of small ``step-*`` folders then costs a page per thousand objects, not a request per folder; what
+    is not a generation's folder is dropped as it comes, and a folder stops at ``Limits.scan_entries`` + 1."""
+    backend = ctx.backend
+    if not isinstance(backend, ListsTrees):
+        return None
+    cap = ctx.limits.scan_entries
+
+    def listing() -> dict[str, list[Entry]]:
+        trees: dict[str, list[Entry]] = {}
+        for i, (folder, child) in enumerate(backend.itertree(ctx.root, prefix="step-", cap=cap)):
+            if i % 1024 == 0:
+                in_time("the listing of the generations' files")
+            if folder in folders:
+                trees.setdefault(folder, []).append(child)
+        return trees
+
+    return ctx.io("list the generations' files", listing)
 
 
 def _chained(found: list[GenerationInfo]) -> list[GenerationInfo]:

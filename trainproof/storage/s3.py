@@ -341,6 +341,36 @@ class S3Backend(FsspecBackend):
                 return
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
+    def itertree(self, path: str, *, prefix: str = "", cap: int | None = None) -> Iterator[tuple[str, Entry]]:
+        """Every object below ``path``'s folders named ``prefix…``, page by page (``trainproof.storage.backend.
+        ListsTrees``); a folder past ``cap`` children is skipped by listing on after its last possible key."""
+        bucket, key, _ = self.fs.split_path(path)
+        base = f"{key.rstrip('/')}/" if key else ""
+        kwargs: dict = {"Bucket": bucket, "Prefix": base + prefix}
+        counts: dict[str, int] = {}
+        while True:
+            try:
+                page = self.fs.call_s3("list_objects_v2", **kwargs)
+            except FileNotFoundError:
+                return
+            full = None
+            for obj in page.get("Contents", []):
+                folder, sep, rest = obj["Key"][len(base):].partition("/")
+                if not sep or not rest:  # an object beside the folders, or a folder's own "dir/" marker
+                    continue
+                counts[folder] = seen = counts.get(folder, 0) + 1
+                if cap is not None and seen > cap + 1:
+                    full = folder
+                    break
+                yield folder, _child(rest, obj)
+            if full is not None:  # list on after the last key a folder can have ('/' + the last code point)
+                kwargs.pop("ContinuationToken", None)
+                kwargs["StartAfter"] = f"{base}{full}/\U0010ffff"
+                continue
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                return
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
     def exists(self, path: str) -> bool:
         try:
             self.fs.info(path, refresh=True)
@@ -474,3 +504,12 @@ class S3Backend(FsspecBackend):
 
 
 __all__ = ["S3Backend", "CHUNK"]
+
+
+def _child(rest: str, obj: dict) -> Entry:
+    """The entry a listed object makes in its folder: itself, or (a deeper key) the sub-folder holding it."""
+    name, deeper, _ = rest.partition("/")
+    if deeper:
+        return Entry(name, 0, True, None)
+    mtime = obj.get("LastModified")
+    return Entry(name, int(obj.get("Size") or 0), False, mtime.timestamp() if mtime is not None else None)
