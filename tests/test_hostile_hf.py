@@ -1,9 +1,12 @@
-"""Nothing stored reaches ``from_pretrained`` unless it is a plain Hugging Face directory this export writes (issue 37):
+"""Nothing stored reaches ``from_pretrained`` unless it is a plain Hugging Face directory this export writes, and a
+stored bundle that fails its reload check cannot stop an export (issue 37):
 
 - a directory holding a file ``save_pretrained`` does not write (custom code, other weights) or a JSON file with
   ``auto_map`` is refused by the reload check by name, even when the bundle lists it, and never loaded;
 - an export that finds such a directory (and a bundle listing it) at its name quarantines both and commits its own;
-- a task whose model config has ``auto_map`` gets a bundle without a Hugging Face directory, with a one-line reason.
+- a task whose model config has ``auto_map`` gets a bundle without a Hugging Face directory, with a one-line reason;
+- a bundle found stored and reused whose reload check fails (a signed bundle whose directory a co-tenant replaced)
+  is quarantined and the export rebuilt and checked once; a failing bundle this process built is the result.
 
 Real processes (``train``, ``export``, ``reload-check``) over one trained store per module.
 """
@@ -22,13 +25,14 @@ import pytest
 
 from tests.support.timing import budget
 from tests.test_train_helpers import ROOT, run, train_env
-from trainproof.storage import open_store
+from trainproof.storage import StoreOptions, open_store
 
 pytest.importorskip("transformers")
 
 HF = "examples.hf_llama:factory"
 QUICK = str(ROOT / "examples" / "hf_llama-quick.json")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+KEY = {"TRAINPROOF_SIGNING_KEY": "k-hf-0123456789abcdef"}
 STEP = 2
 EVIL = "import pathlib\npathlib.Path({canary!r}).write_text('imported')\nclass EvilLM: pass\n"
 
@@ -75,7 +79,7 @@ def planted(trained, kind: str, canary: Path) -> dict[str, bytes]:
     return files
 
 
-def plant(trained, dest: Path, hf_files: dict[str, bytes]) -> None:
+def plant(trained, dest: Path, hf_files: dict[str, bytes], keys: StoreOptions | None = None) -> None:
     """Commit ``hf_files`` as the directory and the genuine bundle with config.json (and SHA256SUMS) listing them,
     as a co-tenant without the key writes them (through the store's own API, unsigned)."""
     bundle = dict(trained.bundle)
@@ -84,7 +88,7 @@ def plant(trained, dest: Path, hf_files: dict[str, bytes]) -> None:
     bundle["config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     bundle["SHA256SUMS"] = "".join(f"{hashlib.sha256(d).hexdigest()}  {n}\n" for n, d in sorted(bundle.items())
                                    if n != "SHA256SUMS").encode()
-    store = open_store(str(dest))
+    store = open_store(str(dest), keys)
     m, h = trained.manifest, trained.hf_manifest
     store.child("hf").commit(STEP, hf_files, contract=h["contract"], world=1, code_version=h["code_version"],
                              extra=h["extra"])
@@ -138,3 +142,54 @@ def test_a_model_config_with_auto_map_gets_no_hf_directory_and_a_one_line_reason
     assert len(warnings) == 1, result.stderr[-3000:]
     record = json.loads((store / "exports" / f"step-{STEP:08d}.reload-check.json").read_text())
     assert record["passed"] and "hf_from_pretrained" not in record["checks"]
+
+
+def test_a_reused_signed_bundle_whose_check_fails_is_quarantined_and_rebuilt_once(tmp_path):
+    """With a key a validly signed bundle is reused without a byte comparison; a co-tenant (no key) then replaces
+    its Hugging Face directory. Its reload check fails: the bundle used to stop the export (exit 1); it is now moved
+    to quarantine and the export rebuilt, whose check passes."""
+    store = tmp_path / "run"
+    first = train_and_export(store, env=KEY)
+    assert first.returncode == 0, first.stderr[-3000:]
+    hf = store / "exports" / "hf" / f"step-{STEP:08d}"
+    genuine = folder_files(hf)
+    shutil.rmtree(hf)
+    manifest = json.loads((store / "exports" / f"step-{STEP:08d}" / "COMPLETE.json").read_text())
+    canary = tmp_path / "imported"
+    files = planted(SimpleNamespace(hf=genuine), "modeling_evil.py", canary)
+    open_store(str(store / "exports")).child("hf").commit(
+        STEP, files, contract=manifest["contract"], world=1, code_version=manifest["code_version"],
+        extra={"kind": "hf-directory"})
+    result = job("export", "--store", str(store), "--task", HF, env=KEY)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("reused") and lines[1].startswith("committed"), lines
+    assert "not the run's own" in result.stderr and "hf_from_pretrained" in result.stderr, result.stderr[-3000:]
+    assert folder_files(hf) == genuine and not canary.exists()
+    exports = open_store(str(store / "exports"), StoreOptions.from_env(env=KEY))
+    assert [r for _, r in exports.quarantined() if "reused by the export" in r], exports.quarantined()
+    assert json.loads((store / "exports" / f"step-{STEP:08d}.reload-check.json").read_text())["passed"]
+
+
+# -- in process: the rebuild happens once, and only for a bundle this process did not build ---------------------
+@pytest.mark.parametrize("reused", [True, False])
+def test_a_failing_check_rebuilds_a_reused_bundle_once_and_never_a_fresh_one(monkeypatch, reused):
+    from trainproof.proof import reload
+
+    exports, quarantined = [], []
+    dest = SimpleNamespace(url="mem://x/exports", quarantine=lambda step, why: quarantined.append((step, why)))
+
+    def export(run, *, step, dest, task):
+        exports.append(step)
+        return SimpleNamespace(dest=dest, step=7, reused=reused and len(exports) == 1, task="tinylm")
+
+    failing = {"passed": False, "checks": {"sha256sums": {"passed": True}, "bf16_reproduced": {"passed": False}}}
+    monkeypatch.setattr(reload, "export", lambda run, **kw: export(run, **kw))
+    monkeypatch.setattr(reload, "absolute_url", lambda dest: dest.url)
+    monkeypatch.setattr(reload, "check_in_fresh_process", lambda *a, **kw: dict(failing))
+    checked = reload.export_and_check(SimpleNamespace(), task="tinylm", store_args=[], timeout=5, dest=dest,
+                                      keep_record=False)
+    assert checked.passed is False and checked.bundle.reused is False
+    assert exports == ([None, 7] if reused else [None])
+    assert [s for s, _ in quarantined] == ([7] if reused else [])
+    assert all("bf16_reproduced" in why for _, why in quarantined)
