@@ -318,12 +318,11 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
         files[BF16_FILE], sums[BF16_FILE] = _spooled(lambda out: torch.save(bf16, out), directory)
         metric, others, threads = evaluate_weights(task, weights)
         metric_bf16, others_bf16, _ = evaluate_weights(task, bf16)
-        hf = None
-        if hf_out is not None:
-            from trainproof.export import hf as hf_export
+        from trainproof.export import hf as hf_export
 
-            hf = hf_export.directory(task, weights, lambda write: _spooled(write, directory), threads)
-            hf_out.update(hf.files if hf is not None else {})
+        hf, hf_refused = _hf_directory(task, weights, directory, threads) if hf_out is not None else (None, "")
+        if hf is not None and hf_out is not None:
+            hf_out.update(hf.files)
         hf_config, hf_metrics = hf_export.records(hf, step_of(state), metric) if hf is not None else ({}, {})
         alone = standalone(plan["task"], task)
         # torch.export costs seconds (10+ on first use) on every export, verify included: only where no model.py
@@ -342,7 +341,8 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
             "config.json": _json({**_config(task, plan, state, source, FP_FILE),
                                   "model_args": alone.model_args if alone else {},
                                   "standalone": {"model_py": alone is not None, "program": program_note},
-                                  **({"hf": hf_config} if hf_config else {})}),
+                                  **({"hf": hf_config} if hf_config else {}),
+                                  **({"hf_refused": hf_refused} if hf_refused else {})}),
             "metrics.json": _json({**_metrics(task, plan, state, (metric, others), (metric_bf16, others_bf16),
                                             threads), "history": covered,
                                    **({"hf": hf_metrics} if hf_metrics else {})}),
@@ -370,6 +370,21 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
         discard(hf_out or {})
         raise
     return files
+
+
+def _hf_directory(task: Task, weights: dict[str, torch.Tensor], directory: str | None,
+                  threads: int) -> tuple[Any, str]:
+    """The Hugging Face directory of a ``transformers`` model (trainproof.export.hf; None for another model), and
+    why it is left out when its files would hold custom code or a file save_pretrained does not write ('' else):
+    the rest of the bundle is exported as for any model."""
+    from trainproof.export import hf as hf_export
+
+    try:
+        return hf_export.directory(task, weights, lambda write: _spooled(write, directory), threads), ""
+    except hf_export.Refused as exc:
+        why = " ".join(str(exc).split())
+        log.warning("export: no Hugging Face directory: %s", why)
+        return None, why
 
 
 def step_of(state: dict[str, Any]) -> int:

@@ -12,6 +12,14 @@ committed bundle vouches for its directory. It holds:
                                 ``model.safetensors.index.json`` (``weight_map``: tensor -> file)
     tokenizer files             ``task.tokenizer.save_pretrained``: tokenizer.json, tokenizer_config.json, ...
 
+Nothing else, and never custom code: :data:`TOKENIZER_FILES` and :func:`foreign` name exactly what may be in a
+directory (the files these ``save_pretrained`` calls write), and a directory holding any other file (a ``.py``,
+``pytorch_model.bin``, a shard the index does not name) or whose ``config.json`` (or another JSON file of it) has
+``auto_map`` (code that ``from_pretrained(..., trust_remote_code=True)`` would import) is never written: the export
+leaves the Hugging Face directory out with a one-line reason (``config.json``'s ``hf_refused``) and keeps the rest
+of the bundle; the reload check refuses to load one (trainproof.proof.hf_reload), and an export that finds one at
+its name moves it to quarantine and commits its own (:func:`commit_directory`).
+
 The weight files are written tensor by tensor into spool files (trainproof.export.tensorfile, ``{"format": "pt"}`` in
 their header), never built in memory. For a task whose held-out samples are token windows (``DatasetTask`` with
 ``(input_ids, targets)`` integer pairs, as examples/hf_llama.py) the bundle also carries ``hf_eval.py`` and
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -40,6 +49,24 @@ SHARD_ENV = "TRAINPROOF_HF_SHARD_MB"
 DEFAULT_SHARD_BYTES = 5_000 * 10**6
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
+SHARD_FILE = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+"""A weights file of a sharded directory (:func:`directory` names them ``model-%05d-of-%05d.safetensors``)."""
+MODEL_FILES = frozenset({"config.json", "generation_config.json", WEIGHTS_FILE, INDEX_FILE})
+"""What :func:`directory` writes of the model (``config.save_pretrained``, ``generation_config.save_pretrained``, the
+weights), besides the shards."""
+TOKENIZER_FILES = frozenset({
+    # PreTrainedTokenizerBase.save_pretrained's own files (transformers' TOKENIZER_CONFIG_FILE, FULL_TOKENIZER_FILE,
+    # SPECIAL_TOKENS_MAP_FILE, ADDED_TOKENS_FILE, CHAT_TEMPLATE_FILE and the legacy chat_template.json) ...
+    "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json",
+    # ... and save_vocabulary's (a tokenizer class's vocab_files_names) of the byte-level BPE, WordPiece and
+    # SentencePiece tokenizers.
+    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model"})
+"""The files a tokenizer's ``save_pretrained`` may add to a directory; a tokenizer that writes any other file (or a
+sub-folder, which is left out) gets no Hugging Face directory."""
+MAX_JSON_BYTES = 64 << 20
+"""A directory's JSON files are read whole to look for ``auto_map`` (tokenizer.json of a large vocabulary: a few
+tens of MB); a larger one is not one save_pretrained wrote."""
 
 HF_EVAL = '''"""The held-out evaluation of this export over its Hugging Face directory, in plain torch and transformers
 (no trainproof): python hf_eval.py HF_FOLDER, from the bundle folder; it prints what metrics.json records as hf."""
@@ -73,7 +100,8 @@ if __name__ == "__main__":
 
     metrics = json.load(open("metrics.json"))
     torch.set_num_threads(metrics["eval"]["threads"])  # the thread count of the recorded evaluation
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1] if len(sys.argv) > 1 else "hf")
+    folder = sys.argv[1] if len(sys.argv) > 1 else "hf"
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)  # never code from the folder
     value = evaluate(model, load_file("hf_eval_data.safetensors"))
     print(json.dumps({"hf_eval": value, "recorded": metrics["hf"]["value"]}))
 '''
@@ -117,9 +145,59 @@ def shard_bytes() -> int:
     return value
 
 
+class Refused(Exception):
+    """The task's model is a ``transformers`` model, but its directory would hold custom code or a file
+    ``save_pretrained`` of the model and tokenizer does not write (the message: one line naming it)."""
+
+
+def foreign(files: dict[str, Any], read: Callable[[Any], bytes] | None = None) -> str | None:
+    """Why a Hugging Face directory of ``files`` (name -> bytes, or what ``read`` turns into bytes) is not one this
+    export writes (None when it is): a file outside :data:`MODEL_FILES`, the shards and :data:`TOKENIZER_FILES`;
+    weights both whole and sharded, shards the index does not name, or none at all; ``auto_map`` in a JSON file."""
+    for name in sorted(files):
+        if name not in MODEL_FILES and name not in TOKENIZER_FILES and not SHARD_FILE.fullmatch(name):
+            return f"{name} is not a file save_pretrained writes (custom code, or another format's weights)"
+    problem = _weights_problem(files, read)
+    if problem is not None:
+        return problem
+    for name in sorted(n for n in files if n.endswith(".json") and n != INDEX_FILE):
+        if "auto_map" in _json_object(files[name], read, name):
+            return f"{name} has auto_map (custom code that from_pretrained would import): not written, not loaded"
+    return None
+
+
+def _weights_problem(files: dict[str, Any], read: Callable[[Any], bytes] | None) -> str | None:
+    shards = sorted(n for n in files if SHARD_FILE.fullmatch(n))
+    if WEIGHTS_FILE in files:
+        extra = shards + ([INDEX_FILE] if INDEX_FILE in files else [])
+        return f"{extra[0]} is a weights file beside {WEIGHTS_FILE}" if extra else None
+    if not shards or INDEX_FILE not in files:
+        return f"no {WEIGHTS_FILE}, nor shards with {INDEX_FILE}"
+    weight_map = _json_object(files[INDEX_FILE], read, INDEX_FILE).get("weight_map")
+    named = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+    if named != set(shards):
+        odd = sorted(set(map(str, named)) ^ set(shards))[:1] or [INDEX_FILE]
+        return f"{odd[0]}: the shards and {INDEX_FILE}'s weight_map differ"
+    return None
+
+
+def _json_object(data: Any, read: Callable[[Any], bytes] | None, name: str) -> dict[str, Any]:
+    """A JSON file of the directory as an object (an empty one when it is not one: nothing to find in it)."""
+    from trainproof.storage.limits import loads_untrusted
+
+    raw = data if read is None else read(data)
+    try:
+        value = loads_untrusted(raw, what=name, max_bytes=MAX_JSON_BYTES)
+    except ValueError:
+        return {"auto_map": f"{name} is not JSON of at most {MAX_JSON_BYTES} bytes"}  # refused as if it had one
+    return value if isinstance(value, dict) else {}
+
+
 def directory(task: Task, weights: dict[str, torch.Tensor], spooled: Callable[[Callable[[Any], Any]], tuple[Any, str]],
               threads: int) -> HFDirectory | None:
     """The Hugging Face directory of ``weights`` when the task's model is a ``transformers`` model, else None.
+    Raises :class:`Refused` when its model or tokenizer would write custom code (``auto_map``) or any file that is
+    not one of a plain directory's (:func:`foreign`).
 
     ``spooled(write)``: a spool file filled by ``write(out)`` and its plain sha256 (trainproof.export.bundle
     ``_spooled``)."""
@@ -129,6 +207,9 @@ def directory(task: Task, weights: dict[str, torch.Tensor], spooled: Callable[[C
         model = task.build_model()
     model.to(dtype=task.dtype).load_state_dict(weights)
     files, sums = _config_files(model, task), {}
+    problem = foreign({**files, WEIGHTS_FILE: b""})  # the weights, written below, are ours
+    if problem is not None:
+        raise Refused(f"{type(model).__name__}'s save_pretrained: {problem}")
     groups = _shards(weights, shard_bytes())
     from trainproof.export.tensorfile import write_safetensors
 

@@ -1,11 +1,13 @@
 """The reload check of an export's Hugging Face directory (trainproof.export.hf): what a ``transformers`` user does with
 it, in an interpreter that cannot import trainproof.
 
-The directory is read back from ``<dest>/hf/step-%08d/`` (every file against its own ``COMPLETE.json``) and must hold
-exactly the files, with the sha256, that the bundle's ``config.json`` lists; the files are copied into a local
-folder, and a fresh ``python -I`` process, in which importing ``job`` or ``storage`` fails, loads it with
+The directory is read back from ``<dest>/hf/step-%08d/`` (every file against its own ``COMPLETE.json``); one holding
+a file that ``save_pretrained`` does not write (a ``.py``, other weights) or a JSON file with ``auto_map`` is refused
+before anything is loaded, whatever the bundle lists (trainproof.export.hf ``foreign``: the line names the file).
+It must hold exactly the files, with the sha256, that the bundle's ``config.json`` lists; the files are copied into a
+local folder, and a fresh ``python -I`` process, in which importing ``job`` or ``storage`` fails, loads it with
 ``from_pretrained`` of the class its ``config.json`` names (``LlamaForCausalLM``; ``AutoModelForCausalLM`` when
-transformers has no such class; offline: ``HF_HUB_OFFLINE=1``, no remote code) and re-runs the held-out
+transformers has no such class; offline: ``HF_HUB_OFFLINE=1``, ``trust_remote_code=False``) and re-runs the held-out
 evaluation of ``hf_eval.py`` (trainproof's own source text, never the copy read from the store), which must
 reproduce the value ``metrics.json`` records under ``hf`` exactly (same bytes, same CPU kernels and thread count).
 """
@@ -21,7 +23,7 @@ import tempfile
 from typing import Any
 
 from trainproof.export.bundle import EXACT_RTOL, sha256_of
-from trainproof.export.hf import HF_EVAL, HF_EVAL_DATA_FILE, HF_FOLDER
+from trainproof.export.hf import HF_EVAL, HF_EVAL_DATA_FILE, HF_FOLDER, MAX_JSON_BYTES, foreign
 from trainproof.storage import GenerationStore, StoreError
 from trainproof.storage.manifest import step_dir
 from trainproof.storage.spool import Spool, spool_dir
@@ -51,7 +53,7 @@ arch = (json.load(open(folder + "/config.json")).get("architectures") or [""])[0
 cls = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
 if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
     cls = transformers.AutoModelForCausalLM
-model = cls.from_pretrained(folder)
+model = cls.from_pretrained(folder, trust_remote_code=False)  # never code from the folder (no auto_map reaches here)
 result = {"trainproof_importable": reachable, "architecture": type(model).__name__,
           "parameters": sum(p.numel() for p in model.parameters())}
 if with_eval:
@@ -80,6 +82,9 @@ def check(dest: GenerationStore, step: int, files: dict[str, Any], config: dict[
     except (StoreError, OSError, ValueError) as exc:  # missing, or a file that no longer matches its manifest
         return {"passed": False, "directory": where, "why": f"cannot read the directory: {exc}"}
     try:
+        refused = foreign(loaded.files, read=_bytes)  # before anything is copied or loaded: never custom code
+        if refused is not None:
+            return {"passed": False, "directory": where, "why": f"not loaded: {refused}"}
         got = {name: sha256_of(data) for name, data in loaded.files.items()}
         if got != listed:
             return {"passed": False, "directory": where,
@@ -107,6 +112,15 @@ def check(dest: GenerationStore, step: int, files: dict[str, Any], config: dict[
     diff = abs(result["value"] - recorded)
     return {**out, "recorded": recorded, "reloaded": result["value"], "abs_diff": diff, "rtol": EXACT_RTOL,
             "passed": isolated and diff <= EXACT_RTOL * max(abs(recorded), 1e-30)}
+
+
+def _bytes(data: Any) -> bytes:
+    """A file of the directory as bytes (a spooled one read back, at most ``MAX_JSON_BYTES`` + 1: a larger one is
+    refused as not JSON save_pretrained writes)."""
+    if not isinstance(data, Spool):
+        return data
+    with data.open() as fh:
+        return fh.read(MAX_JSON_BYTES + 1)
 
 
 def _place(path: str, data: Any) -> None:

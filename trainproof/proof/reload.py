@@ -19,6 +19,7 @@ the verifier, a deadline's finishing export and ``plan --measure`` all run; each
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import time
@@ -47,6 +48,7 @@ from trainproof.storage.manifest import step_dir
 from trainproof.storage.spool import Spool, spool_dir
 from trainproof.tasks import load_task, trusted_task
 
+log = logging.getLogger("trainproof.export")
 RELOAD_SCHEMA = "trainproof.reload_check/1"
 MAX_RECORD_BYTES = 1 << 20
 """config.json and metrics.json of a bundle are a few KiB; larger ones are not ours."""
@@ -243,15 +245,53 @@ def export_and_check(run: GenerationStore, *, task: str | None, store_args: list
     is left until then once the export is committed (at least a second): a deadline counts the export's own time.
     ``exported`` is told about the bundle as soon as it is committed, before the check (a command line says so
     while the check runs). ``keep_record=False`` writes nothing beside the bundle (a measurement's scratch run).
+
+    A bundle found stored at its name and reused (not built by this process) whose check fails, or prints no record,
+    is not the run's own: it is moved to quarantine (one warning) and the export built and checked once more, and
+    only that one's result counts. A bundle this process built that fails is the result: rebuilding it gives the
+    same bytes (the export is deterministic).
     Raises what :func:`trainproof.export.bundle.export` raises (ConfigError ...), VerificationIncomplete when the check
     printed no record, and StoreError/OSError from the store; a check that ran and failed is ``passed`` False.
     """
     bundle = export(run, step=step, dest=dest, task=task)
+    check = lambda b: _check_bundle(b, store_args=store_args, timeout=timeout, ends_at=ends_at,  # noqa: E731
+                                    exported=exported, keep_record=keep_record)
+    if not bundle.reused:
+        return check(bundle)
+    try:
+        record = check(bundle)
+    except VerificationIncomplete as exc:
+        why = " ".join(str(exc).split())[:300]
+    else:
+        if record.passed:
+            return record
+        why = f"its reload check failed ({_failed(record.record)})"
+    log.warning("%s/%s: the stored bundle this export reused is not the run's own (%s): moving it to quarantine and "
+                "building the export again", bundle.dest.url, step_dir(bundle.step), why)
+    bundle.dest.quarantine(bundle.step, f"a stored bundle reused by the export: {why}")
+    return check(export(run, step=bundle.step, dest=bundle.dest, task=bundle.task))
+
+
+def _check_bundle(bundle: Bundle, *, store_args: list[str], timeout: float, ends_at: float | None,
+                  exported: Callable[[Bundle], None] | None, keep_record: bool) -> Checked:
+    """The reload check of a committed (or reused) bundle in a fresh process; its record written when kept and
+    passed, or when the bundle is this process's own (a failing reused one is moved aside by the caller)."""
     if exported is not None:
         exported(bundle)
     if ends_at is not None:
         timeout = max(ends_at - time.monotonic(), 1.0)
     record = check_in_fresh_process(absolute_url(bundle.dest), bundle.step, task=bundle.task, store_args=store_args,
                                     timeout=timeout)
-    location = write_record(bundle.dest, bundle.step, record) if keep_record else None
+    keep = keep_record and (bool(record["passed"]) or not bundle.reused)
+    location = write_record(bundle.dest, bundle.step, record) if keep else None
     return Checked(bundle, record, location)
+
+
+def _failed(record: dict[str, Any]) -> str:
+    """The failing checks of a reload-check record, by name (what an hf check says why, too)."""
+    checks = record.get("checks")
+    checks = checks if isinstance(checks, dict) else {}
+    names = [n for n, c in checks.items() if not (isinstance(c, dict) and c.get("passed"))]
+    hf = checks.get("hf_from_pretrained")
+    why = hf.get("why") or hf.get("error") if isinstance(hf, dict) and not hf.get("passed") else None
+    return ", ".join(names[:6]) + (f": {' '.join(str(why).split())[:300]}" if why else "") or "no check passed"
