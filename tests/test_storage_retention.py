@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import pytest
 
@@ -232,3 +233,39 @@ def test_verify_streams_every_file_and_names_the_fault(store_url):
     store.backend.write(target, data[:-1] + b"X")
     assert "sha256" in store.verify(1)
     assert "no COMPLETE.json" in store.verify(2)
+
+
+def test_stale_partials_above_the_newest_are_collected_too_a_bounded_number_a_pass():
+    """A flood of partial step-* folders planted above the run (none of them ever the run's next commit in time)
+    is collected once older than the grace, at most COLLECT_PER_PASS a retention, oldest-touched first; young ones
+    above the newest stay (a writer may be writing them)."""
+    from trainproof.storage.generations import GenerationInfo
+    from trainproof.storage.retention import COLLECT_PER_PASS
+
+    now, grace = 1_000_000.0, 3600.0
+    complete = GenerationInfo(step=5, name="step-00000005", status=COMPLETE, mtime=now,
+                              manifest={"contract": C, "world": 1})
+    flood = [GenerationInfo(step=90_000_000 + i, name=f"step-{90_000_000 + i:08d}", status=INCOMPLETE,
+                            mtime=now - grace - 1 - i) for i in range(COLLECT_PER_PASS + 10)]
+    young = GenerationInfo(step=6, name="step-00000006", status=INCOMPLETE, mtime=now - grace / 2)
+    policy = RetentionPolicy(keep=1, grace_seconds=grace, contract=C, upto=5)
+    doomed = plan_retention([complete, young, *flood], policy, now=now)
+    assert len(doomed) == COLLECT_PER_PASS and young not in doomed and complete not in doomed
+    assert {g.step for g in doomed} == {g.step for g in flood[10:]}  # the longest untouched first
+    assert plan_retention([complete, young], policy, now=now) == []
+
+
+def test_a_flood_of_stale_partials_is_gone_after_a_retention(tmp_path):
+    """On a folder: partial folders above the run, older than the grace, are deleted by the writer's retention;
+    its generations stay."""
+    store = open_store(str(tmp_path / "run"))
+    for step in (1, 2):
+        commit(store, step)
+    old = time.time() - 7200
+    for i in range(20):
+        folder = tmp_path / "run" / f"step-{90_000_000 + i:08d}"
+        folder.mkdir()
+        (folder / "x").write_bytes(b"")
+        os.utime(folder / "x", (old, old))
+    store.apply_retention(RetentionPolicy(keep=2, grace_seconds=3600, contract=C, upto=2))
+    assert steps(store) == [(1, COMPLETE), (2, COMPLETE)]

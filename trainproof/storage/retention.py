@@ -11,8 +11,10 @@ new checkpoint was written):
   never deleted: it is left in place with a warning (quarantine moves corrupt ones aside when they are loaded);
 - with no ``contract`` given and complete generations of several contracts in the folder, the newest cannot be
   told apart from a stranger's, so nothing is deleted;
-- collect partial generations older than the newest complete one once untouched for ``grace_seconds``, which
-  cannot go below MIN_GRACE_SECONDS unless the caller states that no writer is active;
+- collect partial generations (no COMPLETE.json) once untouched for ``grace_seconds``, which cannot go below
+  MIN_GRACE_SECONDS unless the caller states that no writer is active: older ones as well as newer ones than the
+  newest complete generation, so that a flood of partial folders planted above the run costs its scans once (at
+  most COLLECT_PER_PASS of them a retention, oldest-touched first: a flood never holds a commit up for long);
 - export bundles, verification records and quarantine live outside ``step-*`` and are never seen here.
 
 ``apply_retention`` then re-verifies (streams every file through sha256) the newest generation it keeps before
@@ -44,6 +46,8 @@ log = logging.getLogger("trainproof.storage")
 MIN_GRACE_SECONDS = 60.0
 DEFAULT_GRACE_SECONDS = 6 * 3600.0
 """Partial generations younger than this are left alone by default (a slow upload may still be writing them)."""
+COLLECT_PER_PASS = 256
+"""Most partial generations one retention collects (each costs a few requests on S3); the rest wait for the next."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +92,8 @@ def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *
     world (when the policy names them) are left alone; a grace below MIN_GRACE_SECONDS is raised to it, with a
     warning, unless the policy says no writer is active."""
     grace = effective_grace(policy.grace_seconds, policy.i_know_no_writer_is_active)
+    stale = sorted((g for g in generations if g.status == INCOMPLETE and g.mtime is not None and now - g.mtime > grace),
+                   key=lambda g: g.mtime or 0.0)[:COLLECT_PER_PASS]
     ours, strangers = [], []
     for g in generations:
         if policy.upto is not None and g.step > policy.upto:
@@ -100,7 +106,7 @@ def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *
         log.warning("retention: leaving %s alone (%s%s)", g.name, "another run's" if g.status == COMPLETE else g.status,
                     f": {g.reason}" if g.reason else "")
     if not ours:
-        return []
+        return []  # nothing of this run's to measure against: a store without its own generation is left as it is
     contracts = {g.manifest["contract"] for g in ours}
     if len(contracts) > 1:  # only possible with contract=None
         log.warning("retention: complete generations of %d different contracts and no contract given; deleting "
@@ -115,12 +121,7 @@ def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *
         except Exception as exc:  # noqa: BLE001 - a rule that cannot decide keeps everything
             log.warning("retention: the protection rule failed (%s: %s); deleting nothing", type(exc).__name__, exc)
             return []
-    doomed = [g for g in ours if g.step not in kept and g.step < newest]
-    doomed += [
-        g for g in generations
-        if g.status == INCOMPLETE and g.step < newest
-        and g.mtime is not None and now - g.mtime > grace
-    ]
+    doomed = [g for g in ours if g.step not in kept and g.step < newest] + stale
     return sorted(doomed, key=lambda g: g.step)
 
 
