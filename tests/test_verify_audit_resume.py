@@ -83,3 +83,20 @@ def test_the_default_audit_fails_when_the_resume_lost_the_optimizer_state(runs):
     assert {"replay.optimizer", "replay.parameters"} <= set(report["failing_checks"])
     with pytest.raises(FileNotFoundError):
         open_store(str(d / "broken" / "verification")).read_file("audited.json")
+
+
+def test_the_default_audit_does_not_pass_when_the_restore_point_is_gone(runs):
+    """The restore point and everything before it deleted (what a planted audited.json once made retention do): the
+    default audit could only replay after the resume, proving nothing about it, even on the broken run. It does not
+    pass: INCOMPLETE (exit 2), naming the restore point; an explicit --from/--to pair is still the operator's call."""
+    d, cut = runs["dir"], runs["cut"]
+    gone = d / "gone"
+    shutil.copytree(d / "broken", gone)
+    for step in _steps(gone):
+        if step <= cut:
+            shutil.rmtree(gone / f"step-{step:08d}")
+    result = trainproof("verify", "--store", str(gone), "--audit", "--id", "g")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"resumed from step {cut}" in result.stdout + result.stderr and "PASSED" not in result.stdout
+    with pytest.raises(FileNotFoundError):
+        open_store(str(gone / "verification")).read_file("audited.json")

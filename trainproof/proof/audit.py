@@ -46,7 +46,7 @@ from trainproof.format.contract import PLAN_FILE
 from trainproof.format.identity import code_version
 from trainproof.format.layout import flag as layout_flag
 from trainproof.format.layout import sharded
-from trainproof.format.protect import AUDITED_FILE, recorded_restore
+from trainproof.format.protect import AUDITED_FILE, audited_past, read_audited, recorded_restore, within_run
 from trainproof.format.shard_files import is_sharded_file
 from trainproof.format.state import decode_generation
 from trainproof.proof.compare import Diff, Tolerance, compare_all
@@ -186,6 +186,7 @@ class Audit(VerificationRunner):
         a, how = self.s.from_step, "--from"
         if a is None:
             a, how = default_from(steps, b, restore)
+            how = self._restore_gone(steps, b, restore) or how
         if a is None or b is None or not a < b or a not in steps or b not in steps:
             raise ConfigError(f"--audit needs two complete generations a < b of {self.run_store.url}; it has "
                               f"{steps or 'none'} (asked for --from {self.s.from_step} --to {self.s.to_step})")
@@ -207,6 +208,25 @@ class Audit(VerificationRunner):
         self.span = audit_span(a, b, how, restore, {s: complete[s] for s in steps if a <= s <= b},
                                self.generations, replay_code=code_version())
         return loaded
+
+    def _restore_gone(self, steps: list[int], b: int | None, restore: int | None) -> str | None:
+        """When generation b's process resumed from a point of which no generation at or before it is stored: the
+        default audit could only replay after the resume, proving nothing about it. That is fine when a passed audit
+        of this run (``verification/audited.json``, authenticated) already spanned the point (retention then
+        released it): the returned reason says so. Otherwise VerificationIncomplete: it does not pass."""
+        if b is None or restore is None or not restore < b or any(s <= restore for s in steps):
+            return None
+        record = within_run(read_audited(self.run_store), steps[-1])
+        if audited_past(record, restore):
+            return (f"the newest generation before {b}: the restore point {restore} is no longer stored, and the "
+                    f"passed audit {record.get('id')} spanned it")
+        raise VerificationIncomplete(
+            f"generation {b} of {self.run_store.url} was written by a process that resumed from step {restore}, and "
+            f"no generation at or before step {restore} is stored any more (nor has an audit of this run spanned it): "
+            "no replay can cross that resume, so the audit cannot prove it",
+            hint=f"audit a pair you choose with --from/--to (it will not span the resume at {restore}); retention "
+                 "keeps a restore point until an audit spans it, so check who deleted it (quarantine/, the bucket's "
+                 "access log)")
 
     def _replay(self) -> None:
         with tempfile.TemporaryDirectory(prefix="trainproof-audit-") as tmp:
