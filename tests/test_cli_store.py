@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -44,7 +45,23 @@ def test_ls_json_reports_every_status_and_quarantine(tmp_path):
     assert doc["quarantined"][0]["reason"] == "test reason"
     table = tp("ls", "--store", url, env={**os.environ, "COLUMNS": "80"})
     assert "step-00000003" in table.stdout and "incomplete" in table.stdout and "quarantined" in table.stdout
-    assert f"quarantine/{doc['quarantined'][0]['name']}" in table.stdout  # the full name, on one line
+    assert doc["quarantined"][0]["name"].startswith("quarantine/step-00000001-")
+    assert doc["quarantined"][0]["name"] in table.stdout  # the full name, on one line
+
+
+def test_ls_shows_what_was_quarantined_beside_an_occupied_quarantine(tmp_path):
+    """`quarantine` planted as a file: a generation is moved into a fresh quarantine-<id>/, which ls lists too."""
+    url = str(tmp_path / "run")
+    store = open_store(url)
+    for step in (1, 2):
+        commit(store, step)
+    store.quarantine(2, "first")
+    (tmp_path / "run" / "quarantine").rename(tmp_path / "run" / "kept")
+    (tmp_path / "run" / "quarantine").write_bytes(b"x")
+    store.quarantine(1, "second")
+    doc = json.loads(tp("ls", "--store", url, "--json").stdout)
+    [(name, reason)] = [(q["name"], q["reason"]) for q in doc["quarantined"]]
+    assert re.fullmatch(r"quarantine-[0-9a-f]{8}/step-00000001-.*", name) and reason == "second"
 
 
 def test_ls_shows_exports_verdicts_and_why_older_generations_are_kept(tmp_path):

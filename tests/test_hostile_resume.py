@@ -68,7 +68,7 @@ def resumes_from_six(url: str, reference, planted: str, why: str) -> None:
     lines = [line for line in result.stderr.splitlines() if planted in line and "skipping" in line]
     assert len(lines) == 1 and why in lines[0], result.stderr
     s = open_store(url)
-    assert [name.startswith(planted) for name, _ in s.quarantined()] == [True]
+    assert [name.startswith(f"quarantine/{planted}") for name, _ in s.quarantined()] == [True]
     assert {2, 4, 6, TARGET} <= {g.step for g in s.scan() if g.status == "complete"}  # nothing genuine lost
     got = load_state(url)
     assert differences(trajectory(load_state(reference)), trajectory(got)) == []
@@ -202,7 +202,7 @@ def test_with_a_key_a_forgery_at_the_next_step_is_moved_aside_and_the_run_commit
     assert result.last("resume")["step"] == 4
     s = open_store(signed, StoreOptions.from_env(signing=Keyring(KEY["TRAINPROOF_SIGNING_KEY"].encode())))
     assert [(g.step, g.status) for g in s.scan()] == [(2, "complete"), (4, "complete"), (6, "complete")]
-    assert [name.startswith("step-00000006") for name, _ in s.quarantined()] == [True]
+    assert [name.startswith("quarantine/step-00000006") for name, _ in s.quarantined()] == [True]
     assert differences(trajectory(load_state(reference, 6)), trajectory(load_state(signed, 6))) == []
 
 

@@ -126,7 +126,7 @@ def test_a_poisoned_newest_generation_is_skipped_loudly_and_quarantined(runs):
     assert r.last("resume")["step"] == 10  # fell back past step 11
     assert "step-00000011" in r.stderr and "pickled object" in r.stderr
     store = open_store(str(runs["dir"] / "poisoned"))
-    assert any(name.startswith("step-00000011") for name, _ in store.quarantined())
+    assert any(name.startswith("quarantine/step-00000011") for name, _ in store.quarantined())
     final = load_state(runs["dir"] / "poisoned")
     assert final["progress"]["step"] == 12
     assert history_rows(final)[:10] == history_rows(load_state(runs["dir"] / "base"))

@@ -56,7 +56,7 @@ def test_an_older_state_under_a_newer_name_is_quarantined_and_the_run_falls_back
     result = _resume_to_target(store, untouched)
     warnings = [line for line in result.stderr.splitlines() if "step-00000007" in line and "inconsistent" in line]
     assert len(warnings) == 1 and "progress.step is 4" in warnings[0], result.stderr
-    assert [name.startswith("step-00000007") for name, _ in s.quarantined()] == [True]
+    assert [name.startswith("quarantine/step-00000007") for name, _ in s.quarantined()] == [True]
 
 
 def test_a_state_of_another_contract_under_this_runs_manifest_is_quarantined(tmp_path, untouched):

@@ -100,7 +100,7 @@ def ls_command(
         print(json.dumps(doc, indent=2))
         return
     table = Table(title=f"{shown(run.url)}  (LATEST hint: {shown(hint or 'none')})")
-    names = [g.name for g in gens] + [f"quarantine/{n}" for n, _ in quarantined]
+    names = [g.name for g in gens] + [n for n, _ in quarantined]
     # Names are shown whole (they are what a person types next); the note column folds instead.
     table.add_column("generation", no_wrap=True, min_width=max(map(len, names), default=10))
     for col in ("status", "bytes", "age"):
@@ -111,7 +111,7 @@ def ls_command(
                             _AUDIT_NOTE if g.step in kept_for_audit else "")
         table.add_row(shown(g.name), f"[{_STYLE[g.status]}]{g.status}[/]", f"{g.bytes:,}", _age(g.mtime), shown(note))
     for name, reason in quarantined:
-        table.add_row(shown(f"quarantine/{name}"), "[red]quarantined[/]", "", "", shown(reason))
+        table.add_row(shown(name), "[red]quarantined[/]", "", "", shown(reason))
     console = Console()
     console.print(table if gens or quarantined else f"{shown(run.url)}: no generations yet")
     if exports:

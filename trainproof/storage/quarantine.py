@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 
@@ -95,24 +96,35 @@ def _copy_then_delete(ctx: Ctx, name: str, src: str, dest: str) -> None:
 
 
 def list_quarantined(ctx: Ctx) -> list[tuple[str, str]]:
-    """(folder name, reason) of every quarantined generation, oldest first."""
+    """(path under the run, reason) of every quarantined entry, oldest first: in ``quarantine/`` and in each fresh
+    ``quarantine-<id>/`` made while ``quarantine`` itself was occupied (:func:`quarantine_root`)."""
+    roots = sorted(e.name for e in ctx.io("list quarantine", lambda: ctx.backend.listdir(ctx.root, prefix=QUARANTINE))
+                   if e.is_dir and not e.is_special and _FRESH_ROOT.fullmatch(e.name))
+    return [item for root in roots for item in _listed(ctx, root)]
+
+
+_FRESH_ROOT = re.compile(rf"{QUARANTINE}(-[0-9a-f]{{8}})?")
+"""``quarantine``, or a fresh root :func:`quarantine_root` made beside it."""
+
+
+def _listed(ctx: Ctx, root: str) -> list[tuple[str, str]]:
     cap = ctx.limits.scan_entries
-    listing = ctx.io("list quarantine", lambda: ctx.backend.listdir(ctx.path(QUARANTINE), limit=cap))
+    listing = ctx.io(f"list {root}", lambda: ctx.backend.listdir(ctx.path(root), limit=cap))
     if len(listing) > cap:
-        log.warning("quarantine holds more than %d entries (Limits.scan_entries): listing the first %d", cap, cap)
+        log.warning("%s holds more than %d entries (Limits.scan_entries): listing the first %d", root, cap, cap)
     out = []
     for e in sorted(listing[:cap], key=lambda e: e.name):
         if not e.is_dir or e.is_special:
             continue
-        out.append((e.name, _reason(ctx, e.name)))
+        out.append((f"{root}/{e.name}", _reason(ctx, root, e.name)))
     return out
 
 
-def _reason(ctx: Ctx, folder: str) -> str:
+def _reason(ctx: Ctx, root: str, folder: str) -> str:
     """The REASON file's reason, read defensively (capped, strict JSON, a string): it is printed by ``ls``."""
     cap = ctx.limits.small_json_bytes
     try:
-        reason = ctx.path(QUARANTINE, folder, "REASON")
+        reason = ctx.path(root, folder, "REASON")
         raw = ctx.io(f"read {folder}/REASON", lambda: read_at_most(ctx.backend, reason, cap))
         reason = loads_untrusted(raw, what="REASON", max_bytes=cap)
     except FileNotFoundError:
