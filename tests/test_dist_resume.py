@@ -192,3 +192,22 @@ def test_rank_files_of_another_step_are_refused(world2):
     del files[rank_file(1)]
     with pytest.raises(StateError, match="no rank-00001.pt"):
         decode_generation(files)
+
+
+def test_a_stranger_generation_at_the_step_two_ranks_commit_next_is_moved_aside(world2, tmp_path):
+    """The step the restarted 2-rank run commits next holds a complete generation of another contract (a stranger's,
+    which anyone with the bucket's token can write without a key): rank 0 moves it to quarantine once, before any
+    rank writes its part, and the run ends bitwise equal to the uninterrupted one (before: every rank's part write
+    refused the occupied step, exit 1 at every restart)."""
+    store = tmp_path / "run"
+    shutil.copytree(world2["dir"] / "cut", store)
+    planted = store / f"step-{TARGET:08d}"
+    manifest = json.loads((planted / "COMPLETE.json").read_text())
+    manifest["contract"] = "0" * len(manifest["contract"])
+    (planted / "COMPLETE.json").write_text(json.dumps(manifest))
+    result = finish(start_world(store, *world2["common"], "--max-steps", str(TARGET)), timeout=budget(300))
+    assert result.code == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.last("resume")["step"] == CUT
+    assert differences(world2["reference"], trajectory(load_world_state(store))) == []
+    [moved] = (store / "quarantine").iterdir()
+    assert moved.name.startswith(f"step-{TARGET:08d}-") and "0000000000" in (moved / "COMPLETE.json").read_text()

@@ -62,7 +62,7 @@ def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | No
     """Phase 1 (any number of writers, e.g. one per rank): write ``files`` into generation ``step`` create-only
     and verify them read back from the store.  Returns name → (bytes, sha256, object) for ``mark_usable``.
     ``contract``/``code_version``: the writer's; a generation at ``step`` of another contract or build is moved
-    to quarantine rather than refused (see :func:`_refuse_committed`)."""
+    to quarantine rather than refused (see :func:`clear_way`)."""
     if not files:
         raise ValueError("a generation needs at least one file")
     bad = {n: mf.name_problem(n) for n in files if mf.name_problem(n)}
@@ -70,7 +70,7 @@ def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | No
         raise ValueError(f"invalid file names for a generation: {bad}")
     name = mf.step_dir(step)
     attempt = attempt or uuid.uuid4().hex
-    _refuse_committed(ctx, name, contract, code_version)
+    clear_way(ctx, name, contract, code_version)
     written = {fname: _write_file(ctx, name, fname, data, attempt) for fname, data in files.items()}
     _verify(ctx, name, written, check, files)
     return written
@@ -112,7 +112,7 @@ def _signed(ctx: Ctx, step: int, manifest: dict) -> dict:
     return ctx.keys.sign(chained)
 
 
-def _refuse_committed(ctx: Ctx, name: str, contract: str | None = None, code_version: str | None = None) -> None:
+def clear_way(ctx: Ctx, name: str, contract: str | None = None, code_version: str | None = None) -> None:
     """Clear the way for committing ``name``: whatever occupies it and cannot be this run's goes to quarantine;
     CommitConflictError when a writer of this run (this build) committed it already."""
     if not _clear_occupants(ctx, name):

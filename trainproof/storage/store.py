@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from trainproof.storage import manifest as mf
 from trainproof.storage.backend import FsspecBackend, LocalBackend, join, read_at_most
-from trainproof.storage.commit import LATEST, commit_generation, mark_usable, write_part
+from trainproof.storage.commit import LATEST, clear_way, commit_generation, mark_usable, write_part
 from trainproof.storage.digest import Digest, of_parts
 from trainproof.storage.errors import CorruptGenerationError, StoreConfigError, StoreError
 from trainproof.storage.generations import (
@@ -122,6 +122,14 @@ class GenerationStore:
         self._before_write()
         return {k: [size, str(sha), obj, _parts(sha)]
                 for k, (size, sha, obj) in write_part(self._ctx, step, files, check=check).items()}
+
+    def clear_step(self, step: int, *, contract: str, code_version: str) -> None:
+        """Clear the way for generation ``step`` before several writers write its parts (one per rank): whatever
+        occupies it and cannot be this run's own (a file, a link, a folder of the wrong shape, another run's,
+        contract's or build's generation) is moved to quarantine, once, by the one writer that calls this; then the
+        parts are written past nothing. CommitConflictError when this run's own writer committed the step."""
+        self._before_write()
+        clear_way(self._ctx, mf.step_dir(step), contract, code_version)
 
     def commit_parts(self, step: int, entries: dict[str, list], *, contract: str, world: int, code_version: str,
                      extra: dict | None = None, digests: dict[str, str] | None = None,

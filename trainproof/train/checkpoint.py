@@ -155,6 +155,7 @@ class Checkpointer:
         step, extra = c.step, c.extra
         shards: tuple[dict[str, list], dict] | None = None
         t0 = time.perf_counter()  # the record's seconds: the whole cross-rank commit, the shards' write included
+        self._clear_step(step, rank)
         if c.sharded is not None:  # every rank; ShardedSaveError on every rank when one failed: nothing to commit
             from trainproof.train.sharded import write_sharded  # only sharded runs import DCP
 
@@ -183,6 +184,20 @@ class Checkpointer:
         if failure:
             raise TrainError(f"step {step} was not committed by rank 0: {failure.decode(errors='replace')}")
         return record
+
+    def _clear_step(self, step: int, rank: int) -> None:
+        """Before any rank writes its part: rank 0 alone moves aside whatever occupies the step and is not this
+        run's own (the ranks racing to move one occupant would fail each other), and tells every rank the outcome."""
+        assert self.sync is not None, "a commit of several ranks has their collectives"
+        failure = b""
+        if rank == 0:
+            try:
+                self.store.clear_step(step, contract=self.contract, code_version=self.code_version)
+            except Exception as exc:  # noqa: BLE001 - told to every rank (waiting in the broadcast), then raised
+                failure = (str(exc) or type(exc).__name__).encode()
+        failure = self.sync.broadcast_bytes(failure, f"clear the way for step {step}'s commit")
+        if failure:
+            raise TrainError(f"step {step} cannot be committed: {failure.decode(errors='replace')}")
 
     def _write_own_part(self, step: int, part: dict[str, Any] | None, rank: int) -> bytes:
         """Write and verify this rank's file in the store: ``OK`` + its JSON entry, or ``ER`` + the error."""
