@@ -1,6 +1,6 @@
 """Datasets in the bucket (trainproof.data, trainproof.storage.objects), in process: packing and reading back every kind on every
 backend, the identity, what a hostile or damaged bucket gets (a refused manifest, a flipped byte or a missing shard
-named in one line, exit 2 through ``trainproof data``), the part cache's bound, and a forked reader.
+named in one line, exit 1 through ``trainproof data``), the part cache's bound, and a forked reader.
 
 The trainer's use of these datasets with DataLoader workers is tests/test_data_workers.py; S3 over loopback is
 tests/test_data_s3.py.
@@ -141,8 +141,11 @@ def test_a_missing_or_resized_shard_is_named_when_the_dataset_is_opened(tmp_path
         ShardedDataset(str(tmp_path / "d"))
     assert str(caught.value) == (f"dataset {tmp_path / 'd'}: shard {victim.name} is missing (dataset.json lists it): "
                                  "restore it or pack the dataset again")
-    with pytest.raises(DataError, match="no dataset.json"):
-        ShardedDataset(str(tmp_path / "nothing-here"))
+    with pytest.raises(ConfigError, match="no dataset.json, nothing is there: check the task's dataset URL"):
+        ShardedDataset(str(tmp_path / "nothing-here"))  # the operator's setting (exit 2)
+    (tmp_path / "d" / DATASET_FILE).unlink()
+    with pytest.raises(DataError, match="no dataset.json .*: restore it or pack the dataset again"):
+        ShardedDataset(str(tmp_path / "d"))  # shards without their manifest: stored content (exit 1)
 
 
 def _manifest(tmp_path: Path) -> dict:
@@ -210,12 +213,12 @@ def test_data_pack_and_verify_from_the_command_line(cli, tmp_path, cache):  # no
     manifest = dm.parse((tmp_path / "ds" / DATASET_FILE).read_bytes())
     _flip(tmp_path / "ds" / manifest.shards[0].entry.name, 10)
     result = cli("data", "verify", out)
-    assert result.exit_code == 2 and result.stdout == ""
+    assert result.exit_code == 1 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert f"shard {manifest.shards[0].entry.name} part 1/4" in lines[-1] and lines[-1].startswith("trainproof: error")
     (tmp_path / "ds" / manifest.shards[2].entry.name).unlink()
     result = cli("data", "verify", out)
-    assert result.exit_code == 2 and f"shard {manifest.shards[2].entry.name} is missing" in result.stderr
+    assert result.exit_code == 1 and f"shard {manifest.shards[2].entry.name} is missing" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
     again = cli("data", "pack", out, "--tokens", str(tmp_path / "tokens.npy"), "--context", "32")

@@ -9,7 +9,8 @@ cache, per-window input noise drawn from each window's own generator, dropout in
   checkpoint taken from the workers' position (the negative control, TPHOOK_SAVE_PREFETCHED) ends elsewhere;
 - ``verify`` catches the prefetched position saved at the cut (slow; tests/test_data_s3.py verifies with workers on
   S3 and catches it in the resumed path's checkpoints by default);
-- a damaged shard read by a worker ends the run with one line naming it (exit 2); workers asked of a task that
+- a damaged shard read by a worker ends the run with one line naming it (exit 1), and so does a shard missing or
+  resized at start-up, before any step; workers asked of a task that
   cannot use them is exit 2 before anything is written.
 """
 
@@ -240,10 +241,34 @@ def test_a_damaged_shard_read_by_a_worker_ends_the_run_with_one_line_naming_it(d
     (tmp_path / "lm.json").write_text(json.dumps({**config, "dataset": str(copy)}))
     result = finish(start(tmp_path / "run", "--task", TASK, "--config", str(tmp_path / "lm.json"), "--max-steps", "40",
                           "--data-workers", "2", env={"TRAINPROOF_DATA_CACHE": str(tmp_path / "cache")}), timeout=budget(300))
-    assert result.code == 2, result.stderr
+    assert result.code == 1, result.stderr  # stored content the operator can restore: a retry, never exit 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]
     assert len(errors) == 1 and f"shard {shard} part 1/" in errors[0] and "does not match its sha256" in errors[0]
     assert "Traceback" not in result.stderr
+
+
+def test_a_shard_resized_before_the_first_step_ends_the_run_with_exit_1_naming_it(dataset, tmp_path):
+    """Stored content, not the operator's flags: the Job retries (exit 1) and a restored shard lets it go on."""
+    import shutil
+
+    from trainproof.data import ShardedDataset
+
+    copy = tmp_path / "resized"
+    shutil.copytree(dataset["url"], copy)
+    shard = ShardedDataset(str(copy)).manifest.shards[1].entry
+    (copy / shard.name).write_bytes((copy / shard.name).read_bytes()[:-1])
+    config = json.loads(Path(dataset["config"]).read_text())
+    (tmp_path / "lm.json").write_text(json.dumps({**config, "dataset": str(copy)}))
+    args = ("--task", TASK, "--config", str(tmp_path / "lm.json"), "--max-steps", "2")
+    env = {"TRAINPROOF_DATA_CACHE": str(tmp_path / "cache")}
+    result = finish(start(tmp_path / "run", *args, env=env), timeout=budget(300))
+    assert result.code == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"trainproof: error: dataset {copy}: shard {shard.name} is {shard.size - 1} bytes, dataset.json says "
+        f"{shard.size}: restore it or pack the dataset again"]
+    shutil.copy(Path(dataset["url"]) / shard.name, copy / shard.name)  # the operator restores it: the retry goes on
+    again = finish(start(tmp_path / "run", *args, env=env), timeout=budget(300))
+    assert again.code == 0 and again.last("step")["step"] == 2, again.stderr
 
 
 def test_workers_for_a_task_that_builds_in_the_training_process_are_refused_before_anything_is_written(tmp_path):

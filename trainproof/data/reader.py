@@ -14,9 +14,10 @@ it is used, kept in a local cache of bounded size shared by the processes of the
 - the bucket's credentials and endpoint are the checkpoints' (``AWS_*`` variables, ``TRAINPROOF_IO_CONCURRENCY``).
 
 Opening checks the manifest (``trainproof.data.manifest``) and lists the shards: a missing shard or one of another size
-is a DataError naming it (exit 2) before training starts; a part that does not match its sha256 is one when it is read
-(``trainproof.storage.objects.CorruptObjectError``), never silently different data. ``data_identity`` is the manifest's
-identity, what DatasetTask takes as the run contract's data identity.
+is a DataError naming it (exit 1: stored content the operator can restore, trainproof.errors) before training starts;
+a part that does not match its sha256 is one when it is read (``trainproof.storage.objects.CorruptObjectError``), never
+silently different data. Only a URL with nothing there at all is the operator's (ConfigError, exit 2).
+``data_identity`` is the manifest's identity, what DatasetTask takes as the run contract's data identity.
 
 Each process reads through its own store client and thread pool: a DataLoader worker forked from the trainer opens
 them on its first read (a client's connections and threads do not survive a fork).
@@ -175,14 +176,26 @@ class ShardedDataset:
         try:
             raw = self._store.read_file(DATASET_FILE, max_bytes=MANIFEST_BYTES)
         except FileNotFoundError:
-            raise DataError(f"dataset {self.url}: no {DATASET_FILE} (not a packed dataset, or its packing did not "
-                            "finish): pack it with `trainproof data pack`") from None
+            raise self._no_manifest() from None
         except StoreError as exc:
             raise DataError(f"dataset {self.url}: {exc}") from None
         try:
             return parse(raw, limits=self._store.options.limits)
         except ValueError as exc:
             raise DataError(f"dataset {self.url}: {exc}") from None
+
+    def _no_manifest(self) -> Exception:
+        """No manifest: ConfigError (exit 2) when nothing at all is at the URL (the task's setting is wrong), else a
+        DataError (exit 1): shards without their manifest are a packing that did not finish or a deleted manifest."""
+        try:
+            anything = bool(self._store.list_dir(""))
+        except (StoreError, OSError):
+            anything = False
+        if not anything:
+            return ConfigError(f"dataset {self.url}: no {DATASET_FILE}, nothing is there: check the task's dataset "
+                               "URL, or pack the dataset there with `trainproof data pack`")
+        return DataError(f"dataset {self.url}: no {DATASET_FILE} (its packing did not finish, or the manifest was "
+                         "deleted): restore it or pack the dataset again with `trainproof data pack`")
 
     def _check_listing(self) -> None:
         """Every shard present with its size (one listing): a missing one is named before any training."""
