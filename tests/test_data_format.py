@@ -1,6 +1,6 @@
 """Datasets in the bucket (trainproof.data, trainproof.storage.objects), in process: packing and reading back every kind on every
 backend, the identity, what a hostile or damaged bucket gets (a refused manifest, a flipped byte or a missing shard
-named in one line, exit 2 through ``trainproof data``), the part cache's bound, and a forked reader.
+named in one line, exit 1 through ``trainproof data``), the part cache's bound, and a forked reader.
 
 The trainer's use of these datasets with DataLoader workers is tests/test_data_workers.py; S3 over loopback is
 tests/test_data_s3.py.
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainproof.data import DATASET_FILE, ShardedDataset, pack_records, pack_samples, token_windows
+from trainproof.data import DATASET_FILE, ShardedDataset, cache_settings, pack_records, pack_samples, token_windows
 from trainproof.data import manifest as dm
 from trainproof.errors import ConfigError, DataError
 from trainproof.storage import open_store
@@ -141,8 +141,11 @@ def test_a_missing_or_resized_shard_is_named_when_the_dataset_is_opened(tmp_path
         ShardedDataset(str(tmp_path / "d"))
     assert str(caught.value) == (f"dataset {tmp_path / 'd'}: shard {victim.name} is missing (dataset.json lists it): "
                                  "restore it or pack the dataset again")
-    with pytest.raises(DataError, match="no dataset.json"):
-        ShardedDataset(str(tmp_path / "nothing-here"))
+    with pytest.raises(ConfigError, match="no dataset.json, nothing is there: check the task's dataset URL"):
+        ShardedDataset(str(tmp_path / "nothing-here"))  # the operator's setting (exit 2)
+    (tmp_path / "d" / DATASET_FILE).unlink()
+    with pytest.raises(DataError, match="no dataset.json .*: restore it or pack the dataset again"):
+        ShardedDataset(str(tmp_path / "d"))  # shards without their manifest: stored content (exit 1)
 
 
 def _manifest(tmp_path: Path) -> dict:
@@ -210,12 +213,12 @@ def test_data_pack_and_verify_from_the_command_line(cli, tmp_path, cache):  # no
     manifest = dm.parse((tmp_path / "ds" / DATASET_FILE).read_bytes())
     _flip(tmp_path / "ds" / manifest.shards[0].entry.name, 10)
     result = cli("data", "verify", out)
-    assert result.exit_code == 2 and result.stdout == ""
+    assert result.exit_code == 1 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert f"shard {manifest.shards[0].entry.name} part 1/4" in lines[-1] and lines[-1].startswith("trainproof: error")
     (tmp_path / "ds" / manifest.shards[2].entry.name).unlink()
     result = cli("data", "verify", out)
-    assert result.exit_code == 2 and f"shard {manifest.shards[2].entry.name} is missing" in result.stderr
+    assert result.exit_code == 1 and f"shard {manifest.shards[2].entry.name} is missing" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
     again = cli("data", "pack", out, "--tokens", str(tmp_path / "tokens.npy"), "--context", "32")
@@ -261,6 +264,84 @@ def test_a_cached_part_of_the_wrong_size_is_fetched_again(tmp_path):
     Path(part).write_bytes(b"short")
     again = ShardedDataset(url, cache_dir=str(tmp_path / "cache"))
     assert (again[0] == token_windows(tokens(), 32)[0]).all() and again._reader.fetched_bytes == 4096
+
+
+def test_a_cached_part_changed_on_disk_is_fetched_again_never_used(tmp_path, caplog):
+    url = str(tmp_path / "d")
+    packed = pack_records(url, token_windows(tokens(), 32), **SMALL)
+    data = ShardedDataset(url, cache_dir=str(tmp_path / "cache"))
+    data[0]
+    part = Path(PartCache(str(tmp_path / "cache"), 2**20).path(packed.manifest.shards[0].entry.parts[0]))
+    changed = bytearray(part.read_bytes())
+    changed[5] ^= 0x01  # the same size: only its digest can tell
+    part.write_bytes(bytes(changed))
+    again = ShardedDataset(url, cache_dir=str(tmp_path / "cache"))
+    assert (again[0] == token_windows(tokens(), 32)[0]).all() and again._reader.fetched_bytes == 4096
+    assert "does not match its sha256: fetching it again" in caplog.text
+    assert again[1].tobytes() == token_windows(tokens(), 32)[1].tobytes() and again._reader.fetched_bytes == 4096
+
+
+def test_eviction_only_touches_the_caches_own_files(tmp_path):
+    mine = [tmp_path / "cache" / "notes" / "keep.txt", tmp_path / "cache" / "ab" / "keep.txt"]
+    for path in mine:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 2**20)
+    PartCache(str(tmp_path / "cache"), 2**19)
+    assert all(path.exists() for path in mine)
+
+
+def test_a_default_cache_folder_not_this_users_own_is_passed_over_for_a_private_one(tmp_path, monkeypatch, caplog):
+    from trainproof.data import reader
+
+    monkeypatch.setenv("TRAINPROOF_SPOOL_DIR", str(tmp_path))
+    monkeypatch.delenv("TRAINPROOF_DATA_CACHE", raising=False)
+    default = tmp_path / f"trainproof-data-cache-{os.getuid()}"
+    assert cache_settings()[0] == str(default) and (default.stat().st_mode & 0o777) == 0o700
+    elsewhere = tmp_path / "planted"
+    elsewhere.mkdir()
+
+    def occupied(why: str) -> None:
+        monkeypatch.setattr(reader, "_PRIVATE", {})
+        caplog.clear()
+        folder = Path(cache_settings()[0])
+        assert folder != default and folder.parent == tmp_path and folder.is_dir() and not folder.is_symlink()
+        assert (folder.stat().st_mode & 0o777) == 0o700 and folder.stat().st_uid == tmp_path.stat().st_uid
+        assert f"the data cache folder {tmp_path / default.name} {why}: caching in a private folder" in caplog.text
+        assert cache_settings()[0] == str(folder)  # once per process: the same private folder, one warning
+        assert caplog.text.count("caching in a private folder") == 1
+
+    default.chmod(0o777)
+    occupied("can be written by others (mode 777)")
+    default.rmdir()
+    default.symlink_to(elsewhere)
+    occupied("is a symbolic link")
+    assert list(elsewhere.iterdir()) == []
+    default.unlink()
+    real = os.getuid()
+    default = tmp_path / f"trainproof-data-cache-{real + 1}"
+    default.mkdir(mode=0o700)  # made first by "another user": this process now runs as uid real + 1
+    monkeypatch.setattr(os, "getuid", lambda: real + 1)
+    occupied(f"belongs to another user (uid {real})")
+
+
+def test_a_given_cache_folder_others_can_write_is_refused_in_one_line(cli, tmp_path, monkeypatch):  # noqa: F811
+    url = str(tmp_path / "d")
+    pack_records(url, token_windows(tokens(), 32), **SMALL)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match=f"data cache folder {shared} can be written by others"):
+        ShardedDataset(url, cache_dir=str(shared))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "d")
+    with pytest.raises(ConfigError, match=f"data cache folder {link} is a symbolic link"):
+        ShardedDataset(url, cache_dir=str(link))
+    monkeypatch.setenv("TRAINPROOF_DATA_CACHE", str(shared))
+    result = cli("data", "verify", url)
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        f"trainproof: error: data cache folder {shared} can be written by others (mode 777), so parts cached there "
+        "could be changed behind this run's back: set TRAINPROOF_DATA_CACHE to a folder of your own that only you can "
+        "write (chmod 700), not a symbolic link"]
 
 
 def test_an_object_entry_is_checked_before_use_and_a_part_is_read_once_more_on_a_mismatch(tmp_path):

@@ -1,7 +1,7 @@
 """A dataset in the bucket, over S3 on loopback (the suite's S3 server, ``s3_env``): packed with ``trainproof data
 pack``, trained on by ``examples/tokenlm.py`` with DataLoader workers reading every part through the store layer
 (ranged GETs, verified, cached), checkpoints in the same bucket, resumed and verified; a flipped byte in a shard is
-refused by name and a missing shard is a one-line error (exit 2).
+refused by name and a missing shard is a one-line error (exit 1: stored content the operator can restore).
 
 The default test packs a small dataset; the slow one packs 256 MiB in 64 shards (``TRAINPROOF_SLOW=1``).
 """
@@ -88,7 +88,7 @@ def test_a_flipped_byte_in_a_shard_on_s3_is_refused_by_name(cli, s3_env, tmp_pat
     with pytest.raises(DataError, match=f"shard {shard.name} part 2/4 \\(bytes 4096..8192\\) does not match"):
         dataset[first + 4096 // 34 + 1]
     result = cli("data", "verify", url)
-    assert result.exit_code == 2 and result.stdout == ""
+    assert result.exit_code == 1 and result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]
     assert len(errors) == 1 and f"shard {shard.name} part 2/4" in errors[0]  # after a warning that it read it twice
 
@@ -102,7 +102,7 @@ def test_a_missing_shard_on_s3_is_a_one_line_error(cli, s3_env, tmp_path, monkey
     result = cli("train", "--store", f"s3://{s3_env}/runs/x", "--task", TASK, "--config",
                  _config(tmp_path, url))
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
-    assert result.exit_code == 2 and errors == [
+    assert result.exit_code == 1 and errors == [
         f"trainproof: error: dataset {url}: shard {shard} is missing (dataset.json lists it): restore it or pack the "
         "dataset again"]
 

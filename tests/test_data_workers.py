@@ -9,7 +9,9 @@ cache, per-window input noise drawn from each window's own generator, dropout in
   checkpoint taken from the workers' position (the negative control, TPHOOK_SAVE_PREFETCHED) ends elsewhere;
 - ``verify`` catches the prefetched position saved at the cut (slow; tests/test_data_s3.py verifies with workers on
   S3 and catches it in the resumed path's checkpoints by default);
-- a damaged shard read by a worker ends the run with one line naming it (exit 2); workers asked of a task that
+- a damaged shard read by a worker ends the run with one line naming it (exit 1), and so does a shard missing or
+  resized at start-up, before any step; one damaged mid-run is met while the next step's micro-batches are built,
+  so the step reached is committed first, and the retry after the shard is restored ends as the uninterrupted run; workers asked of a task that
   cannot use them is exit 2 before anything is written.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -26,7 +29,7 @@ from typing import Any
 import pytest
 
 from trainproof.train.data import EpochSampler
-from trainproof.train.pipeline import Lookahead, micro_batches
+from trainproof.train.pipeline import Lookahead, micro_batches, next_step_micro_batches
 from trainproof.train.rng import data_generator
 from tests.support.timing import budget
 from tests.test_examples import final_state, without_invocation
@@ -182,6 +185,17 @@ def test_the_lookahead_asks_for_exactly_what_the_steps_consume():
     assert (original.permutation, original.cursor) == (None, 0)  # the trainer's own sampler is never advanced
 
 
+def test_the_next_steps_micro_batch_count_is_known_without_drawing():
+    """What the trainer builds ahead of a step (to meet a damaged shard before the step takes anything) is exactly
+    the step's micro-batches, across epoch tails, for every rank; the sampler is not advanced by asking."""
+    for world, rank, micro in ((1, 0, 4), (2, 0, 3), (2, 1, 3), (3, 2, 2)):
+        sampler = EpochSampler(37, data_generator(7))
+        for _ in range(12):
+            count = next_step_micro_batches(sampler, 5 * world, world, rank, micro)
+            assert count == next_step_micro_batches(sampler, 5 * world, world, rank, micro)
+            assert count == len(micro_batches(sampler.next_ids(5 * world), world, rank, micro))
+
+
 def test_a_run_built_without_a_pipeline_trains_as_the_trainers_pipeline_does(dataset, monkeypatch):
     """build_run alone (no batch source given: what benchmarks and embedders use) builds a build_batch task's
     micro-batches in this process under the requests' own generators, exactly as the trainer's pipeline with
@@ -240,10 +254,95 @@ def test_a_damaged_shard_read_by_a_worker_ends_the_run_with_one_line_naming_it(d
     (tmp_path / "lm.json").write_text(json.dumps({**config, "dataset": str(copy)}))
     result = finish(start(tmp_path / "run", "--task", TASK, "--config", str(tmp_path / "lm.json"), "--max-steps", "40",
                           "--data-workers", "2", env={"TRAINPROOF_DATA_CACHE": str(tmp_path / "cache")}), timeout=budget(300))
-    assert result.code == 2, result.stderr
+    assert result.code == 1, result.stderr  # stored content the operator can restore: a retry, never exit 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]
     assert len(errors) == 1 and f"shard {shard} part 1/" in errors[0] and "does not match its sha256" in errors[0]
     assert "Traceback" not in result.stderr
+
+
+def damage_mid_run(dataset: dict[str, Any], store: Path, cache: Path, *args: str) -> tuple[Any, str, int]:
+    """A run of the example whose first shard is damaged in the folder (and dropped from the cache) once it reports
+    step 2, restored after it ended: its Result, the shard's name and the step its error line says is committed."""
+    from trainproof.data import ShardedDataset
+
+    shard = Path(dataset["url"]) / ShardedDataset(dataset["url"], cache_dir=str(cache.parent / "probe")).manifest.shards[
+        0].entry.name  # windows 0..122: about every step has some
+    good = shard.read_bytes()
+    proc = train(store, dataset, *args, env={"TRAINPROOF_DATA_CACHE": str(cache)})
+    seen: list[str] = []
+    try:
+        while not any(e.get("event") == "step" and e["step"] >= 2 for e in parse_events("".join(seen))):
+            line = proc.stdout.readline()
+            assert line, f"the run ended before step 2: {proc.stderr.read()}"
+            seen.append(line)
+        shard.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])  # damaged in the bucket (a folder here) ...
+        for part in cache.glob("*/*"):  # ... and no longer cached: the next read of it fetches the damaged bytes
+            if not part.name.startswith("."):
+                part.unlink()
+        result = finish(proc, timeout=budget(300))
+    finally:
+        shard.write_bytes(good)  # the module's dataset
+    result.events = parse_events("".join(seen)) + result.events
+    assert result.code == 1, result.stderr  # stored content the operator can restore: a counted retry, never 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]
+    assert any(f"shard {shard.name} part 1/" in e and "restore the shard" in e for e in errors), errors
+    found = [re.search(r"; step (\d+) \(reached before it\) is committed; a retry resumes from it$", e) for e in errors]
+    assert all(found) and len({f.group(1) for f in found if f}) == 1, errors
+    committed = int(found[0].group(1)) if found[0] else -1
+    assert 2 <= committed < TARGET and result.last("step")["step"] == committed  # no step took the damaged part
+    assert (store / f"step-{committed:08d}" / "COMPLETE.json").is_file()
+    return result, shard.name, committed
+
+
+def test_a_shard_damaged_mid_run_is_met_before_its_step_which_commits_the_step_reached_and_exits_1(continuous,
+                                                                                                   dataset, tmp_path):
+    """The part is found damaged while the next step's micro-batches are built, before the step takes any: the run
+    commits the step reached, exits 1 with one line naming the shard, the part and the committed step, and once the
+    shard is restored the retry resumes from it and ends exactly as the uninterrupted run."""
+    store, cache = tmp_path / "run", tmp_path / "cache"
+    result, _, committed = damage_mid_run(dataset, store, cache, "--data-workers", "2")
+    assert len([line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]) == 1
+    again = finish(train(store, dataset, "--data-workers", "2", env={"TRAINPROOF_DATA_CACHE": str(cache)}),
+                   timeout=budget(300))
+    assert again.code == 0 and again.last("resume")["step"] == committed, again.stderr
+    assert differences(without_invocation(final_state(continuous[2])), without_invocation(final_state(store))) == []
+
+
+def test_a_shard_damaged_mid_run_on_one_rank_has_every_rank_commit_the_step_reached(dataset, tmp_path):
+    """Two ranks: the rank that meets the damage says so at the step boundary's agreement, so both commit the step
+    reached and exit 1 (the world's exit 1), each with one line; the retry resumes from that step."""
+    store, cache = tmp_path / "run", tmp_path / "cache"
+    result, _, committed = damage_mid_run(dataset, store, cache, "--nproc-per-node", "2", "--data-workers", "1")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]
+    assert sorted(line.split(": ")[2] for line in errors) == ["rank 0", "rank 1"], errors  # one line a rank
+    again = finish(train(store, dataset, "--nproc-per-node", "2", "--data-workers", "1",
+                         env={"TRAINPROOF_DATA_CACHE": str(cache)}), timeout=budget(300))
+    assert again.code == 0 and again.last("resume")["step"] == committed, again.stderr
+
+
+def test_a_shard_resized_before_the_first_step_ends_the_run_with_exit_1_naming_it(dataset, tmp_path):
+    """Stored content, not the operator's flags: the Job retries (exit 1) and a restored shard lets it go on."""
+    import shutil
+
+    from trainproof.data import ShardedDataset
+
+    copy = tmp_path / "resized"
+    shutil.copytree(dataset["url"], copy)
+    shard = ShardedDataset(str(copy)).manifest.shards[1].entry
+    (copy / shard.name).write_bytes((copy / shard.name).read_bytes()[:-1])
+    config = json.loads(Path(dataset["config"]).read_text())
+    (tmp_path / "lm.json").write_text(json.dumps({**config, "dataset": str(copy)}))
+    args = ("--task", TASK, "--config", str(tmp_path / "lm.json"), "--max-steps", "2")
+    env = {"TRAINPROOF_DATA_CACHE": str(tmp_path / "cache")}
+    result = finish(start(tmp_path / "run", *args, env=env), timeout=budget(300))
+    assert result.code == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"trainproof: error: dataset {copy}: shard {shard.name} is {shard.size - 1} bytes, dataset.json says "
+        f"{shard.size}: restore it or pack the dataset again"]
+    shutil.copy(Path(dataset["url"]) / shard.name, copy / shard.name)  # the operator restores it: the retry goes on
+    again = finish(start(tmp_path / "run", *args, env=env), timeout=budget(300))
+    assert again.code == 0 and again.last("step")["step"] == 2, again.stderr
 
 
 def test_workers_for_a_task_that_builds_in_the_training_process_are_refused_before_anything_is_written(tmp_path):

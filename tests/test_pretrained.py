@@ -87,6 +87,30 @@ def test_a_sharded_run_starts_from_the_file_like_a_replicated_one(task_module, t
     assert seeded.code == 0 and seeded.last("step")["loss"] != losses[0][0]  # the file, not the seeded init
 
 
+def test_weights_that_do_not_hash_to_the_declared_sha256_end_the_run_with_exit_1_naming_the_file(task_module,
+                                                                                                  tmp_path):
+    """Stored content the operator can put back, not a flag error: exit 1 (the Job retries), never 2; nothing is
+    committed, and the file put back lets the retry go on."""
+    _, path, _ = task_module
+    good = path.read_bytes()
+    declared = hashlib.sha256(good).hexdigest()
+    config = tmp_path / "init.json"
+    config.write_text(f'{{"init_from": "{path}", "init_sha256": "{declared}"}}')
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 0x01]))
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    args = ("--task", "pretask:factory", "--config", str(config), "--max-steps", "2")
+    result = run(tmp_path / "run", *args, env=env)
+    assert result.code == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("trainproof: error")]
+    assert len(errors) == 1 and errors[0].startswith(f"trainproof: error: pretrained weights {path}: its sha256 is "
+                                                     f"{hashlib.sha256(path.read_bytes()).hexdigest()}, not the "
+                                                     f"declared {declared}"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not list((tmp_path / "run").glob("step-*"))
+    path.write_bytes(good)
+    again = run(tmp_path / "run", *args, env=env)
+    assert again.code == 0 and again.last("pretrained")["tensors"] == 4, again.stderr[-2000:]
+
+
 def test_the_contract_holds_the_pretrained_sha256_and_a_chosen_precision_and_nothing_for_older_runs():
     """``init_sha256`` and ``precision`` enter the contract only when used: a run without them keeps the contract it
     always had (an upgrade refuses no existing run); with them, another file or precision is another experiment,

@@ -1,7 +1,8 @@
 """The training side's few domain exceptions, each carrying the exit code the CLI maps it to.
 
 Exit codes are part of the contract (README, "Exit codes"): 2 means "retrying cannot help" (usage, configuration,
-contract), 1 means "any other failure" (a Kubernetes Job retries it and counts the retry).
+contract), 1 means "any other failure" (a Kubernetes Job retries it and counts the retry), damaged stored data
+included (DataError).
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ class StateError(TrainError):
 
 
 class DataError(TrainError):
-    """The training data cannot be read as its manifest says (a damaged or missing shard of a bucket dataset, a
-    sample that cannot be built): exit 2, since a restart would read the same bytes again."""
+    """Stored data is not what its digest says (a damaged, missing or resized shard of a bucket dataset, pretrained
+    weights that do not hash to the declared sha256, a sample that cannot be built): exit 1. It is stored content,
+    not the operator's flags: a co-tenant of the bucket can damage it and the operator can restore it, so the Job
+    retries (counted against backoffLimit, so lasting damage still ends it) and a restored object lets it go on.
+    Not 75: that exit is "resume me" and is not counted, so a shard damaged for good would restart the run forever."""
 
-    exit_code = 2
+    exit_code = 1

@@ -8,15 +8,20 @@ store layer (``trainproof.storage.objects``): ranged reads, retried, each part v
 byte of
 it is used, kept in a local cache of bounded size shared by the processes of the machine:
 
-- ``TRAINPROOF_DATA_CACHE``: the cache folder (default ``trainproof-data-cache`` in ``TRAINPROOF_SPOOL_DIR`` or the
-  system temp folder); ``TRAINPROOF_DATA_CACHE_MB``: its bound (default 4096). Give it room for the dataset when
-  you can: a sample read from a part that is no longer cached fetches the whole part again (1 MiB by default);
+- ``TRAINPROOF_DATA_CACHE``: the cache folder (default ``trainproof-data-cache-<uid>`` in ``TRAINPROOF_SPOOL_DIR`` or
+  the system temp folder); ``TRAINPROOF_DATA_CACHE_MB``: its bound (default 4096). Give it room for the dataset when
+  you can: a sample read from a part that is no longer cached fetches the whole part again (1 MiB by default).
+  The folder must be this user's own, a folder (not a symbolic link) that no one else can write
+  (:func:`cache_folder`): a given one that is not is refused (exit 2); a default one that is not (another user made
+  it first in a shared temp folder) is passed over for a private folder of this process's (mode 0700), with one
+  warning. A cached part is verified again anyway before a process first uses it (``PartCache``);
 - the bucket's credentials and endpoint are the checkpoints' (``AWS_*`` variables, ``TRAINPROOF_IO_CONCURRENCY``).
 
 Opening checks the manifest (``trainproof.data.manifest``) and lists the shards: a missing shard or one of another size
-is a DataError naming it (exit 2) before training starts; a part that does not match its sha256 is one when it is read
-(``trainproof.storage.objects.CorruptObjectError``), never silently different data. ``data_identity`` is the manifest's
-identity, what DatasetTask takes as the run contract's data identity.
+is a DataError naming it (exit 1: stored content the operator can restore, trainproof.errors) before training starts;
+a part that does not match its sha256 is one when it is read (``trainproof.storage.objects.CorruptObjectError``), never
+silently different data. Only a URL with nothing there at all is the operator's (ConfigError, exit 2).
+``data_identity`` is the manifest's identity, what DatasetTask takes as the run contract's data identity.
 
 Each process reads through its own store client and thread pool: a DataLoader worker forked from the trainer opens
 them on its first read (a client's connections and threads do not survive a fork).
@@ -24,9 +29,14 @@ them on its first read (a client's connections and threads do not survive a fork
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import hashlib
+import logging
 import os
+import shutil
+import stat
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -41,11 +51,15 @@ from trainproof.storage.spool import spool_dir
 
 CACHE_ENV, CACHE_MB_ENV = "TRAINPROOF_DATA_CACHE", "TRAINPROOF_DATA_CACHE_MB"
 DEFAULT_CACHE_MB = 4096
+log = logging.getLogger("trainproof.data")
+_PRIVATE: dict[str, str] = {}
+"""Default folder found untrusted -> the private folder this process uses instead (made once, removed at exit)."""
 
 
 def cache_settings(directory: str | None = None, mib: int | None = None) -> tuple[str, int]:
-    """(folder, bytes) of the part cache: the arguments, else the environment, else the defaults."""
-    folder = directory or os.environ.get(CACHE_ENV) or os.path.join(spool_dir(), "trainproof-data-cache")
+    """(folder, bytes) of the part cache: the arguments, else the environment, else the defaults; the folder checked
+    (and made) by :func:`cache_folder`."""
+    folder = cache_folder(directory or os.environ.get(CACHE_ENV) or None)
     raw = os.environ.get(CACHE_MB_ENV, "").strip()
     if mib is None and raw:
         try:
@@ -56,6 +70,58 @@ def cache_settings(directory: str | None = None, mib: int | None = None) -> tupl
     if mib < 1:
         raise ConfigError(f"the data cache needs at least 1 MiB ({CACHE_MB_ENV}), got {mib}")
     return folder, mib * 2**20
+
+
+def cache_folder(given: str | None) -> str:
+    """The part cache's folder, made if missing (mode 0700) and checked to be this user's, a real folder that no one
+    else can write: ``given`` (an argument or ``TRAINPROOF_DATA_CACHE``: the operator's, so ConfigError, exit 2, when
+    it is not), else ``trainproof-data-cache-<uid>`` in the spool folder (when that is not, e.g. made first by another
+    user of a shared temp folder or a symbolic link planted there: a private folder of this process's instead, with
+    one warning)."""
+    if given:
+        why = _made_and_checked(given)
+        if why:
+            raise ConfigError(f"data cache folder {given} {why}, so parts cached there could be changed behind this "
+                              f"run's back: set {CACHE_ENV} to a folder of your own that only you can write "
+                              "(chmod 700), not a symbolic link")
+        return given
+    folder = os.path.join(spool_dir(), f"trainproof-data-cache-{os.getuid()}")
+    why = _made_and_checked(folder)
+    if not why:
+        return folder
+    if folder not in _PRIVATE:
+        private = tempfile.mkdtemp(prefix=f"trainproof-data-cache-{os.getuid()}-", dir=spool_dir())
+        atexit.register(_remove_private, private, os.getpid())
+        log.warning("the data cache folder %s %s: caching in a private folder instead, %s (removed at exit); set "
+                    "%s to a folder of your own to share the cache between runs", folder, why, private, CACHE_ENV)
+        _PRIVATE[folder] = private
+    return _PRIVATE[folder]
+
+
+def _made_and_checked(folder: str) -> str | None:
+    """Why ``folder`` (made if missing, mode 0700) cannot hold the cache, None when it can: it must be a folder (not a
+    symbolic link), this user's, that neither its group nor others can write."""
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # a file or a link to nothing at that name: named below
+    except OSError as exc:
+        return f"cannot be made ({exc.strerror})"
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != os.getuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"can be written by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _remove_private(folder: str, pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked worker: the process that made it removes it
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class ShardedDataset:
@@ -175,14 +241,26 @@ class ShardedDataset:
         try:
             raw = self._store.read_file(DATASET_FILE, max_bytes=MANIFEST_BYTES)
         except FileNotFoundError:
-            raise DataError(f"dataset {self.url}: no {DATASET_FILE} (not a packed dataset, or its packing did not "
-                            "finish): pack it with `trainproof data pack`") from None
+            raise self._no_manifest() from None
         except StoreError as exc:
             raise DataError(f"dataset {self.url}: {exc}") from None
         try:
             return parse(raw, limits=self._store.options.limits)
         except ValueError as exc:
             raise DataError(f"dataset {self.url}: {exc}") from None
+
+    def _no_manifest(self) -> Exception:
+        """No manifest: ConfigError (exit 2) when nothing at all is at the URL (the task's setting is wrong), else a
+        DataError (exit 1): shards without their manifest are a packing that did not finish or a deleted manifest."""
+        try:
+            anything = bool(self._store.list_dir(""))
+        except (StoreError, OSError):
+            anything = False
+        if not anything:
+            return ConfigError(f"dataset {self.url}: no {DATASET_FILE}, nothing is there: check the task's dataset "
+                               "URL, or pack the dataset there with `trainproof data pack`")
+        return DataError(f"dataset {self.url}: no {DATASET_FILE} (its packing did not finish, or the manifest was "
+                         "deleted): restore it or pack the dataset again with `trainproof data pack`")
 
     def _check_listing(self) -> None:
         """Every shard present with its size (one listing): a missing one is named before any training."""

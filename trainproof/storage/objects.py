@@ -14,8 +14,10 @@ lasts (trainproof.data's bucket datasets). This module is that reader; it knows 
   with :class:`CorruptObjectError` naming the object and the part. A missing object is the same error ("missing").
 - :class:`PartCache` keeps verified parts as files in a local folder, named by their sha256 and published by an
   atomic rename (another process never sees half a part), at most ``max_bytes`` in all: when a process's count
-  passes the bound it re-lists the folder and removes the least recently used parts. A cached part is not hashed
-  again: it was verified when fetched, and the folder is local scratch (never the bucket).
+  passes the bound it re-lists the folder and removes the least recently used parts. A cached part is verified
+  again before this process first uses it (and again whenever the file at its name is another file: another inode),
+  so a part changed on the local disk is fetched again, never used; the folder's owner and mode are checked too
+  (trainproof.data.reader), as defence in depth. Eviction only touches what looks like the cache's own files.
 
 Memory of a read: at most ``concurrency`` parts being fetched and one being cut into the ranges wanted, plus the
 ranges returned.
@@ -47,6 +49,7 @@ log = logging.getLogger("trainproof.storage")
 T = TypeVar("T")
 R = TypeVar("R")
 _SHA = re.compile(r"^[0-9a-f]{64}\Z")
+_CACHE_SUB = re.compile(r"^[0-9a-f]{2}\Z")
 MIN_OBJECT_PART = 4096
 MAX_OBJECT_PART = 256 * dg.MiB
 
@@ -160,6 +163,8 @@ class PartCache:
         self.directory, self.max_bytes = directory, max_bytes
         os.makedirs(directory, exist_ok=True)
         self._lock = threading.Lock()
+        self._checked: dict[str, tuple[int, int]] = {}
+        """sha -> (device, inode) of the file this process verified (or wrote) at that name."""
         self._bytes = self._evict()  # a folder left over a smaller bound is brought under this one now
 
     def path(self, sha: str) -> str:
@@ -172,12 +177,26 @@ class PartCache:
         except FileNotFoundError:
             return None
         try:
-            if os.fstat(fd).st_size != size:  # a truncated file is no cached part (the disk is scratch, not trusted)
+            st = os.fstat(fd)
+            if st.st_size != size:  # a truncated file is no cached part (the disk is scratch, not trusted)
+                return None
+            if self._checked.get(sha) != (st.st_dev, st.st_ino) and not self._verify(fd, sha, size, st):
                 return None
             os.utime(fd)  # most recently used: the last to be evicted
             return [os.pread(fd, end - start, start) for start, end in ranges]
         finally:
             os.close(fd)
+
+    def _verify(self, fd: int, sha: str, size: int, st: os.stat_result) -> bool:
+        """Whether the open cached file holds the part ``sha`` (hashed whole); a file that does not is removed, so the
+        part is fetched again from the store and verified there."""
+        data = os.pread(fd, size, 0)
+        if len(data) == size and hashlib.sha256(data).hexdigest() == sha:
+            self._checked[sha] = (st.st_dev, st.st_ino)
+            return True
+        log.warning("cached part %s in %s does not match its sha256: fetching it again", sha, self.directory)
+        _unlink(self.path(sha))
+        return False
 
     def put(self, sha: str, data: bytes) -> None:
         """Publish a verified part (an existing copy is replaced by identical bytes), then keep to the bound."""
@@ -187,7 +206,9 @@ class PartCache:
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
+                st = os.fstat(fh.fileno())
             os.replace(tmp, path)
+            self._checked[sha] = (st.st_dev, st.st_ino)  # written from verified bytes
         except BaseException:
             _unlink(tmp)
             raise
@@ -199,9 +220,11 @@ class PartCache:
     def _files(self) -> list[tuple[float, int, str]]:
         found = []
         for sub in os.scandir(self.directory):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
+            if not sub.is_dir(follow_symlinks=False) or not _CACHE_SUB.match(sub.name):
+                continue  # only the cache's own folders: eviction never deletes anything else found there
             for entry in os.scandir(sub.path):
+                if not (_SHA.match(entry.name) or entry.name.startswith(".part-")):
+                    continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainproof.errors import ConfigError
+from trainproof.errors import ConfigError, DataError, TrainError
 from trainproof.format.contract import build_plan
 from trainproof.format.identity import code_version
 from trainproof.format.layout import Layout
@@ -37,7 +37,13 @@ from trainproof.train.config import TrainConfig
 from trainproof.train.data import epoch_plan
 from trainproof.train.device import configure_determinism, resolve_device
 from trainproof.train.discover import agree_plan
-from trainproof.train.pipeline import check_workers, open_batches, pipeline_record, worker_failure
+from trainproof.train.pipeline import (
+    check_workers,
+    next_step_micro_batches,
+    open_batches,
+    pipeline_record,
+    worker_failure,
+)
 from trainproof.train.progress import Reporter, make_reporter
 from trainproof.train.resume import Resumed, ResumeOptions, resume
 from trainproof.train.run import Run, build_run, capture_rank_part, capture_state, train_step
@@ -136,6 +142,8 @@ class Trainer:
         self._live: Run | None = None
         """The run being trained (its history drops the rows of each committed generation: :meth:`_committed`)."""
         self._stop_seen_at: float | None = None
+        self._bad_data: TrainError | None = None
+        """The failure building the next step's micro-batches met (a damaged shard), found before the step began."""
         self.resumed = Resumed()
         """Where this process continued from (None: a fresh start), its world and code changes."""
         self.ranks_signalled = 0
@@ -169,6 +177,8 @@ class Trainer:
             self._close_batches(run)  # before the final commit: what the workers prefetched is never saved
             committed = self.saving.finish(run.step, reason, stop=self.stop, stop_seen_at=self._stop_seen_at,
                                            capture=lambda: self._capture(run))  # the end, or after a stop request
+            if reason == "data":
+                raise self._data_failure(run, committed)
         except BaseException as exc:
             self._close_batches(run)
             self.saving.abandon()
@@ -194,6 +204,7 @@ class Trainer:
     def _loop(self, run: Run, target: int) -> str:
         """Optimizer steps until the target; stop requests and saves are decided only at step boundaries."""
         while run.step < target:
+            built_s = self._check_data(run)
             reason, save = self._agree(run, save=self.saving.due(run.step))
             if save:
                 self.saving.save(run.step, lambda: self._capture(run))
@@ -203,9 +214,34 @@ class Trainer:
                 return reason
             t0 = time.perf_counter()
             record = train_step(run)
-            self.deadline.observe_step(time.perf_counter() - t0)
+            self.deadline.observe_step(time.perf_counter() - t0 + built_s)
             self.reporter.step(record, target=target)
         return "target"
+
+    def _check_data(self, run: Run) -> float:
+        """Build this rank's micro-batches of the next step now, before the step takes any: a failure (a damaged
+        shard) is then found while the state is still the last step's, which :meth:`_agree` has every rank commit.
+        The seconds it took (part of the step's time, for the deadline)."""
+        t0 = time.perf_counter()
+        if self._bad_data is None and run.batches is not None:
+            count = next_step_micro_batches(run.sampler, run.global_batch, self.world, self.rank,
+                                            self.task.micro_batch_size)
+            self._bad_data = run.batches.check_next(count)
+        return time.perf_counter() - t0
+
+    def _data_failure(self, run: Run, committed: int | None) -> TrainError:
+        """The failure to end with after the step reached was committed: this rank's own (its message and exit
+        code), or, when another rank met it, a DataError saying so."""
+        if not committed:
+            then = "no step is committed yet; a retry starts the run again"
+        elif committed == run.step:
+            then = f"step {committed} (reached before it) is committed; a retry resumes from it"
+        else:
+            then = f"the last committed step is {committed}; a retry resumes from it"
+        if self._bad_data is None:
+            return DataError(f"another rank's data for step {run.step + 1} could not be read (its line names it); "
+                             f"{then}")
+        return type(self._bad_data)(f"{self._bad_data}; {then}")
 
     def _workers(self) -> tuple[int, int]:
         """(data workers, prefetch depth): this invocation's options, else the task's defaults."""
@@ -256,13 +292,14 @@ class Trainer:
         """
         save_failed = int(self.saving.failed())  # world > 1: a background save that failed is agreed here too
         flags = [int(bool(self.stop.signals)), int(bool(self.stop.notices)), int(self.deadline.too_close()), int(save),
-                 save_failed]
-        signal, notice, deadline, save_any, failed = self.sync.sum_ints(
+                 save_failed, int(self._bad_data is not None)]
+        signal, notice, deadline, save_any, failed, bad_data = self.sync.sum_ints(
             flags, f"agree whether to stop or save at step {run.step}")
         if failed:
             self.saving.fail(failed)
         self.ranks_signalled = signal + notice
-        reason = "signal" if signal else "spot-notice" if notice else "deadline" if deadline else None
+        reason = ("signal" if signal else "spot-notice" if notice else "deadline" if deadline else
+                  "data" if bad_data else None)
         return reason, bool(save_any)
 
     def _finish(self, run: Run, *, unbounded: bool = False) -> dict[str, Any]:

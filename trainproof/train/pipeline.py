@@ -17,6 +17,7 @@ in the training process, at the step, as before (:class:`InProcess`).
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import multiprocessing
@@ -60,6 +61,18 @@ class BatchSource(Protocol):
     def close(self) -> float:
         """Stop building; the seconds it took."""
 
+    def check_next(self, count: int) -> TrainError | None:
+        """The failure building one of the next ``count`` micro-batches met (a damaged shard), found before the step
+        that takes them begins, None when they built (or cannot be built ahead: a task's ``make_batch``)."""
+
+
+def next_step_micro_batches(sampler: EpochSampler, global_batch: int, world: int, rank: int, micro: int) -> int:
+    """How many micro-batches this rank takes in the sampler's next step (the tail of an epoch has fewer samples),
+    without drawing anything."""
+    drawn = sampler.permutation is not None and sampler.cursor < sampler.num_samples
+    left = sampler.num_samples - sampler.cursor if drawn else sampler.num_samples
+    return len(micro_batches(list(range(min(global_batch, left))), world, rank, micro))
+
 
 class InProcess:
     """Each micro-batch built in the training process when the step runs: a task's ``make_batch`` (the run's
@@ -80,6 +93,9 @@ class InProcess:
 
     def close(self) -> float:
         return 0.0
+
+    def check_next(self, count: int) -> TrainError | None:
+        return None  # built at the step, from the run's generators: nothing can be built ahead
 
 
 class Lookahead:
@@ -144,22 +160,38 @@ class WorkerBatches:
             multiprocessing_context=_fork() if workers else None, worker_init_fn=_own_process_group,
         )
         self._it: Any = iter(self.loader)
+        self._ready: collections.deque = collections.deque()
+        """Built items taken from the loader ahead of their step by :meth:`check_next`, in order."""
+
+    def check_next(self, count: int) -> TrainError | None:
+        """Take the next step's ``count`` built micro-batches from the loader now (before the step uses any: every
+        build is under its request's own generators, so this changes nothing), and return the first failure among
+        them as an exception to raise, None when all built."""
+        while len(self._ready) < count:
+            self._ready.append(self._next())
+        for _, _, error in itertools.islice(self._ready, count):
+            if error is not None:
+                return _ERRORS.get(error[0], TrainError)(error[1])
+        return None
 
     def batch(self, request: BatchRequest, ctx: TaskContext) -> Any:
-        try:
-            key, data, error = next(self._it)
-        except StopIteration:
-            raise RuntimeError(f"the data pipeline ended before step {request.step}") from None
-        except Exception as exc:  # a worker died (killed for memory, a crash): DataLoader says so, or its pipe breaks
-            failure = self._dead_worker() or worker_failure(exc)
-            if failure is None:
-                raise
-            raise failure from None
+        key, data, error = self._ready.popleft() if self._ready else self._next()
         if error is not None:
             raise _ERRORS.get(error[0], TrainError)(error[1])
         if key != request.key():  # the lookahead and the loop split the steps differently: a trainer bug
             raise RuntimeError(f"data pipeline out of step: built {key[:3]} for the step's {request.key()[:3]}")
         return self.task.batch_to_device(data, ctx.device)
+
+    def _next(self) -> tuple[tuple, Any, tuple | None]:
+        try:
+            return next(self._it)
+        except StopIteration:  # the lookahead has no end: a trainer bug
+            raise RuntimeError("the data pipeline ended") from None
+        except Exception as exc:  # a worker died (killed for memory, a crash): DataLoader says so, or its pipe breaks
+            failure = self._dead_worker() or worker_failure(exc)
+            if failure is None:
+                raise
+            raise failure from None
 
     def _dead_worker(self) -> TrainError | None:
         """The failure naming a worker that has ended (waiting a moment for it to be reaped), None when all live."""
@@ -180,6 +212,7 @@ class WorkerBatches:
         worker 5 s before terminating it); prefetched batches are dropped."""
         t0 = time.perf_counter()
         it, self._it = self._it, None
+        self._ready.clear()
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()

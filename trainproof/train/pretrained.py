@@ -6,7 +6,8 @@ The rules this keeps (docs/tasks.md, "Start from pretrained weights"):
 - **initialisation comes from the seeded generator or from a verified file**, nothing else: the model is built
   and seeded as always (so the generators are in the same state on every fresh start), then every parameter and
   buffer is overwritten with the file's tensors. A file whose bytes do not hash to the declared sha256 is refused
-  by name before any tensor is read (exit 2): a flipped byte, a truncated copy or another file at the same path;
+  by name before any tensor is read: a flipped byte, a truncated copy or another file at the same path. That is a
+  DataError (exit 1: stored content the operator can put back, so the Job's retry can go on), not exit 2;
 - **the sha256 is in the run contract** (trainproof.format.contract ``init_sha256``), so declaring another file is
   another experiment, and a resume with it is refused (exit 2, naming the field);
 - **a resume never reads the file**: only a fresh start calls :func:`start_from_pretrained` (trainproof.train.resume);
@@ -28,7 +29,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from trainproof.errors import ConfigError
+from trainproof.errors import ConfigError, DataError
 from trainproof.storage import StoreOptions, open_store, redact_url
 from trainproof.storage.errors import StoreConfigError
 from trainproof.storage.spool import Spool, spool_dir
@@ -41,8 +42,8 @@ def start_from_pretrained(files: list[Pretrained], load: Any, model: nn.Module) 
     """Read, verify and load ``files`` into ``model`` through ``load(model, names, get)`` (the layout's strategy,
     trainproof.train.parallel ``load_initial``: ``get(name)`` reads one tensor, which the strategy copies into the
     model's own, cast to its dtype). Returns what to report (the files, their bytes, the time). ConfigError (exit 2)
-    naming the file when one is missing, does not hash to its declared sha256, is not a safetensors file, or does not
-    fit the model."""
+    naming the file when one is missing, is not a safetensors file, or does not fit the model; DataError (exit 1)
+    when it does not hash to its declared sha256."""
     from safetensors import safe_open
 
     t0 = time.perf_counter()
@@ -76,7 +77,8 @@ def start_from_pretrained(files: list[Pretrained], load: Any, model: nn.Module) 
 
 
 def fetch_verified(spec: Pretrained) -> Spool:
-    """The file of ``spec`` in a local spool file whose plain sha256 is the declared one, else ConfigError naming it."""
+    """The file of ``spec`` in a local spool file whose plain sha256 is the declared one, else a one-line error
+    naming it: DataError (exit 1) for other bytes, ConfigError (exit 2) for no file at the URL."""
     parent, name = split_url(spec.url)
     try:
         store = open_store(parent, StoreOptions.from_env())
@@ -88,10 +90,10 @@ def fetch_verified(spec: Pretrained) -> Spool:
         raise ConfigError(f"pretrained weights {_shown(spec.url)}: {exc}") from None
     if spool.sha256 != spec.sha256:
         spool.unlink()
-        raise ConfigError(f"pretrained weights {_shown(spec.url)}: its sha256 is {spool.sha256}, not the declared "
-                          f"{spec.sha256}: the file was changed or damaged, so the run does not start from it. Put "
-                          "back the file the task declares, or declare the new file's sha256 (another experiment: "
-                          "a new --store)")
+        raise DataError(f"pretrained weights {_shown(spec.url)}: its sha256 is {spool.sha256}, not the declared "
+                        f"{spec.sha256}: the file was changed or damaged, so the run does not start from it. Put "
+                        "back the file the task declares (the Job's retry then goes on), or declare the new file's "
+                        "sha256 (another experiment: a new --store)")
     return spool
 
 
