@@ -32,7 +32,7 @@ def fuzz(url: str, reference, genuine, seed: int, local: bool, per_round: int = 
     planted = Planter(url, reference, random.Random(seed), local=local).round(per_round)
     result = run(url, "--max-steps", str(TARGET), "--keep", "0", "--deadline", "2h")
     problems = check_round(url, reference, planted, result)
-    return planted.count, [f"seed {seed} ({sorted(set(planted.steps.values()))}): {p}" for p in problems]
+    return planted.count, [f"seed {seed} ({planted.others}): {p}" for p in problems]
 
 
 def test_a_hostile_bucket_on_a_folder_never_decides_how_the_run_ends(tmp_path, reference, genuine):

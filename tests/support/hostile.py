@@ -11,9 +11,12 @@ Mutations that keep a state valid but different (other weights of the same shape
 are not made: without a key nothing can tell them from the run's own (SECURITY.md); nor are those that decoding
 normalises away (a second copy of rank 0's part in a world of one), which leave the run's own state.
 
-Each round plants a batch at steps above the run's target, restarts ``train`` once, and checks: exit 0, no
-traceback, a resume from the run's real newest generation, the final state bitwise equal to an untouched run's, and
-every genuine generation still there.
+Each round plants a batch at steps above the run's target and, where the restarted run writes, one occupant at the
+step it commits next and one at each top-level name it writes (``quarantine``, its deadline export's bundle,
+``deadline.json``, ``LATEST``: files, links leading out of the run, FIFOs, folders of the wrong shape, damaged
+manifests, genuine generations of another contract or build; on S3 the objects a co-tenant can write); restarts
+``train`` once, and checks: exit 0, no traceback, a resume from the run's real newest generation, the final state
+bitwise equal to an untouched run's, every genuine generation still there, and nothing written outside the run.
 """
 
 from __future__ import annotations
@@ -226,8 +229,10 @@ def m_meta(rng, s):
 
 
 def m_section_missing(rng, s):
-    del s[rng.choice(["model", "optimizer", "scheduler", "scaler", "history", "history_chain", "progress", "ranks",
-                      "meta", "task_state"])]
+    sections = ["model", "optimizer", "scheduler", "scaler", "history", "history_chain", "progress", "ranks", "meta"]
+    if s.get("task_state"):  # an empty one reads as absent (states written before it existed): no mutation
+        sections.append("task_state")
+    del s[rng.choice(sections)]
     return s
 
 
@@ -303,6 +308,21 @@ RAW_MANIFESTS: dict[str, Callable] = {
 }
 
 
+NEXT_STEP_COMMON = {"partial", "marker-folder", "other-contract", "other-build", "manifest-huge", "manifest-deep",
+                    "manifest-list", "manifest-junk", "manifest-wrong-step", "manifest-path-object"}
+"""Occupants of the step the restarted run commits next, on any store. Not among them: a complete generation of the
+run's own contract and build, which without a key is the run's own (another writer won the step: exit 1, and the
+restart's resume decides whether it loads; SECURITY.md)."""
+NEXT_STEP_LOCAL = NEXT_STEP_COMMON | {"file", "symlink", "fifo"}
+NEXT_STEP_S3 = NEXT_STEP_COMMON | {"object"}
+NAMES_LOCAL = {"quarantine": ["file", "symlink", "fifo"], f"exports/step-{TARGET:08d}": ["file", "fifo", "symlink"],
+               "deadline.json": ["json", "folder", "fifo", "symlink"], "LATEST": ["folder", "fifo", "symlink"]}
+"""Top-level names the restarted run writes (it commits, quarantines, exports at its deadline, records the
+deadline, moves the hint), each with what a co-tenant can put there on a folder."""
+NAMES_S3 = {"quarantine": ["object"], f"exports/step-{TARGET:08d}": ["object"], "deadline.json": ["json", "folder"],
+            "LATEST": ["folder"]}
+
+
 # -- planting -------------------------------------------------------------------------------------------------
 class Planter:
     """Plants a round's mutations into the run at ``url``; donors are the reference run's genuine states."""
@@ -336,7 +356,70 @@ class Planter:
             kind, name = self.rng.choice(kinds)
             planted.steps[step] = self._plant(step, kind, name)
         self._run_level(planted)
+        self._where_the_run_writes(planted)
         return planted
+
+    # -- at the names the restarted run writes: the step it commits next, quarantine, its export, deadline.json --
+    def _where_the_run_writes(self, planted: Planted) -> None:
+        """One occupant at the step the restarted run commits next (TARGET) and one at each top-level name it
+        writes, each of a kind drawn from what a co-tenant can put there on this store (a folder has files, links and
+        FIFOs; S3 has objects only). Links lead to ``outside`` (beside the run), which must stay empty."""
+        kinds = sorted(NEXT_STEP_LOCAL if self.local else NEXT_STEP_S3)
+        kind = self.rng.choice(kinds)
+        planted.steps[TARGET] = f"next:{kind}"
+        planted.others.append(f"next:{kind}")
+        self._occupy_step(TARGET, kind)
+        for name, options in (NAMES_LOCAL if self.local else NAMES_S3).items():
+            how = self.rng.choice(options)
+            if name == "deadline.json" and how == "json":
+                continue  # _run_level planted a record there already
+            self._occupy(name, how)
+            planted.others.append(f"{name}:{how}")
+
+    def outside(self) -> Path:
+        """The folder beside a local run that planted links lead to: nothing may be written there."""
+        folder = Path(self.store.root).parent / "outside"
+        folder.mkdir(exist_ok=True)
+        return folder
+
+    def _occupy_step(self, step: int, kind: str) -> None:
+        name = f"step-{step:08d}"
+        if kind in ("file", "symlink", "fifo", "object", "marker-folder"):
+            self._occupy(name, kind)
+        elif kind == "partial":  # a file named like the run's own, no COMPLETE.json
+            self.store.backend.write(join(self.store.root, name, STATE_FILE), b"partial")
+        elif kind in RAW_MANIFESTS:
+            self.raw(step, RAW_MANIFESTS[kind](self.rng, step))
+        else:  # a complete generation of this step, from the run's own later state, of another contract or build
+            state, raw, manifest = self.donor(step)
+            if kind == "other-contract":
+                self.commit(step, {STATE_FILE: raw}, {**manifest, "contract": "f" * 64})
+                return
+            other = "trainproof 9.9+other"  # recorded as another build's, in the state and its manifest alike
+            state["meta"]["code_version"] = other
+            self.commit(step, {STATE_FILE: encode(state)}, {**manifest, "code_version": other})
+
+    def _occupy(self, name: str, how: str) -> None:
+        import os
+
+        root, backend = self.store.root, self.store.backend
+        path = join(root, name)
+        if self.local and os.path.lexists(path) and not os.path.isdir(path):
+            os.unlink(path)  # a plant of _run_level's (the LATEST hint is only a hint): replaced by this one
+        if how == "object" or how == "file":
+            backend.write(path, b"x")
+        elif how == "folder":  # an object below the name: on S3 the name then lists as a folder
+            backend.write(join(path, "x"), b"x")
+        elif how == "marker-folder":  # a folder where a file goes inside it
+            backend.write(join(path, MARKER, "x"), b"x")
+        elif how == "symlink":
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.symlink(self.outside(), path, target_is_directory=True)
+        elif how == "fifo":
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.mkfifo(path)
+        else:
+            raise ValueError(how)
 
     def _plant(self, step: int, kind: str, name: str) -> str:
         from tests.test_train_helpers import differences
@@ -404,6 +487,9 @@ def check_round(url: str, reference: Path, planted: Planted, result: Any) -> lis
     from tests.test_train_helpers import differences, load_state, trajectory
 
     problems = []
+    outside = Path(url).parent / "outside" if "://" not in url else None
+    if outside is not None and outside.exists() and any(outside.iterdir()):
+        problems.append(f"written outside the run, through a planted link: {sorted(p.name for p in outside.iterdir())}")
     if result.code != 0:
         problems.append(f"exit {result.code}: {result.stderr[-2000:]}")
     if "Traceback" in result.stderr:
