@@ -105,12 +105,16 @@ def test_sigterm_stops_every_rank_at_one_committed_step_and_resumes_exactly(worl
 
 def test_a_rank_killed_during_the_commit_fails_the_generation_without_a_hang(world2, tmp_path):
     store = tmp_path / "killed"
-    hooks = {"TPHOOK_SAVE_DELAY": "1.0"}  # each rank's save pauses 1 s before handing over its part
+    hooks = {"TPHOOK_SAVE_DELAY": "3.0"}  # each rank's save pauses 3 s before handing over its part
     proc = start_world(store, *world2["common"], "--max-steps", str(TARGET), "--checkpoint-every", "5", env=hooks)
     lines: list[str] = []
     pids = rank_pids(proc, lines)
     read_until(proc, lambda e: e.get("event") == "checkpoint_begin" and e["step"] == 10, lines)
-    time.sleep(0.3)  # rank 1 is inside its save, before rank 0 has its part
+    part = store / "step-00000010" / rank_file(1)
+    deadline = time.monotonic() + budget(60)
+    while not part.exists():  # rank 1 wrote its part and sleeps (TPHOOK_SAVE_DELAY) before handing it over
+        assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never wrote its part of step 10"
+        time.sleep(0.01)
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.monotonic()
     result = finish(proc, timeout=budget(120))

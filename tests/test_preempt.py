@@ -14,7 +14,8 @@ import pytest
 
 from trainproof.errors import ConfigError
 from trainproof.lifecycle.signals import Deadline, StopRequest, parse_deadline
-from tests.test_train_helpers import differences, finish, from_step, history_rows, load_state, parse_events, run, start, trajectory
+from tests.test_train_helpers import (differences, finish, from_step, history_rows, load_state, parse_events, run, start,
+                                      startup_s, trajectory)
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 TARGET = 400
@@ -146,14 +147,6 @@ def test_sigterm_at_random_moments_loses_nothing_and_resumes_exactly(tmp_path):
         assert [r["step"] for r in history_rows(got)] == list(range(got["history_chain"]["first"], TARGET + 1))
 
 
-def _startup_s(tmp_path) -> float:
-    """This machine's start-up of a train process now, as the product measures it: a short run with a far deadline
-    reports the reserve it keeps, 3.5 s + 1.5 x its start-up (trainproof.lifecycle.finish.Finisher)."""
-    probe = run(tmp_path / "probe", "--max-steps", "1", "--deadline", "1h", "--log-every", "1000")
-    assert probe.code == 0, probe.stderr
-    return (probe.last("start")["deadline_reserve_s"] - 3.5) / 1.5
-
-
 def test_deadline_stops_in_time_after_committing(tmp_path):
     # The periodic checkpoints give the deadline logic a measured save time early on. The export and its reload
     # check are given up at the first check when the time left is under a step + 1.5 x the 1 s save guess + the
@@ -162,7 +155,7 @@ def test_deadline_stops_in_time_after_committing(tmp_path):
     # train (more than a step, the save and the margin after the start-up) whenever s < 2.5 + 2 s'. So the export is
     # given up: commit, exit 75, whatever the machine's speed (a deadline scaled by the load average alone was
     # long enough to export on a machine whose load average was high and whose start-up was quick).
-    deadline_s = 5 + 2 * _startup_s(tmp_path)
+    deadline_s = 5 + 2 * startup_s(tmp_path / "probe")
     result = run(tmp_path / "run", "--max-steps", "100000", "--deadline", f"{round(deadline_s)}s",
                  "--checkpoint-every", "25",
                  "--log-every", "1000", env={"TPHOOK_STEP_DELAY": "0.01"})

@@ -85,6 +85,15 @@ def run(store: Path | str, *args: str, env: dict[str, str] | None = None) -> Res
     return finish(start(store, *args, env=env))
 
 
+def startup_s(folder: Path) -> float:
+    """This machine's start-up of a train process now, as the product measures it: a 1-step run with a far deadline
+    (in ``folder``) reports the reserve it keeps, 3.5 s + 1.5 x its start-up (trainproof.lifecycle.finish.Finisher).
+    A deadline test sizes its deadline from it: the load average alone lags (a high one over a quick process)."""
+    probe = run(folder, "--max-steps", "1", "--deadline", "1h", "--log-every", "1000")
+    assert probe.code == 0, probe.stderr
+    return (probe.last("start")["deadline_reserve_s"] - 3.5) / 1.5
+
+
 def load_state(store: Path | str, step: int | None = None, *, history: str = "full") -> dict[str, Any]:
     """The decoded training state of generation ``step`` (default: the newest usable one).
 
