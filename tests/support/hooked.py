@@ -12,6 +12,8 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          ``COMPLETE.json``; and after a rank wrote its part (lets a signal or a kill land
                          mid-save)
 ``TPHOOK_PER_RANK_MEAN`` ``1``: every run normalises its loss per rank (a trainer bug on every path)
+``TPHOOK_ATTEMPT_REFRESH`` seconds between rewrites of the attempt record while steps run (``0``: after every
+                         step, so a SIGKILLed attempt's record says which step it reached)
 ``TPHOOK_FULL_AT_STEP``  a step: every write into that step's folder of a local store fails as a full disk does
                          (``ENOSPC``), so its commit fails; other steps are written normally
 ``TPHOOK_SABOTAGE``      break the *resume* on purpose, the bugs the verifier claims to catch
@@ -240,6 +242,11 @@ def install() -> None:
             return frame
 
         checkpoint.Checkpointer._check, checkpoint.Checkpointer._write_own_part = slow_check, slow_part
+    refresh = os.environ.get("TPHOOK_ATTEMPT_REFRESH")
+    if refresh:
+        from trainproof.train import attempts
+
+        attempts.REFRESH_S = float(refresh)
     full = os.environ.get("TPHOOK_FULL_AT_STEP")
     if full:
         _disk_full_at(int(full))

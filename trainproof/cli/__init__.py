@@ -8,7 +8,7 @@ imports it except ``trainproof.__main__`` and the console script. Command bodies
 
 One module per command group, each adding its commands to :data:`trainproof.cli.app.app`:
 ``train`` (train), ``store`` (ls, gc), ``verify`` (verify, export, reload-check), ``plan`` (plan),
-``data`` (data pack, data verify).
+``data`` (data pack, data verify), ``report`` (report).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import importlib
 
 from trainproof.cli.app import app
 
-COMMAND_MODULES = tuple(f"trainproof.cli.{name}" for name in ("store", "train", "verify", "plan", "data"))
+COMMAND_MODULES = tuple(f"trainproof.cli.{name}" for name in ("store", "train", "verify", "plan", "data", "report"))
 
 
 def _register() -> None:

@@ -314,11 +314,11 @@ class GenerationStore:
         return self._io(f"check {name}", lambda: self.backend.exists(join(self.root, name)))
 
     # -- folders of run-level data (verification/<id>/...) ------------------------------------------------
-    def list_dir(self, relpath: str = "") -> list:
+    def list_dir(self, relpath: str = "", *, limit: int | None = None) -> list:
         """Direct children (``trainproof.storage.backend.Entry``: name, size, is_dir, mtime) of ``<run>/<relpath>``,
-        fresh."""
+        fresh; with ``limit``, at most ``limit + 1`` (the rest is not listed)."""
         path = join(self.root, relpath.strip("/")) if relpath.strip("/") else self.root
-        return self._io(f"list {relpath or '.'}", lambda: self.backend.listdir(path))
+        return self._io(f"list {relpath or '.'}", lambda: self.backend.listdir(path, limit=limit))
 
     def delete_tree(self, relpath: str) -> None:
         """Delete ``<run>/<relpath>`` and everything under it (a generation loses its COMPLETE.json first, so an

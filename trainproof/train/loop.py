@@ -32,6 +32,7 @@ from trainproof.storage import GenerationStore, StoreOptions, open_store
 from trainproof.storage.errors import StoreConfigError, StoreError
 from trainproof.tasks import Task, load_task
 from trainproof.train import dist
+from trainproof.train.attempts import with_attempts
 from trainproof.train.checkpoint import Capture
 from trainproof.train.config import TrainConfig
 from trainproof.train.data import epoch_plan
@@ -102,8 +103,9 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
             layout=layout, precision=task.precision, init=[p.sha256 for p in task.pretrained()],
             data_pipeline=pipeline_record(task),
         ), sync)
-        rep = reporter or (with_tensorboard(make_reporter(cfg.log_format, log_every=cfg.log_every), cfg.tensorboard,
-                                            store.local_folder) if env.rank == 0 else RankReporter(env.rank))
+        rep = reporter or (with_attempts(with_tensorboard(make_reporter(cfg.log_format, log_every=cfg.log_every),
+                                                          cfg.tensorboard, store.local_folder), store)
+                           if env.rank == 0 else RankReporter(env.rank))
         with rep:
             return Trainer(cfg, task=task, device=device, store=store, plan=plan, reporter=rep, stop=stop,
                            deadline=deadline, finisher=finisher, sync=sync, plan_of_epoch=plan_of_epoch,

@@ -19,6 +19,7 @@ recorded like a world change (discovery has already preferred an older generatio
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,8 @@ class _Context:
     parallel: Strategy
     options: ResumeOptions
     reporter: Reporter
+    started: float = field(default_factory=time.perf_counter)
+    """When the resume began: the resume event says how long finding, verifying and restoring took."""
 
     @property
     def rank0(self) -> bool:
@@ -115,6 +118,7 @@ def resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Coll
         for bad, exc in unusable:
             quarantine_unusable(store, bad, f"does not restore: {_why(exc)}")
     reporter.event("resume", step=run.step, generation=step_dir(step), rng_restored=options.restore_rng,
+                   restore_s=round(time.perf_counter() - c.started, 3),
                    **({"world_change": resumed.world_changes[-1]} if changed else {}))
     return Resumed(step=run.step, world_changes=resumed.world_changes, code_changes=resumed.code_changes)
 

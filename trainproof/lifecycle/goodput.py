@@ -1,0 +1,206 @@
+"""What a rental bought: goodput and badput of a run, from its attempt records (trainproof.train.attempts).
+
+Each process of the run left a record: when it started, when it had restored (``startup_s``, ``restore_s``), from
+which step it resumed, the steps it trained and how long they took (``train_s``, checkpoint stalls excluded), each
+commit's blocked time, and how it ended. From those, in the buckets of Google's ml-goodput-measurement:
+
+- **productive**: training time of the steps the run kept;
+- **startup** (interpreter, torch, building the model and the data) and **restore** (finding, verifying and loading
+  the generation);
+- **checkpoint stall**: the time commits blocked training;
+- **redone steps**: training time of steps an attempt trained beyond the point the next attempt resumed from (a
+  SIGKILL between commits), priced at that attempt's own step time;
+- **gaps**: from an attempt's end (or, killed, its last record) to the next attempt's start (rescheduling, a new VM);
+- **finish**: after the last step (the final commit, an export, the reload check);
+- **unaccounted**: the rest of the wall time (a killed attempt's time after its last record).
+
+goodput = productive / wall, wall = from the first attempt's start to the last one's end (or last record).
+
+Records are read from a shared bucket: each is size-capped, parsed strictly, type-checked field by field, and (with a
+signing key) must be signed; one that is not is skipped and counted, never trusted, never a crash.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from trainproof.storage import GenerationStore
+from trainproof.storage.limits import UntrustedJSONError, loads_untrusted
+
+ATTEMPTS_DIR = "attempts"
+SCHEMA = "trainproof.attempt/1"
+MAX_RECORD_BYTES = 64 * 1024
+MAX_RECORDS = 10_000
+BUCKETS = ("productive", "startup", "restore", "checkpoint_stall", "redone_steps", "gaps", "finish", "unaccounted")
+
+
+@dataclass
+class Attempt:
+    """One process, as its record says (validated)."""
+
+    name: str
+    started: float
+    updated: float
+    ended: float | None
+    end: str | None
+    reason: str | None
+    resumed_from: int
+    last_step: int | None
+    startup_s: float
+    restore_s: float
+    train_s: float
+    blocked_s: float
+    commits: int
+    committed_step: int | None
+    finish_s: float
+
+    @property
+    def stop(self) -> float:
+        """When it ended, or (killed) its last record."""
+        return self.ended if self.ended is not None else self.updated
+
+    @property
+    def steps(self) -> int:
+        return max(0, (self.last_step or self.resumed_from) - self.resumed_from)
+
+
+@dataclass
+class Report:
+    attempts: list[Attempt] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def to_json(self, price_per_hour: float | None = None) -> dict[str, Any]:
+        return {"attempts": [_attempt_json(a, redone) for a, redone in zip(self.attempts, self.redone())],
+                "skipped": self.skipped, **summary(self, price_per_hour)}
+
+    def redone(self) -> list[int]:
+        """Per attempt, the steps it trained beyond where the next attempt resumed (0 for the last)."""
+        out = []
+        for a, b in zip(self.attempts, self.attempts[1:]):
+            out.append(max(0, (a.last_step or a.resumed_from) - max(b.resumed_from, a.resumed_from)))
+        return out + [0] * bool(self.attempts)
+
+
+def read_report(store: GenerationStore) -> Report:
+    """Every attempt record of the run at ``store``, validated, oldest first; the unusable ones named in
+    ``skipped``."""
+    report = Report()
+    folder = store.child(ATTEMPTS_DIR)
+    names = sorted(e.name for e in folder.list_dir(limit=MAX_RECORDS) if not e.is_dir and e.name.endswith(".json"))
+    if len(names) > MAX_RECORDS:
+        report.skipped.append(f"{len(names) - MAX_RECORDS} record(s) beyond the first {MAX_RECORDS}")
+        names = names[:MAX_RECORDS]
+    keys = store.options.signing
+    for name in names:
+        try:
+            doc = loads_untrusted(folder.read_file(name, max_bytes=MAX_RECORD_BYTES), what=name,
+                                  max_bytes=MAX_RECORD_BYTES)
+            if keys is not None:
+                problem = keys.problem(doc) if isinstance(doc, dict) else "not an object"
+                if problem is not None:
+                    raise ValueError(f"not this run's ({problem})")
+            report.attempts.append(_attempt(name, doc))
+        except (OSError, UntrustedJSONError, ValueError, TypeError, KeyError) as exc:
+            report.skipped.append(f"{name}: {' '.join(str(exc).split())[:200]}")
+    report.attempts.sort(key=lambda a: a.started)
+    return report
+
+
+def _attempt(name: str, doc: Any) -> Attempt:
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise ValueError(f"not a {SCHEMA} record")
+    started, updated = _time(doc["started_at"]), _time(doc["updated_at"])
+    ended = None if doc.get("ended_at") is None else _time(doc["ended_at"])
+    if updated < started or (ended is not None and ended < started):
+        raise ValueError("its times go backwards")
+    end = doc.get("end")
+    if end not in (None, "done", "stopped"):
+        raise ValueError(f"end {end!r}")
+    resumed = _count(doc.get("resumed_from"), "resumed_from", default=0)
+    last = None if doc.get("last_step") is None else _count(doc["last_step"], "last_step")
+    if last is not None and last < resumed:
+        raise ValueError("last_step is before resumed_from")
+    reason = doc.get("reason")
+    return Attempt(name=name, started=started, updated=updated, ended=ended, end=end,
+                   reason=reason[:40] if isinstance(reason, str) else None, resumed_from=resumed, last_step=last,
+                   startup_s=_secs(doc.get("startup_s")), restore_s=_secs(doc.get("restore_s")),
+                   train_s=_secs(doc.get("train_s")), blocked_s=_secs(doc.get("blocked_s")),
+                   commits=_count(doc.get("commits"), "commits", default=0),
+                   committed_step=None if doc.get("committed_step") is None else _count(doc["committed_step"],
+                                                                                      "committed_step"),
+                   finish_s=_secs(doc.get("finish_s")))
+
+
+def _time(value: Any) -> float:
+    if not isinstance(value, str) or len(value) > 40:
+        raise ValueError("a time that is not an ISO string")
+    at = datetime.fromisoformat(value)
+    if at.tzinfo is None:
+        raise ValueError("a time without a zone")
+    return at.timestamp()
+
+
+def _secs(value: Any) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or value > 10 * 365 * 86400:
+        raise ValueError(f"a duration that is not one: {str(value)[:40]}")
+    return float(value)
+
+
+def _count(value: Any, what: str, default: int | None = None) -> int:
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+        raise ValueError(f"{what} is not a step count")
+    return value
+
+
+def _attempt_json(a: Attempt, redone: int) -> dict[str, Any]:
+    return {"record": a.name, "started": _iso(a.started), "ended": _iso(a.ended) if a.ended is not None else None,
+            "end": a.end or "killed (no end recorded)", "reason": a.reason, "resumed_from": a.resumed_from,
+            "last_step": a.last_step, "steps": a.steps, "redone_steps": redone, "commits": a.commits,
+            "committed_step": a.committed_step, "startup_s": a.startup_s, "restore_s": a.restore_s,
+            "train_s": a.train_s, "checkpoint_stall_s": a.blocked_s}
+
+
+def _iso(t: float) -> str:
+    from datetime import timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+
+
+def summary(report: Report, price_per_hour: float | None = None) -> dict[str, Any]:
+    """Wall time, the buckets (seconds and share of wall), goodput, and with a price the cost of each bucket."""
+    attempts = report.attempts
+    if not attempts:
+        return {"wall_s": 0.0, "buckets": {}, "goodput": None}
+    redone = report.redone()
+    buckets = dict.fromkeys(BUCKETS, 0.0)
+    for a, r in zip(attempts, redone):
+        per_step = a.train_s / a.steps if a.steps else 0.0
+        wasted = min(a.train_s, r * per_step)
+        buckets["productive"] += a.train_s - wasted
+        buckets["redone_steps"] += wasted
+        buckets["startup"] += a.startup_s
+        buckets["restore"] += a.restore_s
+        buckets["checkpoint_stall"] += a.blocked_s
+        buckets["finish"] += a.finish_s
+    for a, b in zip(attempts, attempts[1:]):
+        buckets["gaps"] += max(0.0, b.started - a.stop)
+    wall = max(a.stop for a in attempts) - attempts[0].started
+    buckets["unaccounted"] = max(0.0, wall - sum(v for k, v in buckets.items() if k != "unaccounted"))
+    out: dict[str, Any] = {
+        "wall_s": round(wall, 3), "goodput": round(buckets["productive"] / wall, 4) if wall > 0 else None,
+        "buckets": {k: {"seconds": round(v, 3), "share": round(v / wall, 4) if wall > 0 else None}
+                    for k, v in buckets.items()},
+        "steps_kept": (attempts[-1].last_step or attempts[-1].resumed_from) - attempts[0].resumed_from,
+        "redone_steps": sum(redone), "interruptions": sum(1 for a in attempts[:-1] if a.end != "done")}
+    if price_per_hour is not None:
+        out["cost"] = {k: round(v / 3600 * price_per_hour, 2) for k, v in buckets.items()}
+        out["cost"]["total"] = round(wall / 3600 * price_per_hour, 2)
+    return out
