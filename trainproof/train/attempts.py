@@ -27,6 +27,8 @@ ATTEMPTS_DIR = "attempts"
 SCHEMA = "trainproof.attempt/1"
 REFRESH_S = 30.0
 """Longest a record lags behind training while steps run (a SIGKILL loses at most this much of what it says)."""
+CLOSE_WAIT_S = 2.0
+"""Longest the process's end waits for the record's last write."""
 MAX_COMMITS = 200
 """Commits listed one by one in a record (the newest); totals cover all of them."""
 
@@ -110,7 +112,9 @@ class AttemptRecorder(Reporter):
         with self._lock:
             self._closed = True
         self._dirty.set()
-        self._thread.join(timeout=30)
+        # The record's last write gets a moment, never the stop's grace: a store that hangs must not turn a
+        # preemption's exit 75 into a SIGKILL (the record then shows the last commit instead of the end).
+        self._thread.join(timeout=CLOSE_WAIT_S)
         self.inner.close()
 
     # -- the record ----------------------------------------------------------------------------------------------
