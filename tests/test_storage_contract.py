@@ -126,8 +126,8 @@ def test_damage_is_detected_quarantined_and_the_step_can_be_committed_again(stor
     loaded = store.load_latest(contract=C, world=1)
     assert loaded.info.step == 1  # fell back to the previous generation
     q = store.quarantined()
-    assert len(q) == 1 and q[0][0].startswith("step-00000002-") and q[0][1]
-    assert store.backend.exists(raw(store, "quarantine", q[0][0], "REASON"))
+    assert len(q) == 1 and q[0][0].startswith("quarantine/step-00000002-") and q[0][1]
+    assert store.backend.exists(raw(store, *q[0][0].split("/"), "REASON"))
     assert [g.step for g in store.scan()] == [1]
     commit(store, 2, b"again")  # the resumed run can commit that step again
     assert store.load_latest(contract=C, world=1).files["training_state.pt"] == b"again"

@@ -221,8 +221,8 @@ def test_a_hostile_reason_file_does_not_break_listing_quarantine(store_url):
     store.backend.write(join(store.root, "quarantine", folders[0], "REASON"), b"[" * 20_000)
     store.backend.write(join(store.root, "quarantine", folders[1], "REASON"), json.dumps({"reason": [1]}).encode())
     reasons = dict(store.quarantined())
-    assert reasons[folders[0]].startswith("(unreadable REASON file")
-    assert reasons[folders[1]] == "(REASON file without a reason)"
+    assert reasons[f"quarantine/{folders[0]}"].startswith("(unreadable REASON file")
+    assert reasons[f"quarantine/{folders[1]}"] == "(REASON file without a reason)"
 
 
 @pytest.mark.parametrize("raw, why", [

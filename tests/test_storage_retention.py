@@ -236,9 +236,10 @@ def test_verify_streams_every_file_and_names_the_fault(store_url):
 
 
 def test_stale_partials_above_the_newest_are_collected_too_a_bounded_number_a_pass():
-    """A flood of partial step-* folders planted above the run (none of them ever the run's next commit in time)
-    is collected once older than the grace, at most COLLECT_PER_PASS a retention, oldest-touched first; young ones
-    above the newest stay (a writer may be writing them)."""
+    """A flood of partial step-* folders planted above the run is collected by the writer's own retention (none of
+    its writes is then in flight) once older than the grace, at most COLLECT_PER_PASS a retention, oldest-touched
+    first; young ones above the newest stay. Other retentions (gc) never collect above the newest: a writer's
+    upload of a large file may outlast any grace."""
     from trainproof.storage.generations import GenerationInfo
     from trainproof.storage.retention import COLLECT_PER_PASS
 
@@ -248,7 +249,9 @@ def test_stale_partials_above_the_newest_are_collected_too_a_bounded_number_a_pa
     flood = [GenerationInfo(step=90_000_000 + i, name=f"step-{90_000_000 + i:08d}", status=INCOMPLETE,
                             mtime=now - grace - 1 - i) for i in range(COLLECT_PER_PASS + 10)]
     young = GenerationInfo(step=6, name="step-00000006", status=INCOMPLETE, mtime=now - grace / 2)
-    policy = RetentionPolicy(keep=1, grace_seconds=grace, contract=C, upto=5)
+    assert plan_retention([complete, young, *flood], RetentionPolicy(keep=1, grace_seconds=grace, contract=C,
+                                                                      upto=5), now=now) == []  # gc: never above
+    policy = RetentionPolicy(keep=1, grace_seconds=grace, contract=C, upto=5, partials_above_newest=True)
     doomed = plan_retention([complete, young, *flood], policy, now=now)
     assert len(doomed) == COLLECT_PER_PASS and young not in doomed and complete not in doomed
     assert {g.step for g in doomed} == {g.step for g in flood[10:]}  # the longest untouched first
@@ -256,8 +259,8 @@ def test_stale_partials_above_the_newest_are_collected_too_a_bounded_number_a_pa
 
 
 def test_a_flood_of_stale_partials_is_gone_after_a_retention(tmp_path):
-    """On a folder: partial folders above the run, older than the grace, are deleted by the writer's retention;
-    its generations stay."""
+    """On a folder: partial folders above the run, older than the grace, are deleted by the writer's retention
+    (partials_above_newest); its generations stay."""
     store = open_store(str(tmp_path / "run"))
     for step in (1, 2):
         commit(store, step)
@@ -267,5 +270,5 @@ def test_a_flood_of_stale_partials_is_gone_after_a_retention(tmp_path):
         folder.mkdir()
         (folder / "x").write_bytes(b"")
         os.utime(folder / "x", (old, old))
-    store.apply_retention(RetentionPolicy(keep=2, grace_seconds=3600, contract=C, upto=2))
+    store.apply_retention(RetentionPolicy(keep=2, grace_seconds=3600, contract=C, upto=2, partials_above_newest=True))
     assert steps(store) == [(1, COMPLETE), (2, COMPLETE)]

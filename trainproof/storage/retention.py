@@ -11,10 +11,11 @@ new checkpoint was written):
   never deleted: it is left in place with a warning (quarantine moves corrupt ones aside when they are loaded);
 - with no ``contract`` given and complete generations of several contracts in the folder, the newest cannot be
   told apart from a stranger's, so nothing is deleted;
-- collect partial generations (no COMPLETE.json) once untouched for ``grace_seconds``, which cannot go below
-  MIN_GRACE_SECONDS unless the caller states that no writer is active: older ones as well as newer ones than the
-  newest complete generation, so that a flood of partial folders planted above the run costs its scans once (at
-  most COLLECT_PER_PASS of them a retention, oldest-touched first: a flood never holds a commit up for long);
+- collect partial generations (no COMPLETE.json) older than the newest complete one once untouched for
+  ``grace_seconds``, which cannot go below MIN_GRACE_SECONDS unless the caller states that no writer is active;
+  in the writer's own retention (``partials_above_newest``) newer ones too, so that a flood of partial folders
+  planted above the run costs its scans once (at most COLLECT_PER_PASS a retention, oldest-touched first: a flood
+  never holds a commit up for long);
 - export bundles, verification records and quarantine live outside ``step-*`` and are never seen here.
 
 ``apply_retention`` then re-verifies (streams every file through sha256) the newest generation it keeps before
@@ -76,6 +77,11 @@ class RetentionPolicy:
     them would make retention delete each generation the run commits)."""
     i_know_no_writer_is_active: bool = False
     """Allow a grace below MIN_GRACE_SECONDS (a test, or an offline clean-up with no trainer running)."""
+    partials_above_newest: bool = False
+    """Collect stale partial generations above the newest complete one too. Only the run's own writer says so, in
+    the retention after its commit: none of its writes is then in flight (the next save starts after it), so a
+    partial folder above its newest untouched for the grace is a leftover or planted (a flood). Others (``gc``)
+    leave them: a writer's upload of a large file may outlast any grace."""
 
     def __post_init__(self) -> None:
         if self.keep < 1:
@@ -93,7 +99,7 @@ def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *
     warning, unless the policy says no writer is active."""
     grace = effective_grace(policy.grace_seconds, policy.i_know_no_writer_is_active)
     stale = sorted((g for g in generations if g.status == INCOMPLETE and g.mtime is not None and now - g.mtime > grace),
-                   key=lambda g: g.mtime or 0.0)[:COLLECT_PER_PASS]
+                   key=lambda g: g.mtime or 0.0)
     ours, strangers = [], []
     for g in generations:
         if policy.upto is not None and g.step > policy.upto:
@@ -121,6 +127,7 @@ def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *
         except Exception as exc:  # noqa: BLE001 - a rule that cannot decide keeps everything
             log.warning("retention: the protection rule failed (%s: %s); deleting nothing", type(exc).__name__, exc)
             return []
+    stale = [g for g in stale if g.step < newest or policy.partials_above_newest][:COLLECT_PER_PASS]
     doomed = [g for g in ours if g.step not in kept and g.step < newest] + stale
     return sorted(doomed, key=lambda g: g.step)
 

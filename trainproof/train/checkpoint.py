@@ -259,7 +259,7 @@ class Checkpointer:
             # Only this run's generations count (another contract's or world's never make ours "old").
             removed = self.store.apply_retention(RetentionPolicy(keep=self.keep, contract=self.contract,
                                                                  world=self.world, protect_rule=self.protect,
-                                                                 upto=self.last_step))
+                                                                 upto=self.last_step, partials_above_newest=True))
         except (StoreError, OSError) as exc:
             # The new generation is committed; a failed cleanup costs storage, not work.
             self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")
