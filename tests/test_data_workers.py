@@ -411,3 +411,45 @@ def test_two_ranks_with_workers_end_as_two_ranks_without(dataset, tmp_path):
     assert [r.code for r in runs.values()] == [0, 0], [r.stderr[-2000:] for r in runs.values()]
     a, b = (final_state(tmp_path / f"w{w}") for w in (0, 2))
     assert a["meta"]["world"] == 2 and differences(without_invocation(a), without_invocation(b)) == []
+
+
+class _Stuck:
+    """A task whose batches never come from a worker (as a worker deadlocked at its fork): build_batch blocks."""
+
+    builds_batches = True
+
+    def __init__(self, task):
+        self.task = task
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def build_batch(self, request):
+        import os
+        import time
+
+        while os.getppid() != 1:  # until the trainer is gone (a deadlocked worker would never return at all)
+            time.sleep(0.1)
+        return self.task.build_batch(request)
+
+
+def test_a_worker_that_delivers_nothing_ends_the_run_with_a_line_not_a_hang(dataset, monkeypatch):
+    """A stuck worker (one deadlocked at its fork never delivers): after WORKER_TIMEOUT_S the next batch fails with
+    one line (exit 1: the retry starts fresh workers), instead of the trainer waiting forever."""
+    import torch
+
+    from trainproof.errors import TrainError
+    from trainproof.tasks import load_task
+    from trainproof.train import pipeline
+    from trainproof.train.run import build_run
+
+    monkeypatch.setenv("TRAINPROOF_DATA_CACHE", dataset["cache"])
+    monkeypatch.setattr(pipeline, "WORKER_TIMEOUT_S", 2.0)
+    run = build_run(load_task(TASK, json.loads(Path(dataset["config"]).read_text())), torch.device("cpu"), 5)
+    batches = pipeline.open_batches(_Stuck(run.task), run.sampler, seed=5, first=1, world=1, rank=0, workers=1,
+                                    prefetch=1, pin_memory=False)
+    try:
+        with pytest.raises(TrainError, match="delivered no batch for 2 s"):
+            batches.check_next(1)
+    finally:
+        batches.close()

@@ -158,6 +158,7 @@ class WorkerBatches:
             # generator, whose state is the trainer's (dropout) and would then depend on the worker count.
             generator=torch.Generator(),
             multiprocessing_context=_fork() if workers else None, worker_init_fn=_own_process_group,
+            timeout=WORKER_TIMEOUT_S if workers else 0,
         )
         self._it: Any = iter(self.loader)
         self._ready: collections.deque = collections.deque()
@@ -220,13 +221,22 @@ class WorkerBatches:
         return time.perf_counter() - t0
 
 
+WORKER_TIMEOUT_S = 600.0
+"""Longest the workers may take to deliver the next batch. A worker that delivers nothing for that long is stuck (a
+worker forked while another thread of the trainer held a lock it needs never runs; seen once, in a 2-rank test on a
+loaded machine): the run ends with exit 1 and the retry starts fresh workers, instead of waiting forever."""
+
+
 def worker_failure(exc: BaseException) -> TrainError | None:
-    """The one-line failure (exit 1) for DataLoader's report of a dead worker, None for anything else. DataLoader
-    raises it from its SIGCHLD handler, so it may surface anywhere in the training thread, not only here."""
+    """The one-line failure (exit 1) for DataLoader's report of a dead or stuck worker, None for anything else.
+    DataLoader raises a death from its SIGCHLD handler, so it may surface anywhere in the training thread."""
     text = str(exc).strip()
     if isinstance(exc, RuntimeError) and text.startswith("DataLoader worker"):
         return TrainError(f"a data worker died: {text.splitlines()[0]} (killed for memory? fewer --data-workers or "
                           "a smaller --prefetch need less); the run resumes from its last commit")
+    if isinstance(exc, RuntimeError) and text.startswith("DataLoader timed out"):
+        return TrainError(f"the data workers delivered no batch for {WORKER_TIMEOUT_S:g} s (a worker is stuck); the "
+                          "run resumes from its last commit with fresh workers")
     return None
 
 
