@@ -40,20 +40,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "s3-split.json"))
     args = ap.parse_args()
-    from tests.support import rgw
-    from tests.support.s3server import dummy_aws_env
+    from tests.support.rgw import bench_endpoint
 
-    own = None
-    if not os.environ.get("AWS_ENDPOINT_URL"):
-        os.environ.update(dummy_aws_env())
-        own = rgw.prepare_session()
-        os.environ["AWS_ENDPOINT_URL"] = rgw.session_server().endpoint
-    try:
-        with tempfile.TemporaryDirectory(prefix="trainproof-bench-split-") as work:
-            report = measure(os.environ["AWS_ENDPOINT_URL"], args.mib, args.reps, work)
-    finally:
-        if own:
-            rgw.end_session(own)
+    with bench_endpoint() as endpoint, tempfile.TemporaryDirectory(prefix="trainproof-bench-split-") as work:
+        report = measure(endpoint, args.mib, args.reps, work)
     report["command"] = " ".join(sys.argv)
     report["load_after"] = os.getloadavg()
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))

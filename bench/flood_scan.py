@@ -27,19 +27,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="scans timed per way (default 3)")
     args = parser.parse_args()
 
-    from tests.support import rgw
-    from tests.support.s3server import dummy_aws_env, make_boto3_client
+    from tests.support.rgw import bench_endpoint
+    from tests.support.s3server import make_boto3_client
 
-    own = None
-    if not os.environ.get("AWS_ENDPOINT_URL"):
-        os.environ.update(dummy_aws_env())
-        own = rgw.prepare_session()
-        os.environ["AWS_ENDPOINT_URL"] = rgw.session_server().endpoint
-    try:
-        print(json.dumps(measure(os.environ["AWS_ENDPOINT_URL"], args.folders, args.reps, make_boto3_client)))
-    finally:
-        if own is not None:
-            rgw.end_session(own)
+    with bench_endpoint() as endpoint:
+        print(json.dumps(measure(endpoint, args.folders, args.reps, make_boto3_client)))
 
 
 def measure(endpoint: str, folders: int, reps: int, make_client) -> dict:

@@ -180,3 +180,22 @@ def _alive(rgw_dir: str) -> bool:
 def _read_env(path: str) -> dict[str, str]:
     with open(path) as fh:
         return dict(line.strip().split("=", 1) for line in fh if "=" in line)
+
+
+@contextmanager
+def bench_endpoint():
+    """For a benchmark run by hand: the S3 endpoint in ``AWS_ENDPOINT_URL``, else a gateway of its own (started
+    here, with dummy credentials in the environment, stopped on exit)."""
+    from tests.support.s3server import dummy_aws_env
+
+    own = None
+    if not os.environ.get("AWS_ENDPOINT_URL"):
+        os.environ.update(dummy_aws_env())
+        own = prepare_session()
+        os.environ["AWS_ENDPOINT_URL"] = session_server().endpoint
+    try:
+        yield os.environ["AWS_ENDPOINT_URL"]
+    finally:
+        if own:
+            end_session(own)
+

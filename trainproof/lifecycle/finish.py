@@ -57,7 +57,7 @@ def resolve_run_deadline(store: GenerationStore, spec: str, *, absolute_only: bo
         saved = store.read_json(DEADLINE_FILE, max_bytes=MAX_RECORD_BYTES)
         if not isinstance(saved, dict):
             raise TypeError("not an object")
-        first = _aware(saved.get("first_start"))
+        first = aware_time(saved.get("first_start"))
     except OSError as exc:
         if not not_a_file(exc):
             raise  # the store failing, not what it holds
@@ -109,7 +109,7 @@ def _plan_created(store: GenerationStore, now: datetime) -> datetime | None:
     """plan.json's ``created_at`` when there is a readable one that is not in the future, else None."""
     try:
         plan = store.read_json("plan.json")
-        created = _aware(plan.get("created_at")) if isinstance(plan, dict) else None
+        created = aware_time(plan.get("created_at")) if isinstance(plan, dict) else None
     except (OSError, StoreError, ValueError, TypeError, RecursionError):
         return None
     return created if created is not None and created <= now + timedelta(minutes=1) else None
@@ -137,7 +137,7 @@ MAX_RECORD_BYTES = 64 * 1024
 """deadline.json is a few hundred bytes; anything longer is not ours."""
 
 
-def _aware(text: object) -> datetime:
+def aware_time(text: object) -> datetime:
     """An ISO time with a zone, from a stored record (ValueError/TypeError otherwise)."""
     if not isinstance(text, str) or len(text) > 64:
         raise ValueError("not an ISO time")

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from trainproof.lifecycle.finish import aware_time
 from trainproof.storage import GenerationStore
 from trainproof.storage.limits import UntrustedJSONError, loads_untrusted
+from trainproof.train.attempts import ATTEMPTS_DIR, SCHEMA
 
-ATTEMPTS_DIR = "attempts"
-SCHEMA = "trainproof.attempt/1"
 MAX_RECORD_BYTES = 64 * 1024
 MAX_RECORDS = 10_000
 BUCKETS = ("productive", "startup", "restore", "checkpoint_stall", "redone_steps", "gaps", "finish", "unaccounted")
@@ -135,12 +135,7 @@ def _attempt(name: str, doc: Any) -> Attempt:
 
 
 def _time(value: Any) -> float:
-    if not isinstance(value, str) or len(value) > 40:
-        raise ValueError("a time that is not an ISO string")
-    at = datetime.fromisoformat(value)
-    if at.tzinfo is None:
-        raise ValueError("a time without a zone")
-    return at.timestamp()
+    return aware_time(value).timestamp()
 
 
 def _secs(value: Any) -> float:
