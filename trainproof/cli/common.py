@@ -7,7 +7,7 @@ import functools
 import inspect
 import logging
 import sys
-from typing import Annotated, Any, Callable, Optional, get_type_hints
+from typing import Annotated, Any, Callable, Optional, get_args, get_type_hints
 
 import typer
 
@@ -46,6 +46,8 @@ def options_from(*classes: Any) -> Callable[[Callable], Callable]:
 def _option(f: dataclasses.Field, annotation: Any) -> inspect.Parameter:
     flag = f.metadata["flag"] or f.name
     name = flag.replace("_", "-")
+    if str in get_args(annotation) and type(None) not in get_args(annotation):
+        annotation = str  # a number or a word (``--checkpoint-every 50|auto``): the field's __post_init__ parses it
     option = typer.Option(f"--{name}/--no-{name}" if annotation is bool else f"--{name}",
                           envvar=f"TRAINPROOF_{flag.upper()}", show_envvar=True, help=f.metadata["help"])
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,

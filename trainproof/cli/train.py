@@ -73,7 +73,8 @@ def train_command(store: StoreArg, config: ConfigArg = None, deadline: DeadlineA
             from trainproof.train.loop import train  # torch is slow to import: keep `--help` and config errors fast
 
             with SpotWatcher(spot, stop.notice):  # a notice only sets the stop flag, like SIGTERM
-                outcome = train(cfg, store=run_store, stop=stop, **_deadline_work(cfg))
+                outcome = train(cfg, store=run_store, stop=stop, interval=_interval(cfg, run_store),
+                                **_deadline_work(cfg))
         except TrainError as exc:
             rank = os.environ.get("RANK") if "WORLD_SIZE" in os.environ else None
             error = fail((f"rank {rank}: " if rank else "") + " ".join(str(exc).split()), exc.exit_code)
@@ -129,6 +130,16 @@ def _exit_rank(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _interval(cfg: TrainConfig, run_store: Any) -> Any:
+    """``--checkpoint-every auto``'s planner: rank 0 reads the run's attempt records (before this process's own
+    exists); another rank plans from its own commits (a checkpoint is due when any rank's clock says so)."""
+    if not cfg.auto_interval:
+        return None
+    from trainproof.lifecycle.autointerval import AutoInterval
+
+    return AutoInterval.from_store(run_store if os.environ.get("RANK", "0") == "0" else None)
 
 
 def _deadline_work(cfg: TrainConfig) -> dict[str, Any]:

@@ -6,8 +6,9 @@ ended (``done``, ``stopped`` with the reason, or nothing: killed). It is rewritt
 ``REFRESH_S`` seconds of training (so a SIGKILLed attempt still shows where it got to), and at the end, by a
 background thread: the training thread never waits for it. With a signing key it is signed.
 
-A record is only ever *reported* (``trainproof report``, trainproof.lifecycle.goodput): nothing a run does depends
-on it, and a failure to write it is one warning, never a reason to stop.
+A record is reported (``trainproof report``, trainproof.lifecycle.goodput) and read by one thing a run does:
+``--checkpoint-every auto`` plans its interval, within fixed bounds, from the interruptions the records show
+(trainproof.lifecycle.autointerval). A failure to write one is one warning, never a reason to stop.
 """
 
 from __future__ import annotations

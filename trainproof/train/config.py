@@ -45,7 +45,11 @@ class TrainConfig:
     """Overrides of the task's settings (from ``--config``); part of the run contract."""
     max_steps: int | None = setting(None, "Target total of optimizer steps (idempotent).")
     steps: int | None = setting(None, "Additional optimizer steps from where this run resumes.")
-    checkpoint_every: int = setting(0, "Commit every N steps (0: off).")
+    checkpoint_every: int | str = setting(0, "Commit every N steps (0: off), or auto: every T seconds, T re-planned "
+                                          "after each commit (Daly) from this run's measured checkpoint stall and its "
+                                          "interruptions that lost work (its attempt records); replaces "
+                                          "--checkpoint-every-seconds.")
+    """``auto``: trainproof.lifecycle.autointerval. Normalised: an int, or the string ``auto``."""
     checkpoint_every_seconds: float = setting(600.0, "Commit every S seconds (0: off).")
     keep: int = setting(3, "Complete generations to keep (0: all).")
     """The newest is never deleted."""
@@ -107,8 +111,9 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
         if self.seed < 0:
             raise ConfigError(f"--seed must be >= 0 (got {self.seed})")
-        if self.checkpoint_every < 0 or self.checkpoint_every_seconds < 0 or self.keep < 0:
-            raise ConfigError("--checkpoint-every, --checkpoint-every-seconds and --keep must be >= 0")
+        self.checkpoint_every = _every(self.checkpoint_every)
+        if self.checkpoint_every_seconds < 0 or self.keep < 0:
+            raise ConfigError("--checkpoint-every-seconds and --keep must be >= 0")
         _one_of("--resume", self.resume, RESUME_MODES)
         _one_of("--device", self.device, DEVICES)
         _one_of("--log-format", self.log_format, LOG_FORMATS)
@@ -124,6 +129,16 @@ class TrainConfig:
             raise ConfigError(f"--stop-grace must be > 0 seconds (got {self.stop_grace_s})")
         if self.deadline is not None and self.deadline <= datetime.now(timezone.utc):
             raise ConfigError(f"--deadline {self.deadline.isoformat()} is already past")
+
+    @property
+    def auto_interval(self) -> bool:
+        """``--checkpoint-every auto``."""
+        return self.checkpoint_every == "auto"
+
+    @property
+    def every_steps(self) -> int:
+        """The step cadence (0: none, as with ``auto``)."""
+        return self.checkpoint_every if isinstance(self.checkpoint_every, int) else 0
 
     def target_step(self, start_step: int, default_steps: int) -> int:
         """The step to reach: ``max_steps``, or ``start_step + steps``, or the task's default total."""
@@ -157,6 +172,19 @@ def load_task_config(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path} must hold a mapping of task settings")
     return data
+
+
+def _every(value: int | str) -> int | str:
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = -1
+    if steps < 0:
+        raise ConfigError(f"--checkpoint-every must be a whole number of steps >= 0 or auto (got {str(value)[:40]!r})")
+    return steps
 
 
 def _one_of(option: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -49,7 +49,7 @@ from trainproof.train.progress import Reporter, make_reporter
 from trainproof.train.resume import Resumed, ResumeOptions, resume
 from trainproof.train.run import Run, build_run, capture_rank_part, capture_state, train_step
 from trainproof.train.saver import Saving
-from trainproof.train.stops import DeadlinePolicy, FinishWork, NoDeadline, NoStop, StopFlags
+from trainproof.train.stops import DeadlinePolicy, FinishWork, IntervalPolicy, NoDeadline, NoStop, StopFlags
 from trainproof.train.tensorboard import with_tensorboard
 
 EXIT_OK, EXIT_FAILURE, EXIT_STOPPED = 0, 1, 75
@@ -76,14 +76,15 @@ class Outcome:
 
 def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopFlags | None = None,
           deadline: DeadlinePolicy | None = None, finisher: FinishWork | None = None,
-          reporter: Reporter | None = None) -> Outcome:
+          reporter: Reporter | None = None, interval: IntervalPolicy | None = None) -> Outcome:
     """Run one ``train`` invocation. Raises trainproof.errors.TrainError subclasses on handled failures.
 
     ``store`` is the opened run (default: ``cfg.store`` with options from the environment). The run's
     lifecycle is handed in, never built here (``trainproof.lifecycle`` sits above this package): ``stop`` holds
     the flags the signal handlers and spot watcher set (the CLI installs the handlers before importing
     torch, so a SIGTERM during start-up is honoured too); ``deadline`` decides when to stop for a deadline
-    and ``finisher`` exports after it. Without them the run never stops early.
+    and ``finisher`` exports after it. Without them the run never stops early. ``interval`` plans the seconds
+    between commits of ``--checkpoint-every auto``.
     """
     stop = stop if stop is not None else NoStop()
     env = dist.DistEnv.from_env()
@@ -109,7 +110,7 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
         with rep:
             return Trainer(cfg, task=task, device=device, store=store, plan=plan, reporter=rep, stop=stop,
                            deadline=deadline, finisher=finisher, sync=sync, plan_of_epoch=plan_of_epoch,
-                           layout=layout).run()
+                           layout=layout, interval=interval).run()
 
 
 class RankReporter(Reporter):
@@ -129,7 +130,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, task: Task, device: torch.device, store: GenerationStore,
                  plan: dict[str, Any], reporter: Reporter, stop: StopFlags, deadline: DeadlinePolicy | None = None,
                  finisher: FinishWork | None = None, sync: dist.Collectives | None = None,
-                 plan_of_epoch: dict[str, Any] | None = None, layout: Layout | None = None) -> None:
+                 plan_of_epoch: dict[str, Any] | None = None, layout: Layout | None = None,
+                 interval: IntervalPolicy | None = None) -> None:
         self.cfg, self.task, self.device, self.store, self.plan = cfg, task, device, store, plan
         self.reporter, self.stop = reporter, stop
         self.sync = sync or dist.Collectives(dist.DistEnv())
@@ -140,7 +142,7 @@ class Trainer:
         self.finisher = finisher
         self._observe_save()  # no commit measured yet: the deadline's reserve from its estimates
         self.saving = Saving(cfg, store, contract=plan["contract"], sync=self.sync, reporter=reporter,
-                             on_saved=self._observe_save, on_committed=self._committed)
+                             on_saved=self._observe_save, on_committed=self._committed, interval=interval)
         self._live: Run | None = None
         """The run being trained (its history drops the rows of each committed generation: :meth:`_committed`)."""
         self._stop_seen_at: float | None = None

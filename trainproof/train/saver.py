@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Protocol
 
+from trainproof.errors import ConfigError
 from trainproof.format.identity import code_version
 from trainproof.storage import GenerationStore
 from trainproof.train.async_save import BackgroundSaver
@@ -19,7 +20,7 @@ from trainproof.train.checkpoint import Capture, Checkpointer
 from trainproof.train.config import TrainConfig
 from trainproof.train.dist import Collectives, PeerError
 from trainproof.train.progress import Reporter
-from trainproof.train.stops import StopFlags
+from trainproof.train.stops import IntervalPolicy, StopFlags
 
 
 def save_due(step: int, *, saved_through: int, every_steps: int, every_seconds: float, elapsed_s: float) -> bool:
@@ -122,15 +123,39 @@ class Saving:
     """One process's checkpoints of a run (one rank's, when world > 1): the clock, the checkpointer and the saver."""
 
     def __init__(self, cfg: TrainConfig, store: GenerationStore, *, contract: str, sync: Collectives,
-                 reporter: Reporter, on_saved: Callable[[float], None], on_committed: Callable[[int], None]) -> None:
+                 reporter: Reporter, on_saved: Callable[[float], None], on_committed: Callable[[int], None],
+                 interval: IntervalPolicy | None = None) -> None:
         self.reporter, self.sync, self.grace_s = reporter, sync, cfg.stop_grace_s
-        self.clock = SaveClock(cfg.checkpoint_every, cfg.checkpoint_every_seconds)
+        if cfg.auto_interval and interval is None:
+            raise ConfigError("--checkpoint-every auto needs its interval policy: trainproof train builds it "
+                              "(trainproof.lifecycle.autointerval); an in-process caller passes interval=")
+        self.interval = interval if cfg.auto_interval else None
+        self.clock = SaveClock(cfg.every_steps, cfg.checkpoint_every_seconds if self.interval is None else
+                               self.interval.interval_s)
+        self._on_saved = on_saved
+        self._blocked: float | None = None
+        """The blocked seconds of the newest save, once its submission returned."""
+        on_saved = self._saved
+        self._log_interval()
         # Commits run their collectives over the checkpoint group (trainproof.train.dist), from whichever thread saves.
         self.checkpointer = Checkpointer(store, contract=contract, world=sync.world, keep=cfg.keep,
                                          code_version=code_version(), reporter=reporter, sync=sync.saves)
         # In the background (trainproof.train.async_save) unless --sync-checkpoint: one process or many, DDP or sharded.
         self.saver: Saver = (SyncSaver(self.checkpointer, on_saved, on_committed) if cfg.sync_checkpoint else
                              BackgroundSaver(self.checkpointer, reporter, on_saved, on_committed))
+
+    def _saved(self, seconds: float) -> None:
+        """A commit landed (``seconds`` from its start): tell the deadline, re-plan an auto interval."""
+        self._on_saved(seconds)
+        if self.interval is not None:
+            self.interval.observe_commit(seconds if self._blocked is None else self._blocked, seconds)
+            self.clock.every_seconds = self.interval.interval_s
+            self._log_interval()
+
+    def _log_interval(self) -> None:
+        change = self.interval.change() if self.interval is not None else None
+        if change is not None:
+            self.reporter.event("checkpoint_interval", **change)
 
     def failed(self) -> bool:
         """World > 1, at a step boundary: whether this rank's save failed (the ranks agree on it, then :meth:`fail`)."""
@@ -160,7 +185,9 @@ class Saving:
         if previous is not None and waited >= 0.001:
             self.reporter.event("checkpoint_wait", step=step, waiting_for=previous, seconds=waited)
         self.reporter.event("checkpoint_begin", step=step)
+        self._blocked = None  # inline, the commit reports its own time while still blocking: that is the blocked time
         self.saver.save(capture(), blocked_since=t0)
+        self._blocked = time.perf_counter() - t0
         self.clock.mark()
 
     def finish(self, step: int, reason: str, *, stop: StopFlags, stop_seen_at: float | None,

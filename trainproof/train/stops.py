@@ -1,4 +1,5 @@
-"""What the loop is handed by its caller, never builds: the stop flags, the deadline policy, the finishing work.
+"""What the loop is handed by its caller, never builds: the stop flags, the deadline policy, the finishing work, the
+auto checkpoint interval.
 
 ``trainproof.lifecycle`` sits above this package (it installs signal handlers, watches for spot notices, plans the
 deadline's export), so the loop only sees these small protocols; an in-process caller that installs nothing
@@ -32,6 +33,16 @@ class DeadlinePolicy(Protocol):
     def observe_save(self, seconds: float) -> None: ...
     def seconds_left(self) -> float | None: ...
     def too_close(self) -> bool: ...
+
+
+class IntervalPolicy(Protocol):
+    """``--checkpoint-every auto``: the seconds between commits, re-planned after each commit from what the run
+    measures (trainproof.lifecycle.autointerval.AutoInterval)."""
+
+    interval_s: float
+
+    def observe_commit(self, blocked_s: float, commit_s: float) -> None: ...
+    def change(self) -> dict[str, Any] | None: ...
 
 
 class FinishWork(Protocol):

@@ -1,0 +1,110 @@
+"""``train --checkpoint-every auto``: the interval follows the run's own interruptions and checkpoint cost.
+
+Real processes on a folder store: a run's attempt records (two SIGKILLs, one honoured SIGTERM) make the next
+attempt's interval shorter; commits that block longer make it longer. The planner's calculation on records made
+up here covers what the processes cannot reach cheaply (the bounds, the fallback to the defaults)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.support.timing import budget
+from tests.test_dist_helpers import read_until
+from tests.test_train_helpers import finish, start
+from trainproof.errors import ConfigError
+from trainproof.lifecycle.autointerval import MAX_S, MIN_S, AutoInterval
+from trainproof.lifecycle.goodput import Attempt, Report
+from trainproof.lifecycle.planner import PlanInputs, daly_interval
+from trainproof.train.config import TrainConfig
+
+AUTO = ("--checkpoint-every", "auto", "--sync-checkpoint", "--log-format", "json")
+CHEAP = {"TPHOOK_SAVE_DELAY": "0.2"}  # test-only: each (inline) commit blocks training this long at least
+DEAR = {"TPHOOK_SAVE_DELAY": "2.0"}
+SLOW_STEPS = {"TPHOOK_STEP_DELAY": "0.05", "TPHOOK_ATTEMPT_REFRESH": "0"}
+
+
+def _records(store) -> int:
+    folder = store / "attempts"
+    return len(list(folder.glob("*.json"))) if folder.is_dir() else 0
+
+
+def _interrupt(store, how: signal.Signals):
+    """One attempt that trains until its record is in the store, then gets ``how``."""
+    before = _records(store)
+    proc = start(store, *AUTO, "--steps", "100000", env={**SLOW_STEPS, **CHEAP})
+    read_until(proc, lambda e: e.get("event") == "step", [])
+    deadline = time.monotonic() + budget(30)
+    while _records(store) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(how)
+    return finish(proc)
+
+
+def test_auto_shortens_the_interval_after_kills_not_after_honoured_stops_and_lengthens_it_for_dear_commits(tmp_path):
+    quiet, dear_run = tmp_path / "quiet", tmp_path / "dear"
+    procs = start(quiet, *AUTO, "--steps", "3", env=CHEAP), start(dear_run, *AUTO, "--steps", "3", env=DEAR)
+    first, dear = (finish(p) for p in procs)
+    for r in (first, dear):
+        assert r.code == 0, r.stderr
+    calm, costly = first.last("checkpoint_interval"), dear.last("checkpoint_interval")
+    # No interruption yet: M is the planner's 6 h; the commit that blocks ten times longer gets a longer interval.
+    assert calm["interruptions"] == costly["interruptions"] == 0
+    assert costly["checkpoint_s"] > 5 * calm["checkpoint_s"]
+    assert costly["interval_s"] > 2 * calm["interval_s"]
+
+    killed = [_interrupt(quiet, signal.SIGKILL) for _ in range(2)]
+    assert [k.code for k in killed] == [-9, -9]
+    stopped = _interrupt(quiet, signal.SIGTERM)
+    assert stopped.code == 75, stopped.stderr
+    after = finish(start(quiet, *AUTO, "--steps", "3", env=CHEAP))
+    assert after.code == 0, after.stderr
+    planned = [e for e in after.events if e.get("event") == "checkpoint_interval"][0]  # before its own commit
+    assert (planned["interruptions"], planned["cheap_stops"]) == (2, 1)  # the SIGTERM committed its last step
+    assert planned["mtbi_s"] < 600 < calm["mtbi_s"]
+    assert after.last("checkpoint_interval")["interval_s"] < calm["interval_s"] / 2
+
+
+def _attempt(start: float, end: float, *, how: str | None, steps=(0, 10), commits: int = 1, blocked: float = 0.5):
+    return Attempt(name=f"{start}.json", started=start, updated=end, ended=end if how else None, end=how,
+                   reason="signal" if how == "stopped" else None, resumed_from=steps[0], last_step=steps[1],
+                   startup_s=1.0, restore_s=0.0, train_s=end - start - 1.0, blocked_s=blocked * commits,
+                   commits=commits, committed_step=steps[1] if how else steps[0], finish_s=0.0)
+
+
+def test_the_planner_counts_only_interruptions_that_lost_work_and_keeps_its_bounds():
+    clock = lambda: 0.0  # noqa: E731 - this process has been running no time at all
+    # Killed at step 10 after committing 0, resumed from 0: lost work. Stopped at 20 committing 20: cheap.
+    report = Report(attempts=[_attempt(0, 100, how=None, steps=(0, 10), commits=0),
+                              _attempt(150, 250, how="stopped", steps=(0, 20)),
+                              _attempt(300, 400, how="done", steps=(20, 30), blocked=0.8)])
+    plan = AutoInterval.from_report(report, clock=clock)
+    assert (plan.interruptions, plan.cheap_stops) == (1, 1)
+    assert plan.mtbi_s == 300.0  # three attempts' exposure over one interruption
+    assert plan.checkpoint_s == pytest.approx(0.8)  # the newest attempt with commits, per commit
+    assert plan.interval_s == pytest.approx(max(MIN_S, daly_interval(0.8, 300.0)))
+
+    # A stop whose final commit was skipped lost the steps after its commit: the next attempt resumed before them.
+    lossy = Report(attempts=[_attempt(0, 100, how="stopped", steps=(0, 20)), _attempt(150, 250, how="done",
+                                                                                      steps=(15, 30))])
+    assert AutoInterval.from_report(lossy, clock=clock).interruptions == 1
+
+    fresh = AutoInterval(clock=clock)  # nothing measured: the planner's defaults, capped
+    defaults = PlanInputs(rental_s=1.0)
+    assert fresh.interval_s == min(MAX_S, daly_interval(defaults.checkpoint_s, defaults.mtbi_s))
+    assert fresh.change() is not None and fresh.change() is None  # logged once, then only when it moves
+
+    fresh.observe_commit(blocked_s=0.001, commit_s=40.0)  # cheap to block, slow to land: never shorter than a commit
+    assert fresh.interval_s == 40.0 and fresh.change()["previous_s"] is not None
+    fresh.observe_commit(blocked_s=1e4, commit_s=1e4)
+    assert fresh.interval_s == MAX_S
+
+
+def test_auto_is_a_word_or_a_step_count_and_nothing_else(tmp_path):
+    assert TrainConfig(store=str(tmp_path), checkpoint_every="AUTO").auto_interval
+    assert TrainConfig(store=str(tmp_path), checkpoint_every="25").every_steps == 25
+    for bad in ("-1", "sometimes", "2.5"):
+        with pytest.raises(ConfigError, match="--checkpoint-every must be"):
+            TrainConfig(store=str(tmp_path), checkpoint_every=bad)

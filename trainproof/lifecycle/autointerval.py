@@ -1,0 +1,117 @@
+"""``train --checkpoint-every auto``: the interval between commits, re-planned from what this run measures.
+
+The interval is Daly's optimum (:func:`trainproof.lifecycle.planner.daly_interval`, what ``trainproof plan``
+recommends) of two figures the run keeps up to date instead of figures an operator typed:
+
+- **C**, what one checkpoint costs training: the median of the blocked seconds of the newest commits (a background
+  commit blocks training only while the state is copied to host memory, and while the previous commit is still
+  landing; an inline one for the whole commit). Before this process has committed, the previous attempts' mean
+  blocked time per commit (their attempt records); before any, the planner's default (60 s).
+- **M**, the mean time between interruptions that *lose work*, from the run's attempt records
+  (trainproof.train.attempts): an attempt killed without an end (SIGKILL, a crash, a lost machine), or stopped
+  with steps after its last commit that the next attempt redid. A stop whose notice was honoured (SIGTERM or a
+  spot notice, the final step committed) costs a restart but loses no work: the interval cannot change what it
+  costs, so it is not counted. M is the exposure (the attempts' time from start to end or last record, plus this
+  process's own time so far) over the interruptions counted; with none yet, the larger of that exposure and the
+  planner's default (6 h): a run that has not been interrupted in 40 h does not expect one every 6 h.
+
+The interval is bounded: at least :data:`MIN_S` and at least the median time a background commit takes to land (a
+shorter interval would only queue commits behind each other), at most :data:`MAX_S` (a long, quiet run still
+leaves a generation every hour). It is re-planned after every commit; a change of more than :data:`CHANGE` is
+logged (event ``checkpoint_interval``), and so is the first plan. Each rank plans from its own commits; rank 0,
+which reads the attempt records, has the whole picture, and a checkpoint is due when any rank's clock says so.
+
+Attempt records are only ever read (size-capped, validated, signed when the run has a key, by
+trainproof.lifecycle.goodput); a record that is not usable is ignored, so a planted record can at worst move the
+interval within its bounds, never stop or end the run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from trainproof.lifecycle.goodput import Report, read_report
+from trainproof.lifecycle.planner import PlanInputs, daly_interval
+from trainproof.storage import GenerationStore
+
+MIN_S = 5.0
+MAX_S = 3600.0
+CHANGE = 0.1
+"""Relative change of the interval that is logged."""
+WINDOW = 5
+"""Newest commits whose blocked time is C's median."""
+_DEFAULTS = PlanInputs(rental_s=1.0)
+
+
+class AutoInterval:
+    """The seconds between commits of ``--checkpoint-every auto`` (the trainer's ``IntervalPolicy``)."""
+
+    def __init__(self, *, past_exposure_s: float = 0.0, interruptions: int = 0, cheap_stops: int = 0,
+                 past_checkpoint_s: float | None = None, clock: Any = time.monotonic) -> None:
+        self.past_exposure_s, self.interruptions, self.cheap_stops = past_exposure_s, interruptions, cheap_stops
+        self.past_checkpoint_s = past_checkpoint_s
+        self._clock = clock
+        self._t0 = clock()
+        self._blocked: list[float] = []
+        self._commits: list[float] = []
+        self.interval_s = self._plan()
+        self._logged: float | None = None
+
+    @classmethod
+    def from_report(cls, report: Report, **kwargs: Any) -> AutoInterval:
+        """From the run's attempt records (every attempt before this process)."""
+        attempts, redone = report.attempts, report.redone()
+        lost = [a for a, r in zip(attempts, redone) if a.end is None or (a.end == "stopped" and r > 0)]
+        cheap = [a for a, r in zip(attempts, redone) if a.end == "stopped" and r == 0]
+        exposure = sum(max(0.0, a.stop - a.started) for a in attempts)
+        with_commits = [a for a in attempts if a.commits]
+        past_c = with_commits[-1].blocked_s / with_commits[-1].commits if with_commits else None
+        return cls(past_exposure_s=exposure, interruptions=len(lost), cheap_stops=len(cheap),
+                   past_checkpoint_s=past_c, **kwargs)
+
+    @classmethod
+    def from_store(cls, store: GenerationStore | None) -> AutoInterval:
+        """From the records in ``store`` (None: this rank reads none, the planner's defaults stand in)."""
+        return cls() if store is None else cls.from_report(read_report(store))
+
+    # -- the figures -----------------------------------------------------------------------------------------
+    @property
+    def checkpoint_s(self) -> float:
+        """C: seconds one checkpoint blocks training."""
+        if self._blocked:
+            return max(statistics.median(self._blocked[-WINDOW:]), 1e-3)
+        if self.past_checkpoint_s is not None:
+            return max(self.past_checkpoint_s, 1e-3)
+        return _DEFAULTS.checkpoint_s
+
+    @property
+    def mtbi_s(self) -> float:
+        """M: mean seconds between interruptions that lose work."""
+        exposure = self.past_exposure_s + (self._clock() - self._t0)
+        if self.interruptions:
+            return max(exposure / self.interruptions, 1.0)
+        return max(_DEFAULTS.mtbi_s, exposure)
+
+    def _plan(self) -> float:
+        floor = max(MIN_S, statistics.median(self._commits[-WINDOW:]) if self._commits else 0.0)
+        return min(MAX_S, max(floor, daly_interval(self.checkpoint_s, self.mtbi_s)))
+
+    # -- the trainer's side ----------------------------------------------------------------------------------
+    def observe_commit(self, blocked_s: float, commit_s: float) -> None:
+        """A commit landed: it blocked training ``blocked_s``, took ``commit_s`` from start to committed."""
+        self._blocked.append(max(0.0, blocked_s))
+        self._commits.append(max(0.0, commit_s))
+        self._blocked, self._commits = self._blocked[-WINDOW:], self._commits[-WINDOW:]
+        self.interval_s = self._plan()
+
+    def change(self) -> dict[str, Any] | None:
+        """What to log (event ``checkpoint_interval``) when the interval is new or moved by more than CHANGE."""
+        if self._logged is not None and abs(self.interval_s - self._logged) <= CHANGE * self._logged:
+            return None
+        previous, self._logged = self._logged, self.interval_s
+        return {"interval_s": round(self.interval_s, 1), "previous_s": None if previous is None else round(previous, 1),
+                "checkpoint_s": round(self.checkpoint_s, 3), "mtbi_s": round(self.mtbi_s, 1),
+                "interruptions": self.interruptions, "cheap_stops": self.cheap_stops,
+                "bounds_s": [MIN_S, MAX_S]}
