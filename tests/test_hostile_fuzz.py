@@ -30,7 +30,7 @@ def genuine(tmp_path_factory):
 def fuzz(url: str, reference, genuine, seed: int, local: bool, per_round: int = PER_ROUND) -> tuple[int, list[str]]:
     copy_run(genuine, url)
     planted = Planter(url, reference, random.Random(seed), local=local).round(per_round)
-    result = run(url, "--max-steps", str(TARGET), "--keep", "0", "--deadline", "2h")
+    result = run(url, "--max-steps", str(TARGET), "--keep", "0", "--deadline", "2h", "--checkpoint-every", "auto")
     problems = check_round(url, reference, planted, result)
     return planted.count, [f"seed {seed} ({planted.others}): {p}" for p in problems]
 

@@ -316,11 +316,26 @@ restart's resume decides whether it loads; SECURITY.md)."""
 NEXT_STEP_LOCAL = NEXT_STEP_COMMON | {"file", "symlink", "fifo"}
 NEXT_STEP_S3 = NEXT_STEP_COMMON | {"object"}
 NAMES_LOCAL = {"quarantine": ["file", "symlink", "fifo"], f"exports/step-{TARGET:08d}": ["file", "fifo", "symlink"],
-               "deadline.json": ["json", "folder", "fifo", "symlink"], "LATEST": ["folder", "fifo", "symlink"]}
+               "deadline.json": ["json", "folder", "fifo", "symlink"], "LATEST": ["folder", "fifo", "symlink"],
+               "attempts": ["file", "fifo", "symlink", "records"]}
 """Top-level names the restarted run writes (it commits, quarantines, exports at its deadline, records the
-deadline, moves the hint), each with what a co-tenant can put there on a folder."""
+deadline, moves the hint, leaves its attempt record and plans ``--checkpoint-every auto`` from the others), each with
+what a co-tenant can put there on a folder."""
 NAMES_S3 = {"quarantine": ["object"], f"exports/step-{TARGET:08d}": ["object"], "deadline.json": ["json", "folder"],
-            "LATEST": ["folder"]}
+            "LATEST": ["folder"], "attempts": ["object", "records"]}
+
+
+def _attempt_records(rng: random.Random) -> dict[str, bytes]:
+    """Attempt records a co-tenant plants: many "killed" attempts of a second each (an interval at its floor), junk,
+    a record too large, one nested too deep, one whose times go backwards."""
+    killed = {f"2001010{i % 10}T000000-{i:08x}.json": json.dumps({
+        "schema": "trainproof.attempt/1", "started_at": f"2001-01-01T00:00:{i % 60:02d}+00:00",
+        "updated_at": f"2001-01-01T00:00:{i % 60:02d}.900+00:00", "resumed_from": 0, "last_step": 5,
+        "commits": 1, "blocked_s": 1e-6}).encode() for i in range(rng.randrange(1, 60))}
+    return {**killed, "junk.json": rng.randbytes(300), "huge.json": b" " * 70_000 + b"{}",
+            "deep.json": b"[" * 50_000, "backwards.json": json.dumps({
+                "schema": "trainproof.attempt/1", "started_at": "2030-01-01T00:00:00+00:00",
+                "updated_at": "2001-01-01T00:00:00+00:00"}).encode()}
 
 
 # -- planting -------------------------------------------------------------------------------------------------
@@ -406,8 +421,13 @@ class Planter:
         path = join(root, name)
         if self.local and os.path.lexists(path) and not os.path.isdir(path):
             os.unlink(path)  # a plant of _run_level's (the LATEST hint is only a hint): replaced by this one
+        elif self.local and how in ("file", "fifo", "symlink") and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)  # the run's own attempt records (only ever reported): a co-tenant replaced them
         if how == "object" or how == "file":
             backend.write(path, b"x")
+        elif how == "records":
+            for record, body in _attempt_records(self.rng).items():
+                backend.write(join(path, record), body)
         elif how == "folder":  # an object below the name: on S3 the name then lists as a folder
             backend.write(join(path, "x"), b"x")
         elif how == "marker-folder":  # a folder where a file goes inside it

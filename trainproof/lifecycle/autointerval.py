@@ -28,6 +28,7 @@ interval within its bounds, never stop or end the run.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 from trainproof.lifecycle.goodput import Report, read_report
 from trainproof.lifecycle.planner import PlanInputs, daly_interval
 from trainproof.storage import GenerationStore
+from trainproof.storage.limits import safe
 
 MIN_S = 5.0
 MAX_S = 3600.0
@@ -73,8 +75,17 @@ class AutoInterval:
 
     @classmethod
     def from_store(cls, store: GenerationStore | None) -> AutoInterval:
-        """From the records in ``store`` (None: this rank reads none, the planner's defaults stand in)."""
-        return cls() if store is None else cls.from_report(read_report(store))
+        """From the records in ``store`` (None: this rank reads none, the planner's defaults stand in). Records that
+        cannot be read at all (the folder is not one, the store fails) are a warning: the defaults stand in."""
+        if store is None:
+            return cls()
+        try:
+            return cls.from_report(read_report(store))
+        except Exception as exc:  # noqa: BLE001 - what the bucket holds never stops a run; the interval is bounded
+            logging.getLogger("trainproof.train").warning(
+                "--checkpoint-every auto: the attempt records were not read (%s); planning from the defaults until "
+                "this run's own commits are measured", safe(" ".join(str(exc).split()), 300))
+            return cls()
 
     # -- the figures -----------------------------------------------------------------------------------------
     @property

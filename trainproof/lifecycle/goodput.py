@@ -88,6 +88,9 @@ def read_report(store: GenerationStore) -> Report:
     """Every attempt record of the run at ``store``, validated, oldest first; the unusable ones named in
     ``skipped``."""
     report = Report()
+    if any(not e.is_dir or e.is_special for e in store.entries(ATTEMPTS_DIR)):
+        report.skipped.append(f"{ATTEMPTS_DIR}: not a folder (a file, a link or a FIFO): not read")
+        return report
     folder = store.child(ATTEMPTS_DIR)
     names = sorted(e.name for e in folder.list_dir(limit=MAX_RECORDS) if not e.is_dir and e.name.endswith(".json"))
     if len(names) > MAX_RECORDS:

@@ -320,6 +320,12 @@ class GenerationStore:
         path = join(self.root, relpath.strip("/")) if relpath.strip("/") else self.root
         return self._io(f"list {relpath or '.'}", lambda: self.backend.listdir(path, limit=limit))
 
+    def entries(self, name: str) -> list:
+        """The run-level entries named ``name`` (``Entry``; on S3 an object and a folder may share a name), fresh:
+        whether a name the run keeps a folder at is one, or a file, a link or a FIFO someone put there."""
+        return [e for e in self._io(f"list {name}", lambda: self.backend.listdir(self.root, prefix=name))
+                if e.name == name]
+
     def delete_tree(self, relpath: str) -> None:
         """Delete ``<run>/<relpath>`` and everything under it (a generation loses its COMPLETE.json first, so an
         interrupted delete leaves it incomplete, never complete and partial). Never the run's root."""

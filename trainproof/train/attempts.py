@@ -43,7 +43,8 @@ class AttemptRecorder(Reporter):
 
     def __init__(self, inner: Reporter, store: GenerationStore, *, refresh_s: float | None = None) -> None:
         super().__init__(log_every=inner.log_every)
-        self.inner, self.store = inner, store.child(ATTEMPTS_DIR)
+        self.inner, self.store, self._run = inner, store.child(ATTEMPTS_DIR), store
+        self._cleared = False
         self.refresh_s = REFRESH_S if refresh_s is None else refresh_s
         self._keys = store.options.signing
         # Wall and monotonic clocks of the process's start (trainproof imported: the interpreter's start-up before
@@ -159,6 +160,10 @@ class AttemptRecorder(Reporter):
     def _write(self, record: dict[str, Any]) -> None:
         self._last_write = time.monotonic()
         try:
+            if not self._cleared:  # never through a link, into a FIFO or over a file someone put at attempts/
+                self._cleared = True
+                if any(not e.is_dir or e.is_special for e in self._run.entries(ATTEMPTS_DIR)):
+                    self._run.move_aside(ATTEMPTS_DIR, "occupied the folder of the run's attempt records: not one")
             signed = self._keys.sign(record) if self._keys is not None else record
             self.store.write_file(self.name, (json.dumps(signed, indent=1) + "\n").encode())
         except Exception as exc:  # noqa: BLE001 - a record is only reported: never a reason to stop
