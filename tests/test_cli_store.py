@@ -194,6 +194,33 @@ def test_gc_abandoned_hours_removes_only_verifications_left_without_a_report(tmp
     assert {e.name for e in base.list_dir()} == {"running", "reported"} and [g.step for g in store.scan()] == [1]
 
 
+def test_keep_every_keeps_a_permanent_series_that_ls_shows_and_gc_keeps(tmp_path):
+    """A real run commits every 3 steps with --keep 2 --keep-every 10: its own retention keeps the first generation
+    at or after each multiple of 10 (12, 21, 30, 42; none lands on one) besides the 2 newest; `ls` marks them, `gc`
+    keeps them under the rule the run recorded, and only `--keep-every off` would let them go."""
+    from tests.test_train_helpers import run
+
+    url = str(tmp_path / "run")
+    done = run(url, "--max-steps", "45", "--checkpoint-every", "3", "--keep", "2", "--keep-every", "10")
+    assert done.code == 0, done.stderr
+    store = open_store(url)
+    assert [g.step for g in store.scan()] == [12, 21, 30, 42, 45]
+    listed = tp("ls", "--store", url, "--json")
+    doc = json.loads(listed.stdout)
+    assert doc["keep_every"] == "10"
+    assert [g["step"] for g in doc["generations"] if g["permanent"]] == [12, 21, 30, 42]
+    assert "permanent (--keep-every 10)" in tp("ls", "--store", url).stdout
+    kept = tp("gc", "--store", url, "--keep", "1")
+    assert kept.returncode == 0 and "the permanent series (--keep-every 10)" in kept.stdout, kept.stdout + kept.stderr
+    assert [g.step for g in store.scan()] == [12, 21, 30, 42, 45]
+    off = tp("gc", "--store", url, "--keep", "1", "--keep-every", "off", "--dry-run")
+    assert [ln.split()[2] for ln in off.stdout.splitlines() if ln.startswith("would delete step")] == [
+        f"step-{s:08d}" for s in (12, 21, 30, 42)]
+    _assert_one_line_exit_2(tp("gc", "--store", url, "--keep", "1", "--keep-every", "6x"), "--keep-every", "6h")
+    _assert_one_line_exit_2(tp("train", "--store", url, "--keep-every", "0"), "--keep-every",
+                            "a step count (1000) or a duration (90s, 10m, 6h")
+
+
 def test_gc_refuses_keep_zero(tmp_path):
     result = tp("gc", "--store", str(tmp_path), "--keep", "0")
     assert result.returncode == 2

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 import signal
+import struct
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from tests.test_dist_helpers import read_until
+from trainproof.storage import open_store
 from tests.test_train_helpers import ROOT, finish, run, start, train_env
 
 TARGET = 40
@@ -23,8 +28,11 @@ def report(store, *args: str) -> subprocess.CompletedProcess:
                           env=train_env(), capture_output=True, text=True, timeout=120)
 
 
-def test_the_report_of_a_run_stopped_killed_and_finished_matches_what_happened(tmp_path):
-    store = tmp_path / "run"
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """One run of TARGET steps in three attempts: stopped by SIGTERM, killed by SIGKILL between commits, finished;
+    with what the test saw of it. Shared by the tests of the report over it."""
+    store = tmp_path_factory.mktemp("report") / "run"
     t0 = time.time()
     lines: list[str] = []
     first = start(store, *ARGS, env=HOOKS)
@@ -43,7 +51,12 @@ def test_the_report_of_a_run_stopped_killed_and_finished_matches_what_happened(t
     third = run(store, *ARGS, env=HOOKS)
     t1 = time.time()
     assert third.code == 0, third.stderr
-    resumed = third.last("resume")["step"]
+    return SimpleNamespace(store=store, t0=t0, t1=t1, cut=cut, seen=seen, resumed=third.last("resume")["step"])
+
+
+def test_the_report_of_a_run_stopped_killed_and_finished_matches_what_happened(interrupted):
+    store, t0, t1, cut, seen, resumed = (interrupted.store, interrupted.t0, interrupted.t1, interrupted.cut,
+                                         interrupted.seen, interrupted.resumed)
     assert resumed % 5 == 0 and seen - 8 <= resumed <= seen - 3  # the commit of seen - 3 may still have been in flight
 
     done = report(store, "--json", "--price-per-hour", "3.6")
@@ -70,6 +83,67 @@ def test_the_report_of_a_run_stopped_killed_and_finished_matches_what_happened(t
     assert doc["cost"]["total"] == round(doc["wall_s"] / 3600 * 3.6, 2)
     table = report(store)
     assert table.returncode == 0 and "goodput" in table.stdout and "redone" in table.stdout, table.stderr
+
+
+def test_on_demand_price_adds_what_the_run_saved_computed_from_its_own_buckets(interrupted):
+    """Per-second prices (3600 and 36000 an hour) make every figure visible: each bucket's cost, the total, the
+    on-demand cost of the productive time and the saving follow from the seconds the report itself shows."""
+    paid, on_demand = 3600.0, 36000.0
+    done = report(interrupted.store, "--json", "--price-per-hour", "3600", "--on-demand-price", "36000")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    seconds = {k: b["seconds"] for k, b in doc["buckets"].items()}
+    assert doc["cost"] == {**{k: round(v / 3600 * paid, 2) for k, v in seconds.items()},
+                           "total": round(doc["wall_s"] / 3600 * paid, 2)}
+    od = doc["on_demand"]
+    cost, total = seconds["productive"] / 3600 * on_demand, doc["wall_s"] / 3600 * paid
+    assert (od["price_per_hour"], od["price_per_hour_paid"]) == (on_demand, paid)
+    assert (od["cost"], od["paid"], od["saved"]) == (round(cost, 2), round(total, 2), round(cost - total, 2))
+    assert od["saved_share"] == round((cost - total) / cost, 4) and "productive" in od["basis"]
+    table = report(interrupted.store, "--price-per-hour", "3600", "--on-demand-price", "36000")
+    assert table.returncode == 0 and f"saved {round(cost - total, 2):.2f}" in " ".join(table.stdout.split()), \
+        table.stdout
+    alone = report(interrupted.store, "--on-demand-price", "36000")
+    assert alone.returncode == 2 and "--price-per-hour" in alone.stderr and "Traceback" not in alone.stderr
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:16]
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_png_draws_the_timeline_of_a_finished_run_and_of_one_whose_last_attempt_has_no_end(interrupted, tmp_path,
+                                                                                         where, request):
+    """--png writes a local PNG of a sensible size, for the finished run and for a run on a folder or S3 whose
+    records end with a killed attempt and one killed during its start-up (no step, no end): in progress or crashed,
+    it still plots, and --json still says what the records show."""
+    png = tmp_path / "goodput.png"
+    done = report(interrupted.store, "--png", str(png))
+    assert done.returncode == 0 and f"wrote {png}" in done.stderr, done.stderr
+    width, height = _png_size(png)
+    assert 500 <= width <= 2000 and 200 <= height <= 1500, (width, height)
+
+    url = str(tmp_path / "crashed") if where == "local" else f"s3://{request.getfixturevalue('s3_env')}/p/crashed"
+    records = sorted((interrupted.store / "attempts").iterdir())[:2]  # the stopped one and the killed one
+    target = open_store(url).child("attempts")
+    for record in records:
+        target.write_file(record.name, record.read_bytes())
+    started = json.loads(records[1].read_text())["updated_at"]
+    target.write_file("zz-starting.json", json.dumps({"schema": "trainproof.attempt/1", "started_at": started,
+                                                      "updated_at": started}).encode())
+    crashed = tmp_path / "crashed.png"
+    result = report(url, "--json", "--png", str(crashed))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert [a["end"].split()[0] for a in doc["attempts"]] == ["stopped", "killed", "killed"] and not doc["skipped"]
+    # The last one never restored: it says nothing about where the run continued, so nothing counts as redone yet.
+    assert doc["attempts"][2]["last_step"] is None and doc["attempts"][2]["resumed_from"] is None
+    assert [a["redone_steps"] for a in doc["attempts"]] == [0, 0, 0] and doc["steps_kept"] == \
+        doc["attempts"][1]["last_step"]
+    width, height = _png_size(crashed)
+    assert 500 <= width <= 2000 and 200 <= height <= 1500, (width, height)
 
 
 def test_planted_and_damaged_records_never_crash_the_report_nor_change_a_run(tmp_path):
@@ -104,3 +178,15 @@ def test_attempts_occupied_by_a_file_costs_a_warning_not_the_run(tmp_path):
     assert result.code == 0 and "attempt record" in result.stderr, result.stderr
     done = report(store)
     assert done.returncode == 0, done.stderr
+
+
+def test_png_without_matplotlib_is_one_clear_line(monkeypatch, tmp_path):
+    """Without matplotlib --png is refused with what to install (exit 2 through the CLI), never a traceback."""
+    from trainproof.cli.common import UsageError
+    from trainproof.cli.report import _write_png
+    from trainproof.lifecycle.goodput import Report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(UsageError, match=r"--png needs matplotlib \(pip install matplotlib"):
+        _write_png(tmp_path / "goodput.png", Report(), {"wall_s": 0.0, "buckets": {}, "goodput": None}, "x")
+    assert not (tmp_path / "goodput.png").exists()

@@ -15,7 +15,8 @@ from trainproof.storage.retention import RetentionPolicy
 from trainproof.storage import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, open_store
 from trainproof.storage.backend import LocalBackend, join
 from trainproof.storage.manifest import MARKER
-from trainproof.storage.retention import MIN_GRACE_SECONDS, plan_retention
+from trainproof.storage.generations import GenerationInfo
+from trainproof.storage.retention import MIN_GRACE_SECONDS, KeepEvery, plan_retention
 
 C = "contract-r"
 
@@ -272,3 +273,68 @@ def test_a_flood_of_stale_partials_is_gone_after_a_retention(tmp_path):
         os.utime(folder / "x", (old, old))
     store.apply_retention(RetentionPolicy(keep=2, grace_seconds=3600, contract=C, upto=2, partials_above_newest=True))
     assert steps(store) == [(1, COMPLETE), (2, COMPLETE)]
+
+
+# -- a sparse permanent series besides the K newest (--keep-every) ------------------------------------------------
+
+T0 = 1_800_000_000.0
+
+
+def _gen(step, at=None, contract=C):
+    stamp = None if at is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+    return GenerationInfo(step=step, name=f"step-{step:08d}", status=COMPLETE, mtime=at,
+                          manifest={"contract": contract, "world": 1, **({"created_at": stamp} if stamp else {})})
+
+
+def _kept(gens, **policy):
+    doomed = {g.step for g in plan_retention(gens, RetentionPolicy(contract=C, **policy), now=T0 + 10 ** 6)}
+    return sorted(g.step for g in gens if g.step not in doomed)
+
+
+def test_keep_every_steps_keeps_the_first_generation_at_or_after_each_multiple():
+    """Commits every 7 steps never land on a multiple of 10 past 70: each window [10m, 10m+10) keeps its lowest
+    step (the first at or after 10m), a window without a commit keeps none, the K newest are kept as before."""
+    gens = [_gen(s) for s in range(7, 120, 7)]  # 7, 14, ..., 119
+    assert _kept(gens, keep=2) == [112, 119]
+    assert _kept(gens, keep=2, keep_every=KeepEvery(steps=10)) == [14, 21, 35, 42, 56, 63, 70, 84, 91, 105, 112, 119]
+    on = [_gen(s) for s in range(5, 101, 5)]  # commits on multiples: exactly the multiples
+    assert _kept(on, keep=1, keep_every=KeepEvery(steps=20)) == [20, 40, 60, 80, 100]
+    # Sparse commits: the first one after a multiple stands for every multiple it passed (1000 and 2000 -> 2100).
+    assert _kept([_gen(900), _gen(2100), _gen(2500), _gen(3300)], keep=1,
+                 keep_every=KeepEvery(steps=1000)) == [2100, 3300]
+
+
+def test_keep_every_duration_keeps_the_first_generation_committed_in_each_window_of_the_runs_time():
+    """A commit every 25 minutes, windows of 1 h counted from the oldest generation: the first of each window is
+    kept (the oldest included, so the windows never move as retention deletes); K=1 with the series keeps the
+    newest too; a generation with no time is not part of the series."""
+    gens = [_gen(10 * i, at=T0 + 25 * 60 * i) for i in range(1, 12)]  # 25 min apart: minutes 25, 50, ..., 275
+    # windows from minute 25: [25,85) -> 10 (25 min), [85,145) -> 40 (100 min), [145,205) -> 60, [205,265) -> 90 (225 min), [265,325) -> 110
+    assert _kept(gens, keep=1, keep_every=KeepEvery(seconds=3600)) == [10, 40, 60, 90, 110]
+    assert _kept(gens, keep=1) == [110]
+    # Still the same series once the deleted ones are gone (the windows are anchored at the oldest, which is kept).
+    survivors = [g for g in gens if g.step in (10, 40, 60, 90, 110)]
+    assert _kept(survivors + [_gen(120, at=T0 + 25 * 60 * 12)], keep=1,
+                 keep_every=KeepEvery(seconds=3600)) == [10, 40, 60, 90, 110, 120]
+    untimed = [_gen(5)] + gens  # no created_at and no mtime: not in the series, deleted like any other
+    assert _kept(untimed, keep=1, keep_every=KeepEvery(seconds=3600)) == [10, 40, 60, 90, 110]
+
+
+def test_keep_every_leaves_the_safety_rules_as_they_were():
+    """The series only ever keeps more: other contracts are untouched, generations above ``upto`` are neither
+    counted nor deleted, stale partials still go after their grace, young ones stay."""
+    gens = [_gen(s) for s in range(5, 51, 5)] + [_gen(1000, contract="someone-else")]
+    partial = GenerationInfo(step=12, name="step-00000012", status=INCOMPLETE, mtime=T0)
+    young = GenerationInfo(step=13, name="step-00000013", status=INCOMPLETE, mtime=T0 + 10 ** 6 - 1)
+    plan = plan_retention(gens + [partial, young], RetentionPolicy(keep=1, contract=C, upto=45,
+                                                                    keep_every=KeepEvery(steps=20)), now=T0 + 10 ** 6)
+    assert [g.step for g in plan] == [5, 10, 12, 15, 25, 30, 35]  # kept: 20, 40 (series), 45 (newest); 50 above upto
+
+
+def test_keep_every_parses_steps_and_durations_and_names_the_forms():
+    assert KeepEvery.parse("1000") == KeepEvery(steps=1000)
+    assert KeepEvery.parse(" 6h ") == KeepEvery(seconds=6 * 3600)
+    assert KeepEvery.parse("1h30m") == KeepEvery(seconds=5400) and str(KeepEvery.parse("1h30m")) == "1h30m"
+    for bad in ("0", "-5", "6x", "", "1.5", "0s", "9" * 40):
+        with pytest.raises(ValueError, match=r"a step count \(1000\) or a duration \(90s, 10m, 6h"):
+            KeepEvery.parse(bad)

@@ -234,8 +234,8 @@ OWN_OPTIONS = {"store", "config", "deadline", "rental_ends", "variant", "endpoin
 """The options of ``train`` that are not a field of its options objects (each declared once in trainproof/cli)."""
 FILLED_OTHERWISE = {"store", "task_config", "variant", "deadline", "deadline_margin_s"}
 """TrainConfig fields with no option of their own: --store, --config, --variant, --deadline/--rental-ends, none."""
-RECORDED = {"task", "max_steps", "steps", "checkpoint_every", "checkpoint_every_seconds", "keep", "seed", "device",
-            "deadline", "allow_world_change", "dist_timeout_s", "allow_code_change", "variant", "sync_checkpoint",
+RECORDED = {"task", "max_steps", "steps", "checkpoint_every", "checkpoint_every_seconds", "keep", "keep_every", "seed",
+            "device", "deadline", "allow_world_change", "dist_timeout_s", "allow_code_change", "variant", "sync_checkpoint",
             "stop_grace_s", "fsdp", "data_workers", "prefetch"}
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -11,7 +13,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from trainproof.cli.app import app
-from trainproof.cli.common import EndpointArg, PathStyleArg, RegionArg, StoreArg, handled, open_run, setup_logging
+from trainproof.cli.common import (
+    EndpointArg,
+    PathStyleArg,
+    RegionArg,
+    StoreArg,
+    UsageError,
+    handled,
+    open_run,
+    setup_logging,
+)
 from trainproof.lifecycle.goodput import read_report
 
 
@@ -22,6 +33,12 @@ def report_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
     price_per_hour: Annotated[Optional[float], typer.Option(
         "--price-per-hour", min=0.0, help="What an hour of the machine costs: adds each bucket's cost.")] = None,
+    on_demand_price: Annotated[Optional[float], typer.Option(
+        "--on-demand-price", min=0.0, help="What an hour of the same machine costs on demand (with --price-per-hour): "
+        "adds what the run saved, against the productive time at this price.")] = None,
+    png: Annotated[Optional[Path], typer.Option(
+        "--png", dir_okay=False, help="Also write a timeline of the attempts (commits, stops, kills, redone steps) and "
+        "the buckets to this local PNG file (e.g. goodput.png; needs matplotlib).")] = None,
     endpoint_url: EndpointArg = None, region: RegionArg = None, path_style: PathStyleArg = None,
 ) -> None:
     """Goodput of a run: how much of the wall time since it started became kept training.
@@ -30,11 +47,17 @@ def report_command(
     stalls, how it ended) and splits the wall time into productive training and badput: start-up, restore,
     checkpoint stall, steps redone after a kill, gaps between attempts, the finish (final commit, export), and
     what no record covers. Works on a run in progress and after a crash (an attempt without an end shows as
-    killed, up to its last record). Read-only.
+    killed, up to its last record). With --price-per-hour each bucket's cost; with --on-demand-price too, what the
+    run saved against the productive time on demand. --png FILE also draws the attempts on a timeline. Read-only
+    towards the store.
     """
     setup_logging()
+    if on_demand_price is not None and price_per_hour is None:
+        raise UsageError("--on-demand-price compares with what the run paid: give --price-per-hour too")
     report = read_report(open_run(store, endpoint_url, region, path_style))
-    doc = report.to_json(price_per_hour)
+    doc = report.to_json(price_per_hour, on_demand_price)
+    if png is not None:
+        _write_png(png, report, doc, store)
     if as_json:
         print(json.dumps(doc, indent=2))
         return
@@ -45,6 +68,17 @@ def report_command(
         _print_tables(console, doc)
     for why in report.skipped:
         console.print(f"[yellow]skipped[/] {escape(why)}", highlight=False)
+
+
+def _write_png(path: Path, report, doc: dict, store: str) -> None:
+    from trainproof.lifecycle.goodput_plot import MatplotlibMissing, goodput_png
+
+    try:
+        data = goodput_png(report, doc, f"{store}: {len(report.attempts)} attempt(s)")
+    except MatplotlibMissing as exc:
+        raise UsageError(str(exc)) from None
+    path.write_bytes(data)
+    sys.stderr.write(f"wrote {path} ({len(data):,} bytes)\n")
 
 
 def _print_tables(console: Console, doc: dict) -> None:
@@ -73,3 +107,8 @@ def _print_tables(console: Console, doc: dict) -> None:
     console.print(f"{doc['steps_kept']} steps kept, {doc['redone_steps']} redone, "
                   f"{doc['interruptions']} interruption(s)" + (f", {doc['cost']['total']:.2f} in all" if "cost" in doc
                                                                else ""))
+    if "on_demand" in doc:
+        od = doc["on_demand"]
+        share = f" ({od['saved_share']:.1%})" if od["saved_share"] is not None else ""
+        console.print(f"on demand at {od['price_per_hour']:g}/h, the productive time alone would cost "
+                      f"{od['cost']:.2f}; this run paid {od['paid']:.2f}: saved {od['saved']:.2f}{share}")

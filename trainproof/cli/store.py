@@ -24,7 +24,7 @@ from trainproof.cli.common import (
     open_run,
     setup_logging,
 )
-from trainproof.storage import COMPLETE, CORRUPT, RetentionPolicy, StoreOptions, create_store
+from trainproof.storage import COMPLETE, CORRUPT, KeepEvery, RetentionPolicy, StoreOptions, create_store
 
 _STYLE = {"complete": "green", "incomplete": "yellow", "corrupt": "red", "foreign": "magenta"}
 
@@ -80,6 +80,8 @@ def ls_command(
     hint = run.latest_hint()
     newest = max((g.step for g in gens if g.status == COMPLETE), default=None)
     kept_for_audit = _kept_for_audit(run, gens)
+    rule = recorded_keep_every(gens)
+    permanent = rule.permanent([g for g in gens if g.status == COMPLETE]) if rule else set()
     exports = [g for g in run.child("exports").scan() if g.status == COMPLETE]
     from trainproof.proof.evidence import list_verifications
 
@@ -87,11 +89,12 @@ def ls_command(
     if as_json:
         doc = {
             "store": run.url, "latest_hint": hint, "newest_complete_step": newest,
+            "keep_every": str(rule) if rule else None,
             "generations": [{"name": g.name, "step": g.step, "status": g.status, "reason": g.reason,
                              "bytes": g.bytes, "mtime": g.mtime,
                              "world": (g.manifest or {}).get("world"),
                              "created_at": (g.manifest or {}).get("created_at"),
-                             "kept_for_audit": g.step in kept_for_audit}
+                             "kept_for_audit": g.step in kept_for_audit, "permanent": g.step in permanent}
                             for g in gens],
             "quarantined": [{"name": n, "reason": r} for n, r in quarantined],
             "exports": [{"name": g.name, "step": g.step, "bytes": g.bytes} for g in exports],
@@ -109,6 +112,8 @@ def ls_command(
     for g in gens:
         note = g.reason or ("newest complete" if g.step == newest else
                             _AUDIT_NOTE if g.step in kept_for_audit else "")
+        if g.step in permanent and not g.reason:
+            note = ", ".join(filter(None, (note, f"permanent (--keep-every {rule})")))
         table.add_row(shown(g.name), f"[{_STYLE[g.status]}]{g.status}[/]", f"{g.bytes:,}", _age(g.mtime), shown(note))
     for name, reason in quarantined:
         table.add_row(shown(name), "[red]quarantined[/]", "", "", shown(reason))
@@ -123,6 +128,18 @@ def ls_command(
 
 
 _AUDIT_NOTE = "kept beyond --keep: a restore point (or the one before it) no audit has passed"
+
+
+def recorded_keep_every(gens: list) -> KeepEvery | None:
+    """The ``--keep-every`` rule the run's newest complete generation was written under (its manifest's
+    ``extra.keep_every``); None without one, or one that does not parse (a rule only ever keeps more)."""
+    complete = [g for g in gens if g.status == COMPLETE and isinstance(g.manifest, dict)]
+    extra = max(complete, key=lambda g: g.step).manifest.get("extra") if complete else None
+    value = extra.get("keep_every") if isinstance(extra, dict) else None
+    try:
+        return KeepEvery.parse(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def _kept_for_audit(run: Any, gens: list) -> frozenset[int]:
@@ -162,6 +179,9 @@ def gc_command(
     abandoned_hours: Annotated[Optional[float], typer.Option(
         "--abandoned-hours", min=0.0, help="Remove verifications without a report (abandoned: stopped, killed) "
         "that nothing was written to for H hours; a running one writes all along.")] = None,
+    keep_every: Annotated[Optional[str], typer.Option(
+        "--keep-every", help="Also keep a sparse permanent series: N (steps) or a duration (6h), as `train "
+        "--keep-every`; default: the rule the run's newest generation was written under; off: none.")] = None,
     grace_hours: Annotated[float, typer.Option("--grace-hours", min=0.0,
                                                help="Collect partial generations only once "
                                                     "this old (never younger than 60 s: a "
@@ -199,15 +219,30 @@ def gc_command(
             audit_kept.update(steps - {g.step for g in gens[-keep:]})
             return steps
 
-        policy = RetentionPolicy(keep=keep, grace_seconds=grace_hours * 3600, contract=contract, protect_rule=protect)
+        every = _gc_keep_every(run, keep_every, contract)
+        policy = RetentionPolicy(keep=keep, grace_seconds=grace_hours * 3600, contract=contract, protect_rule=protect,
+                                 keep_every=every)
         doomed = run.apply_retention(policy, dry_run=dry_run)
         for g in doomed:
             print(f"{delete_verb} {shown(g.name)} ({g.status})")
         named = ", ".join(f"step-{s:08d}" for s in sorted(audit_kept))
         also = f" and {len(audit_kept)} around restore points no audit has passed ({named})" if audit_kept else ""
+        also += f" and the permanent series (--keep-every {every})" if every else ""
         print(f"{delete_verb} {len(doomed)} generation(s); {keep_verb} the {keep} newest complete{also}")
     if keep_verifications is not None or abandoned_hours is not None:
         _gc_verifications(run, keep_verifications, abandoned_hours, dry_run=dry_run)
+
+
+def _gc_keep_every(run: Any, given: str | None, contract: str | None) -> KeepEvery | None:
+    """gc's permanent series: ``--keep-every`` as given (``off``: none), else the run's recorded rule."""
+    if given is None:
+        return recorded_keep_every(run.scan(contract=contract))
+    if given.strip().lower() == "off":
+        return None
+    try:
+        return KeepEvery.parse(given)
+    except ValueError as exc:
+        raise UsageError(f"--keep-every: {exc}, or off") from None
 
 
 def _gc_verifications(run, keep: int | None, abandoned_hours: float | None, *, dry_run: bool) -> None:

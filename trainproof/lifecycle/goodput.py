@@ -16,6 +16,12 @@ commit's blocked time, and how it ended. From those, in the buckets of Google's 
 
 goodput = productive / wall, wall = from the first attempt's start to the last one's end (or last record).
 
+With a price (``price_per_hour``: what an hour of this machine cost) each bucket's cost, and the total (wall time at
+that price). With an on-demand price too, what the run saved against on-demand: the on-demand cost is the
+*productive* time at the on-demand price (what an uninterrupted on-demand machine would have needed to train the
+same kept steps, with no start-up, restore, stall or finish: a lower bound, so the saving is never overstated), and
+``saved`` = on-demand cost - total (negative when the badput ate the discount).
+
 Records are read from a shared bucket: each is size-capped, parsed strictly, type-checked field by field, and (with a
 signing key) must be signed; one that is not is skipped and counted, never trusted, never a crash.
 """
@@ -30,7 +36,7 @@ from typing import Any
 from trainproof.lifecycle.finish import aware_time
 from trainproof.storage import GenerationStore
 from trainproof.storage.limits import UntrustedJSONError, loads_untrusted
-from trainproof.train.attempts import ATTEMPTS_DIR, SCHEMA
+from trainproof.train.attempts import ATTEMPTS_DIR, MAX_COMMITS, SCHEMA
 
 MAX_RECORD_BYTES = 64 * 1024
 MAX_RECORDS = 10_000
@@ -48,6 +54,7 @@ class Attempt:
     end: str | None
     reason: str | None
     resumed_from: int
+    """0 when the record names none (``restored`` False: killed before it had restored or begun)."""
     last_step: int | None
     startup_s: float
     restore_s: float
@@ -56,6 +63,10 @@ class Attempt:
     commits: int
     committed_step: int | None
     finish_s: float
+    restored: bool = True
+    """Whether the record names the step it resumed from (it had restored, or started fresh, and begun)."""
+    commit_steps: list[int] = field(default_factory=list)
+    """Steps of its newest commits (the record lists at most its last 200)."""
 
     @property
     def stop(self) -> float:
@@ -72,16 +83,18 @@ class Report:
     attempts: list[Attempt] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
-    def to_json(self, price_per_hour: float | None = None) -> dict[str, Any]:
+    def to_json(self, price_per_hour: float | None = None, on_demand_price: float | None = None) -> dict[str, Any]:
         return {"attempts": [_attempt_json(a, redone) for a, redone in zip(self.attempts, self.redone())],
-                "skipped": self.skipped, **summary(self, price_per_hour)}
+                "skipped": self.skipped, **summary(self, price_per_hour, on_demand_price)}
 
     def redone(self) -> list[int]:
-        """Per attempt, the steps it trained beyond where the next attempt resumed (0 for the last)."""
-        out = []
-        for a, b in zip(self.attempts, self.attempts[1:]):
-            out.append(max(0, (a.last_step or a.resumed_from) - max(b.resumed_from, a.resumed_from)))
-        return out + [0] * bool(self.attempts)
+        """Per attempt, the steps it trained beyond where the next attempt that restored resumed (0 for the last;
+        an attempt killed before it restored says nothing about where the run continued from)."""
+        out, after = [], None
+        for a in reversed(self.attempts):
+            out.append(0 if after is None else max(0, (a.last_step or a.resumed_from) - max(after, a.resumed_from)))
+            after = a.resumed_from if a.restored else after
+        return out[::-1]
 
 
 def read_report(store: GenerationStore) -> Report:
@@ -134,7 +147,16 @@ def _attempt(name: str, doc: Any) -> Attempt:
                    commits=_count(doc.get("commits"), "commits", default=0),
                    committed_step=None if doc.get("committed_step") is None else _count(doc["committed_step"],
                                                                                       "committed_step"),
-                   finish_s=_secs(doc.get("finish_s")))
+                   finish_s=_secs(doc.get("finish_s")), restored=doc.get("resumed_from") is not None,
+                   commit_steps=_commit_steps(doc.get("recent_commits")))
+
+
+def _commit_steps(value: Any) -> list[int]:
+    """The steps of a record's ``recent_commits`` (a list of {"step": n, ...}); what is not one is left out."""
+    if not isinstance(value, list):
+        return []
+    return [c["step"] for c in value[-MAX_COMMITS:] if isinstance(c, dict) and isinstance(c.get("step"), int)
+            and not isinstance(c["step"], bool) and 0 <= c["step"] < 2**62]
 
 
 def _time(value: Any) -> float:
@@ -160,7 +182,8 @@ def _count(value: Any, what: str, default: int | None = None) -> int:
 
 def _attempt_json(a: Attempt, redone: int) -> dict[str, Any]:
     return {"record": a.name, "started": _iso(a.started), "ended": _iso(a.ended) if a.ended is not None else None,
-            "end": a.end or "killed (no end recorded)", "reason": a.reason, "resumed_from": a.resumed_from,
+            "end": a.end or "killed (no end recorded)", "reason": a.reason,
+            "resumed_from": a.resumed_from if a.restored else None,
             "last_step": a.last_step, "steps": a.steps, "redone_steps": redone, "commits": a.commits,
             "committed_step": a.committed_step, "startup_s": a.startup_s, "restore_s": a.restore_s,
             "train_s": a.train_s, "checkpoint_stall_s": a.blocked_s}
@@ -172,8 +195,10 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
 
 
-def summary(report: Report, price_per_hour: float | None = None) -> dict[str, Any]:
-    """Wall time, the buckets (seconds and share of wall), goodput, and with a price the cost of each bucket."""
+def summary(report: Report, price_per_hour: float | None = None,
+            on_demand_price: float | None = None) -> dict[str, Any]:
+    """Wall time, the buckets (seconds and share of wall), goodput; with a price the cost of each bucket, and with an
+    on-demand price too what the run saved against on-demand (see the module)."""
     attempts = report.attempts
     if not attempts:
         return {"wall_s": 0.0, "buckets": {}, "goodput": None}
@@ -196,9 +221,32 @@ def summary(report: Report, price_per_hour: float | None = None) -> dict[str, An
         "wall_s": round(wall, 3), "goodput": round(buckets["productive"] / wall, 4) if wall > 0 else None,
         "buckets": {k: {"seconds": round(v, 3), "share": round(v / wall, 4) if wall > 0 else None}
                     for k, v in buckets.items()},
-        "steps_kept": (attempts[-1].last_step or attempts[-1].resumed_from) - attempts[0].resumed_from,
+        "steps_kept": _steps_kept(attempts),
         "redone_steps": sum(redone), "interruptions": sum(1 for a in attempts[:-1] if a.end != "done")}
     if price_per_hour is not None:
-        out["cost"] = {k: round(v / 3600 * price_per_hour, 2) for k, v in buckets.items()}
-        out["cost"]["total"] = round(wall / 3600 * price_per_hour, 2)
+        out.update(_costs(out, price_per_hour, on_demand_price))
     return out
+
+
+def _steps_kept(attempts: list[Attempt]) -> int:
+    """From the first attempt's start to where the last attempt that restored got (one killed before it restored
+    trained nothing)."""
+    last = next((a for a in reversed(attempts) if a.restored), attempts[-1])
+    return (last.last_step or last.resumed_from) - attempts[0].resumed_from
+
+
+def _costs(out: dict[str, Any], price: float, on_demand_price: float | None) -> dict[str, Any]:
+    """Costs from the figures the report shows (its rounded seconds), so that they can be checked from them."""
+    seconds = {k: b["seconds"] for k, b in out["buckets"].items()}
+    total = out["wall_s"] / 3600 * price
+    costs: dict[str, Any] = {"cost": {**{k: round(v / 3600 * price, 2) for k, v in seconds.items()},
+                                      "total": round(total, 2)}}
+    if on_demand_price is not None:
+        on_demand = seconds["productive"] / 3600 * on_demand_price
+        costs["on_demand"] = {
+            "price_per_hour": on_demand_price, "price_per_hour_paid": price,
+            "basis": "the productive seconds at the on-demand price (an uninterrupted machine training the same "
+                     "kept steps; a lower bound)",
+            "cost": round(on_demand, 2), "paid": round(total, 2), "saved": round(on_demand - total, 2),
+            "saved_share": round((on_demand - total) / on_demand, 4) if on_demand > 0 else None}
+    return costs

@@ -14,13 +14,13 @@ from trainproof.storage.errors import (
 from trainproof.storage.generations import COMPLETE, CORRUPT, FOREIGN, INCOMPLETE, GenerationInfo, Loaded
 from trainproof.storage.limits import Limits, redact_url
 from trainproof.storage.options import RetryPolicy, StoreOptions
-from trainproof.storage.retention import MIN_GRACE_SECONDS, RetentionPolicy, plan_retention
+from trainproof.storage.retention import MIN_GRACE_SECONDS, KeepEvery, RetentionPolicy, plan_retention
 from trainproof.storage.store import GenerationStore, create_store, open_store
 
 __all__ = [
     "open_store", "create_store", "GenerationStore", "GenerationInfo", "Loaded", "StoreOptions", "RetryPolicy",
     "Limits",
-    "plan_retention", "RetentionPolicy", "MIN_GRACE_SECONDS", "redact_url",
+    "plan_retention", "RetentionPolicy", "KeepEvery", "MIN_GRACE_SECONDS", "redact_url",
     "StoreError", "StoreConfigError", "StoreUnavailableError", "CommitConflictError", "CorruptGenerationError",
     "COMPLETE", "INCOMPLETE", "CORRUPT", "FOREIGN",
 ]

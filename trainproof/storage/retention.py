@@ -16,6 +16,9 @@ new checkpoint was written):
   in the writer's own retention (``partials_above_newest``) newer ones too, so that a flood of partial folders
   planted above the run costs its scans once (at most COLLECT_PER_PASS a retention, oldest-touched first: a flood
   never holds a commit up for long);
+- with ``keep_every`` (:class:`KeepEvery`), a sparse permanent series besides the ``keep`` newest: the first
+  generation at or after each multiple of N steps, or the first committed in each window of a duration counted from
+  the run's oldest kept generation; never deleted by retention under that rule (it only ever keeps more);
 - export bundles, verification records and quarantine live outside ``step-*`` and are never seen here.
 
 ``apply_retention`` then re-verifies (streams every file through sha256) the newest generation it keeps before
@@ -25,8 +28,11 @@ deleting anything: if that one fails, nothing older than the newest generation t
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Callable, Iterable
 
 from trainproof.storage import manifest as mf
@@ -49,6 +55,86 @@ DEFAULT_GRACE_SECONDS = 6 * 3600.0
 """Partial generations younger than this are left alone by default (a slow upload may still be writing them)."""
 COLLECT_PER_PASS = 256
 """Most partial generations one retention collects (each costs a few requests on S3); the rest wait for the next."""
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d)")
+_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+KEEP_EVERY_FORMS = "a step count (1000) or a duration (90s, 10m, 6h, 7d, 1h30m)"
+
+
+@dataclass(frozen=True)
+class KeepEvery:
+    """A sparse permanent series, kept besides the ``keep`` newest: one generation per ``steps`` steps or per
+    ``seconds`` of the run's time (exactly one of them > 0).
+
+    - steps N: for every multiple of N, the first generation at or after it (the lowest step in each window
+      [m*N, (m+1)*N), m >= 1): a run whose commits do not land on multiples still keeps one per N steps;
+    - seconds D: the first generation committed in each window of D, windows counted from the oldest of the run's
+      generations (kept itself, so the windows never move); when a generation was committed is its manifest's
+      ``created_at``, else its objects' modification time; one with neither is not part of the series.
+
+    Both only ever keep more: the newest generation, the run's verified copy and the grace of partials are
+    unchanged."""
+
+    steps: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.steps > 0) == (self.seconds > 0) or self.steps < 0 or self.seconds < 0 \
+                or not math.isfinite(self.seconds):
+            raise ValueError(f"keep-every needs exactly one of steps or seconds > 0 (got {self.steps}, {self.seconds})")
+
+    @classmethod
+    def parse(cls, text: str) -> KeepEvery:
+        """``1000`` (steps) or a duration with its unit: ``90s``, ``10m``, ``6h``, ``7d``, ``1h30m``. Raises
+        ValueError naming the accepted forms."""
+        spec = str(text).strip().lower()
+        if spec.isdigit() and len(spec) < 19 and int(spec) > 0:
+            return cls(steps=int(spec))
+        parts = _DURATION.findall(spec)
+        if parts and "".join(n + u for n, u in parts) == spec:
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+            if math.isfinite(seconds) and seconds > 0:
+                return cls(seconds=seconds)
+        raise ValueError(f"{str(text)[:40]!r} is not {KEEP_EVERY_FORMS} greater than 0")
+
+    def __str__(self) -> str:
+        if self.steps:
+            return str(self.steps)
+        left, out = int(self.seconds), []
+        for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+            count, left = divmod(left, size)
+            out.append(f"{count}{unit}" if count else "")
+        return "".join(out) if float(int(self.seconds)) == self.seconds else f"{self.seconds}s"
+
+    def permanent(self, generations: list[GenerationInfo]) -> set[int]:
+        """The steps of ``generations`` (the run's complete ones) that form the series."""
+        if self.steps:
+            first: dict[int, int] = {}
+            for g in generations:
+                if g.step >= self.steps:
+                    window = g.step // self.steps
+                    first[window] = min(first.get(window, g.step), g.step)
+            return set(first.values())
+        timed = sorted((t, g.step) for g in generations if (t := committed_at(g)) is not None)
+        windows: dict[int, int] = {}
+        for t, step in timed:
+            windows.setdefault(int((t - timed[0][0]) // self.seconds), step)
+        return set(windows.values())
+
+
+def committed_at(g: GenerationInfo) -> float | None:
+    """When ``g`` was committed: its manifest's ``created_at`` (seconds since the epoch), else its objects' newest
+    modification time, else None."""
+    stamp = (g.manifest or {}).get("created_at")
+    if isinstance(stamp, str):
+        try:
+            at = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+            if at.tzinfo is not None:
+                return at.timestamp()
+        except ValueError:
+            pass
+    return g.mtime
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +168,9 @@ class RetentionPolicy:
     the retention after its commit: none of its writes is then in flight (the next save starts after it), so a
     partial folder above its newest untouched for the grace is a leftover or planted (a flood). Others (``gc``)
     leave them: a writer's upload of a large file may outlast any grace."""
+
+    keep_every: KeepEvery | None = None
+    """Also keep a sparse permanent series (:class:`KeepEvery`); None: only the ``keep`` newest (and ``protect``)."""
 
     def __post_init__(self) -> None:
         if self.keep < 1:
@@ -120,16 +209,26 @@ def plan_retention(generations: list[GenerationInfo], policy: RetentionPolicy, *
         return []
     ours.sort(key=lambda g: g.step)
     newest = ours[-1].step
+    kept = _kept(ours, policy)
+    if kept is None:
+        return []
+    stale = [g for g in stale if g.step < newest or policy.partials_above_newest][:COLLECT_PER_PASS]
+    doomed = [g for g in ours if g.step not in kept and g.step < newest] + stale
+    return sorted(doomed, key=lambda g: g.step)
+
+
+def _kept(ours: list[GenerationInfo], policy: RetentionPolicy) -> set[int] | None:
+    """The steps of ``ours`` (oldest first) the policy keeps; None when its protection rule could not decide."""
     kept = {g.step for g in ours[-policy.keep:]} | policy.protect
+    if policy.keep_every is not None:
+        kept |= policy.keep_every.permanent(ours)
     if policy.protect_rule is not None:
         try:
             kept |= {int(step) for step in policy.protect_rule(list(ours))}
         except Exception as exc:  # noqa: BLE001 - a rule that cannot decide keeps everything
             log.warning("retention: the protection rule failed (%s: %s); deleting nothing", type(exc).__name__, exc)
-            return []
-    stale = [g for g in stale if g.step < newest or policy.partials_above_newest][:COLLECT_PER_PASS]
-    doomed = [g for g in ours if g.step not in kept and g.step < newest] + stale
-    return sorted(doomed, key=lambda g: g.step)
+            return None
+    return kept
 
 
 def effective_grace(grace_seconds: float, i_know_no_writer_is_active: bool = False) -> float:

@@ -51,7 +51,7 @@ from trainproof.format.state import (
     encode_spool,
     rank_file,
 )
-from trainproof.storage import GenerationStore, RetentionPolicy
+from trainproof.storage import GenerationStore, KeepEvery, RetentionPolicy
 from trainproof.storage.errors import CommitConflictError, StoreError
 from trainproof.storage.spool import Spool
 from trainproof.train.dist import Collectives
@@ -103,6 +103,8 @@ class Checkpointer:
         """Which generations retention must keep besides the newest ones, given the run's complete generations
         (those around every restore point no audit has passed across: trainproof.format.protect). Called at each
         retention."""
+        self.keep_every: KeepEvery | None = None
+        """A sparse permanent series retention keeps besides the ``keep`` newest (``--keep-every``)."""
 
     def commit(self, c: Capture) -> dict[str, Any] | None:
         """Serialise and commit generation ``c.step``, then apply retention (rank 0). Raises TrainError (exit 1) on
@@ -259,7 +261,8 @@ class Checkpointer:
             # Only this run's generations count (another contract's or world's never make ours "old").
             removed = self.store.apply_retention(RetentionPolicy(keep=self.keep, contract=self.contract,
                                                                  world=self.world, protect_rule=self.protect,
-                                                                 upto=self.last_step, partials_above_newest=True))
+                                                                 keep_every=self.keep_every, upto=self.last_step,
+                                                                 partials_above_newest=True))
         except (StoreError, OSError) as exc:
             # The new generation is committed; a failed cleanup costs storage, not work.
             self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")

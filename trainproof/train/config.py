@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainproof.errors import ConfigError
+from trainproof.storage import KeepEvery
 from trainproof.train.variant import Variant
 
 if sys.version_info >= (3, 11):
@@ -53,6 +54,11 @@ class TrainConfig:
     checkpoint_every_seconds: float = setting(600.0, "Commit every S seconds (0: off).")
     keep: int = setting(3, "Complete generations to keep (0: all).")
     """The newest is never deleted."""
+    keep_every: str | None = setting(None, "Also keep a sparse permanent series besides the --keep newest: N (steps: "
+                                     "the first generation at or after each multiple of N) or a duration (6h: the "
+                                     "first generation committed in each 6 h of the run).")
+    """trainproof.storage.KeepEvery; recorded in each generation's manifest (``extra.keep_every``) for ``ls`` and
+    ``gc``. Not part of the contract: a run may resume with another rule."""
     resume: str = setting("auto", "auto: resume from the newest usable generation; never.", recorded=False)
     """``never`` refuses a store that has a generation."""
     omit_rng_restore: bool = setting(False, "Negative control: skip the RNG restore.", recorded=False)
@@ -125,6 +131,7 @@ class TrainConfig:
             raise ConfigError(f"--data-workers must be in 0..256 (got {self.data_workers})")
         if self.prefetch is not None and not 1 <= self.prefetch <= 1024:
             raise ConfigError(f"--prefetch must be in 1..1024 (got {self.prefetch})")
+        self.keep_every_rule()  # a bad --keep-every is one line now, not at the first retention
         if self.stop_grace_s <= 0:
             raise ConfigError(f"--stop-grace must be > 0 seconds (got {self.stop_grace_s})")
         if self.deadline is not None and self.deadline <= datetime.now(timezone.utc):
@@ -139,6 +146,15 @@ class TrainConfig:
     def every_steps(self) -> int:
         """The step cadence (0: none, as with ``auto``)."""
         return self.checkpoint_every if isinstance(self.checkpoint_every, int) else 0
+
+    def keep_every_rule(self) -> KeepEvery | None:
+        """``--keep-every`` as retention's rule (None: not given)."""
+        if self.keep_every is None:
+            return None
+        try:
+            return KeepEvery.parse(self.keep_every)
+        except ValueError as exc:
+            raise ConfigError(f"--keep-every: {exc}") from None
 
     def target_step(self, start_step: int, default_steps: int) -> int:
         """The step to reach: ``max_steps``, or ``start_step + steps``, or the task's default total."""

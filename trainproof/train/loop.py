@@ -166,6 +166,7 @@ class Trainer:
         self.saving.checkpointer.last_step = run.step
         # retention (rank 0 only) keeps what the audit needs around every restore point not yet audited
         self.saving.checkpointer.protect = restore_protection(self.store, self.resumed.step, self.cfg.keep)
+        self.saving.checkpointer.keep_every = self.cfg.keep_every_rule()  # and a sparse permanent series
         target = self.cfg.target_step(run.step, self.task.default_steps)
         self._report_start(run, target)
         if run.step >= target and self.rank == 0:  # a target total already reached: say so, not a silent exit 0
@@ -334,6 +335,8 @@ class Trainer:
         extra = {"task": self.cfg.task, "epoch": run.sampler.epoch, "loss": run.history.last_row["loss"],
                  "next_lr": run.lr(), "world": self.world, "resumed_from": self.resumed.step,
                  "code_changes": self.resumed.code_changes}
+        if self.saving.checkpointer.keep_every is not None:  # the rule `ls` and `gc` read back
+            extra["keep_every"] = str(self.saving.checkpointer.keep_every)
         return Capture(step=run.step, extra=extra,
                        state=capture_state(run, self._meta(run)) if self.rank == 0 else None,
                        part=capture_rank_part(run) if self.rank else None,
