@@ -16,9 +16,10 @@ tokenizer files) that ``AutoModelForCausalLM.from_pretrained`` loads without tra
 
 Settings (``--config`` JSON, any :class:`HFLlamaConfig` field): the model's size, ``precision`` (``bf16``: bfloat16
 autocast without a GradScaler, on the CPU too), and ``init_from``/``init_sha256`` to start from pretrained weights
-(a safetensors file with this model's tensor names, e.g. an export's ``model.safetensors``; local path, ``file://``
-or ``s3://``). The data comes from :func:`token_ids`, a function that yields the token ids of the training text:
-swap it for another source of token ids and the rest stays.
+(a safetensors file with this model's tensor names, e.g. an export's ``model.safetensors``, and its sha256; or a
+Hugging Face model directory, e.g. an export's ``hf/step-N/``, and the digest ``trainproof digest`` prints for it;
+local path, ``file://`` or ``s3://``). The data comes from :func:`token_ids`, a function that yields the token ids
+of the training text: swap it for another source of token ids and the rest stays.
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ class HFLlamaConfig:
     precision: str = "auto"
     """``auto`` (float16 autocast + GradScaler on CUDA, float32 on the CPU), ``bf16``, ``fp16`` or ``fp32``."""
     init_from: str = ""
-    """Pretrained weights to start from (a safetensors file: path, file:// or s3:// URL); empty: seeded init."""
+    """Pretrained weights to start from (path, file:// or s3:// URL): a safetensors file (a name ending in
+    ``.safetensors``) or a Hugging Face model directory (any other name); empty: seeded init."""
     init_sha256: str = ""
-    """The plain sha256 of ``init_from`` (``sha256sum`` prints it): required with it, and part of the contract."""
+    """The file's plain sha256 (``sha256sum`` prints it) or the directory's digest (``trainproof digest`` prints it):
+    required with ``init_from``, and part of the contract."""
 
     def __post_init__(self) -> None:
         require(len(self.files) >= 1 and len(self.eval_files) >= 1, "hf_llama: need at least one file and eval file")
@@ -89,7 +92,14 @@ class HFLlamaConfig:
                 "hf_llama: need lr > 0, weight_decay >= 0, warmup_steps >= 1, grad_clip >= 0")
         require(self.precision in PRECISIONS, f"hf_llama: precision must be one of {list(PRECISIONS)}")
         require(bool(self.init_from) == bool(self.init_sha256),
-                "hf_llama: init_from and init_sha256 go together (`sha256sum FILE` prints the sha256)")
+                "hf_llama: init_from and init_sha256 go together (`sha256sum FILE` prints a file's sha256, `trainproof "
+                "digest DIR` a model directory's digest)")
+
+
+def pretrained(url: str, declared: str) -> Pretrained:
+    """A safetensors file (its sha256) when ``url`` names one, else a Hugging Face model directory (its digest)."""
+    is_file = url.rstrip("/").endswith(".safetensors")
+    return Pretrained(url=url, sha256=declared) if is_file else Pretrained(url=url.rstrip("/"), digest=declared)
 
 
 # -- tokenizer and data -------------------------------------------------------------------------------------
@@ -198,5 +208,5 @@ def factory(config: dict[str, Any]) -> DatasetTask:
         lr_schedule=warmup_then_inverse_sqrt(cfg.warmup_steps), grad_clip=cfg.grad_clip or None,
         objective="token_mean_v1", eval_metric="heldout_token_loss", default_steps=100, cpu_threads=1,
         precision=cfg.precision, tokenizer=tokenizer,
-        pretrained=[Pretrained(url=cfg.init_from, sha256=cfg.init_sha256)] if cfg.init_from else [],
+        pretrained=[pretrained(cfg.init_from, cfg.init_sha256)] if cfg.init_from else [],
     )

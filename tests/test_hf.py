@@ -311,3 +311,35 @@ def test_bf16_autocast_runs_on_the_cpu_without_a_grad_scaler_and_changes_the_ari
         assert not trained.scaler.is_enabled()
         losses[precision] = [train_step(trained)["loss"] for _ in range(2)]
     assert losses["bf16"] != losses["fp32"]  # the forward really ran in bfloat16
+
+
+def test_the_docs_model_directory_block_runs_as_written(tmp_path):
+    """docs/tasks.md's "Start from a Hugging Face model directory" block in one bash script, in a folder of its own
+    with the checkout on PYTHONPATH (as from the repository root), ``bash scripts/dev.sh`` replaced by the console
+    script it execs and 100 steps cut to 12: the export's sharded directory is listed by ``trainproof digest``, and the
+    run declaring the printed digest loads every shard through the index."""
+    import re
+
+    text = (ROOT / "docs" / "tasks.md").read_text()
+    section = text.split("\n## Start from a Hugging Face model directory\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    trainproof = Path(sys.executable).parent / "trainproof"
+    script = (block.replace("bash scripts/dev.sh ", f"{shlex.quote(str(trainproof))} ")
+              .replace("--max-steps 100", "--max-steps 12").replace("step-00000100", "step-00000012")
+              .replace("--max-steps 20", "--max-steps 2"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", PYTHONPATH=str(ROOT),
+               TRAINPROOF_LOG_FORMAT="json", **OFFLINE)
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, text=True, capture_output=True,
+                            env=env, timeout=budget(900))
+    assert result.returncode == 0, f"{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    base = tmp_path / "models" / "llama-base"
+    printed = json.loads((tmp_path / "digest.json").read_text())
+    shards = sorted(p.name for p in base.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and printed["weights"] == shards and printed["architectures"] == ["LlamaForCausalLM"]
+    assert printed["digest"] == _sha(base / "trainproof-listing.json")
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
+    (loaded,) = [e for e in events if e.get("event") == "pretrained"]
+    assert loaded["files"][0]["digest"] == printed["digest"] and loaded["files"][0]["weights"] == shards
+    assert json.loads((tmp_path / "runs" / "tuned" / "plan.json").read_text())["init_sha256"] == [printed["digest"]]
+    assert load_state(tmp_path / "runs" / "tuned")["progress"]["step"] == 2

@@ -8,7 +8,7 @@ imports it except ``trainproof.__main__`` and the console script. Command bodies
 
 One module per command group, each adding its commands to :data:`trainproof.cli.app.app`:
 ``train`` (train), ``store`` (ls, gc), ``verify`` (verify, export, reload-check), ``plan`` (plan),
-``data`` (data pack, data verify), ``report`` (report).
+``data`` (data pack, data verify), ``digest`` (digest), ``report`` (report).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import importlib
 
 from trainproof.cli.app import app
 
-COMMAND_MODULES = tuple(f"trainproof.cli.{name}" for name in ("store", "train", "verify", "plan", "data", "report"))
+COMMAND_MODULES = tuple(f"trainproof.cli.{name}"
+                        for name in ("store", "train", "verify", "plan", "data", "digest", "report"))
 
 
 def _register() -> None:

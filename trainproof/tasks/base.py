@@ -256,25 +256,49 @@ def check_precision(value: Any) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Pretrained:
-    """A weights file a task starts from: a safetensors file at ``url`` whose plain sha256 (what ``sha256sum``
-    prints) is ``sha256``.
+    """Weights a task starts from: a safetensors file at ``url`` whose plain sha256 (what ``sha256sum`` prints) is
+    ``sha256``, or a Hugging Face model directory at ``url`` (``config.json``, ``model.safetensors`` or its shards
+    and ``model.safetensors.index.json``, the tokenizer's files) whose digest (what ``trainproof digest URL`` prints:
+    the sha256 of the directory's ``trainproof-listing.json``, which lists every file's size and sha256) is
+    ``digest``. Give exactly one of ``sha256`` and ``digest``.
 
-    ``url``: a local path, ``file:///abs/path``, or an object of an S3 bucket (``s3://bucket/key``), read through the
-    store layer with the run's credentials and settings. The file is refused by name unless its bytes hash to
-    ``sha256``; its tensors are loaded by name into the model (every parameter and buffer of the model must be
-    covered, by this file or another of the task's :meth:`Task.pretrained` files; a tensor the model ties to another,
+    ``url``: a local path, ``file:///abs/path``, or an S3 object or prefix (``s3://bucket/key``), read through the
+    store layer with the run's credentials and settings. A file is refused by name unless its bytes hash to
+    ``sha256``; a directory unless its listing hashes to ``digest`` and every file in it is the one listed, nothing
+    more. The tensors are loaded by name into the model (every parameter and buffer of the model must be covered, by
+    this file or directory or another of the task's :meth:`Task.pretrained`; a tensor the model ties to another,
     e.g. an output layer sharing the embedding, may be left out)."""
 
     url: str
-    sha256: str
+    sha256: str = ""
+    digest: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.strip():
             raise ConfigError(f"pretrained weights: url must be a path or URL, got {self.url!r}")
-        if not (isinstance(self.sha256, str) and len(self.sha256) == 64
-                and all(c in "0123456789abcdef" for c in self.sha256)):
-            raise ConfigError(f"pretrained weights {self.url}: sha256 must be the file's sha256 as 64 lowercase hex "
-                              f"digits (`sha256sum FILE` prints it), got {self.sha256!r}")
+        if bool(self.sha256) == bool(self.digest):
+            raise ConfigError(f"pretrained weights {self.url}: give sha256 (a safetensors file's, `sha256sum FILE` "
+                              "prints it) or digest (a model directory's, `trainproof digest URL` prints it), not "
+                              f"{'both' if self.sha256 else 'neither'}")
+        what, value = (("sha256", "the file's sha256") if self.sha256 else ("digest", "the directory's digest"))
+        if not _hex64(getattr(self, what)):
+            hint = "`sha256sum FILE` prints it" if self.sha256 else "`trainproof digest URL` prints it"
+            raise ConfigError(f"pretrained weights {self.url}: {what} must be {value} as 64 lowercase hex digits "
+                              f"({hint}), got {getattr(self, what)!r}")
+
+    @property
+    def directory(self) -> bool:
+        """Whether ``url`` names a model directory (declared with ``digest``) rather than one file."""
+        return bool(self.digest)
+
+    @property
+    def declared(self) -> str:
+        """What enters the run contract (``init_sha256``): the file's sha256 or the directory's digest."""
+        return self.digest or self.sha256
+
+
+def _hex64(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 @contextlib.contextmanager

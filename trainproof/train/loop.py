@@ -101,7 +101,7 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
         plan = agree_plan(store, build_plan(
             task=cfg.task, task_config=task.config(), data_identity=task.data_identity(), seed=cfg.seed,
             world=env.world, objective=task.objective, code_version=code_version(), epoch_plan=plan_of_epoch,
-            layout=layout, precision=task.precision, init=[p.sha256 for p in task.pretrained()],
+            layout=layout, precision=task.precision, init=[p.declared for p in task.pretrained()],
             data_pipeline=pipeline_record(task),
         ), sync)
         rep = reporter or (with_attempts(with_tensorboard(make_reporter(cfg.log_format, log_every=cfg.log_every),

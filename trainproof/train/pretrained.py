@@ -16,6 +16,11 @@ The rules this keeps (docs/tasks.md, "Start from pretrained weights"):
 The file is downloaded into a local spool file (``TRAINPROOF_SPOOL_DIR``; room for the file is needed once) while it
 is hashed, then read with the safetensors library one tensor at a time, each copied into the model and dropped: the
 process holds the model it trains and one tensor of the file. Every rank reads the files itself.
+
+A Hugging Face model directory (``Pretrained(url=..., digest=...)``) is verified file by file against its listing,
+whose sha256 is the declared digest (trainproof.train.model_dir); its weights files (``model.safetensors``, or the
+shards ``model.safetensors.index.json`` maps each tensor to) are then loaded like files, each shard holding exactly
+the tensors the index maps to it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from trainproof.storage import StoreOptions, open_store, redact_url
 from trainproof.storage.errors import StoreConfigError
 from trainproof.storage.spool import Spool, spool_dir
 from trainproof.tasks.base import Pretrained
+from trainproof.train import model_dir
+from trainproof.train.model_dir import Weights
 
 _SHOWN = 5  # names listed in a message
 
@@ -41,39 +48,70 @@ _SHOWN = 5  # names listed in a message
 def start_from_pretrained(files: list[Pretrained], load: Any, model: nn.Module) -> dict[str, Any]:
     """Read, verify and load ``files`` into ``model`` through ``load(model, names, get)`` (the layout's strategy,
     trainproof.train.parallel ``load_initial``: ``get(name)`` reads one tensor, which the strategy copies into the
-    model's own, cast to its dtype). Returns what to report (the files, their bytes, the time). ConfigError (exit 2)
-    naming the file when one is missing, is not a safetensors file, or does not fit the model; DataError (exit 1)
-    when it does not hash to its declared sha256."""
-    from safetensors import safe_open
-
+    model's own, cast to its dtype). Returns what to report (the files and directories, their bytes, the time).
+    ConfigError (exit 2) naming the file when one is missing, is not a safetensors file, or does not fit the model;
+    DataError (exit 1) when it does not hash to its declared sha256 (for a directory: its listing to the declared
+    digest, each file to its listed sha256; trainproof.train.model_dir)."""
     t0 = time.perf_counter()
     spools: list[Spool] = []
+    records: list[dict[str, Any]] = []
+    total = 0
     with contextlib.ExitStack() as files_open:
         handles: dict[str, Any] = {}
         shapes: dict[str, list[int]] = {}
         origin: dict[str, str] = {}
         try:
             for spec in files:
-                spools.append(fetch_verified(spec))
-                try:  # the library's own checked parser (offsets, sizes, dtypes), over bytes already verified
-                    handle = files_open.enter_context(safe_open(spools[-1].path, framework="pt"))
-                    entries = {k: handle.get_slice(k).get_shape() for k in handle.keys()}
-                except Exception as exc:  # noqa: BLE001 - safetensors' parse errors have their own classes
-                    raise ConfigError(f"pretrained weights {_shown(spec.url)} are not a safetensors file: "
-                                      f"{type(exc).__name__}: {exc}") from None
-                for key, shape in entries.items():
-                    if key in handles:
-                        raise ConfigError(f"pretrained weights: tensor {key!r} is in both {origin[key]} and "
-                                          f"{_shown(spec.url)}: each tensor must come from one file")
-                    handles[key], shapes[key], origin[key] = handle, shape, _shown(spec.url)
-            check_fits(model, shapes, [_shown(s.url) for s in files])
+                weights, record, size = _fetch(spec)
+                spools.extend(w.spool for w in weights)
+                records.append(record)
+                total += size
+                for w in weights:
+                    handle, entries = _opened(files_open, w)
+                    for key, shape in entries.items():
+                        if key in handles:
+                            raise ConfigError(f"pretrained weights: tensor {key!r} is in both {origin[key]} and "
+                                              f"{w.label}: each tensor must come from one file")
+                        handles[key], shapes[key], origin[key] = handle, shape, w.label
+            check_fits(model, shapes, [r["url"] for r in records])
             load(model, sorted(handles), lambda key: handles[key].get_tensor(key))
         finally:
             for spool in spools:
                 spool.unlink()  # an open file stays readable until closed (POSIX)
-    return {"files": [{"url": _shown(s.url), "sha256": s.sha256} for s in files],
-            "bytes": sum(s.size for s in spools), "tensors": len(shapes),
-            "seconds": round(time.perf_counter() - t0, 3)}
+    return {"files": records, "bytes": total, "tensors": len(shapes), "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _fetch(spec: Pretrained) -> tuple[list[Weights], dict[str, Any], int]:
+    """The verified weights files of ``spec`` (a file, or a model directory's), what to report, and the bytes read."""
+    if spec.directory:
+        got = model_dir.fetch(spec.url, spec.digest)
+        return got.weights, got.record, got.bytes
+    spool = fetch_verified(spec)
+    return [Weights(_shown(spec.url), spool)], {"url": _shown(spec.url), "sha256": spec.sha256}, spool.size
+
+
+def _opened(files_open: contextlib.ExitStack, weights: Weights) -> tuple[Any, dict[str, list[int]]]:
+    """The safetensors handle of ``weights`` and its tensors' shapes (the header only: no tensor is read), checked
+    against the tensors the directory's index maps to it."""
+    from safetensors import safe_open
+
+    try:  # the library's own checked parser (offsets, sizes, dtypes), over bytes already verified
+        handle = files_open.enter_context(safe_open(weights.spool.path, framework="pt"))
+        entries = {k: handle.get_slice(k).get_shape() for k in handle.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors' parse errors have their own classes
+        raise ConfigError(f"pretrained weights {weights.label} are not a safetensors file: "
+                          f"{type(exc).__name__}: {exc}") from None
+    if weights.tensors is not None:
+        absent = sorted(set(weights.tensors) - set(entries))
+        if absent:
+            raise ConfigError(f"pretrained weights {weights.label}: tensor {absent[0]!r}, which {model_dir.INDEX} "
+                              f"maps to this shard, is not in it" + (f" (nor {len(absent) - 1} more)"
+                                                                      if len(absent) > 1 else ""))
+        unmapped = sorted(set(entries) - set(weights.tensors))
+        if unmapped:
+            raise ConfigError(f"pretrained weights {weights.label} hold tensor {unmapped[0]!r}, which "
+                              f"{model_dir.INDEX} does not map to this shard")
+    return handle, entries
 
 
 def fetch_verified(spec: Pretrained) -> Spool:
