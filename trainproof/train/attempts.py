@@ -2,7 +2,8 @@
 
 ``<run>/attempts/<started>-<id>.json`` (rank 0; a few KB) says when the process started, when it had restored and
 began training, from which step, how many steps it trained and for how long, each commit's blocked time, and how it
-ended (``done``, ``stopped`` with the reason, or nothing: killed). It is rewritten after each commit, every
+ended (``done``, ``stopped`` with the reason, or nothing: killed). It is written as soon as the process has
+agreed on the run (so one killed while it restores still shows), rewritten after each commit, every
 ``REFRESH_S`` seconds of training (so a SIGKILLed attempt still shows where it got to), and at the end, by a
 background thread: the training thread never waits for it. With a signing key it is signed.
 
@@ -66,6 +67,7 @@ class AttemptRecorder(Reporter):
         self._warned = False
         self._thread = threading.Thread(target=self._writer, name="trainproof-attempt", daemon=True)
         self._thread.start()
+        self._dirty.set()  # at once: an attempt killed while it restores still leaves a record (an interruption)
 
     # -- Reporter ------------------------------------------------------------------------------------------------
     def begin(self, *, step: int, target: int) -> None:

@@ -1,0 +1,282 @@
+"""What a spot rental keeps: goodput under a seeded Poisson process of interruptions, ground truth vs the run's report.
+
+A real training run (``bench.bigmodel``, a state of ``--state-mib``, default 1 GiB) on Ceph RGW (the endpoint in
+``AWS_ENDPOINT_URL``, else a gateway of its own) is kept going by the project's own restart path,
+``infra/spot/supervise.sh``, for ``--wall`` seconds of the harness's clock. Interruptions arrive as a Poisson process
+of mean ``--mtbi`` (seeded): a share ``--kill-share`` are SIGKILLs of the whole machine (supervisor and trainer, no
+notice); the rest are SIGTERMs with a notice of ``--notice`` seconds (the supervisor forwards it, the trainer
+commits and exits 75; still alive at the end of the notice: SIGKILL). The next machine starts ``--restart`` seconds
+later. At the end of the wall time the run gets a SIGTERM and its notice like any other.
+
+Ground truth, from the harness alone: wall = first start to the last process's end (harness clock); useful work =
+the steps the store holds committed at the end x the step time of an uninterrupted run of the same task without
+checkpoints (measured first, same machine); truth goodput = useful / wall. Beside it: ``trainproof report``'s goodput
+(from the attempt records), and the planner's prediction (1 - overhead, ``trainproof plan`` with the measured C,
+the harness's M of interruptions that lose work, and the measured restart).
+
+Each configuration is a ``--mtbi`` and an ``--every`` (``auto`` or a fixed ``--checkpoint-every-seconds``); all
+configurations of one invocation see the same interruption times (same seed). ``--check-final`` trains an
+uninterrupted run to each configuration's final step and compares the states bitwise (CPU).
+
+    python bench/bench_goodput.py --mtbi 90 --mtbi 300 --every auto --every 20 --every 120 --wall 360
+
+Prints a table and writes bench/out/goodput-<time>.json. Medians are not taken: each cell is one run of a random
+process; the seed is printed so a cell can be run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.rgw import bench_endpoint  # noqa: E402
+from trainproof.lifecycle.planner import PlanInputs, make_plan  # noqa: E402
+
+BUCKET = "trainproof-bench"
+
+
+@dataclass
+class Cell:
+    mtbi: float
+    every: str
+    seed: int
+    events: list[tuple[float, str]] = field(default_factory=list)
+    """(seconds after the start, sigterm|sigkill) of each interruption the harness delivered."""
+    lost_work_interruptions: int = 0
+    wall_s: float = 0.0
+    steps: int = 0
+    truth: float = 0.0
+    report: dict = field(default_factory=dict)
+    predicted: float | None = None
+    final_equal: bool | None = None
+    url: str = ""
+
+
+def env_for(args: argparse.Namespace, every: str, state_dir: str, grace: float) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROOF_")}
+    env.update({
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", "TRAINPROOF_LOG_FORMAT": "json",
+        "TRAINPROOF_TASK": "bench.bigmodel:factory", "TRAINPROOF_KEEP": "2", "TRAINPROOF_STOP_GRACE": str(grace),
+        "TRAINPROOF_TENSORBOARD": "off", "SUPERVISE_STATE_DIR": state_dir, "SUPERVISE_BACKOFF_SECONDS": "1",
+        "TRAINPROOF_BIN": str(_bin(state_dir)),
+    })
+    if every == "auto":
+        env["TRAINPROOF_CHECKPOINT_EVERY"] = "auto"
+    else:
+        env.update(TRAINPROOF_CHECKPOINT_EVERY="0", TRAINPROOF_CHECKPOINT_EVERY_SECONDS=every)
+    return env
+
+
+def _bin(folder: str) -> Path:
+    path = Path(folder) / "trainproof"
+    if not path.exists():
+        path.write_text(f"#!/bin/sh\nexec {sys.executable} -m trainproof \"$@\"\n")
+        path.chmod(0o755)
+    return path
+
+
+def config_json(args: argparse.Namespace) -> str:
+    return json.dumps({"state_mib": args.state_mib, "samples": 256, "batch_size": args.batch})
+
+
+def baseline_step_s(args: argparse.Namespace, work: Path) -> float:
+    """Median step time of an uninterrupted run without checkpoints (the truth's price of a step)."""
+    cmd = [sys.executable, "-m", "trainproof", "train", "--store", str(work / "baseline"), "--task",
+           "bench.bigmodel:factory", "--config", str(_config_file(args, work)), "--max-steps", str(args.baseline_steps),
+           "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--log-format", "json", "--tensorboard", "off"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    times = [_t(e["time"]) for e in map(json.loads, filter(None, out.splitlines())) if e.get("event") == "step"]
+    gaps = [b - a for a, b in zip(times, times[1:])][3:]  # the first steps warm up
+    return statistics.median(gaps)
+
+
+def _t(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def _config_file(args: argparse.Namespace, work: Path) -> Path:
+    path = work / "bigmodel.json"
+    path.write_text(config_json(args))
+    return path
+
+
+def schedule(mtbi: float, wall: float, kill_share: float, seed: int) -> list[tuple[float, str]]:
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(1.0 / mtbi)
+        if t >= wall:
+            return out
+        out.append((t, "sigkill" if rng.random() < kill_share else "sigterm"))
+
+
+def start_machine(args: argparse.Namespace, url: str, env: dict[str, str], work: Path, log) -> subprocess.Popen:
+    cmd = ["bash", str(ROOT / "infra/spot/supervise.sh"), "--store", url, "--config", str(_config_file(args, work)),
+           "--max-steps", "100000000"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
+
+
+def interrupt(proc: subprocess.Popen, how: str, notice: float) -> float:
+    """Deliver ``how``; the seconds until the machine was gone."""
+    t0 = time.monotonic()
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)  # the supervisor forwards it; the trainer commits and exits 75
+        try:
+            proc.wait(timeout=notice)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the machine goes: whatever is left of it
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    return time.monotonic() - t0
+
+
+def run_cell(args: argparse.Namespace, cell: Cell, work: Path, step_s: float) -> Cell:
+    cell.url = f"s3://{BUCKET}/goodput/{uuid.uuid4().hex[:8]}/run"
+    state_dir = tempfile.mkdtemp(dir=work)
+    env = env_for(args, cell.every, state_dir, grace=args.notice)
+    plan = schedule(cell.mtbi, args.wall, args.kill_share, cell.seed)
+    log = open(work / f"cell-{cell.mtbi:g}-{cell.every}.log", "w")
+    t0 = time.monotonic()
+    proc = start_machine(args, cell.url, env, work, log)
+    for at, how in plan + [(args.wall, "sigterm")]:
+        time.sleep(max(0.0, at - (time.monotonic() - t0)))
+        if proc.poll() is not None:  # it ended by itself (exit 2: a bug of the harness): say so
+            raise SystemExit(f"the supervisor exited {proc.returncode} by itself; see {log.name}")
+        interrupt(proc, how, args.notice)
+        if at < args.wall:
+            cell.events.append((round(at, 1), how))
+            time.sleep(args.restart)
+            proc = start_machine(args, cell.url, env, work, log)
+    cell.wall_s = time.monotonic() - t0
+    log.close()
+    cell.steps = committed_step(cell.url)
+    cell.truth = cell.steps * step_s / cell.wall_s
+    cell.report = report_json(cell.url)
+    return cell
+
+
+def committed_step(url: str) -> int:
+    from trainproof.storage import open_store
+
+    infos = [g for g in open_store(url).scan() if g.status == "complete"]
+    return max((g.step for g in infos), default=0)
+
+
+def report_json(url: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "trainproof", "report", "--store", url, "--json"], cwd=ROOT,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr.strip()[-300:]}
+
+
+def predicted(cell: Cell, args: argparse.Namespace) -> float | None:
+    """1 - the planner's overhead (trainproof.lifecycle.planner) for this cell: C = its measured blocked seconds per
+    commit, T = its interval (auto: the planner's optimum), M = the harness's mean time between interruptions that
+    lost work, R = its median start-up + restore + the harness's restart gap, paid at every interruption:
+    ``C/(T+C) + ((T+C)/2)/M + R x interruptions/wall``."""
+    attempts = cell.report.get("attempts") or []
+    commits = sum(a["commits"] for a in attempts)
+    if not commits or len(attempts) < 1:
+        return None
+    c = max(sum(a["checkpoint_stall_s"] for a in attempts) / commits, 1e-3)
+    lost = sum(1 for a in attempts[:-1] if a["end"].startswith("killed") or a["redone_steps"] > 0)
+    m = cell.wall_s / lost if lost else float("inf")
+    r = statistics.median(a["startup_s"] + a["restore_s"] for a in attempts) + args.restart
+    t = (make_plan(PlanInputs(rental_s=10 * 86400.0, mtbi_s=min(m, 1e9), checkpoint_s=c)).interval_s
+         if cell.every == "auto" else float(cell.every))
+    overhead = c / (t + c) + ((t + c) / 2) / m + r * len(cell.events) / cell.wall_s
+    return round(max(0.0, 1.0 - overhead), 4)
+
+
+def check_final(cell: Cell, args: argparse.Namespace, work: Path) -> bool:
+    from tests.test_train_helpers import differences, load_state, trajectory
+
+    folder = work / f"straight-{cell.mtbi:g}-{cell.every}"
+    subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", str(folder), "--task",
+                    "bench.bigmodel:factory", "--config", str(_config_file(args, work)), "--max-steps",
+                    str(cell.steps), "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--log-format",
+                    "json", "--tensorboard", "off"], cwd=ROOT, capture_output=True, check=True)
+    return not differences(trajectory(load_state(folder, cell.steps)), trajectory(load_state(cell.url, cell.steps)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mtbi", type=float, action="append", help="mean seconds between interruptions (repeatable)")
+    ap.add_argument("--every", action="append", help="auto or fixed seconds between commits (repeatable)")
+    ap.add_argument("--wall", type=float, default=360.0, help="seconds each configuration runs (harness clock)")
+    ap.add_argument("--kill-share", type=float, default=0.5, help="share of interruptions that are SIGKILLs")
+    ap.add_argument("--notice", type=float, default=20.0, help="seconds between a SIGTERM and the SIGKILL")
+    ap.add_argument("--restart", type=float, default=5.0, help="seconds from an interruption to the next machine")
+    ap.add_argument("--state-mib", type=float, default=1024.0)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--baseline-steps", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--check-final", action="store_true", help="compare each final state with an uninterrupted run")
+    args = ap.parse_args()
+    mtbis, everies = args.mtbi or [90.0], args.every or ["auto"]
+    with ExitStack() as stack:
+        stack.enter_context(bench_endpoint())
+        _bucket()
+        work = Path(tempfile.mkdtemp(prefix="goodput-"))
+        step_s = baseline_step_s(args, work)
+        load = os.getloadavg()[0]
+        print(f"state {args.state_mib:g} MiB, step {step_s:.3f} s uninterrupted, load {load:.1f}, seed {args.seed}")
+        cells = []
+        for mtbi in mtbis:
+            for every in everies:
+                cell = run_cell(args, Cell(mtbi=mtbi, every=every, seed=args.seed), work, step_s)
+                cell.predicted = predicted(cell, args)
+                if args.check_final and cell.steps:
+                    cell.final_equal = check_final(cell, args, work)
+                cells.append(cell)
+                print(row(cell), flush=True)
+        out = ROOT / "bench/out" / f"goodput-{time.strftime('%Y%m%dT%H%M%S')}.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps({"args": vars(args), "step_s": step_s, "load_before": load,
+                                   "load_after": os.getloadavg()[0], "cells": [c.__dict__ for c in cells]}, indent=1))
+        print(f"written {out.relative_to(ROOT)}; load after {os.getloadavg()[0]:.1f}")
+
+
+def row(c: Cell) -> str:
+    rep = c.report.get("goodput")
+    kills = sum(1 for _, h in c.events if h == "sigkill")
+    diff = f"{(rep - c.truth) * 100:+.1f} pt" if isinstance(rep, float) else c.report.get("error", "?")
+    return (f"mtbi {c.mtbi:>5g}s every {c.every:>5}: {len(c.events)} interruptions ({kills} kills), wall "
+            f"{c.wall_s:.0f}s, {c.steps} steps kept; goodput truth {c.truth:.3f}, report {rep} ({diff}), "
+            f"planner {c.predicted}, final state equal: {c.final_equal}")
+
+
+def _bucket() -> None:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    try:
+        s3.create_bucket(Bucket=BUCKET)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    except Exception as exc:  # noqa: BLE001 - already there under another owner's name on some servers
+        if "BucketAlreadyExists" not in str(exc):
+            raise
+
+
+if __name__ == "__main__":
+    main()
