@@ -76,3 +76,25 @@ def test_audit_usage_errors_are_exit_2(runs, cli, args):  # noqa: F811
 def test_audit_of_a_store_without_a_run_is_exit_2(cli, tmp_path):  # noqa: F811
     result = cli("verify", "--store", str(tmp_path / "nothing"), "--audit")
     assert result.exit_code == 2 and "plan.json" in result.stderr
+
+
+def test_audit_replays_a_run_resumed_from_two_ranks_onto_one_with_each_spans_world(tmp_path):
+    """A correct run trained on 2 ranks, resumed on 1 (``--allow-world-change``): the default audit replays 2 -> 4 on
+    2 ranks and 4 -> 6 on one, as the generations record, and passes naming the world change."""
+    from tests.test_dist_helpers import start_world
+
+    store = tmp_path / "run"
+    first = finish(start_world(store, "--max-steps", "4", "--checkpoint-every", "2"))
+    assert first.code == 0, first.stderr
+    second = run(store, "--max-steps", "6", "--allow-world-change")
+    assert second.code == 0 and second.last("resume")["world_change"] == {"step": 4, "from": 2, "to": 1}
+    result = trainproof("verify", "--store", str(store), "--audit", "--id", "audit")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = read_report(str(store), "audit")
+    span = report["audit_span"]
+    assert (span["from"], span["to"], span["world_changes"]) == (2, 6, [{"step": 4, "from": 2, "to": 1}])
+    assert span["replayed_worlds"] == [{"from": 2, "to": 4, "world": 2}, {"from": 4, "to": 6, "world": 1}]
+    assert "world change at step 4 (2 -> 1 ranks)" in span["summary"]
+    assert "--nproc-per-node 2" in report["paths"]["replay_2_4"]["command"]
+    assert "--allow-world-change" in report["paths"]["replay"]["command"]
+    assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["replay"])

@@ -54,6 +54,7 @@ from trainproof.storage.limits import loads_untrusted
 from trainproof.storage.manifest import step_dir
 from trainproof.storage.spool import Spool, SpoolWriter, spool_dir
 from trainproof.tasks import Task, load_task, trusted_task
+from trainproof.tasks.batches import evaluation_generators
 
 log = logging.getLogger("trainproof.export")
 EXPORT_SCHEMA = "trainproof.export/1"
@@ -506,10 +507,12 @@ def evaluate_weights(task: Task, weights: dict[str, torch.Tensor]) -> tuple[floa
     """``task.evaluate_metrics`` of a freshly built CPU model holding ``weights`` (cast to the task's dtype).
 
     Returns (the ``eval_metric``, the task's other metrics by name, CPU threads used). The thread count is the
-    task's (one for the built-ins), so the same bytes give the same metrics in any process; the global generators
-    are left untouched.
+    task's (one for the built-ins), so the same bytes give the same metrics in any process. The model is built and
+    evaluated with the global generators seeded from a constant (trainproof.tasks.batches.evaluation_generators) and
+    put back afterwards: an evaluation that draws (a training collate reused for the held-out data) draws the same
+    numbers in the export and in its reload check, and takes nothing from the training's generators.
     """
-    with _cpu_threads(task.cpu_threads) as threads, torch.random.fork_rng(devices=[]):
+    with _cpu_threads(task.cpu_threads) as threads, evaluation_generators():
         model = task.build_model().to(dtype=task.dtype)
         model.load_state_dict(weights)  # each tensor copied (and cast) into the model's own: no converted copy
         try:

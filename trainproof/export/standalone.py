@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from trainproof.tasks import Task
+from trainproof.tasks.batches import evaluation_generators
 
 log = logging.getLogger("trainproof.export")
 
@@ -171,7 +172,7 @@ def export_program(task: Task, weights: dict[str, torch.Tensor]) -> tuple[Any, d
         if not captured:
             captured.append((args, kwargs))
 
-    with torch.random.fork_rng(devices=[]):
+    with evaluation_generators():  # as the export's evaluation draws (trainproof.export.bundle.evaluate_weights)
         model = task.build_model().to(dtype=task.dtype)
         model.load_state_dict(weights)  # copied (and cast) tensor by tensor into the model's own
         handle = model.register_forward_pre_hook(grab, with_kwargs=True)

@@ -26,10 +26,16 @@ Read-only towards the run: generations are read with ``load`` (verified, never q
 store is opened without the multipart sweep, and nothing is written among the run's generations; it can run
 as a CronJob while the training Job is still committing. A sharded run (``train --fsdp``, ``fsdp`` in its plan.json)
 is replayed sharded, its generation a copied with its shards, and both states' model and optimizer are read whole
-from their verified shards before the comparison. A run of W > 1 ranks (its plan.json's ``world``) is replayed with
-W ranks (``train --nproc-per-node W``: trainproof's launcher, gloo on the CPU or NCCL with ``--device cuda``), its
-generation a copied with every rank's file, and generation b compared with every rank's part (generators, data
-position) joined in, as the protocol compares a W-rank path.
+from their verified shards before the comparison. A run of W > 1 ranks is replayed with W ranks (``train
+--nproc-per-node W``: trainproof's launcher, gloo on the CPU or NCCL with ``--device cuda``), its generation a copied
+with every rank's file, and generation b compared with every rank's part (generators, data position) joined in, as
+the protocol compares a W-rank path.
+
+Across a world change (``train --allow-world-change``): the world is each generation's own (its COMPLETE.json
+``world``), not plan.json's (the run's first). The replay runs one process per span of one world (:func:`replay_spans`):
+from a with a's world up to the restore point where the run changed its world, then from the replay's own generation
+there with the next world and ``--allow-world-change``, as the run did; ``audit_span.world_changes`` names each
+change the replay crossed.
 """
 
 from __future__ import annotations
@@ -115,10 +121,11 @@ class Audit(VerificationRunner):
         self.s, self.opener = settings, opener
         self.run_store = opener(settings.store)
         self.plan = read_run_plan(self.run_store)
-        self.world = self.plan.get("world", 1)
-        if type(self.world) is not int or self.world < 1:
-            raise ConfigError(f"{PLAN_FILE} of {self.run_store.url}: world must be a positive integer, not "
-                              f"{self.world!r}")
+        world = self.plan.get("world", 1)
+        if type(world) is not int or world < 1:
+            raise ConfigError(f"{PLAN_FILE} of {self.run_store.url}: world must be a positive integer, not {world!r}")
+        self.spans: list[Span] = []
+        """The replay's processes: (from, to, world) each, in order (:func:`replay_spans`)."""
         self.task_name = trusted_task(self.plan.get("task"), settings.task, f"{PLAN_FILE} of {self.run_store.url}")
         if not isinstance(self.plan.get("task_config"), dict):
             raise ConfigError(f"{PLAN_FILE} of {self.run_store.url} holds no task_config mapping")
@@ -205,8 +212,10 @@ class Audit(VerificationRunner):
             loaded[0].close()
             raise
         self.generations = {"from": _describe(loaded[0]), "to": _describe(loaded[1])}
-        self.span = audit_span(a, b, how, restore, {s: complete[s] for s in steps if a <= s <= b},
-                               self.generations, replay_code=code_version())
+        infos = {s: complete[s] for s in steps if a <= s <= b}
+        self.spans = replay_spans(a, b, infos, self.run_store.url)
+        self.span = audit_span(a, b, how, restore, infos, self.generations, replay_code=code_version(),
+                               spans=self.spans)
         return loaded
 
     def _restore_gone(self, steps: list[int], b: int | None, restore: int | None) -> str | None:
@@ -229,26 +238,35 @@ class Audit(VerificationRunner):
                  "access log)")
 
     def _replay(self) -> None:
+        """One process per span of one world (:attr:`spans`), each resuming from the previous one's generation."""
         with tempfile.TemporaryDirectory(prefix="trainproof-audit-") as tmp:
             config = Path(tmp) / "task_config.json"
             config.write_text(json.dumps(self.plan["task_config"]))
-            # Generation a written by other code: the replay continues it with this code, and says so (audit_span).
-            allow = ["--allow-code-change"] if self.span.get("replay_crosses_code_change") else []
-            argv = job_argv("train", "--store", self.replay_url, "--task", self.task_name, "--config", str(config),
-                            "--seed", str(self.plan["seed"]), "--steps", str(self.b - self.a),
-                            "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
-                            "--resume", "auto", "--device", self.s.device, "--log-format", "json", *allow,
-                            *layout_flag(sharded(self.plan)),  # as plan.json says: the same state format
-                            *(["--nproc-per-node", str(self.world)] if self.world > 1 else []),  # the run's ranks
-                            *self.s.store_args)
-            results = run_processes([("replay", self.replay_url, argv)], timeout=self.s.timeout,
-                                    envs={"replay": self.s.replay_env})
-        self.paths["replay"] = results[0].to_json()
-        require_success(results)
-        event = results[0].event("resume") or {}
-        if event.get("step") != self.a or event.get("rng_restored") is not True:
-            raise VerificationIncomplete(f"the replay did not resume from step {self.a} "
-                                         f"(its resume event: {event or 'none'})")
+            for i, span in enumerate(self.spans):
+                name = "replay" if i == len(self.spans) - 1 else f"replay_{span.start}_{span.end}"
+                changed = any(c["step"] == span.start for c in self.span.get("world_changes", []))
+                argv = self._argv(span, str(config), world_change=changed)
+                results = run_processes([(name, self.replay_url, argv)], timeout=self.s.timeout,
+                                        envs={name: self.s.replay_env})
+                self.paths[name] = results[0].to_json()
+                require_success(results)
+                event = results[0].event("resume") or {}
+                if event.get("step") != span.start or event.get("rng_restored") is not True:
+                    raise VerificationIncomplete(f"the replay did not resume from step {span.start} "
+                                                 f"(its resume event: {event or 'none'})")
+
+    def _argv(self, span: Span, config: str, *, world_change: bool) -> list[str]:
+        """The ``train`` command line of one span: the run's task, settings and seed, the span's world."""
+        # Generation a written by other code: the replay continues it with this code, and says so (audit_span).
+        allow = ["--allow-code-change"] if self.span.get("replay_crosses_code_change") else []
+        return job_argv("train", "--store", self.replay_url, "--task", self.task_name, "--config", config,
+                        "--seed", str(self.plan["seed"]), "--steps", str(span.end - span.start),
+                        "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--keep", "0",
+                        "--resume", "auto", "--device", self.s.device, "--log-format", "json", *allow,
+                        *(["--allow-world-change"] if world_change else []),  # as the run changed it, there
+                        *layout_flag(sharded(self.plan)),  # as plan.json says: the same state format
+                        *(["--nproc-per-node", str(span.world)] if span.world > 1 else []),  # the span's ranks
+                        *self.s.store_args)
 
     def verdicts(self) -> dict[str, Any]:
         """An audit has no negative path: ``negative_divergence_detected`` is None."""
@@ -316,20 +334,68 @@ def default_from(steps: list[int], b: int | None, restore: int | None) -> tuple[
     return (earlier[-1] if earlier else None), f"the newest generation before {b} ({why})"
 
 
+@dataclass(frozen=True)
+class Span:
+    """One replay process: from generation ``start`` to ``end`` with ``world`` ranks."""
+
+    start: int
+    end: int
+    world: int
+
+
+def _world(info: Any) -> int | None:
+    """The world size generation ``info`` was written by (its COMPLETE.json ``world``), None when unreadable."""
+    world = info.manifest.get("world") if isinstance(info.manifest, dict) else None
+    return world if type(world) is int and world >= 1 else None
+
+
+def replay_spans(a: int, b: int, infos: dict[int, Any], where: str) -> list[Span]:
+    """The replay a -> b as spans of one world each: the run's world changes (``--allow-world-change``) happen at a
+    restore point, where the generations after it record another world than the one before. VerificationIncomplete
+    when a generation's world is unreadable, or changes without a restore point within the span to change it at."""
+    worlds = {s: _world(info) for s, info in infos.items()}
+    bad = sorted(s for s, w in worlds.items() if w is None)
+    if bad:
+        raise VerificationIncomplete(f"generation {bad[0]} of {where} records no world size")
+    spans = [Span(a, b, worlds[a])]  # type: ignore[arg-type]
+    for s in sorted(t for t in infos if a < t <= b):
+        if worlds[s] == spans[-1].world:
+            continue
+        r = _resumed_from(infos[s])
+        if r is None or not spans[-1].start <= r < s:
+            raise VerificationIncomplete(
+                f"generation {s} of {where} was written by {worlds[s]} rank(s) and the generations before it by "
+                f"{spans[-1].world}, with no restore point between them to replay the world change at",
+                hint="audit a pair of generations of one world with --from/--to")
+        if r == spans[-1].start:  # the change happened at the span's own start: the span runs with the new world
+            spans[-1] = Span(r, b, worlds[s])  # type: ignore[arg-type]
+        else:
+            spans[-1] = Span(spans[-1].start, r, spans[-1].world)
+            spans.append(Span(r, b, worlds[s]))  # type: ignore[arg-type]
+    return spans
+
+
 def audit_span(a: int, b: int, how: str, restore: int | None, infos: dict[int, Any], generations: dict[str, Any],
-               *, replay_code: str) -> dict[str, Any]:
-    """What the replay a -> b spans: restore points, code identities, and whether it crosses each."""
+               *, replay_code: str, spans: list[Span] | None = None) -> dict[str, Any]:
+    """What the replay a -> b spans: restore points, code identities, world changes, and whether it crosses each."""
     points = sorted({r for s, info in infos.items() if s > a and (r := _resumed_from(info)) is not None and a <= r < b})
     code_a, code_b = generations["from"].get("code_version"), generations["to"].get("code_version")
     crosses = bool(points) or (restore is not None and a <= restore < b)
+    spans = spans or []
+    start_world = _world(infos[a]) if a in infos else None
+    changes = [{"step": s.start, "from": p.world if p else start_world, "to": s.world}
+               for p, s in zip([None, *spans], spans) if (p.world if p else start_world) != s.world]
     summary = (f"replays {a} -> {b} ({how}); " + (f"spans the restore point(s) {points or [restore]}" if crosses else
                                                    "spans no restore point")
                + ("" if code_a == code_b == replay_code else
-                  f"; crosses a code change ({code_a} at {a}, {code_b} at {b}, replayed with {replay_code})"))
+                  f"; crosses a code change ({code_a} at {a}, {code_b} at {b}, replayed with {replay_code})")
+               + "".join(f"; crosses a world change at step {c['step']} ({c['from']} -> {c['to']} ranks), replayed "
+                         "across it as the run resumed" for c in changes))
     return {"from": a, "to": b, "chosen": how, "newest_restore_point": restore, "restore_points": points,
             "spans_restore": crosses, "code_versions": {"from": code_a, "to": code_b, "replay": replay_code},
             "crosses_code_change": not code_a == code_b == replay_code,
-            "replay_crosses_code_change": code_a != replay_code, "summary": summary}
+            "replay_crosses_code_change": code_a != replay_code, "world_changes": changes,
+            "replayed_worlds": [{"from": s.start, "to": s.end, "world": s.world} for s in spans], "summary": summary}
 
 
 def _describe(loaded: Any) -> dict[str, Any]:

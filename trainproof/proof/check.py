@@ -12,7 +12,9 @@
   on runs where clipping bites;
 - :class:`trainproof.proof.world.WorldEquivalence` (``--world W``): W ranks train the same model as one rank;
 - :class:`trainproof.proof.objective.ObjectiveCheck`: the objective does not depend on how a step is split;
-- :class:`Skipped`: a check that does not run this time still says so in its report section.
+- :class:`Skipped`: a check that does not run this time still says so in its report section;
+- :class:`NotApplicable`: a check that cannot apply to this task (a model that normalises over the batch, for the
+  objective check), with the reason, and the findings a reader is owed about it (:meth:`Check.findings`).
 
 Adding a check is: write a subclass of :class:`Check`, and add it to ``Protocol._checks``; a trainer mode it needs is
 a field of :class:`trainproof.train.variant.Variant` (``Variant(...).argv()`` on its runs' command lines). Nothing else
@@ -145,6 +147,11 @@ class Check(abc.ABC):
         difference, as the four paths have them; none by default."""
         return {}
 
+    def findings(self) -> list[dict[str, Any]]:
+        """What the reader should know about the task that is neither a pass nor a failure (``findings`` in
+        verification.json, printed under the verdict): ``{"what", "check", "finding"}`` each; none by default."""
+        return []
+
 
 class Skipped(Check):
     """A check that does not run in this verification: no runs and no verdict, only its block saying why.
@@ -171,3 +178,22 @@ class Skipped(Check):
     def sections(self) -> dict[str, Any]:
         """``{key: {"skipped": why}}``."""
         return {self.key: {"skipped": self.why}}
+
+
+class NotApplicable(Skipped):
+    """A check that cannot apply to this task: no runs and no verdict keys, its block saying why
+    (``{"not_applicable": why, ...}``), and the findings it makes instead (:meth:`Check.findings`). Not a failure:
+    a correct task it does not fit passes the verification without it, and the summary says so."""
+
+    def __init__(self, key: str, why: str, *, details: dict[str, Any] | None = None,
+                 findings: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(key, why)
+        self.details, self._findings = dict(details or {}), list(findings or [])
+
+    def sections(self) -> dict[str, Any]:
+        """``{key: {"not_applicable": why, **details}}``."""
+        return {self.key: {"not_applicable": self.why, **self.details}}
+
+    def findings(self) -> list[dict[str, Any]]:
+        """What the task does that the check would have judged (e.g. BatchNorm over accumulated micro-batches)."""
+        return list(self._findings)

@@ -24,6 +24,17 @@ moments (Adam's first
 moment is the gradient itself, scaled) and per-step losses are compared with ``single``: within
 :data:`TOLERANCE` (absolute, float64; measured ~1e-16 to 1e-13), and the negative control must differ
 by more. Not bitwise: another split adds the same terms in another order.
+
+Where the check cannot apply (:func:`not_applicable`), it runs nothing and reports why (``objective_equivalence:
+{"not_applicable": why}``), never a failure that blames the loss:
+
+- **a model that normalises over the batch** (any BatchNorm in training mode): another split gives its layers other
+  batch statistics, so a correct ``loss_sum`` differs too. When the task itself splits its steps (micro-batches,
+  or ranks with ``--world W``), each part is normalised on its own statistics: what is trained is not what one
+  batch would train. That is a *finding* (``findings``, naming the modules), not a failure;
+- **batches that still draw** after ``deterministic_objective()`` (a collate that mixes samples, mixup): another
+  split draws other numbers. Switching them off (``DatasetTask(eval_collate=...)``, or the task's own
+  ``deterministic_objective()``) makes the check apply again.
 """
 
 from __future__ import annotations
@@ -32,11 +43,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from trainproof.format.layout import flag as layout_flag
-from trainproof.proof.check import REFERENCE, Check, Job, Results
+from trainproof.proof.check import REFERENCE, Check, Job, NotApplicable, Results
 from trainproof.proof.equivalence import max_differences, same_experience
 from trainproof.proof.paths import Opener, PathResult, RunReader, VerificationIncomplete, job_argv
 from trainproof.tasks import Task
+from trainproof.tasks.batches import BatchRequest, batch_generators, map_tensors
 from trainproof.tasks.objective import same_task
 from trainproof.train.data import epoch_plan
 from trainproof.train.variant import Variant
@@ -50,6 +65,71 @@ HINT = ("the step's result depends on how it is split: Task.loss_sum must return
         "the targets loss_sum sums; a mean weighs a small micro-batch like a large one (docs/tasks.md, 'Return a "
         "sum, not a mean'). If loss_sum does return a sum, make_batch or the model still draws randomness the "
         "check could not switch off: implement Task.deterministic_objective()")
+
+
+def batch_norms(task: Task) -> list[str]:
+    """The modules of the task's model (built on the meta device, put in training mode as the trainer does) that
+    normalise over the batch: every BatchNorm (``_BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, the lazy ones) in
+    training mode. GroupNorm, LayerNorm and InstanceNorm normalise each sample on its own: not listed."""
+    with torch.device("meta"):
+        model = task.build_model()
+    model.train()
+    return [f"{name} ({type(module).__name__})" if name else type(module).__name__
+            for name, module in model.named_modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training]
+
+
+def batches_still_draw(task: Task) -> bool:
+    """Whether the task's ``deterministic_objective()`` still builds a micro-batch from random draws (a collate that
+    mixes samples: mixup): its first batch built twice, under the generators of two run seeds (as the trainer seeds
+    them for ``build_batch``), differs. Only a task that builds its batches with ``build_batch`` is asked."""
+    variant = task.deterministic_objective()
+    if not variant.builds_batches:
+        return False
+    ids = tuple(range(min(task.micro_batch_size, task.num_samples())))
+    built = []
+    for seed in (0, 1):
+        request = BatchRequest(seed=seed, step=1, micro=0, epoch=0, sample_ids=ids)
+        tensors: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            tensors.append(t)
+            return t
+
+        try:
+            with batch_generators(request):
+                map_tensors(variant.build_batch(request), keep)
+        except Exception:  # noqa: BLE001  (the check's own runs build it again and report what fails, by path)
+            return False
+        built.append(tensors)
+    return len(built[0]) != len(built[1]) or not all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*built))
+
+
+def not_applicable(task: Task, world: int) -> NotApplicable | None:
+    """The objective check as not applicable to ``task`` (with the reason, and a finding when the task's own steps
+    are split under BatchNorm), or None when it applies."""
+    norms = batch_norms(task)
+    if norms:
+        names = ", ".join(norms)
+        why = f"the model normalises over the batch (BatchNorm: {names}): a split changes its statistics"
+        splits = ([f"micro-batches of {task.micro_batch_size} in steps of {task.batch_size}"]
+                  if task.micro_batch_size < task.batch_size else []) + ([f"{world} ranks"] if world > 1 else [])
+        findings = [] if not splits else [{
+            "what": "BatchNorm over a split step", "check": "objective_equivalence", "modules": norms,
+            "finding": f"the task splits each step ({' and '.join(splits)}) and its model normalises over the batch "
+                       f"(BatchNorm: {names}): each part is normalised with its own statistics, so a step trains "
+                       "something else than one batch would (not a resume error). Intended? Then nothing to do; "
+                       "otherwise train one micro-batch a step (micro_batch_size = batch_size) or use a "
+                       "normalisation that does not depend on the batch (GroupNorm, LayerNorm)"}]
+        return NotApplicable("objective_equivalence", why, details={"batch_norm": norms}, findings=findings)
+    if batches_still_draw(task):
+        return NotApplicable("objective_equivalence", (
+            "the task's batches still draw random numbers after deterministic_objective() (a collate that mixes "
+            "samples, e.g. mixup): a split draws other numbers. To check the objective, switch them off: "
+            "DatasetTask(eval_collate=...) or the task's deterministic_objective() (docs/tasks.md)"),
+            details={"batches_draw": True})
+    return None
 
 
 def unequal_micro(batch: int) -> int | None:

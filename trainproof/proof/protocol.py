@@ -39,6 +39,7 @@ from trainproof.proof.cuts import CutsCheck, plan_cuts
 from trainproof.proof.exercised import not_exercised, path_exercised
 from trainproof.proof.four_paths import FourPaths
 from trainproof.proof.objective import ObjectiveCheck
+from trainproof.proof.objective import not_applicable as objective_not_applicable
 from trainproof.proof.paths import Opener, absolute_url, run_processes
 from trainproof.proof.report import build_report, environment, plot_png
 from trainproof.proof.settings import ProtocolSettings, default_tolerance
@@ -134,6 +135,8 @@ class Protocol(VerificationRunner):
                                            device=s.device, store_args=s.store_args, opener=self.opener, fsdp=s.fsdp))
         if s.reuse or not s.objective:  # a reused reference's verification checked the objective already
             checks.append(Skipped("objective_equivalence", "reused reference" if s.reuse else "--no-objective-check"))
+        elif (inapplicable := objective_not_applicable(self.task, s.world)) is not None:  # BatchNorm, mixup
+            checks.append(inapplicable)
         else:
             checks.append(ObjectiveCheck(
                 task=self.task, task_name=s.task, config=None if s.config is None else str(s.config), seed=s.seed,
@@ -192,6 +195,7 @@ class Protocol(VerificationRunner):
         four = self.four
         extra: dict[str, Any] = {k: v for check in self.checks for k, v in check.sections().items()}
         extra["diagnosis"] = self.diagnosis()
+        extra["findings"] = [finding for check in self.checks for finding in check.findings()]
         diffs = {p: d for check in self.checks for p, d in check.checks().items()}
         exercised = {name: e for name, r in self.done.runs.items() if (e := path_exercised(r)) is not None}
         resumed = [r.name for r in self.done.resumed if not r.negative]

@@ -20,6 +20,7 @@ from typing import Any
 import numpy
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import trainproof
@@ -170,6 +171,10 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
         console.print(f"audit span: {report['audit_span']['summary']}")
     if (report.get("objective_equivalence") or {}).get("skipped") == "--no-objective-check":
         console.print("objective check: skipped (--no-objective-check); this verdict says nothing about the objective")
+    for key, block in report.items():  # a check that cannot apply to this task (trainproof.proof.check.NotApplicable)
+        if isinstance(block, dict) and isinstance(block.get("not_applicable"), str):
+            console.print(f"{key}: not applicable: {block['not_applicable']}", soft_wrap=True, markup=False,
+                          highlight=False)
     for key in keys:
         value = report.get(key)
         console.print(f"{key}: [{'green' if value else 'red'}]{str(value).lower()}[/]")
@@ -181,6 +186,8 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
         console.print(f"[red]failing checks: {', '.join(report['failing_checks'])}[/]")
     for item in report.get("not_exercised") or []:
         console.print(f"[yellow]not exercised: {item['what']} ({item['check']}): {item['hint']}[/]", soft_wrap=True)
+    for item in report.get("findings") or []:  # neither a pass nor a failure: what the reader should know
+        console.print(f"[yellow]finding: {escape(item['what'])}: {escape(item['finding'])}[/]", soft_wrap=True)
     for line in report.get("diagnosis") or []:  # what differs first, then the likely cause
         prefix = "" if ": first difference" in line else "likely cause: "
         console.print(f"[yellow]{prefix}{line}[/]", soft_wrap=True)

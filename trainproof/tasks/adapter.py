@@ -101,6 +101,8 @@ class DatasetTask(Task):
       each builds ahead (``train --data-workers`` / ``--prefetch`` override them; neither changes results);
     - ``collate``: list of samples -> batch (default ``torch.utils.data.default_collate``); the batch's
       tensors are then moved to the run's device, floating-point ones cast to ``dtype``;
+    - ``eval_collate``: the collate without random draws, for :meth:`evaluate` and for the verifier's objective check
+      (:meth:`deterministic_objective`), e.g. ``default_collate`` beside a mixup ``collate``; default: ``collate``;
     - ``data_identity``: a sha256 hex of the exact data; default: the dataset's ``data_identity`` attribute when it
       has one (trainproof.data's bucket datasets), else computed over every sample once;
     - ``eval_dataset``: held-out samples for :meth:`evaluate` (the per-target mean loss), or None;
@@ -122,7 +124,8 @@ class DatasetTask(Task):
         lr: float = 1e-3, weight_decay: float = 0.0, optimizer_options: Mapping[str, Any] | None = None,
         lr_schedule: Callable[[int], float] | None = None, grad_clip: float | None = None,
         augment: Callable[[Any, np.random.Generator], Any] | None = None,
-        collate: Callable[[list[Any]], Any] = default_collate, data_identity: str | None = None,
+        collate: Callable[[list[Any]], Any] = default_collate,
+        eval_collate: Callable[[list[Any]], Any] | None = None, data_identity: str | None = None,
         eval_dataset: Dataset | None = None, eval_metric: str = "loss", objective: str = "per_target_mean_v1",
         cpu_threads: int | None = 1, dtype: torch.dtype = torch.float32, supports_cuda: bool = True,
         default_steps: int = 10, precision: str = "auto", pretrained: Sequence[Pretrained] = (),
@@ -163,6 +166,8 @@ class DatasetTask(Task):
         self._optimizer = (OPTIMIZERS[optimizer], {"lr": lr, "weight_decay": weight_decay,
                                                     **dict(optimizer_options or {})})
         self._lr_schedule, self._augment, self._collate = lr_schedule, augment, collate
+        require(eval_collate is None or callable(eval_collate), "DatasetTask: eval_collate must be a function or None")
+        self._eval_collate, self._draws_off = eval_collate, False
         own = getattr(dataset, "data_identity", None)  # a bucket dataset knows its manifest's digest
         self._data_identity = data_identity or (own if _is_sha256(own) else None)
         self.num_workers, self.prefetch = num_workers, prefetch
@@ -178,9 +183,10 @@ class DatasetTask(Task):
         return list(self._pretrained)
 
     def deterministic_objective(self) -> DatasetTask:
-        """This task without ``augment`` (the objective check's variant; it switches dropout modules off itself)."""
+        """This task without ``augment``, its batches collated with ``eval_collate`` when given (the objective check's
+        variant; it switches dropout modules off itself)."""
         clone = copy.copy(self)
-        clone._augment = None
+        clone._augment, clone._draws_off = None, True
         return clone
 
     @property
@@ -236,7 +242,8 @@ class DatasetTask(Task):
                 with sample_generators(request.seed, request.epoch, i) as rng:
                     augmented.append(self._augment(sample, rng))
             samples = augmented
-        return AdaptedBatch(data=self._collate(samples), samples=len(ids), targets=self.count_targets(ids))
+        collate = self._eval_collate if self._draws_off and self._eval_collate is not None else self._collate
+        return AdaptedBatch(data=collate(samples), samples=len(ids), targets=self.count_targets(ids))
 
     def batch_to_device(self, batch: AdaptedBatch, device: torch.device) -> AdaptedBatch:
         # Floating inputs in the model's dtype (the trainer casts the model to ``dtype``, not the data).
@@ -271,17 +278,18 @@ class DatasetTask(Task):
 
     def evaluate_metrics(self, model: nn.Module) -> dict[str, float]:
         """The evaluation loss and every ``eval_metrics`` entry, per-target means over ``eval_dataset`` in one pass
-        (in order, no augmentation, dropout off)."""
+        (in order, no augmentation, dropout off, batches collated with ``eval_collate``, else ``collate``)."""
         if self.eval_dataset is None:
             raise NotImplementedError("DatasetTask: pass eval_dataset=... to make the task exportable")
         weight = next(model.parameters())
         totals = dict.fromkeys([self.eval_metric, *self._eval_metrics], 0.0)
         count = 0
         n = len(self.eval_dataset)  # type: ignore[arg-type]
+        collate = self._eval_collate or self._collate
         with eval_mode(model):
             for start in range(0, n, self._micro_batch_size):
                 ids = list(range(start, min(start + self._micro_batch_size, n)))
-                data = to_device(self._collate([self.eval_dataset[i] for i in ids]), weight.device, weight.dtype)
+                data = to_device(collate([self.eval_dataset[i] for i in ids]), weight.device, weight.dtype)
                 batch = AdaptedBatch(data=data, samples=len(ids), targets=len(ids) * self.targets_per_sample)
                 totals[self.eval_metric] += float(self.loss_sum(model, batch).double())
                 for name, per_sample in self._eval_metrics.items():

@@ -35,6 +35,7 @@ SAMPLE_RNG = "trainproof.sample-rng/1"
 """Name of the derivation below (recorded in the run contract of a task that builds batches with workers)."""
 _SAMPLE_STREAM = 0x73616D70  # "samp": apart from the run's other streams (rng.DATA_STREAM, rank seeds)
 _BATCH_STREAM = 0x62617463  # "batc"
+_EVAL_STREAM = 0x6576616C  # "eval"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +85,14 @@ def batch_generators(request: BatchRequest) -> contextlib.AbstractContextManager
     """Python's ``random``, NumPy's legacy global generator and torch's CPU generator seeded from (run seed, step,
     micro-batch index) for a ``build_batch`` call, their previous states put back afterwards."""
     return _seeded_globals(_sequence(_BATCH_STREAM, request.seed, request.step, request.micro))
+
+
+def evaluation_generators() -> contextlib.AbstractContextManager[None]:
+    """Python's ``random``, NumPy's legacy global generator and torch's CPU generator seeded from a constant for an
+    evaluation (the export's metric, and its reload check in a fresh process), their previous states put back
+    afterwards: whatever the evaluation draws (a collate that mixes samples, mixup, reused for the held-out data),
+    it draws the same numbers in every process, and never from, nor moves, the training's generators."""
+    return _seeded_globals(_sequence(_EVAL_STREAM))
 
 
 @contextlib.contextmanager
