@@ -7,7 +7,8 @@
 - a ``OneCycleLR`` sized to the task's own length (``total_steps`` = ``default_steps``) passes the default ``verify``,
   which fits its three epochs into the schedule;
 - a run past the ``OneCycleLR``'s end, and a ``verify`` whose command line fixes a longer plan, each stop at once with
-  one line naming the schedule's length (exit 2).
+  one line naming the schedule's length (exit 2);
+- a plateau metric, cadence or pair of schedules ``DatasetTask`` cannot use is refused with one line naming it.
 
 Real ``python -m trainproof`` processes throughout.
 """
@@ -86,6 +87,8 @@ def test_the_schedules_pass_the_default_verify(schedules, tmp_path, kind):
 
 
 def test_a_run_or_a_verify_past_the_one_cycle_stops_with_one_line(schedules, tmp_path):
+    within = finish(start(tmp_path / "plain", "--task", "schedules:factory", env=schedules["env"]))  # as the docs
+    assert within.code == 0 and within.last("done")["step"] == 10, within.stderr
     long_run = finish(_train(schedules, tmp_path / "run", "onecycle", "--max-steps", "12"))
     verify = trainproof("verify", "--store", str(tmp_path / "v"), "--task", "schedules:factory", "--config",
                         str(schedules["configs"]["onecycle"]), "--steps", "20", env=schedules["env"])
@@ -96,3 +99,19 @@ def test_a_run_or_a_verify_past_the_one_cycle_stops_with_one_line(schedules, tmp
         assert "OneCycleLR (total_steps=10) is 10 steps long" in lines[0], stderr
     assert "--max-steps 10" in long_run.stderr and "--steps fixed" in verify.stderr
     assert not list((tmp_path / "run").rglob("COMPLETE.json"))  # refused before the first step
+
+
+def test_a_plateau_metric_the_task_cannot_compute_is_refused_by_name(tmp_path, monkeypatch):
+    from trainproof.errors import ConfigError
+    from trainproof.tasks.adapter import DatasetTask
+
+    (tmp_path / "schedules.py").write_text(doc_modules()["schedules"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import schedules as module
+
+    task = module.factory({"schedule": "plateau_eval"})
+    for bad in ({"scheduler_metric": "accuracy"}, {"scheduler_every": 0}, {"lr_schedule": lambda step: 1.0}):
+        with pytest.raises(ConfigError) as caught:
+            DatasetTask(dataset=task.dataset, build_model=task._build_model, per_sample_loss=module.squared_error,
+                        config={}, batch_size=4, eval_dataset=task.eval_dataset, scheduler=task._scheduler, **bad)
+        assert "\n" not in str(caught.value) and str(next(iter(bad))) in str(caught.value), caught.value

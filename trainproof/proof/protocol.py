@@ -126,7 +126,7 @@ class Protocol(VerificationRunner):
     def _within_schedule(self, settings: ProtocolSettings, samples: int) -> ProtocolSettings:
         """The settings with steps, cut and samples within the task's schedule when it has an end (OneCycleLR)."""
         length, what = declared_schedule(self.task)
-        if length is None or settings.reuse:
+        if length is None:
             return settings
         fit = fit_to_schedule(length=length, what=what, steps=settings.steps, cut=settings.cut, cuts=settings.cuts,
                               samples=samples, global_batch=self.task.batch_size * settings.world, seed=settings.seed,
