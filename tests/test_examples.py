@@ -282,8 +282,8 @@ def doc_modules() -> dict[str, str]:
 
 def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, monkeypatch):
     modules = doc_modules()
-    # the adapter one, the from-scratch one, the latter with its batches built by workers, the classifier
-    assert set(modules) == {"mytask", "lines", "wlines", "classify"}, sorted(modules)
+    # the adapter one, the from-scratch one, the latter with its batches built by workers, the classifier, the schedules
+    assert set(modules) == {"mytask", "lines", "wlines", "classify", "schedules"}, sorted(modules)
     for name, body in modules.items():
         (tmp_path / f"{name}.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -303,7 +303,7 @@ def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, m
         assert len(losses) == 8 and losses[-1] < losses[0], (name, losses)
         assert final_state(tmp_path / name)["progress"]["step"] == 8
         started = next(e for e in events(out) if e["event"] == "start")
-        assert started["data_workers"] == {"mytask": 0, "lines": None, "wlines": 2, "classify": 0}[name]
+        assert started["data_workers"] == {"mytask": 0, "lines": None, "wlines": 2, "classify": 0, "schedules": 0}[name]
 
 
 def test_the_classifier_example_exports_its_accuracy_and_the_reload_check_reproduces_it(tmp_path, monkeypatch):

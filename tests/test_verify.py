@@ -55,7 +55,7 @@ def test_protocol_passes_on_a_folder_bitwise(reference):
         "task": "regression", "config": None, "steps": 18, "cut": 5, "seed": 1234, "atol": 0.0, "rtol": 0.0,
         "comparison": "exact",
         "device": "auto", "checkpoint_every": 1, "reused_reference": None, "world": 1, "fsdp": False,
-        "objective_check": True, "samples": None}
+        "objective_check": True, "samples": None, "fitted_to_schedule": None}
     assert "all_checks_passed: true" in result.stdout and "negative_divergence_detected: true" in result.stdout
 
 

@@ -168,8 +168,9 @@ def _protocol(common: dict[str, Any], opener: Any, tolerance: Any, protocol_only
     chosen = None if o["cuts"] is None else parse_cuts(o["cuts"])
     # With --cuts and no --cut, the smallest listed cut is the protocol's (the cut and negative paths).
     protocol_cut = pick(o["cut"], default_cut if chosen is None else chosen[0])
+    fixed = tuple(f"--{k}" for k in ("steps", "cut", "cuts", "samples") if o[k] is not None)
     settings = ProtocolSettings(task=task, config=o["config"], steps=pick(o["steps"], default_steps),
-                                cut=protocol_cut, seed=pick(o["seed"], 1234), cuts=chosen,
+                                cut=protocol_cut, seed=pick(o["seed"], 1234), cuts=chosen, fixed=fixed,
                                 tolerance=tolerance, reuse=o["reuse"], samples=o["samples"], **more, **common)
     return Protocol(settings, opener)
 

@@ -514,12 +514,24 @@ def check_self_consistent(state: dict[str, Any], *, step: int | None, contract: 
     if step is not None:
         _same("progress.step", own, step, "the generation's name and its content disagree")
     check_history(state)
-    sched = state["scheduler"]
-    if sched is not None and sched.get("last_epoch") != own:
-        raise StateError(f"scheduler has taken {sched.get('last_epoch')} steps but progress says {own}")
+    _check_schedule(state["scheduler"], own)
     world = meta.get("world")
     if not isinstance(world, int) or len(state["ranks"]) != world:
         raise StateError(f"state holds {len(state['ranks'])} rank part(s) for world {world!r}")
+
+
+def _check_schedule(sched: Any, step: int) -> None:
+    """A scheduler steps once per optimizer step; one stepped on a metric (ReduceLROnPlateau's state: ``best``,
+    ``num_bad_epochs``) once per ``scheduler_every`` of them, so at most ``step`` times (the trainer, knowing the
+    task's cadence, checks the exact count)."""
+    if sched is None:
+        return
+    taken = sched.get("last_epoch")
+    if "num_bad_epochs" in sched and "best" in sched:
+        if type(taken) is not int or not 0 <= taken <= step:
+            raise StateError(f"the scheduler stepped on a metric has taken {taken!r} steps in {step} optimizer steps")
+    elif taken != step:
+        raise StateError(f"scheduler has taken {taken} steps but progress says {step}")
 
 
 def _same(field: str, got: Any, want: Any, hint: str) -> None:

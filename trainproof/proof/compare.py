@@ -203,6 +203,19 @@ def _short(value: Any) -> str:
 _META_NOT_COMPARED = ("trainer", "versions", "device", "code_version", "code_changes")
 
 
+def _schedule(value: Any) -> Any:
+    """A scheduler's state, its infinities as the strings ``inf``/``-inf``: a scheduler holds them by design
+    (ReduceLROnPlateau's ``mode_worse``, and its ``best`` before the first step), so they are compared as exact values
+    rather than refused as a diverged run's; a NaN is still refused."""
+    if isinstance(value, dict):
+        return {k: _schedule(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_schedule(v) for v in value]
+    if type(value) is float and math.isinf(value):
+        return repr(value)
+    return value
+
+
 def _history(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return state["history"]
 
@@ -221,7 +234,7 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any], frozenset[str]], Any]] = {
     "parameters": _model_part(True),
     "buffers": _model_part(False),
     "optimizer": lambda s, _: s["optimizer"],
-    "scheduler": lambda s, _: s["scheduler"],
+    "scheduler": lambda s, _: _schedule(s["scheduler"]),
     "grad_scaler": lambda s, _: s["scaler"],
     "next_lr": lambda s, _: s["progress"].get("next_lr"),
     "rng_next_draws": lambda s, _: [r.get("next_draws") for r in s["ranks"]],

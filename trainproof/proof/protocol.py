@@ -42,6 +42,7 @@ from trainproof.proof.objective import ObjectiveCheck
 from trainproof.proof.objective import not_applicable as objective_not_applicable
 from trainproof.proof.paths import Opener, absolute_url, run_processes
 from trainproof.proof.report import build_report, environment, plot_png
+from trainproof.proof.schedule_fit import declared_schedule, fit_to_schedule
 from trainproof.proof.settings import ProtocolSettings, default_tolerance
 from trainproof.proof.verification import VerificationRunner
 from trainproof.proof.world import WorldEquivalence
@@ -111,14 +112,29 @@ class Protocol(VerificationRunner):
 
     def _on_subset(self, settings: ProtocolSettings) -> ProtocolSettings:
         """The settings with the samples every path trains on (``--samples``, else the task's ``verify_samples``; 0
-        or the whole dataset: None), and :attr:`task` restricted to them, so the epoch plan below is the paths'."""
-        samples = settings.samples if settings.samples is not None else self.task.verify_samples
-        if not samples or samples == self.task.num_samples():
-            return replace(settings, samples=None)
+        or the whole dataset: None; fewer when the task's schedule is shorter than the plan: trainproof.proof.
+        schedule_fit), and :attr:`task` restricted to them, so the epoch plan below is the paths'."""
         total = self.task.num_samples()
+        samples = settings.samples if settings.samples is not None else self.task.verify_samples
+        settings = self._within_schedule(settings, samples or total)
+        samples = settings.samples if settings.samples is not None else samples
+        if not samples or samples == total:
+            return replace(settings, samples=None)
         self.task = first_samples(self.task, samples)
         log.info("every path trains on the first %d of the task's %d samples", samples, total)
         return replace(settings, samples=samples)
+
+    def _within_schedule(self, settings: ProtocolSettings, samples: int) -> ProtocolSettings:
+        """The settings with steps, cut and samples within the task's schedule when it has an end (OneCycleLR)."""
+        length, what = declared_schedule(self.task)
+        if length is None:
+            return settings
+        fit = fit_to_schedule(length=length, what=what, steps=settings.steps, cut=settings.cut, cuts=settings.cuts,
+                              samples=samples, global_batch=self.task.batch_size * settings.world, seed=settings.seed,
+                              fixed=settings.fixed)
+        if fit.why is None:
+            return settings
+        return replace(settings, steps=fit.steps, cut=fit.cut, samples=fit.samples, fitted=fit.why)
 
     def _checks(self, extra_cuts: list[int], steps_per_epoch: int) -> list[Check]:
         """The verification's checks (trainproof.proof.check): adding one is adding it here."""

@@ -72,6 +72,12 @@ class ProtocolSettings:
     samples: int | None = None
     """Every path trains on the task's first this many samples (``--samples``; trainproof.tasks.base.first_samples);
     None: the whole dataset. The protocol resolves it from the task's ``verify_samples`` when not given."""
+    fixed: tuple[str, ...] = ()
+    """The options of the command line that set the paths' lengths (``--steps``, ``--cut``, ``--cuts``,
+    ``--samples``): a plan past the end of the task's schedule is then refused rather than shortened
+    (trainproof.proof.schedule_fit)."""
+    fitted: str | None = None
+    """Why the protocol shortened its paths to the task's schedule (trainproof.proof.schedule_fit), or None."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.cut < self.steps:
@@ -91,7 +97,8 @@ class ProtocolSettings:
                 **({"atol": None, "rtol": None, "comparison": None} if self.tolerance is None else
                    {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "comparison": self.tolerance.mode}),
                 "device": self.device, "checkpoint_every": self.checkpoint_every, "reused_reference": self.reuse,
-                "world": self.world, "fsdp": self.fsdp, "objective_check": self.objective, "samples": self.samples}
+                "world": self.world, "fsdp": self.fsdp, "objective_check": self.objective, "samples": self.samples,
+                "fitted_to_schedule": self.fitted}
 
 
 CPU_EXACT = ("CPU with the trainer's deterministic settings (deterministic algorithms, the task's fixed thread count, "

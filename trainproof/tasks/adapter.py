@@ -94,6 +94,10 @@ class DatasetTask(Task):
     - ``optimizer`` (``sgd``, ``adam``, ``adamw``), ``lr``, ``weight_decay``, ``optimizer_options``
       (e.g. ``{"betas": [0.9, 0.95]}``);
     - ``lr_schedule(step) -> factor``: a plain function for ``LambdaLR``, or None for a constant rate;
+    - ``scheduler(optimizer) -> scheduler``: any other learning-rate scheduler instead (a ``OneCycleLR``, a
+      ``ReduceLROnPlateau``); ``scheduler_metric`` (``train_loss``, or ``eval_metric`` or a key of ``eval_metrics``,
+      evaluated on ``eval_dataset``) and ``scheduler_every`` (optimizer steps between its steps): what a
+      ``ReduceLROnPlateau`` is stepped on, and how often (as on :class:`Task`);
     - ``grad_clip``: max global gradient norm, or None;
     - ``augment(sample, rng) -> sample``: per-sample augmentation with the sample's own NumPy generator (run seed,
       epoch, sample id: trainproof.tasks.batches);
@@ -131,6 +135,8 @@ class DatasetTask(Task):
         default_steps: int = 10, precision: str = "auto", pretrained: Sequence[Pretrained] = (),
         tokenizer: Any = None, num_workers: int = 0, prefetch: int = 2, verify_samples: int | None = None,
         eval_metrics: Mapping[str, Callable[[nn.Module, Any], torch.Tensor]] | None = None,
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, scheduler_metric: str = "train_loss",
+        scheduler_every: int = 1,
     ) -> None:
         require(isinstance(config, Mapping), f"config must be a dict of settings, not {type(config).__name__}")
         try:
@@ -159,6 +165,9 @@ class DatasetTask(Task):
                 f"(got {verify_samples!r})")
         self.verify_samples = verify_samples
         self._eval_metrics = _checked_metrics(eval_metrics, eval_metric)
+        _check_scheduler(lr_schedule, scheduler, scheduler_metric, scheduler_every,
+                         metrics=[eval_metric, *self._eval_metrics] if eval_dataset is not None else [])
+        self._scheduler, self.scheduler_metric, self.scheduler_every = scheduler, scheduler_metric, scheduler_every
         self.dataset, self.eval_dataset = dataset, eval_dataset
         self._build_model, self._per_sample_loss = build_model, per_sample_loss
         self._batch_size, self._micro_batch_size = batch_size, micro
@@ -221,6 +230,8 @@ class DatasetTask(Task):
         return cls(model.parameters(), **options)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        if self._scheduler is not None:
+            return self._scheduler(optimizer)
         if self._lr_schedule is None:
             return None
         # LambdaLR's state_dict stores None for a plain function (weights-only safe); the factor comes back
@@ -298,6 +309,20 @@ class DatasetTask(Task):
                     totals[name] += float(values.double().sum())
                 count += batch.targets
         return {name: total / count for name, total in totals.items()}
+
+
+def _check_scheduler(lr_schedule: Any, scheduler: Any, metric: Any, every: Any, *, metrics: list[str]) -> None:
+    """ConfigError naming the argument unless the scheduler settings are usable together."""
+    require(lr_schedule is None or scheduler is None,
+            "DatasetTask: give lr_schedule (a LambdaLR factor) or scheduler (any scheduler), not both")
+    require(scheduler is None or callable(scheduler),
+            "DatasetTask: scheduler must be a function optimizer -> scheduler, e.g. "
+            "lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt)")
+    require(isinstance(every, int) and not isinstance(every, bool) and every >= 1,
+            f"DatasetTask: scheduler_every must be a whole number of optimizer steps >= 1 (got {every!r})")
+    require(metric == "train_loss" or metric in metrics,
+            f"DatasetTask: scheduler_metric {metric!r} must be 'train_loss' or one of the evaluation metrics "
+            f"{metrics} (an evaluation metric needs eval_dataset)")
 
 
 def _checked_metrics(metrics: Any, primary: str) -> dict[str, Callable[[nn.Module, Any], torch.Tensor]]:

@@ -66,6 +66,13 @@ class Task(abc.ABC):
     the whole dataset. It never changes a training run."""
     grad_clip: float | None = None
     """Max global gradient norm, or None for no clipping."""
+    scheduler_metric: str = "train_loss"
+    """What a scheduler stepped on a metric (``ReduceLROnPlateau``) is stepped on: ``train_loss``, the step's mean
+    training loss over every micro-batch and rank, or the name of one of :meth:`evaluate_metrics`' metrics (evaluated
+    then, on the held-out data). Other schedulers step once per optimizer step and ignore it."""
+    scheduler_every: int = 1
+    """Optimizer steps between two steps of a scheduler stepped on a metric: it steps after every step whose number
+    is a multiple of this (e.g. the steps of an epoch, to step on an evaluation once an epoch)."""
     fsdp: bool = False
     """True: always train sharded with FSDP2, as ``train --fsdp`` asks (a model too large for one device). It
     enters the run's plan: a run cannot change between sharded and replicated training."""
@@ -116,7 +123,9 @@ class Task(abc.ABC):
         """The optimizer over ``model``'s parameters."""
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """A learning-rate scheduler stepped once per optimizer step, or None."""
+        """A learning-rate scheduler stepped once per optimizer step, or None. A ``ReduceLROnPlateau`` is stepped on
+        :attr:`scheduler_metric` every :attr:`scheduler_every` steps; a ``OneCycleLR``'s ``total_steps`` is the most
+        steps a run (and a verification's path) may train."""
         return None
 
     def count_targets(self, sample_ids: list[int]) -> int:

@@ -49,6 +49,7 @@ from trainproof.train.progress import Reporter, make_reporter
 from trainproof.train.resume import Resumed, ResumeOptions, resume
 from trainproof.train.run import Run, build_run, capture_rank_part, capture_state, train_step
 from trainproof.train.saver import Saving
+from trainproof.train.schedule import check_length
 from trainproof.train.stops import DeadlinePolicy, FinishWork, IntervalPolicy, NoDeadline, NoStop, StopFlags
 from trainproof.train.tensorboard import with_tensorboard
 
@@ -168,6 +169,8 @@ class Trainer:
         self.saving.checkpointer.protect = restore_protection(self.store, self.resumed.step, self.cfg.keep)
         self.saving.checkpointer.keep_every = self.cfg.keep_every_rule()  # and a sparse permanent series
         target = self.cfg.target_step(run.step, self.task.default_steps)
+        # A schedule the run would step past its end (OneCycleLR): one line now, not a traceback at its end.
+        check_length(run.scheduler, start=run.step, target=target, source=self.cfg.target_source())
         self._report_start(run, target)
         if run.step >= target and self.rank == 0:  # a target total already reached: say so, not a silent exit 0
             self.reporter.warn(f"nothing to train: the run is at step {run.step}, "

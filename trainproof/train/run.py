@@ -33,6 +33,7 @@ from trainproof.train.data import EpochSampler, permutation_of
 from trainproof.train.dist import Collectives, DistEnv, rank_seed, rank_slice
 from trainproof.train.parallel import Strategy, strategy_for
 from trainproof.train.pipeline import BatchSource, InProcess, micro_batches
+from trainproof.train.schedule import check_cadence, step_scheduler, takes_metric
 
 
 @dataclass(kw_only=True)
@@ -113,6 +114,7 @@ def build_run(task: Task, device: torch.device, seed: int, *, env: DistEnv | Non
     model, wrapper = parallel.place(task, device, env, sync)
     optimizer = task.build_optimizer(model)
     scheduler = task.build_scheduler(optimizer)
+    check_cadence(task, scheduler)
     autocast = task.autocast_dtype(device)
     # A GradScaler only for float16: bfloat16 has float32's exponent range, so its gradients need no scaling.
     scaler = parallel.grad_scaler(device, autocast == torch.float16)
@@ -168,6 +170,7 @@ def train_step(run: Run) -> dict[str, Any]:
     run.samples_seen += len(ids)
     run.targets_seen += count
     loss = run.sync.sum_float(float(loss_total), "sum the step's loss") / count
+    step_scheduler(run, loss)  # after the update; a ReduceLROnPlateau on this step's loss (or a metric)
     run.history.append(step=run.step, epoch=run.sampler.epoch, loss=loss, lr=lr, targets=count, sample_ids=ids)
     # What the step exercised (the verifier reports a path that never clipped, accumulated or scaled): this rank's
     # micro-batches, the gradient norm before clipping and whether the clip changed the gradients.
@@ -185,8 +188,8 @@ def _autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
 
 
 def _optimizer_update(run: Run) -> float | None:
-    """Unscale and clip (when asked), step through the GradScaler, then advance the schedule. Returns the global
-    gradient norm before clipping (None without clipping)."""
+    """Unscale and clip (when asked), step through the GradScaler. Returns the global gradient norm before clipping
+    (None without clipping). The schedule advances after it (trainproof.train.schedule ``step_scheduler``)."""
     norm = None
     if run.task.grad_clip:
         run.scaler.unscale_(run.optimizer)
@@ -194,8 +197,6 @@ def _optimizer_update(run: Run) -> float | None:
         norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
     run.scaler.step(run.optimizer)
     run.scaler.update()
-    if run.scheduler is not None:
-        run.scheduler.step()
     return norm
 
 
@@ -286,10 +287,22 @@ def check_fits(run: Run, state: dict[str, Any]) -> None:
         _fits_optimizer(run.optimizer, state["optimizer"])
     if run.scheduler is not None and state["scheduler"] is not None:
         _fits_like("scheduler", run.scheduler.state_dict(), state["scheduler"])
+        _fits_schedule(run, state)
     _fits_position(run, state)
     _fits_progress(state)
     if not run.cuda:  # on CUDA the per-device states are checked by their restore
         _fits_like("generators", rng.capture(run.np_gen, cuda=False), state["ranks"][0].get("rng"))
+
+
+def _fits_schedule(run: Run, state: dict[str, Any]) -> None:
+    """The scheduler has taken the steps the progress implies: one per optimizer step, or (stepped on a metric) one per
+    ``scheduler_every`` of them."""
+    if not takes_metric(run.scheduler):
+        return  # checked with the state's own consistency (trainproof.format.state)
+    step, taken = state["progress"]["step"], state["scheduler"].get("last_epoch")
+    if taken != step // run.task.scheduler_every:
+        raise StateError(f"the saved scheduler has taken {taken!r} steps, but {step} optimizer steps with "
+                         f"scheduler_every {run.task.scheduler_every} make {step // run.task.scheduler_every}")
 
 
 def _fits_progress(state: dict[str, Any]) -> None:
@@ -339,25 +352,29 @@ def _fits_optimizer(optimizer: torch.optim.Optimizer, saved: Any) -> None:
     if sorted(ids, key=str) != sorted(set(ids), key=str) or any(type(i) is not int for i in ids):
         raise StateError("the saved optimizer's parameter ids are not distinct integers")
     index = dict(zip(ids, params))
+    group_of = {pid: n for n, g in enumerate(groups) for pid in g["params"]}
     templates: dict[tuple, tuple[torch.Size, dict[str, Any] | None]] = {}
     for pid, moments in saved["state"].items():
         if pid not in index or not isinstance(moments, dict):
             raise StateError(f"the saved optimizer holds state for parameter {pid!r}, which this task lacks")
-        param = index[pid]
-        kind = (param.dim(), param.dtype)
+        param, group = index[pid], optimizer.param_groups[group_of[pid]]
+        kind = (group_of[pid], param.dim(), param.dtype)
         if kind not in templates:
-            templates[kind] = _moment_template(optimizer, param)
+            templates[kind] = _moment_template(optimizer, param, group)
         _fits_moments(pid, param, moments, *templates[kind])
 
 
-def _moment_template(optimizer: torch.optim.Optimizer, like: torch.Tensor) -> tuple[torch.Size, dict[str, Any] | None]:
-    """(probe shape, state) of one step of this optimizer on a throw-away parameter of ``like``'s dtype and number
+def _moment_template(optimizer: torch.optim.Optimizer, like: torch.Tensor,
+                     group: dict[str, Any]) -> tuple[torch.Size, dict[str, Any] | None]:
+    """(probe shape, state) of one step of this optimizer, with the settings of ``like``'s parameter group (a scheduler
+    may have changed them: OneCycleLR turns SGD's momentum on), on a throw-away parameter of ``like``'s dtype and number
     of dimensions (at most 2 elements along each: an optimizer whose state depends on the shape, a factored one,
     keeps the same kinds of values): what a saved state of such a parameter must look like. The state is None when
     the optimizer cannot be stepped that way (then only the shapes of the values are checked)."""
     probe = torch.zeros(tuple(min(int(d), 2) for d in like.shape), dtype=like.dtype, requires_grad=True)
+    options = {k: group.get(k, v) for k, v in optimizer.defaults.items()}
     try:
-        other = type(optimizer)([probe], **optimizer.defaults)
+        other = type(optimizer)([probe], **options)
         probe.grad = torch.zeros_like(probe)
         other.step()
     except Exception:  # an optimizer that needs a closure or other arguments

@@ -1,0 +1,117 @@
+"""The schedulers users use (issue 38, item 7), on docs/tasks.md's ``schedules.py`` extracted verbatim.
+
+- ``ReduceLROnPlateau`` stepped on the step's training loss trains, and a run stopped by SIGTERM (exit 75) and run
+  again ends bit for bit where an uninterrupted run ends (its best value, bad-step count and the learning rates it
+  reduced included);
+- ``ReduceLROnPlateau`` stepped twice an epoch on the held-out loss passes the default ``verify``;
+- a ``OneCycleLR`` sized to the task's own length (``total_steps`` = ``default_steps``) passes the default ``verify``,
+  which fits its three epochs into the schedule;
+- a run past the ``OneCycleLR``'s end, and a ``verify`` whose command line fixes a longer plan, each stop at once with
+  one line naming the schedule's length (exit 2);
+- a plateau metric, cadence or pair of schedules ``DatasetTask`` cannot use is refused with one line naming it.
+
+Real ``python -m trainproof`` processes throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_data_workers import stop_at
+from tests.test_examples import doc_modules
+from tests.test_train_helpers import differences, finish, history_rows, load_state, start, trajectory
+from tests.test_verify_helpers import read_report, trainproof
+
+TARGET = 18
+"""Steps of the training runs: three epochs of the example's 24 rows in batches of 4."""
+
+
+@pytest.fixture
+def schedules(tmp_path: Path) -> dict[str, Any]:
+    """The docs' module in ``tmp_path``, a config file per schedule, and the environment that imports it."""
+    (tmp_path / "schedules.py").write_text(doc_modules()["schedules"])
+    configs = {}
+    for kind in ("plateau", "plateau_eval", "onecycle"):
+        configs[kind] = tmp_path / f"{kind}.json"
+        configs[kind].write_text(json.dumps({"schedule": kind}))
+    return {"configs": configs, "env": {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}}
+
+
+def _train(schedules: dict[str, Any], store: Path, kind: str, *args: str):
+    return start(store, "--task", "schedules:factory", "--config", str(schedules["configs"][kind]), *args,
+                 env=schedules["env"])
+
+
+def _comparable(state: dict[str, Any]) -> dict[str, Any]:
+    """The trajectory, the scheduler's infinities (ReduceLROnPlateau's ``mode_worse``) as strings: the helper that
+    compares refuses any non-finite float, equal or not."""
+    sched = {k: repr(v) if isinstance(v, float) and math.isinf(v) else v for k, v in state["scheduler"].items()}
+    return {**trajectory(state), "scheduler": sched}
+
+
+def test_reduce_on_plateau_trains_and_resumes_bitwise_after_sigterm(schedules, tmp_path):
+    continuous = _train(schedules, tmp_path / "continuous", "plateau", "--max-steps", str(TARGET))
+    stopped = stop_at(_train(schedules, tmp_path / "stopped", "plateau", "--max-steps", str(TARGET),
+                             "--checkpoint-every", "100"), 7)
+    assert finish(continuous).code == 0
+    assert stopped.code == 75, stopped.stderr
+    resumed = finish(_train(schedules, tmp_path / "stopped", "plateau", "--max-steps", str(TARGET)))
+    assert resumed.code == 0, resumed.stderr
+    assert 7 <= resumed.last("resume")["step"] < TARGET
+    expected, got = load_state(tmp_path / "continuous"), load_state(tmp_path / "stopped")
+    assert differences(_comparable(expected), _comparable(got)) == []
+    rates = [row["lr"] for row in history_rows(got)]
+    assert len(set(rates)) >= 3, rates  # the plateau reduced the rate, before and after the resume
+    assert got["scheduler"]["last_epoch"] == TARGET and got["progress"]["next_lr"] < rates[0]
+
+
+@pytest.mark.parametrize("kind", ["plateau_eval", "onecycle", pytest.param("plateau", marks=pytest.mark.slow)])
+def test_the_schedules_pass_the_default_verify(schedules, tmp_path, kind):
+    store = str(tmp_path / "run")
+    result = trainproof("verify", "--store", store, "--task", "schedules:factory", "--config",
+                        str(schedules["configs"][kind]), "--id", "v", env=schedules["env"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(store, "v")
+    assert report["all_checks_passed"] is True and report["export"]["reload_check"]["passed"] is True
+    if kind == "onecycle":  # three epochs of 3 steps on the first 12 samples, within the 10-step schedule
+        assert report["settings"]["fitted_to_schedule"] and report["settings"]["samples"] == 12
+        assert report["settings"]["steps"] == 10 and report["cuts"]["steps_per_epoch"] == 3
+    else:
+        assert report["settings"]["fitted_to_schedule"] is None and report["cuts"]["steps"] == TARGET
+
+
+def test_a_run_or_a_verify_past_the_one_cycle_stops_with_one_line(schedules, tmp_path):
+    within = finish(start(tmp_path / "plain", "--task", "schedules:factory", env=schedules["env"]))  # as the docs
+    assert within.code == 0 and within.last("done")["step"] == 10, within.stderr
+    long_run = finish(_train(schedules, tmp_path / "run", "onecycle", "--max-steps", "12"))
+    verify = trainproof("verify", "--store", str(tmp_path / "v"), "--task", "schedules:factory", "--config",
+                        str(schedules["configs"]["onecycle"]), "--steps", "20", env=schedules["env"])
+    for code, stderr in ((long_run.code, long_run.stderr), (verify.returncode, verify.stderr)):
+        assert code == 2, stderr
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("trainproof: error: "), stderr
+        assert "OneCycleLR (total_steps=10) is 10 steps long" in lines[0], stderr
+    assert "--max-steps 10" in long_run.stderr and "--steps fixed" in verify.stderr
+    assert not list((tmp_path / "run").rglob("COMPLETE.json"))  # refused before the first step
+
+
+def test_a_plateau_metric_the_task_cannot_compute_is_refused_by_name(tmp_path, monkeypatch):
+    from trainproof.errors import ConfigError
+    from trainproof.tasks.adapter import DatasetTask
+
+    (tmp_path / "schedules.py").write_text(doc_modules()["schedules"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import schedules as module
+
+    task = module.factory({"schedule": "plateau_eval"})
+    for bad in ({"scheduler_metric": "accuracy"}, {"scheduler_every": 0}, {"lr_schedule": lambda step: 1.0}):
+        with pytest.raises(ConfigError) as caught:
+            DatasetTask(dataset=task.dataset, build_model=task._build_model, per_sample_loss=module.squared_error,
+                        config={}, batch_size=4, eval_dataset=task.eval_dataset, scheduler=task._scheduler, **bad)
+        assert "\n" not in str(caught.value) and str(next(iter(bad))) in str(caught.value), caught.value
