@@ -32,6 +32,9 @@ TARGET = 18
 """Steps of the training runs: three epochs of the example's 24 rows in batches of 4."""
 
 
+SLOW = {"TPHOOK_STEP_DELAY": "0.3"}  # test-only (tests/support/hooked.py): 11 steps left take >= 3.3 s
+
+
 @pytest.fixture
 def schedules(tmp_path: Path) -> dict[str, Any]:
     """The docs' module in ``tmp_path``, a config file per schedule, and the environment that imports it."""
@@ -43,9 +46,9 @@ def schedules(tmp_path: Path) -> dict[str, Any]:
     return {"configs": configs, "env": {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}}
 
 
-def _train(schedules: dict[str, Any], store: Path, kind: str, *args: str):
+def _train(schedules: dict[str, Any], store: Path, kind: str, *args: str, hooks: dict[str, str] | None = None):
     return start(store, "--task", "schedules:factory", "--config", str(schedules["configs"][kind]), *args,
-                 env=schedules["env"])
+                 env={**schedules["env"], **(hooks or {})})
 
 
 def _comparable(state: dict[str, Any]) -> dict[str, Any]:
@@ -58,7 +61,7 @@ def _comparable(state: dict[str, Any]) -> dict[str, Any]:
 def test_reduce_on_plateau_trains_and_resumes_bitwise_after_sigterm(schedules, tmp_path):
     continuous = _train(schedules, tmp_path / "continuous", "plateau", "--max-steps", str(TARGET))
     stopped = stop_at(_train(schedules, tmp_path / "stopped", "plateau", "--max-steps", str(TARGET),
-                             "--checkpoint-every", "100"), 7)
+                             "--checkpoint-every", "100", hooks=SLOW), 7)  # the SIGTERM lands before the end
     assert finish(continuous).code == 0
     assert stopped.code == 75, stopped.stderr
     resumed = finish(_train(schedules, tmp_path / "stopped", "plateau", "--max-steps", str(TARGET)))
