@@ -89,7 +89,7 @@ class LiveVsRestored(Check):
         if phase != COMPARE:
             return
         live = records(done.runs.get("continuous"))
-        for r in done.resumed:
+        for r in sorted(done.resumed, key=lambda r: r.at):  # a difference's first_step is the earliest cut's
             self._compare_one(r, live, records(done.runs.get(r.name)))
 
     def _compare_one(self, r: Resumed, live: dict[int, dict[str, dict[str, str]]],
