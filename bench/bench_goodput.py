@@ -9,8 +9,9 @@ commits and exits 75; still alive at the end of the notice: SIGKILL). The next m
 later. At the end of the wall time the run gets a SIGTERM and its notice like any other.
 
 Ground truth, from the harness alone: wall = first start to the last process's end (harness clock); useful work =
-the steps the store holds committed at the end x the step time of an uninterrupted run of the same task without
-checkpoints (measured first, same machine); truth goodput = useful / wall. Beside it: ``trainproof report``'s goodput
+each step the store holds committed at the end, at the step time the harness itself saw on the machine that trained
+it last (the median gap between the step lines it read, stamped with its own clock: the same load as the run);
+truth goodput = useful / wall. Beside it: ``trainproof report``'s goodput
 (from the attempt records), and the planner's prediction (1 - overhead, ``trainproof plan`` with the measured C,
 the harness's M of interruptions that lose work, and the measured restart).
 
@@ -35,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from contextlib import ExitStack
@@ -94,23 +96,6 @@ def config_json(args: argparse.Namespace) -> str:
     return json.dumps({"state_mib": args.state_mib, "samples": 256, "batch_size": args.batch})
 
 
-def baseline_step_s(args: argparse.Namespace, work: Path) -> float:
-    """Median step time of an uninterrupted run without checkpoints (the truth's price of a step)."""
-    cmd = [sys.executable, "-m", "trainproof", "train", "--store", str(work / "baseline"), "--task",
-           "bench.bigmodel:factory", "--config", str(_config_file(args, work)), "--max-steps", str(args.baseline_steps),
-           "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--log-format", "json", "--tensorboard", "off"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    times = [_t(e["time"]) for e in map(json.loads, filter(None, out.splitlines())) if e.get("event") == "step"]
-    gaps = [b - a for a, b in zip(times, times[1:])][3:]  # the first steps warm up
-    return statistics.median(gaps)
-
-
-def _t(iso: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso).timestamp()
-
-
 def _config_file(args: argparse.Namespace, work: Path) -> Path:
     path = work / "bigmodel.json"
     path.write_text(config_json(args))
@@ -127,15 +112,39 @@ def schedule(mtbi: float, wall: float, kill_share: float, seed: int) -> list[tup
         out.append((t, "sigkill" if rng.random() < kill_share else "sigterm"))
 
 
-def start_machine(args: argparse.Namespace, url: str, env: dict[str, str], work: Path, log) -> subprocess.Popen:
-    cmd = ["bash", str(ROOT / "infra/spot/supervise.sh"), "--store", url, "--config", str(_config_file(args, work)),
-           "--max-steps", "100000000"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
+class Machine:
+    """One rented machine: the supervisor (and the trainers it starts) in a process group of its own, its output
+    read line by line by the harness, which stamps each step line with its own clock."""
+
+    def __init__(self, args: argparse.Namespace, url: str, env: dict[str, str], work: Path, log) -> None:
+        cmd = ["bash", str(ROOT / "infra/spot/supervise.sh"), "--store", url, "--config",
+               str(_config_file(args, work)), "--max-steps", "100000000"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                                     start_new_session=True)
+        self.steps: list[tuple[float, int]] = []
+        """(harness clock, step) of every step line, as it arrived."""
+        self._reader = threading.Thread(target=self._read, args=(log,), daemon=True)
+        self._reader.start()
+
+    def _read(self, log) -> None:
+        for line in self.proc.stdout:
+            now = time.monotonic()
+            log.write(line)
+            if line.startswith('{"event": "step"'):
+                self.steps.append((now, json.loads(line)["step"]))
+
+    def step_s(self) -> float | None:
+        """Median seconds between consecutive step lines (stalls and start-up excluded by the median)."""
+        gaps = [b[0] - a[0] for a, b in zip(self.steps, self.steps[1:]) if b[1] == a[1] + 1]
+        return statistics.median(gaps) if gaps else None
+
+    def close(self) -> None:
+        self._reader.join(timeout=10)
 
 
-def interrupt(proc: subprocess.Popen, how: str, notice: float) -> float:
-    """Deliver ``how``; the seconds until the machine was gone."""
-    t0 = time.monotonic()
+def interrupt(machine: Machine, how: str, notice: float) -> None:
+    """Deliver ``how`` to the machine; it is gone when this returns."""
+    proc = machine.proc
     if how == "sigterm":
         proc.send_signal(signal.SIGTERM)  # the supervisor forwards it; the trainer commits and exits 75
         try:
@@ -147,32 +156,44 @@ def interrupt(proc: subprocess.Popen, how: str, notice: float) -> float:
     except ProcessLookupError:
         pass
     proc.wait()
-    return time.monotonic() - t0
+    machine.close()
 
 
-def run_cell(args: argparse.Namespace, cell: Cell, work: Path, step_s: float) -> Cell:
+def run_cell(args: argparse.Namespace, cell: Cell, work: Path) -> Cell:
     cell.url = f"s3://{BUCKET}/goodput/{uuid.uuid4().hex[:8]}/run"
     state_dir = tempfile.mkdtemp(dir=work)
     env = env_for(args, cell.every, state_dir, grace=args.notice)
     plan = schedule(cell.mtbi, args.wall, args.kill_share, cell.seed)
     log = open(work / f"cell-{cell.mtbi:g}-{cell.every}.log", "w")
     t0 = time.monotonic()
-    proc = start_machine(args, cell.url, env, work, log)
+    machines = [Machine(args, cell.url, env, work, log)]
     for at, how in plan + [(args.wall, "sigterm")]:
         time.sleep(max(0.0, at - (time.monotonic() - t0)))
-        if proc.poll() is not None:  # it ended by itself (exit 2: a bug of the harness): say so
-            raise SystemExit(f"the supervisor exited {proc.returncode} by itself; see {log.name}")
-        interrupt(proc, how, args.notice)
+        if machines[-1].proc.poll() is not None:  # it ended by itself (exit 2: a bug of the harness): say so
+            raise SystemExit(f"the supervisor exited {machines[-1].proc.returncode} by itself; see {log.name}")
+        interrupt(machines[-1], how, args.notice)
         if at < args.wall:
             cell.events.append((round(at, 1), how))
             time.sleep(args.restart)
-            proc = start_machine(args, cell.url, env, work, log)
+            machines.append(Machine(args, cell.url, env, work, log))
     cell.wall_s = time.monotonic() - t0
     log.close()
     cell.steps = committed_step(cell.url)
-    cell.truth = cell.steps * step_s / cell.wall_s
+    cell.truth = useful_s(machines, cell.steps) / cell.wall_s
     cell.report = report_json(cell.url)
     return cell
+
+
+def useful_s(machines: list[Machine], final: int) -> float:
+    """The harness's ground truth of useful training time: each step the run kept (up to ``final``, the last commit),
+    at the step time the harness saw on the machine that trained it last (its median gap between step lines)."""
+    kept: dict[int, float] = {}
+    for m in machines:
+        per_step = m.step_s()
+        for _, step in m.steps:
+            if step <= final and per_step is not None:
+                kept[step] = per_step  # a later machine that trained the step again replaces the earlier one
+    return sum(kept.values())
 
 
 def committed_step(url: str) -> int:
@@ -215,7 +236,9 @@ def check_final(cell: Cell, args: argparse.Namespace, work: Path) -> bool:
                     "bench.bigmodel:factory", "--config", str(_config_file(args, work)), "--max-steps",
                     str(cell.steps), "--checkpoint-every", "0", "--checkpoint-every-seconds", "0", "--log-format",
                     "json", "--tensorboard", "off"], cwd=ROOT, capture_output=True, check=True)
-    return not differences(trajectory(load_state(folder, cell.steps)), trajectory(load_state(cell.url, cell.steps)))
+    own = {"history": "own"}  # retention kept the newest two generations only: compare the states themselves
+    return not differences(trajectory(load_state(folder, cell.steps, **own)),
+                           trajectory(load_state(cell.url, cell.steps, **own)))
 
 
 def main() -> None:
@@ -228,7 +251,6 @@ def main() -> None:
     ap.add_argument("--restart", type=float, default=5.0, help="seconds from an interruption to the next machine")
     ap.add_argument("--state-mib", type=float, default=1024.0)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--baseline-steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--check-final", action="store_true", help="compare each final state with an uninterrupted run")
     args = ap.parse_args()
@@ -237,13 +259,12 @@ def main() -> None:
         stack.enter_context(bench_endpoint())
         _bucket()
         work = Path(tempfile.mkdtemp(prefix="goodput-"))
-        step_s = baseline_step_s(args, work)
         load = os.getloadavg()[0]
-        print(f"state {args.state_mib:g} MiB, step {step_s:.3f} s uninterrupted, load {load:.1f}, seed {args.seed}")
+        print(f"state {args.state_mib:g} MiB, load {load:.1f}, seed {args.seed}")
         cells = []
         for mtbi in mtbis:
             for every in everies:
-                cell = run_cell(args, Cell(mtbi=mtbi, every=every, seed=args.seed), work, step_s)
+                cell = run_cell(args, Cell(mtbi=mtbi, every=every, seed=args.seed), work)
                 cell.predicted = predicted(cell, args)
                 if args.check_final and cell.steps:
                     cell.final_equal = check_final(cell, args, work)
@@ -251,7 +272,7 @@ def main() -> None:
                 print(row(cell), flush=True)
         out = ROOT / "bench/out" / f"goodput-{time.strftime('%Y%m%dT%H%M%S')}.json"
         out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps({"args": vars(args), "step_s": step_s, "load_before": load,
+        out.write_text(json.dumps({"args": vars(args), "load_before": load,
                                    "load_after": os.getloadavg()[0], "cells": [c.__dict__ for c in cells]}, indent=1))
         print(f"written {out.relative_to(ROOT)}; load after {os.getloadavg()[0]:.1f}")
 

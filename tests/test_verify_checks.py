@@ -20,6 +20,7 @@ from trainproof.proof.check import AFTER, REFERENCE, Check, Results, Skipped
 from trainproof.proof.compare import Diff
 from trainproof.proof.cuts import CutsCheck
 from trainproof.proof.four_paths import FourPaths
+from trainproof.proof.live import LiveVsRestored
 from trainproof.proof.objective import ObjectiveCheck
 from trainproof.proof.protocol import Protocol
 from trainproof.proof.report import print_summary
@@ -30,6 +31,7 @@ from trainproof.storage import open_store
 
 BASE_VERDICTS = ["all_checks_passed", "positive", "negative_divergence_detected", "cut_checkpoint_ok",
                  "export_reload_ok", "cuts_passed"]
+LIVE_VERDICTS = ["live_vs_restored_passed", "live_vs_restored_negative_detected"]
 WORLD_VERDICTS = ["world_equivalence_passed", "world_negative_detected"]
 OBJECTIVE_VERDICTS = ["objective_equivalence_passed", "objective_negative_detected"]
 
@@ -39,11 +41,11 @@ def _protocol(tmp_path: Path, **settings: Any) -> Protocol:
 
 
 @pytest.mark.parametrize("settings,kinds,verdicts", [
-    ({}, [FourPaths, CutsCheck, ObjectiveCheck], BASE_VERDICTS + OBJECTIVE_VERDICTS),
-    ({"world": 2}, [FourPaths, CutsCheck, WorldEquivalence, ObjectiveCheck],
-     BASE_VERDICTS + WORLD_VERDICTS + OBJECTIVE_VERDICTS),
-    ({"objective": False}, [FourPaths, CutsCheck, Skipped], BASE_VERDICTS),
-    ({"reuse": "earlier"}, [FourPaths, CutsCheck, Skipped], BASE_VERDICTS),
+    ({}, [FourPaths, CutsCheck, LiveVsRestored, ObjectiveCheck], BASE_VERDICTS + LIVE_VERDICTS + OBJECTIVE_VERDICTS),
+    ({"world": 2}, [FourPaths, CutsCheck, LiveVsRestored, WorldEquivalence, ObjectiveCheck],
+     BASE_VERDICTS + LIVE_VERDICTS + WORLD_VERDICTS + OBJECTIVE_VERDICTS),
+    ({"objective": False}, [FourPaths, CutsCheck, LiveVsRestored, Skipped], BASE_VERDICTS + LIVE_VERDICTS),
+    ({"reuse": "earlier"}, [FourPaths, CutsCheck, Skipped, Skipped], BASE_VERDICTS),
 ])
 def test_the_protocols_checks_and_the_verdict_keys_they_give(tmp_path, settings, kinds, verdicts):
     protocol = _protocol(tmp_path, **settings)
@@ -55,6 +57,11 @@ def test_the_protocols_checks_and_the_verdict_keys_they_give(tmp_path, settings,
     assert ("world_equivalence" in report) == ("world" in settings)
     if "world" in settings:
         assert report["world_equivalence"] is None  # its runs never started
+    if "reuse" in settings:  # its continuous path recorded no live state
+        assert report["live_vs_restored"] == {"skipped": "reused reference: its continuous path's live state was not "
+                                                         "recorded"}
+    elif not settings:  # every cut (protocol's, extra, resume of a resume), recorded by the continuous path
+        assert protocol.s.live_at == (5, 6, 9, 11, 12, 15, 17)
     skipped = {"objective": "--no-objective-check", "reuse": "reused reference"}
     for key, why in skipped.items():
         if key in settings:

@@ -41,6 +41,8 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
 ``TPHOOK_SAVE_PREFETCHED`` ``1``: every checkpoint holds the data position the DataLoader workers were asked to
                          build up to (trainproof.train.pipeline's lookahead) instead of the one the trainer consumed: the
                          bug of loaders that checkpoint their own prefetching iterator
+``TPHOOK_SAVE_BUG``     ``scaler_tracker``: every checkpoint saves the GradScaler's growth tracker as 0 (the continuous
+                         path's too, so stored states agree; only the live state shows the tracker it had)
 ``TPHOOK_DUMP_LOADED``   a path: right after a sharded run (``--fsdp``) loaded its model and optimizer shards,
                          gather them whole (every rank) and ``torch.save`` them there (rank 0), flattened to
                          ``model.<fqn>`` / ``optim.state.<fqn>.<key>`` / ``optim.param_groups``: a test compares
@@ -194,6 +196,22 @@ def _save_prefetched() -> None:
     run.capture_rank_part = loop.capture_rank_part = prefetched_part
 
 
+def _save_scaler_tracker_zero() -> None:
+    """Every captured state's GradScaler growth tracker is 0: a save bug in every generation."""
+    from trainproof.train import loop
+
+    capture = loop.capture_state
+
+    @functools.wraps(capture)
+    def wrong_capture(run: Any, meta: dict[str, Any]) -> dict[str, Any]:
+        state = capture(run, meta)
+        if "_growth_tracker" in state["scaler"]:
+            state["scaler"] = {**state["scaler"], "_growth_tracker": 0}
+        return state
+
+    loop.capture_state = wrong_capture
+
+
 def _disk_full_at(step: int) -> None:
     """Writes into ``step-<step>/`` of a local store fail with ENOSPC (a disk that filled up at that step)."""
     import errno
@@ -266,6 +284,11 @@ def install() -> None:
             return info
 
         fsdp.load_generation = dumping_load
+    save_bug = os.environ.get("TPHOOK_SAVE_BUG")
+    if save_bug:
+        if save_bug != "scaler_tracker":  # a typo must not pass for a clean run
+            raise ValueError(f"TPHOOK_SAVE_BUG: unknown save bug {save_bug!r}; known: scaler_tracker")
+        _save_scaler_tracker_zero()
     if os.environ.get("TPHOOK_SAVE_PREFETCHED") == "1":
         _save_prefetched()
     kinds = _sabotages()

@@ -4,8 +4,9 @@ Owns: :mod:`trainproof.proof.protocol` (``trainproof verify``: its phases, folde
 :mod:`trainproof.proof.check` (the :class:`~trainproof.proof.check.Check` interface: everything proved declares its
 runs, comparison, verdicts, failing names, diagnosis and report blocks; adding a check is writing the class and adding
 it to ``Protocol._checks``), the checks :mod:`trainproof.proof.four_paths` (the four paths of docs/protocol.md, their
-comparison, the export), :mod:`trainproof.proof.cuts` (extra cuts), :mod:`trainproof.proof.clipping`,
-:mod:`trainproof.proof.world` (world-size equivalence) and :mod:`trainproof.proof.objective` (objective equivalence),
+comparison, the export), :mod:`trainproof.proof.cuts` (extra cuts), :mod:`trainproof.proof.live` (live state against
+restored state), :mod:`trainproof.proof.clipping`, :mod:`trainproof.proof.world` (world-size equivalence) and
+:mod:`trainproof.proof.objective` (objective equivalence),
 :mod:`trainproof.proof.verification` (the tail every verification shares: report, plot, pruning, outcome),
 :mod:`trainproof.proof.paths` (training paths as fresh processes, read back from the store),
 :mod:`trainproof.proof.compare` (state-by-state comparison within a tolerance), :mod:`trainproof.proof.equivalence` (the

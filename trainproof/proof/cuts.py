@@ -37,7 +37,7 @@ from trainproof.proof.check import AGAIN, REFERENCE, RESUMED, Check, Job, Result
 from trainproof.proof.compare import Diff
 from trainproof.proof.diagnose import diagnose_path
 from trainproof.proof.paths import Opener, PathResult, VerificationIncomplete, require_success, seed_copy
-from trainproof.proof.settings import ProtocolSettings, train_argv
+from trainproof.proof.settings import ProtocolSettings, live_steps, train_argv
 
 EPOCHS = 3
 """Epochs the default continuous path covers at least."""
@@ -115,6 +115,15 @@ def resume_checks(results: list[PathResult], at: dict[str, int], into: dict[str,
     return set(failed)
 
 
+def again_step(s: ProtocolSettings) -> int | None:
+    """The step of the resume of a resume: one the protocol's resume path commits, after its cut and before the
+    end, near the middle (None when it commits none there)."""
+    every = s.checkpoint_every
+    candidates = [x for x in range(s.cut + 1, s.steps) if every and x % every == 0]
+    middle = (s.cut + s.steps) // 2
+    return min(candidates, key=lambda x: (abs(x - middle), x)) if candidates else None
+
+
 class CutsCheck(Check):
     """Resume at every extra cut (``resume_at_<c>`` under ``<id>/cuts/``) and compare with the continuous path."""
 
@@ -146,10 +155,7 @@ class CutsCheck(Check):
 
     def _again_step(self) -> int | None:
         """A step the protocol's resume path commits, after its cut and before the end, near the middle."""
-        s, every = self.s, self.s.checkpoint_every
-        candidates = [x for x in range(s.cut + 1, s.steps) if every and x % every == 0]
-        middle = (s.cut + s.steps) // 2
-        return min(candidates, key=lambda x: (abs(x - middle), x)) if candidates else None
+        return again_step(self.s)
 
     def continuous_has(self, step: int) -> bool:
         """Whether the continuous path commits generation ``step`` (then an extra cut resumes from it)."""
@@ -160,7 +166,8 @@ class CutsCheck(Check):
         """The command line of an extra cut's own cut process (``resume=False``) or of its resumed path."""
         name = f"resume_at_{c}" if resume else f"cut_at_{c}"
         return train_argv(self.s, self.urls[name], steps=self.s.steps - c if resume else c,
-                          every=self.s.checkpoint_every if resume else 0, resume=resume)
+                          every=self.s.checkpoint_every if resume else 0, resume=resume,
+                          live=live_steps(self.s, resumed_at=c) if resume else None)
 
     def jobs(self, phase: str, scratch: Path, done: Results) -> list[Job]:
         """``cut_at_<c>`` with the reference paths (cuts the continuous path does not commit); ``resume_at_<c>`` with
@@ -189,7 +196,7 @@ class CutsCheck(Check):
             return []
         seed_copy(self.opener(self.urls[self.again_name]), source, self.again)
         argv = train_argv(self.s, self.urls[self.again_name], steps=self.s.steps - self.again,
-                          every=self.s.checkpoint_every, resume=True)
+                          every=self.s.checkpoint_every, resume=True, live=live_steps(self.s, resumed_at=self.again))
         return [(self.again_name, self.urls[self.again_name], argv)]
 
     def record(self, phase: str, results: list[PathResult]) -> None:

@@ -36,7 +36,7 @@ from trainproof.proof.paths import (
 )
 from trainproof.proof.reload import export_and_check
 from trainproof.proof.report import REPORT_FILE
-from trainproof.proof.settings import ProtocolSettings, train_argv
+from trainproof.proof.settings import ProtocolSettings, live_steps, train_argv
 from trainproof.storage import GenerationStore
 from trainproof.tasks import Task
 
@@ -78,8 +78,9 @@ class FourPaths(Check):
         """The command line of one of the four paths."""
         s = self.s
         steps = {"continuous": s.steps, "cut": s.cut}.get(path, s.steps - s.cut)  # resumes: additional steps
+        live = None if path == "cut" else live_steps(s, resumed_at=None if path == "continuous" else s.cut)
         return train_argv(s, self.urls[path], steps=steps, every=0 if path == "cut" else s.checkpoint_every,
-                          resume=path not in ("continuous", "cut"), negative=path == NEGATIVE)
+                          resume=path not in ("continuous", "cut"), negative=path == NEGATIVE, live=live)
 
     def jobs(self, phase: str, scratch: Path, done: Results) -> list[Job]:
         """The continuous and cut paths (or the reused reference's, adopted), then the resumed ones, each seeded with

@@ -35,9 +35,11 @@ from trainproof.errors import ConfigError
 from trainproof.proof.budget import Plan, check_budget, state_bytes
 from trainproof.proof.check import AFTER, AGAIN, COMPARE, PHASES, REFERENCE, RESUMED, Check, Results, Skipped
 from trainproof.proof.clipping import ClipCheck
-from trainproof.proof.cuts import CutsCheck, plan_cuts
+from trainproof.proof.cuts import CutsCheck, again_step, plan_cuts
 from trainproof.proof.exercised import not_exercised, path_exercised
 from trainproof.proof.four_paths import FourPaths
+from trainproof.proof.live import NAME as LIVE
+from trainproof.proof.live import LiveVsRestored
 from trainproof.proof.objective import ObjectiveCheck
 from trainproof.proof.objective import not_applicable as objective_not_applicable
 from trainproof.proof.paths import Opener, absolute_url, run_processes
@@ -104,6 +106,10 @@ class Protocol(VerificationRunner):
             check_budget(self.plan, max_steps=settings.budget_steps, max_gib=settings.budget_gib,
                          cuts_given=settings.cuts is not None, samples=self.task.num_samples(),
                          global_batch=self.task.batch_size * settings.world)
+        if not settings.reuse:  # every cut: the continuous path records its live state there (trainproof.proof.live)
+            again = again_step(settings) if settings.cuts is None else None
+            self.s = settings = replace(settings, live_at=tuple(sorted({settings.cut, *extra_cuts,
+                                                                        *([again] if again else [])})))
         self.four = FourPaths(settings=settings, opener=opener, task=self.task, param_names=self.param_names,
                               root=self.root, reference=base.child(settings.reuse) if settings.reuse else None)
         """The four paths: the first check, whose paths, export and environment the report's envelope holds."""
@@ -143,6 +149,8 @@ class Protocol(VerificationRunner):
             settings=s, extra=extra_cuts, steps_per_epoch=steps_per_epoch, root_url=root,
             continuous_url=urls["continuous"], opener=self.opener, resume_url=urls["resume"],
             random_cut=self.random_cut)]
+        checks.append(LiveVsRestored(steps=s.live_at) if s.live_at else
+                      Skipped(LIVE, "reused reference: its continuous path's live state was not recorded"))
         if self.task.grad_clip and not s.reuse:  # clipping made to bite on runs of its own (trainproof.proof.clipping)
             checks.append(ClipCheck(settings=s, grad_clip=float(self.task.grad_clip), root_url=root,
                                     opener=self.opener, param_names=self.param_names))

@@ -78,6 +78,10 @@ class ProtocolSettings:
     (trainproof.proof.schedule_fit)."""
     fitted: str | None = None
     """Why the protocol shortened its paths to the task's schedule (trainproof.proof.schedule_fit), or None."""
+    live_at: tuple[int, ...] = ()
+    """The steps at which the continuous path records its live state for the ``live_vs_restored`` check (every cut;
+    trainproof.proof.live), each resumed path right after restoring; empty: the check does not run. Set by the
+    protocol."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.cut < self.steps:
@@ -135,13 +139,15 @@ def default_schedule(task: str) -> tuple[int, int]:
 
 
 def train_argv(s: ProtocolSettings, url: str, *, steps: int, every: int, resume: bool,
-               negative: bool = False, variant: Variant | None = None) -> list[str]:
+               negative: bool = False, variant: Variant | None = None,
+               live: tuple[int, ...] | None = None) -> list[str]:
     """The ``train`` command line of one path of the protocol into run ``url``.
 
     ``steps``: updates to train (a resumed path: additional ones, so one that silently started over ends short);
     ``every``: its commit cadence (0: only at the end); ``resume``: continue the run's newest generation (the copy of
     a cut) rather than start fresh; ``negative``: the negative control, resumed without the RNG restore;
-    ``variant``: a check's trainer mode (trainproof.train.variant), on the protocol's subset of samples."""
+    ``variant``: a check's trainer mode (trainproof.train.variant), on the protocol's subset of samples; ``live``: the
+    step boundaries at which it records its live state (:func:`live_steps`)."""
     args = ["--task", s.task, *(["--config", str(s.config)] if s.config else []), "--seed", str(s.seed),
             "--steps", str(steps), "--checkpoint-every", str(every), "--checkpoint-every-seconds", "0",
             "--keep", "0", "--resume", "auto" if resume else "never", "--device", s.device, "--log-format", "json",
@@ -149,5 +155,14 @@ def train_argv(s: ProtocolSettings, url: str, *, steps: int, every: int, resume:
     if s.world > 1:
         args = ["--nproc-per-node", str(s.world), *args]
     args += layout_flag(s.fsdp)
-    args += replace(variant or Variant(), samples=s.samples).argv()
+    args += replace(variant or Variant(), samples=s.samples, live_state_at=live or None).argv()
     return job_argv("train", "--store", url, *args, *(["--omit-rng-restore"] if negative else []))
+
+
+def live_steps(s: ProtocolSettings, *, resumed_at: int | None) -> tuple[int, ...] | None:
+    """Where a path records its live state for the ``live_vs_restored`` check (trainproof.proof.live): the continuous
+    path (``resumed_at`` None) at every cut, a path resumed at step c right after restoring, at c; None when the check
+    does not run."""
+    if not s.live_at:
+        return None
+    return s.live_at if resumed_at is None else (resumed_at,)

@@ -38,6 +38,7 @@ from trainproof.train.config import TrainConfig
 from trainproof.train.data import epoch_plan
 from trainproof.train.device import configure_determinism, resolve_device
 from trainproof.train.discover import agree_plan
+from trainproof.train.live import live_state
 from trainproof.train.pipeline import (
     check_workers,
     next_step_micro_batches,
@@ -212,6 +213,7 @@ class Trainer:
     def _loop(self, run: Run, target: int) -> str:
         """Optimizer steps until the target; stop requests and saves are decided only at step boundaries."""
         while run.step < target:
+            self._record_live(run)
             built_s = self._check_data(run)
             reason, save = self._agree(run, save=self.saving.due(run.step))
             if save:
@@ -225,6 +227,14 @@ class Trainer:
             self.deadline.observe_step(time.perf_counter() - t0 + built_s)
             self.reporter.step(record, target=target)
         return "target"
+
+    def _record_live(self, run: Run) -> None:
+        """The verifier's ``live_vs_restored`` check (``--variant`` ``live_state_at``): at a listed step boundary,
+        before anything of the next step, print what the live objects hold (trainproof.train.live); a resumed
+        process's first boundary is right after its restore."""
+        at = self.cfg.variant.live_state_at
+        if at and run.step in at and self.rank == 0:
+            self.reporter.event("live_state", step=run.step, components=live_state(run))
 
     def _check_data(self, run: Run) -> float:
         """Build this rank's micro-batches of the next step now, before the step takes any: a failure (a damaged

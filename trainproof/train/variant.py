@@ -40,6 +40,10 @@ class Variant:
     """The clipping runs (trainproof.proof.clipping): this max gradient norm instead of the task's."""
     samples: int | None = None
     """``verify --samples``: train on the task's first this many samples (trainproof.tasks.base.first_samples)."""
+    live_state_at: tuple[int, ...] | None = None
+    """The ``live_vs_restored`` check (trainproof.proof.live): at each of these step boundaries the process reaches
+    (the first one right after a restore included, before any update), print a ``live_state`` event recording its
+    live state (trainproof.train.live). Changes nothing the run computes."""
 
     def __post_init__(self) -> None:
         if self.negative_control not in NEGATIVE_CONTROLS:
@@ -54,6 +58,12 @@ class Variant:
         if self.samples is not None and (isinstance(self.samples, bool) or not isinstance(self.samples, int)
                                          or self.samples < 1):
             raise ConfigError(f"{OPTION}: samples must be an integer >= 1 (got {self.samples!r})")
+        at = self.live_state_at
+        if at is not None:
+            if not isinstance(at, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                                                        for s in at):
+                raise ConfigError(f"{OPTION}: live_state_at must be a list of step numbers >= 0 (got {at!r})")
+            object.__setattr__(self, "live_state_at", tuple(sorted(set(at))))
         clip = self.grad_clip
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                                  or not (clip > 0 and math.isfinite(clip))):
@@ -62,7 +72,7 @@ class Variant:
     def to_json(self) -> dict[str, Any]:
         """The fields that differ from a plain training run (``{}`` for one)."""
         plain = Variant()
-        return {k: v for k, v in asdict(self).items() if v != getattr(plain, k)}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v != getattr(plain, k)}
 
     def argv(self) -> list[str]:
         """The ``train`` options that ask for this variant (none for a plain run)."""
