@@ -54,21 +54,32 @@ def bundle_parts(dest: GenerationStore, step: int) -> dict[str, Any]:
 NOT_COMPARED = {"history": ("generations_read",)}
 """Bookkeeping of metrics.json that differs by path, not by result: how many generations the loss curve was read
 from (the resumed path's run holds copies of the cut's lineage, not every step's generation)."""
+BF16_METRICS = ("value_bf16", "others_bf16")
+"""The entries of metrics.json's ``eval`` computed from the bf16 weights."""
+BF16_NOT_COMPARED = ("under a tolerance (not exact) the bf16 weights and their metrics are not compared: rounding to "
+                     "bfloat16 turns a difference within the tolerance into a whole bf16 step; they are the "
+                     "full-precision weights, compared, rounded")
 
 
-def _compared_metrics(metrics: Any) -> Any:
-    """metrics.json without :data:`NOT_COMPARED`."""
+def _compared_metrics(metrics: Any, *, bf16: bool) -> Any:
+    """metrics.json without :data:`NOT_COMPARED` (and without :data:`BF16_METRICS` unless ``bf16``)."""
     if not isinstance(metrics, dict):
         return metrics
-    return {k: {kk: vv for kk, vv in v.items() if kk not in NOT_COMPARED[k]}
-            if k in NOT_COMPARED and isinstance(v, dict) else v for k, v in metrics.items()}
+    left_out = {**NOT_COMPARED, **({} if bf16 else {"eval": BF16_METRICS})}
+    return {k: {kk: vv for kk, vv in v.items() if kk not in left_out[k]}
+            if k in left_out and isinstance(v, dict) else v for k, v in metrics.items()}
 
 
 def compare_bundles(ref: dict[str, Any], other: dict[str, Any], tol: Tolerance) -> dict[str, Diff]:
-    """Each part of :func:`bundle_parts` of ``other`` against ``ref``'s (trainproof.proof.compare.diff_tree)."""
-    return {"weights": diff_tree(ref["weights"], other["weights"], tol),
-            "weights_bf16": diff_tree(ref["weights_bf16"], other["weights_bf16"], tol),
-            "metrics": diff_tree(_compared_metrics(ref["metrics"]), _compared_metrics(other["metrics"]), tol)}
+    """Each part of :func:`bundle_parts` of ``other`` against ``ref``'s (trainproof.proof.compare.diff_tree); the
+    bf16 parts only in an exact comparison (:data:`BF16_NOT_COMPARED`)."""
+    exact = tol.mode == "exact"
+    out = {"weights": diff_tree(ref["weights"], other["weights"], tol)}
+    if exact:
+        out["weights_bf16"] = diff_tree(ref["weights_bf16"], other["weights_bf16"], tol)
+    out["metrics"] = diff_tree(_compared_metrics(ref["metrics"], bf16=exact),
+                               _compared_metrics(other["metrics"], bf16=exact), tol)
+    return out
 
 
 class ExportComparison(Check):
@@ -134,6 +145,7 @@ class ExportComparison(Check):
                       "resumed_export": None if self.four.export is None else self.four.export.get("location"),
                       "step": self.steps, "compared": {"weights": FP_FILE, "weights_bf16": BF16_SAFETENSORS,
                                                        "metrics": "metrics.json"},
+                      **({} if self.tol.mode == "exact" else {"bf16": BF16_NOT_COMPARED}),
                       **({} if self.ran else {"why_not": "no export of the resumed path (--no-export, or a check "
                                                          "failed before the export)"})}}
 
