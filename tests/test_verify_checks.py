@@ -19,6 +19,7 @@ import pytest
 from trainproof.proof.check import AFTER, REFERENCE, Check, Results, Skipped
 from trainproof.proof.compare import Diff
 from trainproof.proof.cuts import CutsCheck
+from trainproof.proof.export_compare import ExportComparison
 from trainproof.proof.four_paths import FourPaths
 from trainproof.proof.live import LiveVsRestored
 from trainproof.proof.objective import ObjectiveCheck
@@ -26,6 +27,7 @@ from trainproof.proof.protocol import Protocol
 from trainproof.proof.report import print_summary
 from trainproof.proof.settings import ProtocolSettings
 from trainproof.proof.verification import Outcome, VerificationRunner, run_verification
+from trainproof.proof.workers import WorkerCounts
 from trainproof.proof.world import WorldEquivalence
 from trainproof.storage import open_store
 
@@ -34,6 +36,8 @@ BASE_VERDICTS = ["all_checks_passed", "positive", "negative_divergence_detected"
 LIVE_VERDICTS = ["live_vs_restored_passed", "live_vs_restored_negative_detected"]
 WORLD_VERDICTS = ["world_equivalence_passed", "world_negative_detected"]
 OBJECTIVE_VERDICTS = ["objective_equivalence_passed", "objective_negative_detected"]
+VARIED = [WorkerCounts, ExportComparison]
+"""Last: the data workers varied, the exports compared (no verdict key before the exports were compared)."""
 
 
 def _protocol(tmp_path: Path, **settings: Any) -> Protocol:
@@ -41,11 +45,12 @@ def _protocol(tmp_path: Path, **settings: Any) -> Protocol:
 
 
 @pytest.mark.parametrize("settings,kinds,verdicts", [
-    ({}, [FourPaths, CutsCheck, LiveVsRestored, ObjectiveCheck], BASE_VERDICTS + LIVE_VERDICTS + OBJECTIVE_VERDICTS),
-    ({"world": 2}, [FourPaths, CutsCheck, LiveVsRestored, WorldEquivalence, ObjectiveCheck],
+    ({}, [FourPaths, CutsCheck, LiveVsRestored, ObjectiveCheck, *VARIED],
+     BASE_VERDICTS + LIVE_VERDICTS + OBJECTIVE_VERDICTS),
+    ({"world": 2}, [FourPaths, CutsCheck, LiveVsRestored, WorldEquivalence, ObjectiveCheck, *VARIED],
      BASE_VERDICTS + LIVE_VERDICTS + WORLD_VERDICTS + OBJECTIVE_VERDICTS),
-    ({"objective": False}, [FourPaths, CutsCheck, LiveVsRestored, Skipped], BASE_VERDICTS + LIVE_VERDICTS),
-    ({"reuse": "earlier"}, [FourPaths, CutsCheck, Skipped, Skipped], BASE_VERDICTS),
+    ({"objective": False}, [FourPaths, CutsCheck, LiveVsRestored, Skipped, *VARIED], BASE_VERDICTS + LIVE_VERDICTS),
+    ({"reuse": "earlier"}, [FourPaths, CutsCheck, Skipped, Skipped, *VARIED], BASE_VERDICTS),
 ])
 def test_the_protocols_checks_and_the_verdict_keys_they_give(tmp_path, settings, kinds, verdicts):
     protocol = _protocol(tmp_path, **settings)
@@ -53,7 +58,8 @@ def test_the_protocols_checks_and_the_verdict_keys_they_give(tmp_path, settings,
     assert list(protocol.verdicts()) == verdicts
     assert not any(protocol.verdicts()[k] for k in verdicts if k != "export_reload_ok")  # nothing compared yet
     report = protocol.report()
-    assert {"cuts", "objective_equivalence", "diagnosis", "negative"} <= set(report)
+    assert {"cuts", "objective_equivalence", "diagnosis", "negative", "data_workers", "export_comparison"} <= set(report)
+    assert report["data_workers"]["varied"] == [] and report["export_comparison"]["ran"] is False  # regression
     assert ("world_equivalence" in report) == ("world" in settings)
     if "world" in settings:
         assert report["world_equivalence"] is None  # its runs never started

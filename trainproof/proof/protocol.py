@@ -37,6 +37,7 @@ from trainproof.proof.check import AFTER, AGAIN, COMPARE, PHASES, REFERENCE, RES
 from trainproof.proof.clipping import ClipCheck
 from trainproof.proof.cuts import CutsCheck, again_step, plan_cuts
 from trainproof.proof.exercised import not_exercised, path_exercised
+from trainproof.proof.export_compare import ExportComparison
 from trainproof.proof.four_paths import FourPaths
 from trainproof.proof.live import NAME as LIVE
 from trainproof.proof.live import LiveVsRestored
@@ -47,6 +48,7 @@ from trainproof.proof.report import build_report, environment, plot_png
 from trainproof.proof.schedule_fit import declared_schedule, fit_to_schedule
 from trainproof.proof.settings import ProtocolSettings, default_tolerance
 from trainproof.proof.verification import VerificationRunner
+from trainproof.proof.workers import WorkerCounts
 from trainproof.proof.world import WorldEquivalence
 from trainproof.storage import GenerationStore
 from trainproof.tasks import Task, load_task
@@ -113,7 +115,9 @@ class Protocol(VerificationRunner):
         self.four = FourPaths(settings=settings, opener=opener, task=self.task, param_names=self.param_names,
                               root=self.root, reference=base.child(settings.reuse) if settings.reuse else None)
         """The four paths: the first check, whose paths, export and environment the report's envelope holds."""
-        self.checks: list[Check] = self._checks(extra_cuts, steps_per_epoch)
+        self.workers = WorkerCounts(builds_batches=self.task.builds_batches, task_workers=self.task.num_workers)
+        """Gives the resumed paths other data worker counts than the continuous path (trainproof.proof.workers)."""
+        self.checks: list[Check] = self._checks(extra_cuts, steps_per_epoch) + self._varied()
         """Everything proved, the four paths first, in the order of their verdicts in verification.json."""
 
     def _on_subset(self, settings: ProtocolSettings) -> ProtocolSettings:
@@ -168,6 +172,12 @@ class Protocol(VerificationRunner):
                 opener=self.opener, fsdp=s.fsdp))
         return checks
 
+    def _varied(self) -> list[Check]:
+        """What must not matter, varied (the data workers), and what a user gets, compared (the exports): after the
+        other checks, so that the exports are compared once the four paths made theirs."""
+        return [self.workers, ExportComparison(four=self.four, root_url=absolute_url(self.root), opener=self.opener,
+                                               steps=self.s.steps, task=self.s.task, tolerance=self.s.tolerance)]
+
     def run(self) -> None:
         """Every phase in order (:data:`trainproof.proof.check.PHASES`). Raises VerificationIncomplete."""
         log.info("verification %s under %s", self.s.vid, absolute_url(self.root))
@@ -182,7 +192,7 @@ class Protocol(VerificationRunner):
     def _phase(self, phase: str) -> int:
         """Every check's runs of ``phase`` started together, handed to it with the results so far; how many ran."""
         with tempfile.TemporaryDirectory(prefix="trainproof-verify-") as tmp:
-            listed = [(check, check.jobs(phase, Path(tmp), self.done)) for check in self.checks]
+            listed = [(check, self.workers.vary(check.jobs(phase, Path(tmp), self.done))) for check in self.checks]
             jobs = [job for _, mine in listed for job in mine]
             if len({name for name, _, _ in jobs}) != len(jobs):
                 raise RuntimeError(f"two runs of the {phase} phase share a name: {[name for name, _, _ in jobs]}")
