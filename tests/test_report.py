@@ -127,7 +127,9 @@ def test_png_draws_the_timeline_of_a_finished_run_and_of_one_whose_last_attempt_
     assert 500 <= width <= 2000 and 200 <= height <= 1500, (width, height)
 
     url = str(tmp_path / "crashed") if where == "local" else f"s3://{request.getfixturevalue('s3_env')}/p/crashed"
-    records = sorted((interrupted.store / "attempts").iterdir())[:2]  # the stopped one and the killed one
+    # The stopped one and the killed one (the kill may have left a ".tmp-" file of a record being rewritten).
+    records = sorted((interrupted.store / "attempts").glob("*.json"),
+                     key=lambda p: json.loads(p.read_text())["started_at"])[:2]
     target = open_store(url).child("attempts")
     for record in records:
         target.write_file(record.name, record.read_bytes())
