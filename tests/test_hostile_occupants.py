@@ -1,5 +1,5 @@
 """Nothing stored at a name the run writes next can stop it: the step it commits, ``quarantine``, an export bundle's
-name (``deadline.json``: tests/test_train_deadline.py).
+name, the spool folder ``.spool`` (``deadline.json``: tests/test_train_deadline.py).
 
 A co-tenant plants an occupant at the step the restarted run commits next: a plain file, a symlink, a FIFO, a folder
 whose ``COMPLETE.json`` is a folder, with ``quarantine`` itself a file or a symlink leading out of the run; on S3 one
@@ -103,6 +103,39 @@ def test_an_occupant_of_the_next_step_is_moved_aside_and_the_run_ends_as_if_it_w
     if kind.startswith("quarantine-"):  # what held the name is still there, untouched
         held = run_dir / "quarantine"
         assert held.is_symlink() if kind == "quarantine-symlink" else held.read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "spools"])
+def test_what_occupies_the_spool_folder_neither_stops_the_run_nor_is_written_through(tmp_path, reference, three, kind):
+    """``.spool``, where a folder run's writer serialises its states, planted as a link out of the run, a FIFO, or a
+    folder holding a killed writer's leftover spool beside a link out of the run and a FIFO named like spools: the
+    occupant is moved aside (the link never followed), the leftover deleted, the links and FIFOs inside left alone; the
+    run ends as an untouched one and leaves no spool behind."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(three, run_dir)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    spools = run_dir / ".spool"
+    shutil.rmtree(spools)  # the run's own, empty
+    if kind == "symlink":
+        spools.symlink_to(outside, target_is_directory=True)
+    elif kind == "fifo":
+        os.mkfifo(spools)
+    else:
+        spools.mkdir()
+        (spools / "trainproof-spool-left").write_bytes(b"x" * 4096)
+        (spools / "trainproof-spool-link").symlink_to(outside, target_is_directory=True)
+        os.mkfifo(spools / "trainproof-spool-fifo")
+    result = run(run_dir, "--max-steps", str(TARGET), "--checkpoint-every", "1", "--keep", "0")
+    assert result.code == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert differences(trajectory(load_state(reference)), trajectory(load_state(run_dir))) == []
+    assert list(outside.iterdir()) == []
+    assert spools.is_dir() and not spools.is_symlink()
+    left = sorted(p.name for p in spools.iterdir())
+    assert left == ([] if kind != "spools" else ["trainproof-spool-fifo", "trainproof-spool-link"]), left
+    if kind != "spools":
+        (moved,) = [p for p in (run_dir / "quarantine").iterdir() if p.name.startswith(".spool")]
+        assert (moved / "OCCUPANT").is_symlink() if kind == "symlink" else (moved / "OCCUPANT").is_fifo()
 
 
 def test_generations_of_another_build_above_the_run_are_never_counted_and_are_moved_aside_when_reached(

@@ -232,6 +232,46 @@ def test_a_spool_changed_after_serialising_is_refused(tmp_path):
     assert store.load_latest(contract=C) is None
 
 
+def test_a_folder_store_links_a_spool_from_its_spool_folder_and_copies_one_from_another_file_system(tmp_path):
+    """A folder store's writer spools into ``<run>/.spool`` (the run's own file system): the commit links that file in
+    (the stored file is the spool's inode, with a stored file's usual mode, not the spool's private 0600), so the
+    state is written once. Spools a killed writer left there are deleted when the next writer takes the folder; a
+    spool on another file system (tmpfs) is copied as before. Both load verified."""
+    store = _store(str(tmp_path / "run"))
+    (tmp_path / "run" / ".spool").mkdir(parents=True)
+    leftover = tmp_path / "run" / ".spool" / "trainproof-spool-killed"
+    leftover.write_bytes(b"a killed writer's state")
+    folder = store.spool_folder()
+    assert folder == str(tmp_path / "run" / ".spool") and not leftover.exists()
+    spool = _spool(folder, 6 * 2**20)
+    inode = os.stat(spool.path).st_ino
+    store.commit(1, {"training_state.pt": spool}, contract=C, world=1, code_version="t")
+    spool.unlink()
+    stored = os.stat(tmp_path / "run" / "step-00000001" / "training_state.pt")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stored.st_ino == inode and stored.st_nlink == 1 and stored.st_mode & 0o777 == 0o666 & ~umask
+    assert os.listdir(folder) == []
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second file system to spool on")
+    elsewhere = _spool(shm, 6 * 2**20, seed=2)
+    try:
+        store.commit(2, {"training_state.pt": elsewhere}, contract=C, world=1, code_version="t")
+        assert os.stat(tmp_path / "run" / "step-00000002" / "training_state.pt").st_ino != \
+            os.stat(elsewhere.path).st_ino
+    finally:
+        elsewhere.unlink()
+    for step, seed in ((1, 1), (2, 2)):
+        loaded = store.load(step, contract=C)
+        assert loaded.files["training_state.pt"] == _spool_bytes(6 * 2**20, seed)
+
+
+def _spool_bytes(size: int, seed: int) -> bytes:
+    block = hashlib.sha256(str(seed).encode()).digest() * (2**16 // 32)
+    return (block * (size // len(block) + 1))[:size]
+
+
 def test_bad_transfer_settings_are_one_line_errors():
     from trainproof.storage import StoreConfigError
 

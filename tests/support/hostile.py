@@ -317,10 +317,10 @@ NEXT_STEP_LOCAL = NEXT_STEP_COMMON | {"file", "symlink", "fifo"}
 NEXT_STEP_S3 = NEXT_STEP_COMMON | {"object"}
 NAMES_LOCAL = {"quarantine": ["file", "symlink", "fifo"], f"exports/step-{TARGET:08d}": ["file", "fifo", "symlink"],
                "deadline.json": ["json", "folder", "fifo", "symlink"], "LATEST": ["folder", "fifo", "symlink"],
-               "attempts": ["file", "fifo", "symlink", "records"]}
+               "attempts": ["file", "fifo", "symlink", "records"], ".spool": ["file", "fifo", "symlink", "spools"]}
 """Top-level names the restarted run writes (it commits, quarantines, exports at its deadline, records the
-deadline, moves the hint, leaves its attempt record and plans ``--checkpoint-every auto`` from the others), each with
-what a co-tenant can put there on a folder."""
+deadline, moves the hint, leaves its attempt record and plans ``--checkpoint-every auto`` from the others, spools its
+states in ``.spool``), each with what a co-tenant can put there on a folder."""
 NAMES_S3 = {"quarantine": ["object"], f"exports/step-{TARGET:08d}": ["object"], "deadline.json": ["json", "folder"],
             "LATEST": ["folder"], "attempts": ["object", "records"]}
 
@@ -428,6 +428,11 @@ class Planter:
         elif how == "records":
             for record, body in _attempt_records(self.rng).items():
                 backend.write(join(path, record), body)
+        elif how == "spools":  # named like the writer's leftover spools: a file, a link out of the run, a FIFO
+            os.makedirs(path, exist_ok=True)
+            backend.write(join(path, "trainproof-spool-planted"), b"x")
+            os.symlink(self.outside(), join(path, "trainproof-spool-link"), target_is_directory=True)
+            os.mkfifo(join(path, "trainproof-spool-fifo"))
         elif how == "folder":  # an object below the name: on S3 the name then lists as a folder
             backend.write(join(path, "x"), b"x")
         elif how == "marker-folder":  # a folder where a file goes inside it

@@ -8,6 +8,7 @@ holds no buffers between calls.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -216,6 +217,8 @@ class LocalBackend:
     def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:
         folder, name = os.path.split(path)
         os.makedirs(folder, exist_ok=True)
+        if isinstance(data, Spool) and (linked := _link_spool(data, path, create_only)) is not None:
+            return linked
         tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
         sha, size, known = FileHasher(), 0, None
         try:
@@ -373,6 +376,56 @@ class _Hasher(threading.Thread):
         if self._error is not None:
             raise self._error
         return self._digest
+
+
+def _link_spool(spool: Spool, path: str, create_only: bool) -> tuple[int, str] | None:
+    """Publish a spool that lies on the destination's file system under ``path`` without copying it: fsync its bytes
+    once, hard-link it in (create-only: fails atomically if the name exists; else through a temp name and
+    ``os.replace``), fsync the folder. None when it cannot be linked (another file system, a file system without hard
+    links, a spool that is not a regular file of its own size): the caller copies it instead."""
+    folder, name = os.path.split(path)
+    try:
+        fd = os.open(spool.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != spool.size or st.st_dev != os.stat(folder).st_dev:
+            return None
+        os.fchmod(fd, 0o666 & ~_umask())  # a spool is private (mkstemp: 0600); a stored file is as any other
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    target = path if create_only else os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        os.link(spool.path, target, follow_symlinks=False)  # FileExistsError if another writer got there first
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            return None
+        raise
+    if not create_only:
+        try:
+            os.replace(target, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target)
+            raise
+    _fsync_dir(folder)
+    return spool.size, spool.sha256
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc/self/status; elsewhere the usual 022)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def _sendfile(src, dst) -> None:

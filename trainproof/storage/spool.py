@@ -32,6 +32,8 @@ from trainproof.storage.digest import FileHasher
 T = TypeVar("T")
 R = TypeVar("R")
 
+SPOOL_PREFIX = "trainproof-spool-"
+"""How a spool file's name starts (a folder store's spool folder is cleaned of them, GenerationStore.spool_folder)."""
 PART_SIZE = 8 * 2**20
 """Default size of one ranged read or multipart part (8 MiB: AWS's recommended range, and with 8 in flight a
 transfer holds ~72 MiB, under 1 % of a multi-GB state; see bench/RESULTS.md)."""
@@ -86,7 +88,7 @@ class SpoolWriter:
     Used as ``with SpoolWriter(folder) as w: torch.save(obj, w)``; an exception inside the block deletes the file.
     """
 
-    def __init__(self, directory: str | None = None, *, prefix: str = "trainproof-spool-") -> None:
+    def __init__(self, directory: str | None = None, *, prefix: str = SPOOL_PREFIX) -> None:
         fd, self.path = tempfile.mkstemp(prefix=prefix, dir=spool_dir(directory))
         self._fh = os.fdopen(fd, "wb", buffering=0)
         self._sha = FileHasher()

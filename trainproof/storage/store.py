@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from dataclasses import replace
@@ -36,9 +37,11 @@ from trainproof.storage.options import StoreOptions
 from trainproof.storage.quarantine import list_quarantined, move_aside, quarantine
 from trainproof.storage.retention import DEFAULT_GRACE_SECONDS, RetentionPolicy, apply_retention
 from trainproof.storage.retry import RetryStats, retry_or_unavailable
-from trainproof.storage.spool import Spool, download
+from trainproof.storage.spool import SPOOL_PREFIX, Spool, download
 
 log = logging.getLogger("trainproof.storage")
+SPOOL_FOLDER = ".spool"
+"""Where a folder store's writer spools its states (GenerationStore.spool_folder), on the run's own file system."""
 __all__ = ["GenerationStore", "open_store", "DEFAULT_GRACE_SECONDS"]
 
 
@@ -325,6 +328,32 @@ class GenerationStore:
         whether a name the run keeps a folder at is one, or a file, a link or a FIFO someone put there."""
         return [e for e in self._io(f"list {name}", lambda: self.backend.listdir(self.root, prefix=name))
                 if e.name == name]
+
+    def spool_folder(self) -> str | None:
+        """A folder on the run's own file system for the writer's spools (a folder store; None for an object
+        store): a spool made there is linked into its generation instead of copied, so a commit writes the state
+        once. What occupies the name (a file, a link, a FIFO) is moved aside first; spools a killed writer left
+        there are deleted (call it once, in the run's one writer, before its first save). None, with a warning, when
+        no folder can be had there."""
+        if self.local_folder is None:
+            return None
+        self._before_write()
+        path = join(self.root, SPOOL_FOLDER)
+        try:
+            if any(not e.is_dir or e.is_special for e in self.entries(SPOOL_FOLDER)):
+                self.move_aside(SPOOL_FOLDER, "not a folder, where the run's writer keeps its spools")
+            os.makedirs(path, exist_ok=True)
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                raise OSError(errno.ENOTDIR, "not a folder")
+            for entry in os.scandir(path):
+                if entry.name.startswith(SPOOL_PREFIX) and entry.is_file(follow_symlinks=False):
+                    log.info("deleting %s/%s, a spool a writer that ended left", SPOOL_FOLDER, entry.name)
+                    os.unlink(entry.path)
+        except (OSError, StoreError) as exc:
+            log.warning("cannot use %s in the run's folder for spools (%s): states are spooled to the temp folder "
+                        "and copied", SPOOL_FOLDER, exc)
+            return None
+        return path
 
     def delete_tree(self, relpath: str) -> None:
         """Delete ``<run>/<relpath>`` and everything under it (a generation loses its COMPLETE.json first, so an

@@ -90,8 +90,9 @@ class Checkpointer:
     ) -> None:
         self.store = store
         self.spool_dir = spool_dir
-        """Where states are serialised before upload (``trainproof.storage.spool.spool_dir``: TRAINPROOF_SPOOL_DIR or
-        /tmp)."""
+        """Where states are serialised before upload: on a folder store the run's own spool folder
+        (``GenerationStore.spool_folder``: the spool is then linked in, not copied), else
+        ``trainproof.storage.spool.spool_dir`` (TRAINPROOF_SPOOL_DIR or /tmp)."""
         self.contract, self.world, self.code_version = contract, world, code_version
         self.keep = keep
         self.reporter = reporter

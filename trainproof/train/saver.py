@@ -139,7 +139,8 @@ class Saving:
         self._log_interval()
         # Commits run their collectives over the checkpoint group (trainproof.train.dist), from whichever thread saves.
         self.checkpointer = Checkpointer(store, contract=contract, world=sync.world, keep=cfg.keep,
-                                         code_version=code_version(), reporter=reporter, sync=sync.saves)
+                                         code_version=code_version(), reporter=reporter, sync=sync.saves,
+                                         spool_dir=store.spool_folder() if sync.rank == 0 else None)
         # In the background (trainproof.train.async_save) unless --sync-checkpoint: one process or many, DDP or sharded.
         self.saver: Saver = (SyncSaver(self.checkpointer, on_saved, on_committed) if cfg.sync_checkpoint else
                              BackgroundSaver(self.checkpointer, reporter, on_saved, on_committed))

@@ -1,0 +1,105 @@
+"""A verified commit to a folder store against ``torch.save`` + fsync of the same state, for one or two checkouts.
+
+    .venv/bin/python bench/bench_folder_commit.py [--mib 1024] [--reps 3] [--before /tmp/before] [--dir DIR]
+
+Each measurement is a fresh process (``PYTHONPATH`` = the checkout) holding ``--mib`` MiB of float32 tensors:
+
+- ``floor``: ``torch.save`` of the tensors into a file of the folder, then ``fsync`` (durable, unverified);
+- ``commit``: what the trainer's checkpointer does on a folder store: ``torch.save`` into a spool while hashing it
+  (``SpoolWriter``, in ``GenerationStore.spool_folder()`` when the checkout has it, else the temp folder), then
+  ``GenerationStore.commit``: written (linked or copied), read back and hashed, ``COMPLETE.json`` create-only.
+
+The modes alternate order per repetition; printed: one JSON line per run, then the medians, ratios to the floor
+(``before``/``after`` with ``--before``, e.g. ``mkdir /tmp/before && git archive HEAD | tar -x -C /tmp/before``)
+and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(mode: str, folder: str, mib: float) -> dict:
+    import torch
+
+    count = max(1, int(mib // 64))
+    tensors = {f"t{i}": torch.randn(int(mib * 2**20 / 4 / count)) for i in range(count)}
+    os.makedirs(folder, exist_ok=True)
+    t0 = time.perf_counter()
+    if mode == "floor":
+        with open(os.path.join(folder, "state.pt"), "wb") as fh:
+            torch.save(tensors, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    else:
+        from trainproof.storage import open_store
+        from trainproof.storage.spool import SpoolWriter
+
+        store = open_store(os.path.join(folder, "run"))
+        spools = store.spool_folder() if hasattr(store, "spool_folder") else None
+        with SpoolWriter(spools) as out:
+            torch.save(tensors, out)
+        spool = out.finish()
+        store.commit(1, {"training_state.pt": spool}, contract="bench", world=1, code_version="bench")
+        spool.unlink()
+    return {"seconds": time.perf_counter() - t0}
+
+
+def one(checkout: Path, mode: str, mib: float, work: Path) -> float:
+    folder = work / f"{mode}-{time.monotonic_ns()}"
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_folder_commit.py"), "--child", mode,
+                          str(folder), str(mib)], env=env, cwd=checkout, capture_output=True, text=True, check=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=float, default=1024)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--before", type=Path, default=None, help="another checkout to compare with")
+    p.add_argument("--dir", default=None, help="work folder (default: a temporary one on the temp folder's disk)")
+    p.add_argument("--child", nargs=3, metavar=("MODE", "FOLDER", "MIB"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1], float(args.child[2]))))
+        return
+    work = Path(args.dir or tempfile.mkdtemp(prefix="bench-folder-commit-"))
+    work.mkdir(parents=True, exist_ok=True)
+    sides = [("floor", "after", ROOT), ("commit", "after", ROOT)]
+    if args.before:
+        sides.append(("commit", "before", args.before))
+    times: dict[str, list[float]] = {}
+    loads = []
+    try:
+        for rep in range(args.reps):
+            for mode, side, checkout in (sides if rep % 2 == 0 else list(reversed(sides))):
+                loads.append(os.getloadavg()[0])
+                seconds = one(checkout, mode, args.mib, work)
+                key = "floor" if mode == "floor" else f"commit/{side}"
+                times.setdefault(key, []).append(seconds)
+                print(json.dumps({"mode": key, "seconds": round(seconds, 3), "load": round(loads[-1], 2)}),
+                      flush=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    medians = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    print(json.dumps({"mib": args.mib, "medians_s": medians,
+                      "ratio_to_floor": {k: round(v / medians["floor"], 2) for k, v in medians.items()},
+                      "load_median": round(statistics.median(loads), 2)}))
+
+
+if __name__ == "__main__":
+    main()
