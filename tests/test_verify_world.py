@@ -14,7 +14,15 @@ import pytest
 
 from trainproof.proof.compare import Diff
 from trainproof.proof.world import TOLERANCE, WorldEquivalence, equivalence_config
-from trainproof.proof.world_change import AFTER, RESTORED, SHARD_LOCAL, compare_restored, data_order
+from trainproof.proof.world_change import (
+    AFTER,
+    RESTORED,
+    SHARD_LOCAL,
+    compare_restored,
+    data_order,
+    fitting_world,
+    target_world,
+)
 from trainproof.storage import open_store
 from tests.test_verify_helpers import checks, cli, read_report, trainproof  # noqa: F401  (cli: a fixture)
 
@@ -122,6 +130,14 @@ def test_the_data_order_after_the_change_is_the_continuous_streams_prefix():
     assert not data_order(continuous, _history([0, 1]), 1).within  # nothing trained after the cut
     assert isinstance(data_order(continuous, _history([0, 1], [2, 3, 4, 5, 6, 7, 8, 9, 10]), 1), Diff)
     assert not data_order(continuous, _history([0, 1], [2, 3, 4, 5, 6, 7, 8, 9, 10]), 1).within  # more than it
+
+
+def test_the_world_change_halves_the_world_or_falls_back_to_one_rank_where_train_would_refuse_it():
+    assert [target_world(w) for w in (2, 3, 4, 8)] == [1, 1, 2, 4]
+    # 4 ranks cut mid-epoch; on 2 ranks x 4 the epoch's 30 samples left end in a step of 6: fine
+    assert fitting_world({"drawn": True, "cursor": 10, "num_samples": 40}, 2, 4) == 2
+    # 33 left: the last step would hold 1 sample for 2 ranks (train exits 2): one rank instead
+    assert fitting_world({"drawn": True, "cursor": 7, "num_samples": 40}, 2, 4) == 1
 
 
 def test_equivalence_config_splits_the_tail_unevenly():

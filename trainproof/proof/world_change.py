@@ -82,6 +82,16 @@ def target_world(world: int) -> int:
     return max(1, world // 2)
 
 
+def fitting_world(data: dict[str, Any], world: int, per_rank_batch: int) -> int:
+    """``world``, or one rank when, from the data position ``data``, the epoch would end in a step with fewer samples
+    than ``world`` ranks (``train`` refuses such a change: trainproof.train.resume.check_transition)."""
+    try:
+        check_transition(data, world, world * per_rank_batch)
+    except ContractError:
+        return 1
+    return world
+
+
 def _counter_key(key: str) -> bool:
     """A live record's optimizer key (``state.0.step``, ``param_groups.0.lr``) that does not depend on the layout."""
     return key.startswith("param_groups") or key.rsplit(".", 1)[-1] in COUNTER_KEYS
@@ -207,16 +217,11 @@ class WorldChange(Check):
         return f"{self.root_url}/{NAME}/resume_on_{self.to}"
 
     def _fitting_world(self, cut_store: GenerationStore) -> int:
-        """:attr:`to`, or one rank when the cut's epoch would end in a step with fewer samples than :attr:`to` ranks
-        (``train`` refuses such a change, trainproof.train.resume.check_transition)."""
+        """:func:`fitting_world` at the cut's data position."""
         if self.to in (None, 1):
             return 1
         data = decode(cut_store.load(self.s.cut, skip=is_sharded_file).files[STATE_FILE])["ranks"][0]["data"]
-        try:
-            check_transition(data, self.to, self.to * self.four.task.batch_size)
-        except ContractError:
-            return 1
-        return self.to
+        return fitting_world(data, self.to, self.four.task.batch_size)
 
     def argv(self) -> list[str]:
         """The path's command line: the protocol's resumed path on :attr:`to` ranks, allowed to change the world,
