@@ -29,6 +29,7 @@ from trainproof.proof.settings import ProtocolSettings
 from trainproof.proof.verification import Outcome, VerificationRunner, run_verification
 from trainproof.proof.workers import WorkerCounts
 from trainproof.proof.world import WorldEquivalence
+from trainproof.proof.world_change import WorldChange
 from trainproof.storage import open_store
 
 BASE_VERDICTS = ["all_checks_passed", "positive", "negative_divergence_detected", "cut_checkpoint_ok",
@@ -36,8 +37,9 @@ BASE_VERDICTS = ["all_checks_passed", "positive", "negative_divergence_detected"
 LIVE_VERDICTS = ["live_vs_restored_passed", "live_vs_restored_negative_detected"]
 WORLD_VERDICTS = ["world_equivalence_passed", "world_negative_detected"]
 OBJECTIVE_VERDICTS = ["objective_equivalence_passed", "objective_negative_detected"]
-VARIED = [WorkerCounts, ExportComparison]
-"""Last: the data workers varied, the exports compared (no verdict key before the exports were compared)."""
+VARIED = [WorkerCounts, WorldChange, ExportComparison]
+"""Last: the data workers and the world varied, the exports compared (no verdict key before the exports were compared;
+the world change's only with --world W > 1)."""
 
 
 def _protocol(tmp_path: Path, **settings: Any) -> Protocol:
@@ -48,7 +50,7 @@ def _protocol(tmp_path: Path, **settings: Any) -> Protocol:
     ({}, [FourPaths, CutsCheck, LiveVsRestored, ObjectiveCheck, *VARIED],
      BASE_VERDICTS + LIVE_VERDICTS + OBJECTIVE_VERDICTS),
     ({"world": 2}, [FourPaths, CutsCheck, LiveVsRestored, WorldEquivalence, ObjectiveCheck, *VARIED],
-     BASE_VERDICTS + LIVE_VERDICTS + WORLD_VERDICTS + OBJECTIVE_VERDICTS),
+     BASE_VERDICTS + LIVE_VERDICTS + WORLD_VERDICTS + OBJECTIVE_VERDICTS + ["world_change_passed"]),
     ({"objective": False}, [FourPaths, CutsCheck, LiveVsRestored, Skipped, *VARIED], BASE_VERDICTS + LIVE_VERDICTS),
     ({"reuse": "earlier"}, [FourPaths, CutsCheck, Skipped, Skipped, *VARIED], BASE_VERDICTS),
 ])
@@ -63,6 +65,10 @@ def test_the_protocols_checks_and_the_verdict_keys_they_give(tmp_path, settings,
     assert ("world_equivalence" in report) == ("world" in settings)
     if "world" in settings:
         assert report["world_equivalence"] is None  # its runs never started
+        assert report["world_change"]["resumed_on_another_world"] == {"from": 2, "to": 1, "at_step": 5,
+                                                                      "compared_at_step": protocol.s.steps}
+    else:  # one rank: no world change, and the block says so
+        assert report["world_change"]["resumed_on_another_world"] is None and "--world 1" in report["world_change"]["why"]
     if "reuse" in settings:  # its continuous path recorded no live state
         assert report["live_vs_restored"] == {"skipped": "reused reference: its continuous path's live state was not "
                                                          "recorded"}

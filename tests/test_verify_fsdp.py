@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from trainproof.proof.compare import SECTIONS
 from trainproof.proof.paths import RunReader
+from trainproof.proof.world_change import AFTER, RESTORED, SHARD_LOCAL
 from trainproof.export.bundle import FP_FILE
 from trainproof.train.fsdp import _check_tiling, _unflatten
 from trainproof.train.sharded import ShardedLoadError
@@ -61,8 +62,9 @@ def test_every_process_the_verifier_starts_trains_sharded(verified):
     commands = {**{f"protocol/{k}": v["command"] for k, v in report["paths"].items()},
                 **{f"world/{k}": v["command"] for k, v in report["world_equivalence"]["paths"].items()},
                 **{f"objective/{k}": v["command"] for k, v in report["objective_equivalence"]["paths"].items()},
-                **{f"cuts/{k}": v["command"] for k, v in report["cuts"]["paths"].items()}}
-    assert len(commands) >= 10 and not report["cuts"]["paths"]  # --cuts 4: no extra cut
+                **{f"cuts/{k}": v["command"] for k, v in report["cuts"]["paths"].items()},
+                "world_change": report["world_change"]["path"]["command"]}
+    assert len(commands) >= 11 and not report["cuts"]["paths"]  # --cuts 4: no extra cut
     assert [k for k, c in commands.items() if "--fsdp" not in c.split()] == []
     # the one-rank reference of the world-size check is sharded too (same state format as the 2-rank run)
     assert "--nproc-per-node" not in report["world_equivalence"]["paths"]["one_rank"]["command"]
@@ -88,6 +90,37 @@ def test_the_resumed_path_is_sharded_and_read_whole_from_its_shards(verified):
 
     bundle = open_store(verified["report"]["export"]["location"].rsplit("/", 1)[0]).load(6)
     assert differences(load(bundle.files[FP_FILE]), state["model"]) == []
+
+
+def test_the_two_rank_cut_resumed_on_one_rank_through_the_reshard_keeps_its_counters(verified):
+    """The world change through DCP's reshard (2 -> 1): what does not depend on the layout restored and carried on
+    exactly; a sharded live record fingerprints each rank's own shard, so the model and moments are not applicable
+    there (the block says so)."""
+    report = verified["report"]
+    w = report["world_change"]
+    assert report["world_change_passed"] is True and w["resumed_on_another_world"]["to"] == 1
+    assert set(w["restored"]["not_applicable"]) == set(SHARD_LOCAL)
+    assert set(w["restored"]["checks"]) == set(RESTORED) - set(SHARD_LOCAL) and set(w["after"]["checks"]) == set(AFTER)
+    assert all(c["within_tolerance"] for b in ("restored", "after") for c in w[b]["checks"].values())
+    assert w["worlds"]["exercised"] == [1, 2] and "worlds exercised: [1, 2]" in verified["result"].stdout
+
+
+def test_a_reshard_that_zeroes_adams_step_counters_fails_naming_them(tmp_path):
+    """The bug no other path sees (every other path keeps its world): the restore onto another world size zeroes
+    Adam's step counters (tests/support/hooked.py, only on a world change). The smallest sharded protocol: exit 1,
+    the world change's counters named, right after the restore and after the updates, and nothing else."""
+    store = str(tmp_path / "run")
+    result = trainproof("verify", "--store", store, "--id", "z", "--fsdp", "--world", "2", "--steps", "4", "--cut",
+                        "2", "--cuts", "2", "--no-objective-check", "--no-export",
+                        env={"TPHOOK_SABOTAGE": "reshard_zero_steps"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    report = read_report(store, "z")
+    assert report["failing_checks"] == ["world_change.restored.optimizer_counters",
+                                        "world_change.after.optimizer_counters"], report["failing_checks"]
+    assert report["positive"] is True and report["world_change_passed"] is False
+    restored = report["world_change"]["restored"]["checks"]["optimizer_counters"]
+    assert "step differs at step 2" in restored["detail"] and "vs restored float32 0.0" in restored["detail"]
+    assert "failing checks: world_change.restored.optimizer_counters" in result.stdout
 
 
 def test_verify_audit_refuses_fsdp():

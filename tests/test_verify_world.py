@@ -12,7 +12,17 @@ from __future__ import annotations
 
 import pytest
 
+from trainproof.proof.compare import Diff
 from trainproof.proof.world import TOLERANCE, WorldEquivalence, equivalence_config
+from trainproof.proof.world_change import (
+    AFTER,
+    RESTORED,
+    SHARD_LOCAL,
+    compare_restored,
+    data_order,
+    fitting_world,
+    target_world,
+)
 from trainproof.storage import open_store
 from tests.test_verify_helpers import checks, cli, read_report, trainproof  # noqa: F401  (cli: a fixture)
 
@@ -66,6 +76,68 @@ def test_world_equivalence_block(world2):
     assert neg["max_abs_diff"]["parameters"] > 1e3 * max(w["max_abs_diff"]["parameters"], 1e-15)
     assert "--nproc-per-node 2" in w["paths"]["w_ranks"]["command"]
     assert "--nproc-per-node" not in w["paths"]["one_rank"]["command"]
+
+
+def test_a_resume_on_one_rank_carries_over_exactly_what_the_layout_does_not_change(world2):
+    """The 2-rank cut resumed on one rank (``--allow-world-change``): replicated, so everything restored is compared
+    exactly (model and Adam's moments too), and after the updates the counters, schedule and data order."""
+    report = world2["report"]
+    w = report["world_change"]
+    assert report["world_change_passed"] is True and w["passed"] is True
+    assert w["resumed_on_another_world"] == {"from": 2, "to": 1, "at_step": 4, "compared_at_step": 6}
+    for block, names in ((w["restored"], RESTORED), (w["after"], AFTER)):
+        assert set(block["checks"]) == set(names), block
+        assert all(c["within_tolerance"] and c["max_abs_diff"] == 0.0 for c in block["checks"].values()), block
+    assert w["restored"]["not_applicable"] == {} and w["restored"]["not_compared"] is None
+    assert w["worlds"]["exercised"] == [1, 2] and w["worlds"]["by_path"]["world_change"] == 1
+    assert w["worlds"]["by_path"]["continuous"] == 2 and w["worlds"]["by_path"]["one_rank"] == 1
+    assert "--allow-world-change" in w["path"]["command"] and "--nproc-per-node" not in w["path"]["command"]
+    assert w["path"]["resumed_from"] == 4 and w["path"]["rng_restored"] is True
+    assert "worlds exercised: [1, 2] (world_change: the 2-rank cut at step 4 resumed on 1)" in world2["result"].stdout
+
+
+def _record(step: str, weight: str) -> dict:
+    return {"optimizer": {"state.0.step": step, "state.0.exp_avg": weight, "param_groups.0.lr": "float 0.1"},
+            "parameters": {"w": weight}, "scheduler": {"last_epoch": "int 4"}}
+
+
+def test_the_restored_comparison_splits_counters_from_moments_and_skips_shards():
+    live = _record("float32 4.0", "sha:a")
+    assert all(d.within for d in compare_restored(live, _record("float32 4.0", "sha:a"), sharded=False,
+                                                  step=4).values())
+    zeroed = compare_restored(live, _record("float32 0.0", "sha:a"), sharded=True, step=4)
+    assert set(zeroed) == set(RESTORED) - set(SHARD_LOCAL)  # a shard's fingerprint depends on the world
+    assert [n for n, d in zeroed.items() if not d.within] == ["optimizer_counters"]
+    assert "state.0.step" in zeroed["optimizer_counters"].detail
+    moved = compare_restored(live, _record("float32 4.0", "sha:b"), sharded=False, step=4)
+    assert sorted(n for n, d in moved.items() if not d.within) == ["optimizer_moments", "parameters"]
+
+
+def _history(*steps: list[int]) -> dict:
+    import torch
+
+    offsets = [0]
+    for ids in steps:
+        offsets.append(offsets[-1] + len(ids))
+    return {"history": {"sample_ids": torch.tensor([i for ids in steps for i in ids]),
+                        "sample_offsets": torch.tensor(offsets)}}
+
+
+def test_the_data_order_after_the_change_is_the_continuous_streams_prefix():
+    continuous = _history([0, 1], [2, 3, 4, 5], [6, 7, 8, 9])  # 2 ranks x 2 after the cut at step 1
+    assert data_order(continuous, _history([0, 1], [2, 3], [4, 5]), 1).within  # one rank: 2 a step, same order
+    assert not data_order(continuous, _history([0, 1], [2, 3], [2, 3]), 1).within  # a repeated batch
+    assert not data_order(continuous, _history([0, 1]), 1).within  # nothing trained after the cut
+    assert isinstance(data_order(continuous, _history([0, 1], [2, 3, 4, 5, 6, 7, 8, 9, 10]), 1), Diff)
+    assert not data_order(continuous, _history([0, 1], [2, 3, 4, 5, 6, 7, 8, 9, 10]), 1).within  # more than it
+
+
+def test_the_world_change_halves_the_world_or_falls_back_to_one_rank_where_train_would_refuse_it():
+    assert [target_world(w) for w in (2, 3, 4, 8)] == [1, 1, 2, 4]
+    # 4 ranks cut mid-epoch; on 2 ranks x 4 the epoch's 30 samples left end in a step of 6: fine
+    assert fitting_world({"drawn": True, "cursor": 10, "num_samples": 40}, 2, 4) == 2
+    # 33 left: the last step would hold 1 sample for 2 ranks (train exits 2): one rank instead
+    assert fitting_world({"drawn": True, "cursor": 7, "num_samples": 40}, 2, 4) == 1
 
 
 def test_equivalence_config_splits_the_tail_unevenly():

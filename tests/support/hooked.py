@@ -37,7 +37,9 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          is in epoch 2 or later (a restore bug from epoch 2 on);
                          ``second_resume`` re-seed Python's ``random``, only when the restored state was written
                          by a process that had itself resumed (``meta.trainer.resumed_from``);
-                         ``clip_after_resume`` halve the task's ``grad_clip`` on resume (clipping restored wrong)
+                         ``clip_after_resume`` halve the task's ``grad_clip`` on resume (clipping restored wrong);
+                         ``reshard_zero_steps`` zero the optimizer's step counters (Adam's ``step``), only when the
+                         generation was written by another world size (``--allow-world-change``: a reshard bug)
 ``TPHOOK_SAVE_PREFETCHED`` ``1``: every checkpoint holds the data position the DataLoader workers were asked to
                          build up to (trainproof.train.pipeline's lookahead) instead of the one the trainer consumed: the
                          bug of loaders that checkpoint their own prefetching iterator
@@ -63,7 +65,7 @@ from typing import Any
 MODULE = "tests.support.hooked"
 SABOTAGES = ("skip_optimizer", "rebuild_scheduler", "reseed_rng", "lose_cursor", "repeat_batch", "regen_permutation",
              "lose_python_rng", "lose_numpy_rng", "rng_mismatch", "crash", "sqrt_square",
-             "late_repeat_batch", "second_resume", "clip_after_resume")
+             "late_repeat_batch", "second_resume", "clip_after_resume", "reshard_zero_steps")
 
 
 class SabotageCrash(RuntimeError):
@@ -148,6 +150,16 @@ def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> No
         run.sampler.cursor = 0
     if "repeat_batch" in kinds:
         run.sampler.cursor = max(0, run.sampler.cursor - run.global_batch)
+
+
+def _zero_step_counters(optimizer: Any) -> None:
+    """Every per-parameter ``step`` counter of ``optimizer`` set to 0 (a tensor in place, else the number)."""
+    for slot in optimizer.state.values():
+        if "step" in slot:
+            if hasattr(slot["step"], "zero_"):
+                slot["step"].zero_()
+            else:
+                slot["step"] = 0
 
 
 def _dump_full(model: Any, optimizer: Any, path: str) -> None:
@@ -299,6 +311,8 @@ def install() -> None:
         def broken_restore(run: Any, state: dict[str, Any], **kwargs: Any) -> None:
             restore(run, _state_to_restore(kinds, state), **kwargs)
             _after_restore(kinds, run, state)
+            if "reshard_zero_steps" in kinds and kwargs.get("rederive_at") is not None:  # another world wrote it
+                _zero_step_counters(run.optimizer)
 
         resume.restore_state = broken_restore
 

@@ -50,6 +50,7 @@ from trainproof.proof.settings import ProtocolSettings, default_tolerance
 from trainproof.proof.verification import VerificationRunner
 from trainproof.proof.workers import WorkerCounts
 from trainproof.proof.world import WorldEquivalence
+from trainproof.proof.world_change import WorldChange
 from trainproof.storage import GenerationStore
 from trainproof.tasks import Task, load_task
 from trainproof.tasks.base import first_samples
@@ -173,10 +174,12 @@ class Protocol(VerificationRunner):
         return checks
 
     def _varied(self) -> list[Check]:
-        """What must not matter, varied (the data workers), and what a user gets, compared (the exports): after the
-        other checks, so that the exports are compared once the four paths made theirs."""
-        return [self.workers, ExportComparison(four=self.four, root_url=absolute_url(self.root), opener=self.opener,
-                                               steps=self.s.steps, task=self.s.task, tolerance=self.s.tolerance)]
+        """What must not matter, varied (the data workers, the world size), and what a user gets, compared (the
+        exports): after the other checks, so that the exports are compared once the four paths made theirs."""
+        root = absolute_url(self.root)
+        return [self.workers, WorldChange(settings=self.s, four=self.four, root_url=root, opener=self.opener),
+                ExportComparison(four=self.four, root_url=root, opener=self.opener, steps=self.s.steps,
+                                 task=self.s.task, tolerance=self.s.tolerance)]
 
     def run(self) -> None:
         """Every phase in order (:data:`trainproof.proof.check.PHASES`). Raises VerificationIncomplete."""

@@ -165,6 +165,7 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     # Every check's verdicts (trainproof.proof.check: ``<check>_passed``, ``<check>_negative_detected``), as the report
     # has them; the four paths' other two (cut checkpoint, export) are in the table and the export line.
     keys += [k for k in report if k.endswith(("_passed", "_detected")) and k not in keys]
+    _print_exercised(report, console)
     if report.get("cuts"):
         console.print(f"cuts resumed at: {report['cuts']['all']} (continuous path: {report['cuts']['steps']} steps)")
     if report.get("audit_span"):
@@ -194,6 +195,20 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     if report.get("export"):
         console.print(f"export: {report['export']['location']}")
     console.print(f"report: {report['location']}/{REPORT_FILE}")
+
+
+def _print_exercised(report: dict[str, Any], console: Console) -> None:
+    """What must not matter, as varied: the worlds (trainproof.proof.world_change) and the data worker counts
+    (trainproof.proof.workers) the processes ran with."""
+    change = report.get("world_change") or {}
+    if change.get("worlds"):
+        moved = change.get("resumed_on_another_world")
+        how = (f" (world_change: the {moved['from']}-rank cut at step {moved['at_step']} resumed on {moved['to']})"
+               if moved else "")
+        console.print(f"worlds exercised: {change['worlds']['exercised']}{how}", markup=False, highlight=False)
+    workers = report.get("data_workers") or {}
+    if workers.get("exercised"):
+        console.print(f"data workers exercised: {workers['exercised']}", markup=False, highlight=False)
 
 
 def _print_incomplete(report: dict[str, Any], console: Console) -> None:
