@@ -135,6 +135,7 @@ def test_a_loss_sum_that_returns_a_mean_fails_verify_naming_the_objective_check(
     objective = report["objective_equivalence"]
     assert objective["tolerance"] == {"atol": 1e-9, "rtol": 0.0, "dtype": "float64"}
     assert objective["declared_objective"]["not_applicable"].startswith("the task gives no per-target losses")
+    assert "declared_objective: not applicable: the task gives no per-target losses" in " ".join(result.stdout.split())
     if reduce == "sum":
         assert result.returncode == 0, result.stdout + result.stderr
         assert report["objective_equivalence_passed"] is True and report["objective_negative_detected"] is True
