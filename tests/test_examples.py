@@ -32,7 +32,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from trainproof.tasks import BatchRequest, ConfigError, DatasetTask, dataset_digest, load_task
+from trainproof.tasks import BatchRequest, ConfigError, DatasetTask, TaskContext, dataset_digest, load_task
 from trainproof.storage import open_store
 from tests.support.timing import budget
 from tests.test_train_helpers import differences
@@ -124,6 +124,19 @@ def test_adapter_returns_the_sum_of_per_target_losses_and_their_exact_count(targ
     split = (task.loss_sum(model, built(task, [7, 2, 9]))
              + task.loss_sum(model, built(task, [4]))) / task.count_targets([7, 2, 9, 4])
     torch.testing.assert_close(split, whole, rtol=1e-15, atol=0.0)
+    # The unreduced losses the objective check compares the trained loss with: one per target, summing to loss_sum.
+    given = task.target_losses(model, batch)
+    assert given.numel() == task.count_targets(ids) and torch.equal(given.sum(), got)
+
+
+def test_adapter_gives_no_target_losses_when_a_subclass_counts_its_own_targets():
+    class Padded(DatasetTask):  # e.g. variable-length rows padded to targets_per_sample: the rows hold padding
+        def count_targets(self, sample_ids):
+            return 2 * len(sample_ids)
+
+    task = line_task(squared_error, targets_per_sample=3)
+    task.__class__ = Padded
+    assert task.target_losses(task.build_model().to(torch.float64), built(task, [0, 1])) is None
 
 
 @pytest.mark.parametrize(("loss", "message"), [
@@ -291,6 +304,11 @@ def test_the_task_examples_in_docs_train_and_round_trip_their_config(tmp_path, m
         task = load_task(f"{name}:factory", {"batch_size": 4})
         again = load_task(f"{name}:factory", task.config())
         assert again.config() == task.config() and again.data_identity() == task.data_identity(), name
+    lines = load_task("lines:factory", {})  # its target_losses: one loss per target, which loss_sum sums
+    model, ctx = lines.build_model().double(), TaskContext(np_rng=np.random.default_rng(0), device=torch.device("cpu"))
+    batch = lines.make_batch([0, 5, 9], ctx)
+    given = lines.target_losses(model, batch)
+    assert given.shape == (3,) and torch.equal(given.sum(), lines.loss_sum(model, batch))
     env = env_without_trainproof({"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "TRAINPROOF_LOG_FORMAT": "json"})
     procs = {name: subprocess.Popen([sys.executable, "-m", "trainproof", "train", "--store", str(tmp_path / name),
                                      "--task", f"{name}:factory", "--max-steps", "8"],

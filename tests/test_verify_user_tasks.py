@@ -124,6 +124,8 @@ def test_float32_adapter_tasks_pass_the_default_verify(tmp_path, kind):
     assert report["all_checks_passed"] is True and report["objective_equivalence_passed"] is True
     assert report["environment"]["precision"].startswith("float32")
     assert report["objective_equivalence"]["tolerance"]["dtype"] == "float64"
+    declared = report["objective_equivalence"]["declared_objective"]  # per_sample_loss's values: the mean is checked
+    assert declared["passed"] is True and all(r["target_losses"] == r["count_targets"] == 4 for r in declared["steps"])
 
 
 @pytest.mark.parametrize("declared", [True, False], ids=["task-verify_samples", "verify--samples"])

@@ -25,6 +25,16 @@ moment is the gradient itself, scaled) and per-step losses are compared with ``s
 :data:`TOLERANCE` (absolute, float64; measured ~1e-16 to 1e-13), and the negative control must differ
 by more. Not bitwise: another split adds the same terms in another order.
 
+Split invariance cannot tell a correct sum from a sum of per-sample means (each is a sum over samples, which any split
+adds up alike), though the latter weighs a sequence of 2 tokens like one of 200. So where the task gives its unreduced
+per-target losses (``Task.target_losses``; ``DatasetTask`` gives ``per_sample_loss``'s), the ``single`` run also prints
+them for each step (``target_losses`` events, computed on the same model and batch as ``loss_sum``, without gradient),
+and the **declared objective** is checked (:func:`declared_objective`, ``objective_equivalence.declared_objective``):
+their number must be the step's ``count_targets``, and the loss the trainer trained on their mean, within
+:data:`DECLARED_RTOL`. A failure (``objective.declared_reduction``) says what the loss looks like instead (a sum of
+per-sample means, a mean of per-sample means, a sum ...). A task that gives none gets that part reported as not
+applicable, with the reason.
+
 Where the check cannot apply (:func:`not_applicable`), it runs nothing and reports why (``objective_equivalence:
 {"not_applicable": why}``), never a failure that blames the loss:
 
@@ -56,6 +66,15 @@ from trainproof.tasks.objective import same_task
 from trainproof.train.data import epoch_plan
 from trainproof.train.variant import Variant
 
+DECLARED_RTOL = 1e-9
+"""The declared-objective check's tolerance, relative to the mean magnitude of the step's target losses (float64): the
+trained loss and the mean of ``Task.target_losses`` add the same terms in another order (a reduction inside
+``loss_sum`` against a sum of the unreduced values), an error of at most ~n * 1e-16 of that magnitude."""
+NOT_GIVEN = ("the task gives no per-target losses (Task.target_losses returns None): only split invariance is "
+             "checked. Implement target_losses (one loss per real target; DatasetTask gives per_sample_loss's unless "
+             "a subclass counts its own targets) to have the trained loss checked against the declared target mean")
+DECLARED = ("the mean over the step's targets: the sum of the per-target losses (Task.loss_sum sums them per "
+            "micro-batch) divided by the step's target count (Task.count_targets)")
 TOLERANCE = 1e-9
 """Absolute, float64: another micro-batch split or world only reorders additions (measured ~1e-16..1e-13)."""
 STEPS = 2
@@ -149,7 +168,7 @@ class ObjectiveCheck(Check):
         epoch_plan(task.num_samples(), per_rank, world)  # a refused plan is a configuration error, here
         micro, micro_w = unequal_micro(self.global_batch), unequal_micro(per_rank)
         self.splits: dict[str, dict[str, Any]] = {"single": {"world": 1, "batch": self.global_batch,
-                                                             "micro": self.global_batch}}
+                                                             "micro": self.global_batch, "target_losses": True}}
         if micro is not None:
             self.splits["unequal"] = {"world": 1, "batch": self.global_batch, "micro": micro}
             self.splits["mean_of_means"] = {**self.splits["unequal"], "negative": True}
@@ -164,6 +183,7 @@ class ObjectiveCheck(Check):
         self.paths: dict[str, dict[str, Any]] = {}
         self.diffs: dict[str, dict[str, float]] = {}
         self.same: dict[str, bool] = {}
+        self.declared: dict[str, Any] = {}
 
     def jobs(self, phase: str, scratch: Path, done: Results) -> list[Job]:
         """Every run, with the protocol's reference paths (they need nothing of them)."""
@@ -173,7 +193,8 @@ class ObjectiveCheck(Check):
         for name, split in self.splits.items():
             ranks = ["--nproc-per-node", str(split["world"])] if split["world"] > 1 else []
             variant = Variant(objective_check=True, batch_size=split["batch"], micro_batch_size=split["micro"],
-                              negative_control=NEGATIVE if split.get("negative") else "none")
+                              negative_control=NEGATIVE if split.get("negative") else "none",
+                              target_losses=bool(split.get("target_losses")))
             argv = job_argv("train", "--store", self.urls[name], *ranks, *self.common, *variant.argv())
             out.append((f"objective/{name}", self.urls[name], argv))
         return out
@@ -203,6 +224,13 @@ class ObjectiveCheck(Check):
             if name != "single":
                 self.same[name] = same_experience(states["single"], states[name])
                 self.diffs[name] = max_differences(states["single"], states[name])
+        self.declared = declared_objective(next(r for r in results if r.name == "objective/single"))
+
+    @property
+    def declared_ok(self) -> bool:
+        """The trained loss is the declared target mean of the task's own per-target losses, every step (True where
+        the task gives none: not applicable)."""
+        return "not_applicable" in self.declared or bool(self.declared.get("passed"))
 
     @property
     def positives(self) -> list[str]:
@@ -217,7 +245,7 @@ class ObjectiveCheck(Check):
     @property
     def passed(self) -> bool:
         """Every split agrees with one micro-batch within the tolerance, on the same samples."""
-        return bool(self.diffs) and bool(self.positives) and all(
+        return bool(self.diffs) and bool(self.positives) and self.declared_ok and all(
             self.same.get(n) and all(v <= TOLERANCE for v in self.diffs[n].values()) for n in self.positives)
 
     @property
@@ -240,16 +268,19 @@ class ObjectiveCheck(Check):
             out.append("objective_negative: mean of micro-batch means not detected")
         if not self.positives:
             out.append("objective: the global batch cannot be split (batch_size 1)")
+        if not self.declared_ok:
+            out.append("objective.declared_reduction")
         return out
 
     def diagnosis(self) -> list[str]:
         """What a failed check most likely means, for the person reading the report."""
         bad = [n for n in self.positives if n in self.diffs and not all(v <= TOLERANCE for v in self.diffs[n].values())]
+        out = [] if self.declared_ok else [declared_finding(self.declared)]
         if not bad:
-            return []
+            return out
         worst = max(max(self.diffs[n].values()) for n in bad)
-        return [f"objective check ({', '.join(bad)} vs one micro-batch; "
-                f"max |diff| {_g(worst)} > {TOLERANCE:g}): {HINT}"]
+        return [*out, f"objective check ({', '.join(bad)} vs one micro-batch; "
+                      f"max |diff| {_g(worst)} > {TOLERANCE:g}): {HINT}"]
 
     def verdicts(self) -> dict[str, bool]:
         """``objective_equivalence_passed`` and ``objective_negative_detected``."""
@@ -271,6 +302,7 @@ class ObjectiveCheck(Check):
                                          "micro-batches averaged (variant negative_control=mean-of-microbatch-means)",
                                  "max_abs_diff": {n: self.diffs.get(n) for n in self.negatives},
                                  "detected": self.negative_detected},
+            "declared_objective": self.declared,
             "configuration": "the task's deterministic_objective() variant, float64, nn.Dropout p=0 (train "
                              "--objective-check); same seed and global batch in every run",
             "paths": self.paths,
@@ -280,3 +312,75 @@ class ObjectiveCheck(Check):
 def _g(value: float) -> str:
     return "inf" if math.isinf(value) else f"{value:.3g}"
 
+
+
+def declared_objective(single: PathResult) -> dict[str, Any]:
+    """The ``declared_objective`` block: the ``single`` run's loss of each step (its ``step`` events: what the trainer
+    trained on) against the mean of the task's per-target losses of that step (its ``target_losses`` events, one per
+    step: the run trains one micro-batch a step), or ``{"not_applicable": why}`` when the task gives none."""
+    given = [e for e in single.events if e.get("event") == "target_losses"]
+    steps = [e for e in single.events if e.get("event") == "step"]
+    if not given or not all(e.get("given") for e in given):
+        return {"not_applicable": NOT_GIVEN}
+    rows = [_declared_step(g, s) for g, s in zip(given, steps)]
+    return {"declared": DECLARED, "rtol": DECLARED_RTOL, "steps": rows,
+            "passed": len(given) == len(steps) == STEPS and all(r["ok"] for r in rows)}
+
+
+def _declared_step(given: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
+    sums, counts = [float(v) for v in given["sample_sums"]], [int(c) for c in given["sample_targets"]]
+    total, n, count, trained = sum(sums), sum(counts), int(step["targets"]), float(step["loss"])
+    declared = total / n if n else math.nan
+    scale = float(given["abs_sum"]) / max(n, 1)  # the mean magnitude of a target loss
+    row: dict[str, Any] = {"step": step["step"], "trained_loss": trained, "declared_mean": declared,
+                           "count_targets": count, "target_losses": n, "loss_sum": given["loss_sum"],
+                           "sum_of_target_losses": total, "abs_diff": abs(trained - declared),
+                           "ok": n == count and _close(trained, declared, scale)}
+    if not row["ok"]:
+        row["looks_like"] = _looks_like(sums, counts, count, trained, scale)
+        row["loss_sum_is_the_sum"] = _close(float(given["loss_sum"]), total, scale * max(n, 1))
+    return row
+
+
+def _close(a: float, b: float, scale: float) -> bool:
+    """Equal within :data:`DECLARED_RTOL` of the larger of them and ``scale``."""
+    return abs(a - b) <= DECLARED_RTOL * max(abs(a), abs(b), scale) + 1e-300
+
+
+def _looks_like(sums: list[float], counts: list[int], count: int, trained: float, scale: float) -> str:
+    """What the trained loss is instead of the declared mean, among the usual mistakes (or that it is none of them)."""
+    total, n = sum(sums), sum(counts)
+    means = [s / c for s, c in zip(sums, counts) if c]
+    candidates = [
+        (f"the sum of the target losses divided by count_targets' {count} targets, while target_losses gives {n}",
+         total / count if n != count and count else math.nan),
+        ("a sum of per-sample means (e.g. per-sequence means) divided by the target count: each sample weighs the "
+         "same, whatever its number of targets", sum(means) / count if count else math.nan),
+        ("a mean of per-sample means (e.g. per-sequence means): each sample weighs the same, whatever its number of "
+         "targets", sum(means) / len(means) if means else math.nan),
+        ("the sum of the target losses divided by the number of samples", total / len(sums) if sums else math.nan),
+        ("the sum of the target losses, not divided", total),
+    ]
+    for what, value in candidates:
+        if _close(trained, value, scale):
+            return what
+    return "none of the usual reductions (a sum, a mean of per-sample means, a mean over samples)"
+
+
+def declared_finding(block: dict[str, Any]) -> str:
+    """The diagnosis line of a failed declared-objective check: the first wrong step, what the loss looks like, and
+    whose code most likely computes it."""
+    rows = block.get("steps") or []
+    bad = next((r for r in rows if not r["ok"]), None)
+    if bad is None:
+        return (f"objective check (declared_reduction): the single run printed {len(rows)} step(s) of target losses "
+                f"for {STEPS} steps: the check could not compare every step")
+    where = ("Task.loss_sum must return the SUM of the per-target losses Task.target_losses gives (every token's, not "
+             "per-sequence means), and count_targets their number" if not bad["loss_sum_is_the_sum"] else
+             "loss_sum is the sum of the target losses, so count_targets (or the trainer) divides by something else "
+             "than their number")
+    return (f"objective check (declared_reduction, step {bad['step']}): the loss trained on, "
+            f"{bad['trained_loss']:.10g}, is not the declared objective, {DECLARED}: the mean of the task's "
+            f"{bad['target_losses']} target losses is {bad['declared_mean']:.10g} (count_targets: "
+            f"{bad['count_targets']}). It looks like {bad['looks_like']}. {where} (docs/tasks.md, 'Return a sum, "
+            f"not a mean')")

@@ -172,10 +172,7 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
         console.print(f"audit span: {report['audit_span']['summary']}")
     if (report.get("objective_equivalence") or {}).get("skipped") == "--no-objective-check":
         console.print("objective check: skipped (--no-objective-check); this verdict says nothing about the objective")
-    for key, block in report.items():  # a check that cannot apply to this task (trainproof.proof.check.NotApplicable)
-        if isinstance(block, dict) and isinstance(block.get("not_applicable"), str):
-            console.print(f"{key}: not applicable: {block['not_applicable']}", soft_wrap=True, markup=False,
-                          highlight=False)
+    _print_not_applicable(report, console)
     for key in keys:
         value = report.get(key)
         console.print(f"{key}: [{'green' if value else 'red'}]{str(value).lower()}[/]")
@@ -209,6 +206,19 @@ def _print_exercised(report: dict[str, Any], console: Console) -> None:
     workers = report.get("data_workers") or {}
     if workers.get("exercised"):
         console.print(f"data workers exercised: {workers['exercised']}", markup=False, highlight=False)
+
+
+def _print_not_applicable(report: dict[str, Any], console: Console) -> None:
+    """A line for each check that cannot apply to this task (trainproof.proof.check.NotApplicable), and for the
+    objective check's declared-objective part when the task gives no per-target losses (trainproof.proof.objective)."""
+    blocks = [(key, block) for key, block in report.items() if isinstance(block, dict)]
+    declared = (report.get("objective_equivalence") or {}).get("declared_objective")
+    if isinstance(declared, dict):
+        blocks.append(("objective_equivalence.declared_objective", declared))
+    for key, block in blocks:
+        if isinstance(block.get("not_applicable"), str):
+            console.print(f"{key}: not applicable: {block['not_applicable']}", soft_wrap=True, markup=False,
+                          highlight=False)
 
 
 def _print_incomplete(report: dict[str, Any], console: Console) -> None:

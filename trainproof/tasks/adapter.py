@@ -267,6 +267,16 @@ class DatasetTask(Task):
         # At least float32 even under autocast: thousands of float16 terms lose digits in the sum.
         return losses.to(torch.promote_types(losses.dtype, torch.float32)).sum()
 
+    def target_losses(self, model: nn.Module, batch: AdaptedBatch) -> torch.Tensor | None:
+        """``per_sample_loss``'s values, one per target (the objective check compares the trained loss with their
+        mean). None when a subclass counts its own targets (``count_targets``): its rows may then hold padding the
+        count leaves out, so they are not known to be one value per target (implement ``target_losses`` there)."""
+        if type(self).count_targets is not DatasetTask.count_targets:
+            return None
+        losses = self._per_sample_loss(model, batch.data)
+        self._check_losses(losses, batch)
+        return losses
+
     def _check_losses(self, losses: Any, batch: AdaptedBatch) -> None:
         self._check_values(losses, batch, "per_sample_loss")
 

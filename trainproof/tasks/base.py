@@ -25,7 +25,7 @@ import hashlib
 import json
 import typing
 from dataclasses import dataclass
-from typing import Any, Iterator, TypeVar
+from typing import Any, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -159,6 +159,14 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Sum (not mean) of the per-target losses of one micro-batch, as a scalar tensor."""
+
+    def target_losses(self, model: nn.Module, batch: Any) -> torch.Tensor | Sequence[torch.Tensor] | None:
+        """Optional: the loss of every real target of one micro-batch, unreduced: a tensor ``(samples,)`` or
+        ``(samples, targets)`` when every sample has as many targets, else a list with one 1-D tensor per sample
+        (padding left out). The verifier's objective check then checks the declared objective: ``loss_sum`` is
+        their sum, ``count_targets`` their number, and the loss the trainer trained on their mean over the step
+        (trainproof.proof.objective). Default: None (not given; ``DatasetTask`` gives ``per_sample_loss``'s)."""
+        return None
 
     def fsdp_modules(self, model: nn.Module) -> list[nn.Module]:
         """With ``--fsdp``: the submodules of ``model`` that each become one FSDP unit (their parameters are

@@ -13,6 +13,7 @@ user's own code, unchanged: that is what is being checked.
 from __future__ import annotations
 
 import functools
+import json
 import types
 from typing import Any
 
@@ -31,8 +32,10 @@ class ObjectiveCheckTask(Task):
     cpu_threads = 1
     precision = "fp32"  # float64 arithmetic: no autocast, whatever the task trains with
 
-    def __init__(self, task: Task, *, batch_size: int | None = None, micro_batch_size: int | None = None) -> None:
+    def __init__(self, task: Task, *, batch_size: int | None = None, micro_batch_size: int | None = None,
+                 record_targets: bool = False) -> None:
         self.inner = task.deterministic_objective()
+        self.record_targets = record_targets
         same_task(task, self.inner)
         self._batch = batch_size or task.batch_size
         self._micro = micro_batch_size or min(task.micro_batch_size, self._batch)
@@ -98,7 +101,11 @@ class ObjectiveCheckTask(Task):
         return _float64(self.inner.batch_to_device(batch, device))
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        return self.inner.loss_sum(model, batch)
+        loss = self.inner.loss_sum(model, batch)
+        if self.record_targets:
+            print(json.dumps({"event": "target_losses", "loss_sum": float(loss.detach()),
+                              **given_targets(self.inner, model, batch)}), flush=True)
+        return loss
 
     def use_amp(self, device: torch.device) -> bool:
         return False  # float64 arithmetic: no autocast
@@ -117,6 +124,29 @@ class ObjectiveCheckTask(Task):
 
     def evaluate_metrics(self, model: nn.Module) -> dict[str, float]:
         return self.inner.evaluate_metrics(model)
+
+
+def given_targets(task: Task, model: nn.Module, batch: Any) -> dict[str, Any]:
+    """What ``task.target_losses`` gives for ``model`` and ``batch`` (no gradient, under a fork of the generators,
+    so the run computes exactly what it would without it): ``{"given": False}`` when it gives nothing, else each
+    sample's sum of target losses and number of targets (``sample_sums``, ``sample_targets``) and the sum of their
+    magnitudes (``abs_sum``, for the tolerance). The objective
+    check's ``single`` run prints it as a ``target_losses`` event (JSON log lines), after each ``loss_sum``."""
+    with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)):
+        losses = task.target_losses(model, batch)
+    if losses is None:
+        return {"given": False}
+    rows = list(losses) if not isinstance(losses, torch.Tensor) or losses.dim() >= 1 else [losses]
+    if not all(isinstance(r, torch.Tensor) and r.is_floating_point() for r in rows):
+        raise ConfigError(f"{type(task).__qualname__}.target_losses must return a floating-point tensor (samples,) or "
+                          "(samples, targets), or a list of 1-D tensors (one per sample), or None")
+    return {"given": True, "sample_sums": [float(r.double().sum()) for r in rows],
+            "sample_targets": [int(r.numel()) for r in rows],
+            "abs_sum": float(sum(r.double().abs().sum() for r in rows))}
+
+
+def _cuda_devices(model: nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
 def _float64(value: Any) -> Any:

@@ -138,6 +138,11 @@ class RegressionTask(Task):
         x, y = batch
         return ((model(x) - y) ** 2).sum()
 
+    def target_losses(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Each row's squared error (a row is one target), unreduced: what ``loss_sum`` sums."""
+        x, y = batch
+        return ((model(x) - y) ** 2).reshape(len(x), -1).sum(dim=1)
+
     def deterministic_objective(self) -> RegressionTask:
         """No dropout, gain or noise (the objective check's variant): this very task (a subclass stays itself, its own
         ``loss_sum`` included) with those settings at 0."""

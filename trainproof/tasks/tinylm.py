@@ -269,6 +269,15 @@ class TinyLMTask(Task):
             ignore_index=IGNORE, reduction="sum",
         )
 
+    def target_losses(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Each sequence's token losses, unreduced, padding left out: what ``loss_sum`` sums."""
+        logits = model(batch["inputs"], batch["key_real"])
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        targets = batch["targets"]
+        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE,
+                                 reduction="none").view(targets.shape)
+        return [row[real] for row, real in zip(losses, targets != IGNORE)]
+
 
 def _pad(seqs: list[np.ndarray], device: torch.device,
          inputs_of: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:

@@ -32,6 +32,10 @@ class Variant:
     """With ``objective_check``: samples per step and rank (default: the task's)."""
     micro_batch_size: int | None = None
     """With ``objective_check``: samples per forward/backward (default: the task's)."""
+    target_losses: bool = False
+    """With ``objective_check``: after each micro-batch's ``loss_sum``, print a ``target_losses`` event with what the
+    task's ``Task.target_losses`` gives for the same model and batch (per-sample sums and counts), for the check of
+    the declared objective. Changes nothing the run computes."""
     negative_control: str = "none"
     """A deliberately wrong objective the verifier must detect: ``per-rank-mean`` normalises each rank's loss by its
     own target count; ``mean-of-microbatch-means`` normalises each micro-batch by its own target count and averages
@@ -49,8 +53,9 @@ class Variant:
         if self.negative_control not in NEGATIVE_CONTROLS:
             raise ConfigError(f"{OPTION}: negative_control must be one of {', '.join(NEGATIVE_CONTROLS)} "
                               f"(got {self.negative_control!r})")
-        if (self.batch_size is not None or self.micro_batch_size is not None) and not self.objective_check:
-            raise ConfigError(f"{OPTION}: batch_size/micro_batch_size are for the objective check only")
+        if (self.batch_size is not None or self.micro_batch_size is not None or self.target_losses) \
+                and not self.objective_check:
+            raise ConfigError(f"{OPTION}: batch_size/micro_batch_size/target_losses are for the objective check only")
         for name in ("batch_size", "micro_batch_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -105,7 +110,8 @@ class Variant:
         if self.objective_check:
             from trainproof.tasks.objective import ObjectiveCheckTask
 
-            task = ObjectiveCheckTask(task, batch_size=self.batch_size, micro_batch_size=self.micro_batch_size)
+            task = ObjectiveCheckTask(task, batch_size=self.batch_size, micro_batch_size=self.micro_batch_size,
+                                      record_targets=self.target_losses)
         if self.grad_clip is not None:
             task.grad_clip = self.grad_clip
         return task
