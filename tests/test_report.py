@@ -86,6 +86,29 @@ def test_the_report_of_a_run_stopped_killed_and_finished_matches_what_happened(i
     assert table.returncode == 0 and "goodput" in table.stdout and "redone" in table.stdout, table.stderr
 
 
+def test_steps_slowed_beside_a_background_commit_are_checkpoint_interference_not_productive(tmp_path):
+    """Each step that runs while a commit is in flight (held there 0.6 s after its read-back) takes 0.15 s longer
+    (test hooks): the record counts those steps apart from the others, and the report moves what they cost beside the
+    commits out of productive time into checkpoint_interference, priced by the difference of the two means."""
+    extra = 0.15
+    hooks = {"TPHOOK_STEP_DELAY": "0.03", "TPHOOK_SAVE_DELAY": "0.6", "TPHOOK_COMMIT_INTERFERENCE": str(extra)}
+    result = run(tmp_path / "run", "--max-steps", "40", "--checkpoint-every", "10", "--log-format", "json",
+                 env=hooks)
+    assert result.code == 0, result.stderr
+    record = json.loads(next((tmp_path / "run" / "attempts").glob("*.json")).read_text())
+    times = record["step_times"]
+    assert times["commit_n"] >= 3 and times["clear_n"] >= 10 and times["commit_n"] + times["clear_n"] <= 40, times
+    done = report(tmp_path / "run", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    interference = doc["buckets"]["checkpoint_interference"]["seconds"]
+    slowed = times["commit_n"] * extra
+    assert 0.7 * slowed <= interference <= slowed + times["commit_n"] * budget(0.1), (interference, times)
+    (attempt,) = doc["attempts"]
+    assert attempt["checkpoint_interference_s"] == pytest.approx(interference, abs=0.002)
+    assert doc["buckets"]["productive"]["seconds"] == pytest.approx(attempt["train_s"] - interference, abs=0.01)
+
+
 def test_on_demand_price_adds_what_the_run_saved_computed_from_its_own_buckets(interrupted):
     """Per-second prices (3600 and 36000 an hour) make every figure visible: each bucket's cost, the total, the
     on-demand cost of the productive time and the saving follow from the seconds the report itself shows."""

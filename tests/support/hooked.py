@@ -8,6 +8,8 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
 
 =======================  ==================================================================================
 ``TPHOOK_STEP_DELAY``    seconds to sleep after each optimizer step (lets a signal land mid-run)
+``TPHOOK_COMMIT_INTERFERENCE`` seconds each optimizer step sleeps while a commit is in progress (what a
+                         background commit sharing the machine costs the steps beside it)
 ``TPHOOK_SAVE_DELAY``    seconds to sleep inside a save: after the state was written and read back, before
                          ``COMPLETE.json``; and after a rank wrote its part (lets a signal or a kill land
                          mid-save)
@@ -248,16 +250,31 @@ def install() -> None:
 
     launch.ENTRY_MODULE = MODULE
     step_delay, save_delay = _seconds("TPHOOK_STEP_DELAY"), _seconds("TPHOOK_SAVE_DELAY")
-    if step_delay > 0:
+    interference = _seconds("TPHOOK_COMMIT_INTERFERENCE")
+    committing = [0]  # commits in progress, on any thread
+    if step_delay > 0 or interference > 0:
         step = loop.train_step
 
         @functools.wraps(step)
         def slow_step(run: Any) -> dict[str, Any]:
             record = step(run)
-            time.sleep(step_delay)  # a signal does not cut this short in effect: the handler only sets a flag
+            # a signal does not cut this short in effect: the handler only sets a flag
+            time.sleep(step_delay + (interference if committing[0] else 0.0))
             return record
 
         loop.train_step = slow_step
+    if interference > 0:
+        commit = checkpoint.Checkpointer.commit
+
+        @functools.wraps(commit)
+        def counted_commit(self: Any, c: Any) -> Any:
+            committing[0] += 1
+            try:
+                return commit(self, c)
+            finally:
+                committing[0] -= 1
+
+        checkpoint.Checkpointer.commit = counted_commit
     if save_delay > 0:
         check, own_part = checkpoint.Checkpointer._check, checkpoint.Checkpointer._write_own_part
 

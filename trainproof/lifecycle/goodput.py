@@ -8,6 +8,10 @@ commit's blocked time, and how it ended. From those, in the buckets of Google's 
 - **startup** (interpreter, torch, building the model and the data) and **restore** (finding, verifying and loading
   the generation);
 - **checkpoint stall**: the time commits blocked training;
+- **checkpoint interference**: what a commit in the background cost the steps that ran beside it (serialising,
+  hashing and uploading share the machine with training): the steps that ended while a commit was in flight, times
+  how much longer they took on average than the attempt's steps clear of one (a mean of each, so steps whose length
+  varies anyway, e.g. with the batch's sequence lengths, are not counted as slowed);
 - **redone steps**: training time of steps an attempt trained beyond the point the next attempt resumed from (a
   SIGKILL between commits), priced at that attempt's own step time;
 - **gaps**: from an attempt's end (or, killed, its last record) to the next attempt's start (rescheduling, a new VM);
@@ -40,7 +44,10 @@ from trainproof.train.attempts import ATTEMPTS_DIR, MAX_COMMITS, SCHEMA
 
 MAX_RECORD_BYTES = 64 * 1024
 MAX_RECORDS = 10_000
-BUCKETS = ("productive", "startup", "restore", "checkpoint_stall", "redone_steps", "gaps", "finish", "unaccounted")
+BUCKETS = ("productive", "startup", "restore", "checkpoint_stall", "checkpoint_interference", "redone_steps", "gaps",
+           "finish", "unaccounted")
+MIN_STEPS = 3
+"""Steps needed on each side (beside a background commit, and clear of one) before their difference is counted."""
 
 
 @dataclass
@@ -67,6 +74,17 @@ class Attempt:
     """Whether the record names the step it resumed from (it had restored, or started fresh, and begun)."""
     commit_steps: list[int] = field(default_factory=list)
     """Steps of its newest commits (the record lists at most its last 200)."""
+    step_times: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
+    """Steps that ended clear of a background commit (count, seconds), and beside one (count, seconds)."""
+
+    @property
+    def interference_s(self) -> float:
+        """What background commits cost the steps that ran beside them: their count times how much longer they took
+        on average than the steps clear of one (0 with fewer than MIN_STEPS of either), at most the training time."""
+        clear_n, clear_s, commit_n, commit_s = self.step_times
+        if clear_n < MIN_STEPS or commit_n < MIN_STEPS:
+            return 0.0
+        return min(self.train_s, max(0.0, commit_s - commit_n * clear_s / clear_n))
 
     @property
     def stop(self) -> float:
@@ -148,7 +166,17 @@ def _attempt(name: str, doc: Any) -> Attempt:
                    committed_step=None if doc.get("committed_step") is None else _count(doc["committed_step"],
                                                                                       "committed_step"),
                    finish_s=_secs(doc.get("finish_s")), restored=doc.get("resumed_from") is not None,
-                   commit_steps=_commit_steps(doc.get("recent_commits")))
+                   commit_steps=_commit_steps(doc.get("recent_commits")), step_times=_step_times(doc.get("step_times")))
+
+
+def _step_times(value: Any) -> tuple[int, float, int, float]:
+    """A record's ``step_times`` (absent in records written before it: none counted)."""
+    if value is None:
+        return (0, 0.0, 0, 0.0)
+    if not isinstance(value, dict):
+        raise ValueError("step_times is not an object")
+    return (_count(value.get("clear_n"), "step_times.clear_n", default=0), _secs(value.get("clear_s")),
+            _count(value.get("commit_n"), "step_times.commit_n", default=0), _secs(value.get("commit_s")))
 
 
 def _commit_steps(value: Any) -> list[int]:
@@ -186,7 +214,8 @@ def _attempt_json(a: Attempt, redone: int) -> dict[str, Any]:
             "resumed_from": a.resumed_from if a.restored else None,
             "last_step": a.last_step, "steps": a.steps, "redone_steps": redone, "commits": a.commits,
             "committed_step": a.committed_step, "startup_s": a.startup_s, "restore_s": a.restore_s,
-            "train_s": a.train_s, "checkpoint_stall_s": a.blocked_s}
+            "train_s": a.train_s, "checkpoint_stall_s": a.blocked_s,
+            "checkpoint_interference_s": round(a.interference_s, 3)}
 
 
 def _iso(t: float) -> str:
@@ -205,9 +234,11 @@ def summary(report: Report, price_per_hour: float | None = None,
     redone = report.redone()
     buckets = dict.fromkeys(BUCKETS, 0.0)
     for a, r in zip(attempts, redone):
-        per_step = a.train_s / a.steps if a.steps else 0.0
-        wasted = min(a.train_s, r * per_step)
-        buckets["productive"] += a.train_s - wasted
+        interference = a.interference_s
+        per_step = (a.train_s - interference) / a.steps if a.steps else 0.0
+        wasted = min(a.train_s - interference, r * per_step)
+        buckets["productive"] += a.train_s - interference - wasted
+        buckets["checkpoint_interference"] += interference
         buckets["redone_steps"] += wasted
         buckets["startup"] += a.startup_s
         buckets["restore"] += a.restore_s

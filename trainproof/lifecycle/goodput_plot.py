@@ -21,8 +21,8 @@ log = logging.getLogger("trainproof.lifecycle")
 END_STYLE = {"done": ("tab:green", "done"), "stopped": ("tab:orange", "stopped (signal, notice, deadline)"),
              None: ("tab:red", "killed (no end recorded)")}
 LAST_UNENDED = ("tab:gray", "no end recorded yet (running, or killed)")
-BUCKET_COLORS = dict(zip(BUCKETS, ("tab:green", "tab:purple", "tab:blue", "tab:orange", "tab:red", "tab:gray",
-                                   "tab:cyan", "lightgray")))
+BUCKET_COLORS = dict(zip(BUCKETS, ("tab:green", "tab:purple", "tab:blue", "tab:orange", "gold", "tab:red",
+                                   "tab:gray", "tab:cyan", "lightgray"), strict=True))
 
 
 class MatplotlibMissing(RuntimeError):

@@ -57,12 +57,18 @@ class AttemptRecorder(Reporter):
                                        "startup_s": None, "restore_s": None, "first_step": None, "last_step": None,
                                        "train_s": 0.0, "commits": 0, "blocked_s": 0.0, "committed_step": None,
                                        "recent_commits": [], "ended_at": None, "end": None, "reason": None,
-                                       "exit_code": None, "finish_s": None}
+                                       "exit_code": None, "finish_s": None,
+                                       "step_times": {"clear_n": 0, "clear_s": 0.0, "commit_n": 0, "commit_s": 0.0}}
         self._lock = threading.Lock()
         self._dirty = threading.Event()
         self._closed = False
         self._began: float | None = None
         self._last_step_at: float | None = None
+        self._in_flight = 0
+        """Commits begun and not yet landed (or failed): steps ending meanwhile ran beside a background commit."""
+        self._skip_step = True
+        """The next step's duration is not counted: the first (warm-up) or one a checkpoint began in (its blocked
+        time is counted apart)."""
         self._last_write = time.monotonic()
         self._warned = False
         self._thread = threading.Thread(target=self._writer, name="trainproof-attempt", daemon=True)
@@ -85,6 +91,12 @@ class AttemptRecorder(Reporter):
         now = time.monotonic()
         with self._lock:
             self.record["last_step"] = record["step"]
+            if self._last_step_at is not None and not self._skip_step:
+                kind = "commit" if self._in_flight else "clear"
+                times = self.record["step_times"]
+                times[f"{kind}_n"] += 1
+                times[f"{kind}_s"] = round(times[f"{kind}_s"] + (now - self._last_step_at), 6)
+            self._skip_step = False
             self._last_step_at = now
             self._set_train_s()
         if now - self._last_write >= self.refresh_s:
@@ -101,7 +113,14 @@ class AttemptRecorder(Reporter):
                 restore = _seconds(fields.get("restore_s"))
                 self.record.update(resumed_from=_int(fields.get("step")), restore_s=round(restore, 3),
                                    startup_s=round(max(0.0, now - self._t0 - restore), 3))
-            elif name == "checkpoint":
+            elif name == "checkpoint_begin":
+                self._in_flight += 1
+                self._skip_step = True
+                return
+            elif name in ("checkpoint", "checkpoint_failed"):
+                self._in_flight = max(0, self._in_flight - 1)
+                if name == "checkpoint_failed":
+                    return
                 self._checkpoint(fields)
             elif name in ("done", "stopped"):
                 self._ended(name, fields, now)
