@@ -29,7 +29,7 @@ from typing import Callable
 
 from trainproof.storage import digest as dg
 from trainproof.storage import manifest as mf
-from trainproof.storage.backend import read_at_most
+from trainproof.storage.backend import join, read_at_most
 from trainproof.storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError, StoreError
 from trainproof.storage.generations import CORRUPT, FOREIGN, INCOMPLETE, Check, Ctx, anchor, in_chain, scan
 from trainproof.storage.limits import safe
@@ -46,14 +46,16 @@ LATEST = "LATEST"
 def commit_generation(
     ctx: Ctx, step: int, files: dict[str, Data], *, contract: str, world: int, code_version: str,
     check: Check | None = None, digests: dict[str, str] | None = None, extra: dict | None = None,
+    shared: dict[str, tuple[int, str]] | None = None,
 ) -> dict:
-    """Commit ``files`` as generation ``step``; return its manifest.  Raises CommitConflictError when another
+    """Commit ``files`` (and a reference to each ``shared`` object, :func:`put_shared`) as generation ``step``; return
+    its manifest.  Raises CommitConflictError when another
     writer committed this step, CorruptGenerationError when the read-back disagrees, and StoreError or a
     builtin OSError when the store fails; in every failure case nothing is marked usable."""
     attempt = uuid.uuid4().hex
     written = write_part(ctx, step, files, check=check, attempt=attempt, contract=contract, code_version=code_version)
     return mark_usable(ctx, step, written, contract=contract, world=world, code_version=code_version,
-                       attempt=attempt, digests=digests, extra=extra)
+                       attempt=attempt, digests=digests, extra=extra, shared=shared)
 
 
 def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | None = None,
@@ -79,17 +81,24 @@ def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | No
 def mark_usable(
     ctx: Ctx, step: int, written: dict[str, tuple[int, str, str]], *, contract: str, world: int,
     code_version: str, attempt: str | None = None, digests: dict[str, str] | None = None, extra: dict | None = None,
+    shared: dict[str, tuple[int, str]] | None = None,
 ) -> dict:
-    """Phase 2 (one writer): check every listed object is in the store with its listed size, then write
-    ``COMPLETE.json`` create-only and move the ``LATEST`` hint.  Returns the manifest."""
+    """Phase 2 (one writer): check every listed object is in the store with its listed size (``shared``: name →
+    (bytes, sha256) of objects :func:`put_shared` stored, under ``shared/``), then write ``COMPLETE.json`` create-only
+    and move the ``LATEST`` hint.  Returns the manifest."""
     name = mf.step_dir(step)
     sizes = _sizes(ctx, name)
     for fname, (size, _sha, obj) in written.items():
         if sizes.get(obj) != size:
             raise CorruptGenerationError(name, f"{obj} is not in the store with {size} bytes "
                                                f"(found {sizes.get(obj)}); not marking it usable")
+    for fname, (size, sha) in (shared or {}).items():
+        found = _shared_size(ctx, str(sha))
+        if found != size:
+            raise CorruptGenerationError(name, f"{mf.SHARED_DIR}/{sha} ({fname}) is not in the store with {size} "
+                                               f"bytes (found {found}); not marking it usable")
     manifest = mf.build(step=step, files=written, contract=contract, world=world, code_version=code_version,
-                        attempt=attempt or uuid.uuid4().hex, digests=digests, extra=extra)
+                        attempt=attempt or uuid.uuid4().hex, digests=digests, extra=extra, shared=shared)
     if ctx.keys is not None:
         manifest = _signed(ctx, step, manifest)
     _mark_usable(ctx, name, manifest)
@@ -98,6 +107,38 @@ def mark_usable(
     except OSError as exc:  # a hint only: discovery lists step-* and never needs it
         log.warning("committed %s but could not update the LATEST hint: %s", name, exc)
     return manifest
+
+
+def put_shared(ctx: Ctx, data: Spool) -> tuple[int, str]:
+    """Store ``data`` once for the run, content-addressed, as ``shared/<sha256>``, verified read back; (bytes,
+    sha256) for a manifest's ``shared`` entry. Already there with those bytes (an earlier commit's, or a lost
+    response's): reused after hashing it. Something else under that name (planted, damaged) is moved to quarantine
+    and the object written again."""
+    sha, folder = data.sha256, ctx.path(mf.SHARED_DIR)
+    path = join(folder, str(sha))
+    for attempt in (1, 2):
+        try:
+            size, got = ctx.io(f"write {mf.SHARED_DIR}/{sha}", lambda: ctx.backend.write(path, data, create_only=True))
+            _same_as_source(mf.SHARED_DIR, str(sha), (size, got), (data.size, sha))
+        except FileExistsError:
+            pass
+        stored = _shared_size(ctx, str(sha))
+        if stored == data.size:
+            hasher = dg.FileHasher(sha.part_bytes) if isinstance(sha, dg.Digest) and sha.part_bytes else None
+            if ctx.io(f"verify {mf.SHARED_DIR}/{sha}", lambda: ctx.hashed(path, data.size, hasher=hasher)) == \
+                    (data.size, sha):
+                return data.size, sha
+        if attempt == 1:
+            log.warning("%s/%s holds other bytes than its name says (planted or damaged): moving it aside",
+                        mf.SHARED_DIR, sha)
+            move_aside(ctx, f"{mf.SHARED_DIR}/{sha}", "a shared object whose bytes do not hash to its name",
+                       label=f"{mf.SHARED_DIR}-{str(sha)[:16]}")
+    raise CorruptGenerationError(mf.SHARED_DIR, f"{sha} read back from the store differs from what was written")
+
+
+def _shared_size(ctx: Ctx, sha: str) -> int | None:
+    listing = ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(ctx.path(mf.SHARED_DIR), prefix=sha))
+    return next((e.size for e in listing if e.name == sha and not e.is_dir and not e.is_special), None)
 
 
 def _signed(ctx: Ctx, step: int, manifest: dict) -> dict:

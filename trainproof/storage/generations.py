@@ -215,6 +215,8 @@ def inspect(ctx: Ctx, name: str, *, contract: str | None, world: int | None,
         return GenerationInfo(status=FOREIGN, manifest=manifest, reason=(
             f"written by world size {manifest['world']}, this run has {world}"), **base)
     for fname, meta in manifest["files"].items():
+        if meta.get("shared"):
+            continue  # outside the folder: verified when read (``_read_verified``, ``verify_hashes``)
         obj = mf.object_name(fname, meta)
         if obj not in entries:
             return GenerationInfo(status=CORRUPT, manifest=manifest, reason=f"{obj} is missing", **base)
@@ -329,22 +331,23 @@ def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable 
     than
     ``size + 1`` of them: an object swapped for a huge one is not read whole); ``discard(payload)`` drops a
     payload that did not match (a spool file)."""
-    obj = mf.object_name(fname, meta)
-    path, size = ctx.path(name, obj), meta["bytes"]
+    obj = mf.shown(name, fname, meta)
+    what = obj if meta.get("shared") else fname
+    path, size = ctx.path(*mf.location(name, fname, meta)), meta["bytes"]
     if fetch is None:
         fetch = lambda path, size, hasher: _fetch_in_memory(ctx, path, size, hasher)  # noqa: E731
     for attempt in (1, 2):  # one re-read: the first read may have hit a transient fault
-        with _missing_is_corrupt(name, fname):
+        with _missing_is_corrupt(name, what):
             payload, seen, sha = ctx.io(f"read {name}/{obj}", lambda: fetch(path, size, hasher_for(meta)))
         if seen == size and sha == meta["sha256"]:
             return payload
         discard(payload)
         if attempt == 1:
-            log.warning("%s/%s did not match its manifest on first read; reading it again", name, fname)
+            log.warning("%s/%s did not match its manifest on first read; reading it again", name, what)
     if seen != size:
         shown = f"more than {size}" if seen > size else str(seen)
-        raise CorruptGenerationError(name, f"{fname} is {shown} bytes, {mf.MARKER} says {size}")
-    raise CorruptGenerationError(name, f"{fname} sha256 differs from {mf.MARKER} (changed or damaged after commit)")
+        raise CorruptGenerationError(name, f"{what} is {shown} bytes, {mf.MARKER} says {size}")
+    raise CorruptGenerationError(name, f"{what} sha256 differs from {mf.MARKER} (changed or damaged after commit)")
 
 
 def _fetch_in_memory(ctx: Ctx, path: str, size: int, hasher: FileHasher):
@@ -385,8 +388,8 @@ def read_parts(ctx: Ctx, info: GenerationInfo, fname: str, sink: Callable[[int, 
     if "parts" not in meta:
         sink(0, _read_verified(ctx, info.name, fname, meta))
         return
-    name, obj, size, step = info.name, mf.object_name(fname, meta), meta["bytes"], meta["part_bytes"]
-    path, parts = ctx.path(name, obj), meta["parts"]
+    name, obj, size, step = info.name, mf.shown(info.name, fname, meta), meta["bytes"], meta["part_bytes"]
+    path, parts = ctx.path(*mf.location(name, fname, meta)), meta["parts"]
     spans = [(i, i * step, min((i + 1) * step, size) + (i == len(parts) - 1)) for i in range(len(parts))]
     if wanted is not None:
         spans = [s for s in spans if any(a < min(s[2], size) and b > s[1] for a, b in wanted if b > a)]
@@ -446,7 +449,7 @@ def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
     if info.status != COMPLETE or info.manifest is None:
         return info.reason or f"status {info.status}"
     for fname, meta in info.manifest["files"].items():
-        obj = mf.object_name(fname, meta)
+        obj, where = mf.shown(info.name, fname, meta), mf.location(info.name, fname, meta)
         if "parts" in meta:  # part by part, on several cores, each against its own digest
             try:
                 read_parts(ctx, info, fname, lambda _offset, _data: None)
@@ -455,8 +458,8 @@ def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
             continue
         try:
             size, sha = ctx.io(f"verify {info.name}/{obj}",
-                               lambda obj=obj, meta=meta: ctx.hashed(ctx.path(info.name, obj), meta["bytes"],
-                                                                     hasher=hasher_for(meta)))
+                               lambda where=where, meta=meta: ctx.hashed(ctx.path(*where), meta["bytes"],
+                                                                         hasher=hasher_for(meta)))
         except FileNotFoundError:
             return f"{obj} is missing"
         except OSError as exc:

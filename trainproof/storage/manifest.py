@@ -18,6 +18,9 @@ MAX_WORLD = 1_000_000
 MAX_TEXT = 256
 # Names the store itself puts in a generation folder: a manifest may not claim them as data files.
 RESERVED = (MARKER, "REASON")
+SHARED_DIR = "shared"
+"""Where a run keeps content-addressed objects that several generations reference (``<run>/shared/<sha256>``): a
+manifest entry with ``"shared": true`` is stored there under its own digest, not in the generation's folder."""
 
 
 class ManifestError(ValueError):
@@ -48,20 +51,39 @@ def object_name(fname: str, meta: dict) -> str:
     return meta.get("object", fname)
 
 
+def location(name: str, fname: str, meta: dict) -> tuple[str, str]:
+    """(folder, object) of a manifest entry's bytes: ``shared/<sha256>`` for a shared entry, else the generation's
+    folder ``name`` and the entry's object name."""
+    return (SHARED_DIR, meta["sha256"]) if meta.get("shared") else (name, object_name(fname, meta))
+
+
+def shown(name: str, fname: str, meta: dict) -> str:
+    """How a message names an entry's object: its name in the generation, or ``shared/<sha256 prefix>…``."""
+    return f"{SHARED_DIR}/{meta['sha256'][:16]}… ({fname})" if meta.get("shared") else object_name(fname, meta)
+
+
 def build(
     *, step: int, files: dict[str, tuple[int, str, str]], contract: str, world: int, code_version: str,
     attempt: str, digests: dict[str, str] | None = None, extra: dict | None = None,
+    shared: dict[str, tuple[int, str]] | None = None,
 ) -> dict:
     """The manifest of a generation.  ``files``: name → (bytes, sha256, object name); a sha256 that is a
     :class:`trainproof.storage.digest.Digest` of several parts adds the entry's ``parts`` and ``part_bytes``.
+    ``shared``: name → (bytes, sha256) of files stored once for the run under ``shared/`` (``"shared": true``).
     ``digests`` adds ``<key>_bytes``/``<key>_sha256`` for a named file (e.g. ``state`` → ``training_state.pt``)."""
+    both = set(files) & set(shared or {})
+    if both:
+        raise ValueError(f"{sorted(both)[0]!r} is listed both as a file and as a shared object")
+    entries = {name: {"bytes": size, **_digest_fields(sha), **({"object": obj} if obj != name else {})}
+               for name, (size, sha, obj) in files.items()}
+    entries.update({name: {"bytes": size, **_digest_fields(sha), "shared": True}
+                    for name, (size, sha) in (shared or {}).items()})
     manifest = {
         "schema": SCHEMA,
         "step": step,
         "contract": contract,
         "world": world,
-        "files": {name: {"bytes": size, **_digest_fields(sha), **({"object": obj} if obj != name else {})}
-                  for name, (size, sha, obj) in sorted(files.items())},
+        "files": dict(sorted(entries.items())),
         "code_version": code_version,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "attempt": attempt,
@@ -141,6 +163,10 @@ def _check_files(files: dict, limits: Limits) -> None:
             raise ManifestError(f"{MARKER} entry for {name!r} claims {meta['bytes']} bytes, outside "
                                 f"0..{limits.file_bytes} (Limits.file_bytes)")
         _check_parts(name, meta)
+        if "shared" in meta:
+            if meta["shared"] is not True or "object" in meta:
+                raise ManifestError(f"{MARKER} entry for {name!r}: 'shared' must be true and name no object")
+            continue
         obj = object_name(name, meta)
         problem = name_problem(obj)
         if problem:

@@ -47,12 +47,12 @@ def quarantine(ctx: Ctx, name: str, reason: str) -> str:
     return dest_name
 
 
-def move_aside(ctx: Ctx, name: str, reason: str) -> str:
+def move_aside(ctx: Ctx, name: str, reason: str, *, label: str | None = None) -> str:
     """Move what occupies the run's entry ``name`` without being a folder (a file, a FIFO, a symlink; on an object
     store an object named like a folder) into a quarantine folder of its own, as ``OCCUPANT`` beside a REASON
     file, so the run can write its folder there. The entry itself moves: a symlink as the link, never followed.
     Returns the quarantine folder's name."""
-    root, dest_name, note = _destination(ctx, name, reason)
+    root, dest_name, note = _destination(ctx, label or name, reason)
     src, dest = ctx.path(name), ctx.path(root, dest_name, OCCUPANT)
     if isinstance(ctx.backend, RenamesFolders):
         backend = ctx.backend

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 from trainproof.storage import manifest as mf
 from trainproof.storage.backend import FsspecBackend, LocalBackend, join, read_at_most
-from trainproof.storage.commit import LATEST, clear_way, commit_generation, mark_usable, write_part
+from trainproof.storage.commit import LATEST, clear_way, commit_generation, mark_usable, put_shared, write_part
 from trainproof.storage.digest import Digest, of_parts
 from trainproof.storage.errors import CorruptGenerationError, StoreConfigError, StoreError
 from trainproof.storage.generations import (
@@ -99,14 +99,23 @@ class GenerationStore:
     # -- generations ------------------------------------------------------------------------------------
     def commit(self, step: int, files: dict[str, bytes], *, contract: str, world: int, code_version: str,
                check: Check | None = None, extra: dict | None = None, digests: dict[str, str] | None = None,
-               retention: RetentionPolicy | None = None) -> GenerationInfo:
+               retention: RetentionPolicy | None = None,
+               shared: dict[str, tuple[int, str]] | None = None) -> GenerationInfo:
         """Write → verify (read back from the store) → mark usable generation ``step``; then, when ``retention`` is
-        given, apply it (to this generation's contract unless it names one).  See ``trainproof.storage.commit`` for the
-        guarantees."""
+        given, apply it (to this generation's contract unless it names one).  ``shared``: files of the generation
+        already stored once for the run (:meth:`put_shared`: name → its (bytes, sha256)), referenced, not written.
+        See ``trainproof.storage.commit`` for the guarantees."""
         self._before_write()
         manifest = commit_generation(self._ctx, step, files, contract=contract, world=world, code_version=code_version,
-                                     check=check, digests=digests, extra=extra)
+                                     check=check, digests=digests, extra=extra, shared=shared)
         return self._committed(step, manifest, retention)
+
+    def put_shared(self, data: Spool) -> tuple[int, str]:
+        """Store ``data`` once for the run, content-addressed (``shared/<sha256>``), verified read back; its (bytes,
+        sha256) for the ``shared`` argument of :meth:`commit`/:meth:`commit_parts`. Retention never deletes what is
+        under ``shared/`` (it deletes ``step-*`` folders only)."""
+        self._before_write()
+        return put_shared(self._ctx, data)
 
     def _committed(self, step: int, manifest: dict, retention: RetentionPolicy | None) -> GenerationInfo:
         info = GenerationInfo(step=step, name=mf.step_dir(step), status=COMPLETE, manifest=manifest,
@@ -136,13 +145,15 @@ class GenerationStore:
 
     def commit_parts(self, step: int, entries: dict[str, list], *, contract: str, world: int, code_version: str,
                      extra: dict | None = None, digests: dict[str, str] | None = None,
-                     retention: RetentionPolicy | None = None) -> GenerationInfo:
+                     retention: RetentionPolicy | None = None,
+                     shared: dict[str, tuple[int, str]] | None = None) -> GenerationInfo:
         """Mark generation ``step`` usable from the entries that ``write_part`` returned (possibly in several
-        processes): every listed object must be in the store with its size; then COMPLETE.json, create-only."""
+        processes) and the ``shared`` objects it references (:meth:`put_shared`): every listed object must be in the
+        store with its size; then COMPLETE.json, create-only."""
         self._before_write()
         written = {k: (int(v[0]), _digest(k, v), str(v[2])) for k, v in entries.items()}
         manifest = mark_usable(self._ctx, step, written, contract=contract, world=world, code_version=code_version,
-                               digests=digests, extra=extra)
+                               digests=digests, extra=extra, shared=shared)
         return self._committed(step, manifest, retention)
 
     def scan(self, *, contract: str | None = None, world: int | None = None) -> list[GenerationInfo]:

@@ -1,0 +1,108 @@
+"""Shared objects: a file several generations hold alike (a frozen base model) stored once for the run, under
+``shared/<sha256>``, and referenced by digest from each generation's manifest.
+
+On every backend: the object is written once and each commit after it writes only its own files; a load reads and
+verifies the shared file like any other; a damaged or missing one makes every generation that references it unusable
+(never loaded), like damage in its own folder; something planted at the name is moved aside and the object written
+again; retention (``--keep 1``) deletes old generations, never the shared object the kept one references.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from trainproof.storage import CorruptGenerationError, open_store
+from trainproof.storage.backend import join
+from trainproof.storage.manifest import ManifestError, parse
+from trainproof.storage.retention import RetentionPolicy
+from trainproof.storage.spool import SpoolWriter
+
+C = "contract-shared"
+FROZEN = "frozen.pt"
+
+
+def _spool(tmp_path, data: bytes):
+    with SpoolWriter(str(tmp_path)) as out:
+        out.write(data)
+    return out.finish()
+
+
+def _names(store, relpath: str) -> list[str]:
+    return sorted(e.name for e in store.list_dir(relpath) if not e.is_dir)
+
+
+def test_a_shared_object_is_written_once_and_read_verified_by_every_generation_that_references_it(store_url,
+                                                                                                   tmp_path):
+    store = open_store(store_url)
+    frozen = hashlib.sha256(b"base").digest() * 4096  # 128 KiB
+    spool = _spool(tmp_path, frozen)
+    size, sha = store.put_shared(spool)
+    assert size == len(frozen) and _names(store, "shared") == [str(sha)]
+    for step in (1, 2, 3):
+        store.commit(step, {"training_state.pt": b"%d" % step * 100}, contract=C, world=1, code_version="t",
+                     shared={FROZEN: (size, sha)}, retention=RetentionPolicy(keep=1, contract=C))
+        assert _names(store, f"step-{step:08d}") == ["COMPLETE.json", "training_state.pt"]  # the state only
+    assert [g.step for g in store.scan() if g.status == "complete"] == [3]
+    assert _names(store, "shared") == [str(sha)]  # retention kept what the kept generation references
+    again = store.put_shared(_spool(tmp_path, frozen))  # a later process, the same frozen bytes: nothing new
+    assert again == (size, sha) and _names(store, "shared") == [str(sha)]
+    loaded = store.load(3, contract=C)
+    assert bytes(loaded.files[FROZEN]) == frozen and loaded.files["training_state.pt"] == b"3" * 100
+    assert store.verify(3, contract=C) is None
+    manifest = store.generation(3).manifest["files"][FROZEN]
+    assert manifest == {"bytes": size, "sha256": str(sha), "shared": True}
+
+
+def test_a_damaged_or_missing_shared_object_makes_its_generations_unusable(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    spool = _spool(tmp_path, b"frozen" * 1000)
+    size, sha = store.put_shared(spool)
+    for step in (1, 2):
+        store.commit(step, {"training_state.pt": b"s%d" % step}, contract=C, world=1, code_version="t",
+                     shared={FROZEN: (size, sha)})
+    path = tmp_path / "run" / "shared" / str(sha)
+    path.write_bytes(b"F" + path.read_bytes()[1:])
+    assert "sha256 differs" in store.verify(2, contract=C)
+    with pytest.raises(CorruptGenerationError, match="shared/.*frozen.pt.*sha256 differs"):
+        store.load(2, contract=C)
+    assert store.load_latest(contract=C, quarantine=False) is None  # neither generation loads
+    path.unlink()
+    with pytest.raises(CorruptGenerationError, match="shared/.*missing|No such file"):
+        store.load(1, contract=C)
+    with pytest.raises(CorruptGenerationError, match="not in the store"):  # never referenced while missing
+        store.commit(3, {"training_state.pt": b"s3"}, contract=C, world=1, code_version="t",
+                     shared={FROZEN: (size, sha)})
+
+
+def test_bytes_planted_at_a_shared_objects_name_are_moved_aside_and_the_object_written(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    data = b"the frozen base" * 500
+    spool = _spool(tmp_path, data)
+    planted = tmp_path / "run" / "shared" / str(spool.sha256)
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"x" * len(data))  # the right size, other bytes
+    assert store.put_shared(spool) == (len(data), spool.sha256)
+    assert planted.read_bytes() == data
+    (moved,) = (tmp_path / "run" / "quarantine").iterdir()
+    assert moved.name.startswith("shared-") and (moved / "OCCUPANT").read_bytes() == b"x" * len(data)
+
+
+@pytest.mark.parametrize("entry", [{"shared": 1}, {"shared": True, "object": "other.pt"}, {"shared": False}])
+def test_a_manifest_entry_that_is_not_a_plain_shared_reference_is_refused(entry):
+    manifest = {"schema": "trainproof.generation/1", "step": 1, "contract": C, "world": 1, "attempt": "a",
+                "files": {FROZEN: {"bytes": 1, "sha256": "0" * 64, **entry}}}
+    with pytest.raises(ManifestError, match="shared"):
+        parse(json.dumps(manifest).encode(), dir_name="step-00000001")
+
+
+def test_a_shared_reference_never_leaves_shared(tmp_path):
+    """The object's name is its sha256, which the manifest check allows only as 64 hex digits: a reference cannot
+    name a path (``../step-00000001/x``)."""
+    manifest = {"schema": "trainproof.generation/1", "step": 1, "contract": C, "world": 1, "attempt": "a",
+                "files": {FROZEN: {"bytes": 1, "sha256": "../step-00000001/training_state.pt", "shared": True}}}
+    with pytest.raises(ManifestError, match="sha256"):
+        parse(json.dumps(manifest).encode(), dir_name="step-00000001")
+    assert join("root", "shared", "0" * 64) == "root/shared/" + "0" * 64
