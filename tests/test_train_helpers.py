@@ -101,13 +101,13 @@ def load_state(store: Path | str, step: int | None = None, *, history: str = "fu
     chain checked; fails when retention deleted some), ``kept`` as far back as the kept generations reach, ``own``
     leaves the generation's own rows (those since the previous generation) as stored."""
     from trainproof.format.history import from_store
-    from trainproof.format.state import STATE_FILE, decode
+    from trainproof.format.state import STATE_FILE, decode, with_frozen
     from trainproof.storage import open_store
 
     s = open_store(str(store))
     loaded = s.load(step) if step is not None else s.load_latest(quarantine=False)
     assert loaded is not None, f"no usable generation in {store}"
-    state = decode(loaded.files[STATE_FILE])
+    state = with_frozen(decode(loaded.files[STATE_FILE]), loaded.files)  # the model whole, frozen entries included
     return state if history == "own" else from_store(s, state, partial=history == "kept").state
 
 

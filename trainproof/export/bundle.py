@@ -46,7 +46,7 @@ from trainproof.format import history
 from trainproof.format.contract import PLAN_FILE, absolute_url, read_run_plan
 from trainproof.format.layout import sharded
 from trainproof.format.shard_files import is_sharded_file
-from trainproof.format.state import STATE_FILE, History, decode
+from trainproof.format.state import STATE_FILE, History, decode, with_frozen
 from trainproof.storage import COMPLETE, INCOMPLETE, CorruptGenerationError, GenerationStore
 from trainproof.storage.backend import CHUNK
 from trainproof.storage.digest import FileHasher, digest_bytes
@@ -115,7 +115,7 @@ def export(run: GenerationStore, *, step: int | None = None, dest: GenerationSto
 
 def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, loaded: Any,
                    dest: GenerationStore | None) -> Bundle:
-    state = decode(loaded.files[STATE_FILE])  # mapped from the spool, not copied
+    state = with_frozen(decode(loaded.files[STATE_FILE]), loaded.files)  # mapped from the spools, not copied
     if sharded(state["meta"]):
         # A sharded run (--fsdp): the model gathered whole in this process from the verified shards; the optimizer
         # (two thirds of a model + Adam state) is never read: a bundle holds weights only.

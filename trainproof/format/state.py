@@ -362,13 +362,54 @@ def decode_history(data: bytes | Spool) -> dict[str, Any]:
     return section
 
 
+FROZEN_FILE = "frozen.pt"
+"""The model's frozen entries (parameters that require no gradient: no optimizer step changes them, e.g. the base of a
+LoRA run), as ``{name: tensor}``: stored once for the run as a shared object that each generation references
+(``GenerationStore.put_shared``), and merged back into ``model`` when a generation is decoded. The state's
+``meta.frozen.keys`` lists them."""
+
+
+def encode_frozen(tensors: dict[str, torch.Tensor], directory: str | None = None) -> Spool:
+    """The frozen entries serialised into a spool (``torch.save`` of a flat dict, weights-only loadable)."""
+    check_types(tensors, "frozen")
+    with SpoolWriter(directory) as out:
+        torch.save(dict(sorted(tensors.items())), out)
+    return out.finish()
+
+
+def decode_frozen(data: bytes | Spool) -> dict[str, torch.Tensor]:
+    """The frozen entries of a ``frozen.pt``, loaded weights-only; StateError when it is not a flat dict of tensors."""
+    frozen = load_weights_only(data)
+    if not isinstance(frozen, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                               for k, v in frozen.items()):
+        raise StateError(f"{FROZEN_FILE} is not a dict of named tensors")
+    return frozen
+
+
+def with_frozen(state: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its model's frozen entries (``frozen.pt``) merged back into ``model``: exactly the names its
+    ``meta.frozen.keys`` lists, none of them also in ``model``. A state without frozen entries is returned as is."""
+    keys = (state["meta"].get("frozen") or {}).get("keys")
+    if keys is None:
+        return state
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise StateError("the state's meta.frozen.keys is not a list of names")
+    if FROZEN_FILE not in files:
+        raise StateError(f"the state lists {len(keys)} frozen model entries but the generation has no {FROZEN_FILE}")
+    frozen = decode_frozen(files[FROZEN_FILE])
+    if sorted(frozen) != sorted(keys) or set(frozen) & set(state["model"]):
+        raise StateError(f"{FROZEN_FILE} holds other entries than the state's meta.frozen.keys lists")
+    return {**state, "model": {**state["model"], **frozen}}
+
+
 def decode_generation(files: dict[str, bytes], state: dict[str, Any] | None = None) -> dict[str, Any]:
     """The state of a generation: ``training_state.pt`` plus every ``rank-%05d.pt`` it needs, joined so that
-    ``state["ranks"][r]`` is rank r's part. Refuses a missing rank file or one from another moment.
+    ``state["ranks"][r]`` is rank r's part, and the model's frozen entries (:data:`FROZEN_FILE`) merged back. Refuses
+    a missing rank file or one from another moment.
 
     ``state``: ``training_state.pt`` already decoded (saves decoding a large state twice).
     """
-    state = decode(files[STATE_FILE]) if state is None else state
+    state = with_frozen(decode(files[STATE_FILE]) if state is None else state, files)
     world = state["meta"].get("world", 1)
     if not isinstance(world, int) or world < 1:
         raise StateError(f"state meta.world is {world!r}")

@@ -30,7 +30,13 @@ from typing import Callable
 from trainproof.storage import digest as dg
 from trainproof.storage import manifest as mf
 from trainproof.storage.backend import join, read_at_most
-from trainproof.storage.errors import CommitConflictError, CorruptGenerationError, StoreConfigError, StoreError
+from trainproof.storage.errors import (
+    CommitConflictError,
+    CorruptGenerationError,
+    StoreConfigError,
+    StoreError,
+    not_a_file,
+)
 from trainproof.storage.generations import CORRUPT, FOREIGN, INCOMPLETE, Check, Ctx, anchor, in_chain, scan
 from trainproof.storage.limits import safe
 from trainproof.storage.pieces import nbytes
@@ -111,29 +117,47 @@ def mark_usable(
 
 def put_shared(ctx: Ctx, data: Spool) -> tuple[int, str]:
     """Store ``data`` once for the run, content-addressed, as ``shared/<sha256>``, verified read back; (bytes,
-    sha256) for a manifest's ``shared`` entry. Already there with those bytes (an earlier commit's, or a lost
-    response's): reused after hashing it. Something else under that name (planted, damaged) is moved to quarantine
-    and the object written again."""
-    sha, folder = data.sha256, ctx.path(mf.SHARED_DIR)
-    path = join(folder, str(sha))
-    for attempt in (1, 2):
-        try:
-            size, got = ctx.io(f"write {mf.SHARED_DIR}/{sha}", lambda: ctx.backend.write(path, data, create_only=True))
-            _same_as_source(mf.SHARED_DIR, str(sha), (size, got), (data.size, sha))
-        except FileExistsError:
-            pass
-        stored = _shared_size(ctx, str(sha))
-        if stored == data.size:
-            hasher = dg.FileHasher(sha.part_bytes) if isinstance(sha, dg.Digest) and sha.part_bytes else None
-            if ctx.io(f"verify {mf.SHARED_DIR}/{sha}", lambda: ctx.hashed(path, data.size, hasher=hasher)) == \
-                    (data.size, sha):
-                return data.size, sha
-        if attempt == 1:
-            log.warning("%s/%s holds other bytes than its name says (planted or damaged): moving it aside",
-                        mf.SHARED_DIR, sha)
-            move_aside(ctx, f"{mf.SHARED_DIR}/{sha}", "a shared object whose bytes do not hash to its name",
-                       label=f"{mf.SHARED_DIR}-{str(sha)[:16]}")
-    raise CorruptGenerationError(mf.SHARED_DIR, f"{sha} read back from the store differs from what was written")
+    sha256) for a manifest's ``shared`` entry. Already there with those bytes (an earlier process's): reused after
+    hashing it, never uploaded again. Something else under that name (planted, damaged) is moved to quarantine and
+    the object written."""
+    sha = data.sha256
+    path = join(ctx.path(mf.SHARED_DIR), str(sha))
+    top = ctx.io("list the run", lambda: ctx.backend.listdir(ctx.root, prefix=mf.SHARED_DIR))
+    if any(e.name == mf.SHARED_DIR and (not e.is_dir or e.is_special) for e in top):  # never written through
+        move_aside(ctx, mf.SHARED_DIR, "not a folder, where the run keeps its shared objects")
+    there = [e for e in ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(ctx.path(mf.SHARED_DIR),
+                                                                                     prefix=str(sha)))
+             if e.name == str(sha)]
+    if there:
+        if all(not e.is_dir and not e.is_special for e in there) and _holds(ctx, path, data):
+            return data.size, sha
+        log.warning("%s/%s holds other bytes than its name says (planted or damaged): moving it aside",
+                    mf.SHARED_DIR, sha)
+        move_aside(ctx, f"{mf.SHARED_DIR}/{sha}", "not the object its name says (planted or damaged)",
+                   label=f"{mf.SHARED_DIR}-{str(sha)[:16]}")
+    try:
+        size, got = ctx.io(f"write {mf.SHARED_DIR}/{sha}", lambda: ctx.backend.write(path, data, create_only=True))
+        _same_as_source(mf.SHARED_DIR, str(sha), (size, got), (data.size, sha))
+    except FileExistsError:
+        pass  # a writer got there in between (or our own re-sent write): the read-back decides
+    if not _holds(ctx, path, data):
+        raise CorruptGenerationError(mf.SHARED_DIR, f"{sha} read back from the store differs from what was written")
+    return data.size, sha
+
+
+def _holds(ctx: Ctx, path: str, data: Spool) -> bool:
+    """Whether the object at ``path`` is ``data``'s bytes (size and digest, read back in parallel ranges)."""
+    sha = data.sha256
+    hasher = dg.FileHasher(sha.part_bytes) if isinstance(sha, dg.Digest) and sha.part_bytes else None
+    try:
+        got = ctx.io(f"verify {mf.SHARED_DIR}/{sha}", lambda: ctx.hashed(path, data.size, hasher=hasher))
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if not_a_file(exc):  # a link or a FIFO in its place
+            return False
+        raise
+    return got == (data.size, sha)
 
 
 def _shared_size(ctx: Ctx, sha: str) -> int | None:

@@ -119,7 +119,8 @@ class GenerationStore:
 
     def _committed(self, step: int, manifest: dict, retention: RetentionPolicy | None) -> GenerationInfo:
         info = GenerationInfo(step=step, name=mf.step_dir(step), status=COMPLETE, manifest=manifest,
-                              bytes=sum(m["bytes"] for m in manifest["files"].values()), mtime=time.time())
+                              bytes=sum(m["bytes"] for m in manifest["files"].values() if not m.get("shared")),
+                              mtime=time.time())  # what the generation holds itself (a shared object is the run's)
         if retention is not None:  # only this run's contract counts: a stranger's generation is never "the newest"
             self.apply_retention(retention if retention.contract else replace(retention, contract=manifest["contract"]))
         return info

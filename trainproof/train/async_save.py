@@ -208,10 +208,12 @@ class BackgroundSaver:
         return self._step
 
     def submit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any], blocked_s: float,
-               part: dict[str, Any] | None = None, sharded: dict[str, Any] | None = None) -> None:
+               part: dict[str, Any] | None = None, sharded: dict[str, Any] | None = None,
+               frozen: dict[str, Any] | None = None) -> None:
         """Snapshot what this rank commits (training must not step until this returns) and commit it in the
         background: ``state`` (rank 0's training state; None on other ranks), ``part`` (a rank >= 1's own part)
-        and ``sharded`` (this rank's shards of a sharded run). See Checkpointer.commit.
+        and ``sharded`` (this rank's shards of a sharded run); ``frozen`` (rank 0's frozen model entries) is not
+        copied: no step changes it, and it is written only when its fingerprint moved. See Checkpointer.commit.
 
         The caller has already waited (:meth:`wait`): at most one save is in flight.
         """
@@ -223,17 +225,17 @@ class BackgroundSaver:
         holder = [copied]
         del copied
         self._step, self._result = step, None
-        self._thread = threading.Thread(target=self._work, args=(step, holder, done, extra, blocked_s),
+        self._thread = threading.Thread(target=self._work, args=(step, holder, done, extra, blocked_s, frozen),
                                         name=f"trainproof-save-{step}", daemon=True)
         self._thread.start()
 
     def save(self, capture: Capture, *, blocked_since: float) -> None:
         """:meth:`submit` of one step's capture (trainproof.train.saver ``Saver``): blocked since ``blocked_since``."""
         self.submit(capture.step, capture.state, extra=capture.extra, blocked_s=time.perf_counter() - blocked_since,
-                    part=capture.part, sharded=capture.sharded)
+                    part=capture.part, sharded=capture.sharded, frozen=capture.frozen)
 
     def _work(self, step: int, holder: list, done: torch.cuda.Event | None, extra: dict[str, Any],
-              blocked_s: float) -> None:
+              blocked_s: float, frozen: dict[str, Any] | None = None) -> None:
         t0 = time.perf_counter()
         failure: BaseException | None = None
         _lower_priority()
@@ -247,14 +249,15 @@ class BackgroundSaver:
             if self.checkpointer.world > 1 or own:
                 # Every rank enters the cross-rank commit whatever happens, so that no rank waits alone in one of
                 # its collectives: rank 0 serialises the state inside it, where a failure reaches every rank.
-                self.checkpointer.commit(Capture(step=step, state=state, extra=extra, blocked_s=blocked_s, **own))
+                self.checkpointer.commit(Capture(step=step, state=state, extra=extra, blocked_s=blocked_s,
+                                                 frozen=frozen, **own))
             else:
                 # Serialised into a spool file (no in-memory copy); the snapshot is dropped once it is written.
                 history = encode_history(state) if "history" in state else None
                 spool = encode_spool(state, self.checkpointer.spool_dir)
                 del state
                 self.checkpointer.commit(Capture(step=step, state=None, extra=extra, encoded=spool, history=history,
-                                                 blocked_s=blocked_s))
+                                                 blocked_s=blocked_s, frozen=frozen))
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which fails the run
             failure = exc
         self._result = (time.perf_counter() - t0, failure)

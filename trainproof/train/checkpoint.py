@@ -40,12 +40,14 @@ from typing import Any
 from trainproof.errors import TrainError
 from trainproof.format.shard_files import METADATA_FILE
 from trainproof.format.state import (
+    FROZEN_FILE,
     HISTORY_DIR,
     HISTORY_FILE,
     STATE_FILE,
     decode,
     decode_history,
     decode_rank_part,
+    encode_frozen,
     encode_history,
     encode_rank_part,
     encode_spool,
@@ -55,6 +57,7 @@ from trainproof.storage import GenerationStore, KeepEvery, RetentionPolicy
 from trainproof.storage.errors import CommitConflictError, StoreError
 from trainproof.storage.spool import Spool
 from trainproof.train.dist import Collectives
+from trainproof.train.frozen import fingerprint
 from trainproof.train.progress import Reporter
 
 
@@ -75,6 +78,9 @@ class Capture:
     """Or rank 0's state already serialised (trainproof.train.async_save drops its snapshot then), with ``history``
     (its ``history.pt``, state.encode_history); the spool is deleted once the commit is over, whatever its outcome."""
     history: bytes | None = None
+    frozen: dict[str, Any] | None = None
+    """Rank 0's frozen model entries (trainproof.train.frozen), live references, never snapshotted: committed as
+    the run's shared ``frozen.pt`` when they changed, else referenced."""
     blocked_s: float | None = None
     """How long training was blocked for this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it
     is blocked until the commit returns; recorded as the record's ``blocked_s`` (neither: the commit's seconds)."""
@@ -106,6 +112,9 @@ class Checkpointer:
         retention."""
         self.keep_every: KeepEvery | None = None
         """A sparse permanent series retention keeps besides the ``keep`` newest (``--keep-every``)."""
+        self.frozen_ref: tuple[tuple, int, str] | None = None
+        """(fingerprint, bytes, sha256) of the frozen entries stored in this run's shared objects (written or verified
+        by this process), referenced as long as the fingerprint holds."""
 
     def commit(self, c: Capture) -> dict[str, Any] | None:
         """Serialise and commit generation ``c.step``, then apply retention (rank 0). Raises TrainError (exit 1) on
@@ -117,7 +126,7 @@ class Checkpointer:
                 spool = spool if spool is not None else encode_spool(c.state, self.spool_dir)
                 files: dict[str, Spool | bytes] = {STATE_FILE: spool}
                 files.update({HISTORY_FILE: own} if own is not None else {})
-                record = self._commit_generation(c.step, files, c.extra, None)
+                record = self._commit_generation(c.step, files, c.extra, None, self._frozen(c))
             else:
                 record = self._commit_world(c, rank, own)
         finally:
@@ -174,7 +183,8 @@ class Checkpointer:
                 if shards is not None:
                     entries, extra = {**entries, **shards[0]}, {**extra, "sharded": shards[1]}
                 rows = history if history is not None else encode_history(c.state)
-                record = self._commit_generation(step, {STATE_FILE: spool, HISTORY_FILE: rows}, extra, entries)
+                record = self._commit_generation(step, {STATE_FILE: spool, HISTORY_FILE: rows}, extra, entries,
+                                                 self._frozen(c))
                 record["seconds"] = time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
                 failure, raised = (str(exc) or type(exc).__name__).encode(), exc
@@ -222,13 +232,34 @@ class Checkpointer:
             entries.update(json.loads(body))
         return entries
 
+    def _frozen(self, c: Capture) -> dict[str, tuple[int, str]] | None:
+        """The ``shared`` reference to ``c``'s frozen entries: the object this process stored or verified while their
+        fingerprint holds, else serialised and stored once more (``put_shared``: reused when the store holds those
+        bytes already)."""
+        if not c.frozen:
+            return None
+        mark = fingerprint(c.frozen)
+        if self.frozen_ref is None or self.frozen_ref[0] != mark:
+            spool = encode_frozen(c.frozen, self.spool_dir)
+            try:
+                size, sha = self.store.put_shared(spool)
+            except (StoreError, OSError) as exc:
+                raise TrainError(f"checkpoint of step {c.step} was not committed: its frozen model entries could not "
+                                 f"be stored ({exc})") from None
+            finally:
+                spool.unlink()
+            self.frozen_ref = (mark, size, sha)
+        return {FROZEN_FILE: (self.frozen_ref[1], self.frozen_ref[2])}
+
     def _commit_generation(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any],
-                           rank_entries: dict[str, list] | None) -> dict[str, Any]:
-        """Commit ``files`` (rank 0's) plus, in a distributed run, the other ranks' already-written entries."""
+                           rank_entries: dict[str, list] | None,
+                           shared: dict[str, tuple[int, str]] | None = None) -> dict[str, Any]:
+        """Commit ``files`` (rank 0's) plus, in a distributed run, the other ranks' already-written entries, and a
+        reference to each ``shared`` object (the frozen model entries)."""
         t0 = time.perf_counter()
         digests = {"state": STATE_FILE, **({"dcp_metadata": METADATA_FILE} if "sharded" in extra else {})}
         common = dict(contract=self.contract, world=self.world, code_version=self.code_version, extra=extra,
-                      digests=digests)
+                      digests=digests, shared=shared)
         try:
             if rank_entries is None:
                 info = self.store.commit(step, files, check=self._check, **common)

@@ -38,6 +38,7 @@ from trainproof.train.config import TrainConfig
 from trainproof.train.data import epoch_plan
 from trainproof.train.device import configure_determinism, resolve_device
 from trainproof.train.discover import agree_plan
+from trainproof.train.frozen import frozen_keys, split_frozen
 from trainproof.train.live import live_state
 from trainproof.train.pipeline import (
     check_workers,
@@ -350,8 +351,13 @@ class Trainer:
                  "code_changes": self.resumed.code_changes}
         if self.saving.checkpointer.keep_every is not None:  # the rule `ls` and `gc` read back
             extra["keep_every"] = str(self.saving.checkpointer.keep_every)
-        return Capture(step=run.step, extra=extra,
-                       state=capture_state(run, self._meta(run)) if self.rank == 0 else None,
+        state = capture_state(run, self._meta(run)) if self.rank == 0 else None
+        frozen = None
+        if state is not None and run.parallel.inline_state:  # sharded: the frozen parameters stay in the shards
+            frozen = split_frozen(state["model"], frozen_keys(run.model)) or None
+            if frozen:
+                state["meta"] = {**state["meta"], "frozen": {"keys": sorted(frozen)}}
+        return Capture(step=run.step, extra=extra, state=state, frozen=frozen,
                        part=capture_rank_part(run) if self.rank else None,
                        sharded=run.parallel.capture(run.model, run.optimizer))
 
