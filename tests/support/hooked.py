@@ -37,7 +37,9 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          is in epoch 2 or later (a restore bug from epoch 2 on);
                          ``second_resume`` re-seed Python's ``random``, only when the restored state was written
                          by a process that had itself resumed (``meta.trainer.resumed_from``);
-                         ``clip_after_resume`` halve the task's ``grad_clip`` on resume (clipping restored wrong)
+                         ``clip_after_resume`` halve the task's ``grad_clip`` on resume (clipping restored wrong);
+                         ``clip_second_resume`` halve it only when the restored state was written by a process
+                         that had itself resumed (clipping wrong only on a resume of a resume)
 ``TPHOOK_SAVE_PREFETCHED`` ``1``: every checkpoint holds the data position the DataLoader workers were asked to
                          build up to (trainproof.train.pipeline's lookahead) instead of the one the trainer consumed: the
                          bug of loaders that checkpoint their own prefetching iterator
@@ -63,7 +65,7 @@ from typing import Any
 MODULE = "tests.support.hooked"
 SABOTAGES = ("skip_optimizer", "rebuild_scheduler", "reseed_rng", "lose_cursor", "repeat_batch", "regen_permutation",
              "lose_python_rng", "lose_numpy_rng", "rng_mismatch", "crash", "sqrt_square",
-             "late_repeat_batch", "second_resume", "clip_after_resume")
+             "late_repeat_batch", "second_resume", "clip_after_resume", "clip_second_resume")
 
 
 class SabotageCrash(RuntimeError):
@@ -143,6 +145,9 @@ def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> No
 
         random.seed(state["meta"]["seed"])
     if "clip_after_resume" in kinds and run.task.grad_clip:
+        run.task.grad_clip = run.task.grad_clip * 0.5
+    if "clip_second_resume" in kinds and run.task.grad_clip and \
+            (state["meta"].get("trainer") or {}).get("resumed_from") is not None:
         run.task.grad_clip = run.task.grad_clip * 0.5
     if "lose_cursor" in kinds:
         run.sampler.cursor = 0
