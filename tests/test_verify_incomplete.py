@@ -80,9 +80,9 @@ def _crashed(error: str, *, code: int = 1, resumed_at: int | None = 5, steps: tu
 
 
 def test_a_crash_after_the_restore_is_a_resume_failure_and_other_failures_leave_it_incomplete():
-    """Exit 1 naming the check and the component when the resumed process restored as intended, then crashed; an
-    incomplete verification (exit 2) for a failure before or while restoring, a timeout, or the trainer's own
-    one-line error (the store, the data, the options)."""
+    """Exit 1 naming the check and the component when the resumed process crashed while restoring, or restored as
+    intended and then crashed; an incomplete verification (exit 2) for a resume from another step, a timeout, a
+    signal, or the trainer's own one-line error (the store, the data, the options)."""
     into: dict = {"resume": {}}
     crash = _crashed("╰──────╯\nRuntimeError: data pipeline out of step: built (5, 0, 0) for the step's (6, 0, 0)")
     assert resume_checks([crash], {"resume": 5}, into) == set()
@@ -95,7 +95,11 @@ def test_a_crash_after_the_restore_is_a_resume_failure_and_other_failures_leave_
     late = _crashed("ValueError: Tried to step 11 times. The specified number of total steps is 10", steps=(6, 7))
     assert crash_after_resume(late, 5) is not None and crash_after_resume(late, 5)[0] == 8
     assert "the learning-rate scheduler" in crashed_component(crash_after_resume(late, 5)[1])
-    for incomplete in (_crashed("SabotageCrash: failing the restore", resumed_at=None),  # while restoring
+    restoring = _crashed("SabotageCrash: failing the restore", resumed_at=None)
+    into = {"resume": {}}
+    assert resume_checks([restoring], {"resume": 5}, into) == set()
+    assert into["resume"]["finished"].first_step == 6 and "while restoring step 5" in into["resume"]["finished"].detail
+    for incomplete in (_crashed("RuntimeError: x", resumed_at=4),  # resumed from another step than its cut
                        _crashed("trainproof: error: the store is unreachable"),  # the trainer's own line
                        _crashed("RuntimeError: x", code=None), _crashed("RuntimeError: x", code=-9),
                        _crashed("trainproof: error: bad option", code=2)):

@@ -111,6 +111,9 @@ def resume_checks(results: list[PathResult], at: dict[str, int], into: dict[str,
                 event.get("detail") or f"generators {event.get('generators')} failed the restore self-check"))
             continue
         event = r.event("resume") or {}
+        if r.name in crashed and not event:  # crashed while restoring: nothing after it to compare
+            into[r.name]["finished"] = Diff(exceeded=True, first_step=crashed[r.name][0], detail=crashed[r.name][1])
+            continue
         if event.get("step") != at[r.name] or event.get("rng_restored") != (r.name != negative):
             raise VerificationIncomplete(f"path {r.name!r} did not resume from step {at[r.name]} as intended "
                                          f"(its resume event: {event or 'none'})")
@@ -126,18 +129,22 @@ BOX = "│╭╰─┃┏┗━"
 
 
 def crash_after_resume(r: PathResult, at: int, *, rng_restored: bool = True) -> tuple[int, str] | None:
-    """(step, detail) when resumed path ``r`` restored from step ``at`` as intended and then crashed (exit 1 with an
-    unhandled exception, not the trainer's own ``trainproof: error:`` line) at a step the continuous path trained
-    without error: a failure that occurs only on a resumed path, so a resume failure. None otherwise (it did not
-    fail, failed before or while restoring, timed out, was killed, or failed for a reason the trainer names: the
-    store, the data, the options; those leave the verification incomplete)."""
+    """(step, detail) when resumed path ``r`` crashed (exit 1 with an unhandled exception, not the trainer's own
+    ``trainproof: error:`` line) while restoring step ``at``, or after restoring it as intended at a step the
+    continuous path trained without error: a failure that occurs only on a resumed path, so a resume failure. None
+    otherwise (it did not fail, failed before it started, timed out, was killed, or failed for a reason the trainer
+    names: the store, the data, the options; those leave the verification incomplete)."""
     event = r.event("resume") or {}
-    if r.code != 1 or event.get("step") != at or event.get("rng_restored") != rng_restored:
+    restoring = not event  # failed before its resume event: while finding, verifying or restoring the generation
+    if r.code != 1 or not restoring and (event.get("step") != at or event.get("rng_restored") != rng_restored):
         return None
     lines = [line for line in r.error.splitlines()  # not the box-drawn frames of a rich traceback
              if line.strip() and line.strip()[0] not in BOX and any(c.isalnum() for c in line)]
     if not lines or any(line.startswith("trainproof: error:") for line in lines):
         return None
+    if restoring:  # seeded with the generation the continuous path wrote and went on from: the restore failed
+        return at + 1, (f"the resumed process crashed while restoring step {at} (the continuous path wrote that "
+                        f"generation and trained on from it): {' '.join(' '.join(lines).split())}")
     trained = [int(e["step"]) for e in r.events if e.get("event") == "step" and isinstance(e.get("step"), int)]
     step = max(trained, default=at) + 1
     return step, (f"the resumed process crashed at step {step} (resumed from step {at}; the continuous path "

@@ -227,8 +227,8 @@ class Checkpointer:
         """Commit ``files`` (rank 0's) plus, in a distributed run, the other ranks' already-written entries."""
         t0 = time.perf_counter()
         digests = {"state": STATE_FILE, **({"dcp_metadata": METADATA_FILE} if "sharded" in extra else {})}
-        common = dict(contract=self.contract, world=self.world, code_version=self.code_version, extra=extra,
-                      digests=digests)
+        common: dict[str, Any] = dict(contract=self.contract, world=self.world, code_version=self.code_version,
+                                      extra=extra, digests=digests)
         try:
             if rank_entries is None:
                 info = self.store.commit(step, files, check=self._check, **common)
