@@ -8,7 +8,9 @@
   which fits its three epochs into the schedule;
 - a run past the ``OneCycleLR``'s end, and a ``verify`` whose command line fixes a longer plan, each stop at once with
   one line naming the schedule's length (exit 2);
-- a plateau metric, cadence or pair of schedules ``DatasetTask`` cannot use is refused with one line naming it.
+- a plateau metric, cadence or pair of schedules ``DatasetTask`` cannot use is refused with one line naming it;
+- a ``OneCycleLR`` stepped once on restore, and a data lookahead restarted at the restored step (test wrapper), crash
+  only the resumed processes: exit 1 naming the check and the component, never INCOMPLETE (issue 38, item 8).
 
 Real ``python -m trainproof`` processes throughout.
 """
@@ -102,6 +104,33 @@ def test_a_run_or_a_verify_past_the_one_cycle_stops_with_one_line(schedules, tmp
         assert "OneCycleLR (total_steps=10) is 10 steps long" in lines[0], stderr
     assert "--max-steps 10" in long_run.stderr and "--steps fixed" in verify.stderr
     assert not list((tmp_path / "run").rglob("COMPLETE.json"))  # refused before the first step
+
+
+# Real resume bugs that crash only the resumed processes (test wrapper): a OneCycleLR stepped once on restore fails its
+# last step ("Tried to step 11 times"), a data lookahead restarted at the restored step fails the first. A failure
+# that occurs only on a resumed path is a resume failure (exit 1, the check and the component named, the trainer
+# blamed), never INCOMPLETE. Their correct twin: test_the_schedules_pass_the_default_verify[onecycle].
+@pytest.mark.parametrize("sabotage,first,failing", [
+    ("scheduler_step_on_restore", "the learning-rate scheduler (scheduler.last_epoch)",
+     {"resume.finished", "resume.scheduler", "resume.learning_rates", "live_vs_restored.scheduler"}),
+    ("lookahead_restart", "the data pipeline (named by the crash), check resume.finished", {"resume.finished"})])
+def test_a_resume_bug_that_crashes_the_resumed_process_fails_naming_the_component(schedules, tmp_path, sabotage,
+                                                                                  first, failing):
+    store = str(tmp_path / "run")
+    result = trainproof("verify", "--store", store, "--task", "schedules:factory", "--config",
+                        str(schedules["configs"]["onecycle"]), "--id", "v", "--cuts", "5", "--no-export",
+                        "--no-objective-check", env={**schedules["env"], "TPHOOK_SABOTAGE": sabotage})
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(store, "v")
+    assert report["completed"] is True and report["error"] is None
+    assert failing <= set(report["failing_checks"]), report["failing_checks"]
+    assert report["paths"]["continuous"]["exit_code"] == 0 and report["paths"]["resume"]["exit_code"] == 1
+    line, cause = [d for d in report["diagnosis"] if d.startswith("resume:")]
+    assert "first difference at step 6" in line and first in line, line
+    assert "the trainer's resume code, not the task or the store" in cause
+    assert not any("state not captured" in d for d in report["diagnosis"]), report["diagnosis"]
+    out = " ".join(result.stdout.split())
+    assert "resume.finished" in out and "INCOMPLETE" not in out
 
 
 def test_a_plateau_metric_the_task_cannot_compute_is_refused_by_name(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_examples import doc_modules
-from tests.test_verify_helpers import read_report, trainproof
+from tests.test_verify_helpers import checks, read_report, trainproof
 
 USER_TASKS = '''
     from dataclasses import dataclass
@@ -236,12 +236,18 @@ def test_a_clip_threshold_never_reached_is_reported_not_exercised(tmp_path, clip
         # The verifier made clipping bite on runs of its own (half the smallest norm it measured), resumed, compared.
         assert own["ran"] is True and own["threshold"] < clipping["max_grad_norm"] and report["clip_passed"] is True
         assert own["exercised"]["clip_resume"]["clipping"]["active_steps"] == 3
-        assert all(c["max_abs_diff"] == 0.0 for c in report["checks"]["clip_resume"])
+        # and a resume of a resume: from the generation clip_resume (a resumed process) wrote one step after the cut
+        assert own["resume_of_resume_at"] == 6
+        assert own["paths"]["clip_resume_again"]["resumed_from"] == 6
+        assert own["exercised"]["clip_resume_again"]["clipping"]["active_steps"] == 2
+        assert own["clipped_on"] == ["clip_resume", "clip_resume_again"]
+        assert all(c["max_abs_diff"] == 0.0 for p in ("clip_resume", "clip_resume_again")
+                   for c in report["checks"][p])
         assert clipping["active_steps"] == 0 and clipping["of_steps"] == 5 and clipping["max_grad_norm"] < clip
         assert "gradient clipping" in missing
         assert "not exercised: gradient clipping" in " ".join(result.stdout.split())
         (item,) = [m for m in report["not_exercised"] if m["what"] == "gradient clipping"]
-        assert item["covered_by"].startswith("clip_resume:")
+        assert item["covered_by"].startswith("clip_resume, clip_resume_again:")
     else:  # clipping bit on the protocol's own paths: no runs of its own
         assert clipping == {"active_steps": 5, "of_steps": 5, "max_grad_norm": clipping["max_grad_norm"]}
         assert "gradient clipping" not in missing
@@ -262,3 +268,21 @@ def test_clipping_restored_wrong_fails_on_the_verifiers_own_clipping_runs(tmp_pa
     assert report["positive"] is True  # the task's own threshold never bites: nothing differs there
     assert report["clip_passed"] is False and "clip_resume.parameters" in report["failing_checks"]
     assert "clip_resume.parameters" in " ".join(result.stdout.split())
+
+
+def test_clipping_changed_only_on_a_resume_of_a_resume_fails_the_clipping_check(tmp_path):
+    """grad_clip halved only when the restored state was written by a process that had itself resumed (test wrapper,
+    clip_second_resume): clip_resume (from a fresh process's generation) is equal; clip_resume_again is not."""
+    (tmp_path / "clipped.py").write_text(textwrap.dedent(CLIPPED))
+    (tmp_path / "cfg.json").write_text(json.dumps({"grad_clip": 1e6}))
+    store = str(tmp_path / "run")
+    result = trainproof("verify", "--store", store, "--task", "clipped:factory", "--config", str(tmp_path / "cfg.json"),
+                        "--id", "v", "--no-export", "--cuts", "5", "--no-objective-check",
+                        env={"PYTHONPATH": str(tmp_path), "TPHOOK_SABOTAGE": "clip_second_resume"})
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(store, "v")
+    assert report["positive"] is True and report["clip_passed"] is False
+    assert not any(f.startswith("clip_resume.") for f in report["failing_checks"]), report["failing_checks"]
+    assert "clip_resume_again.parameters" in report["failing_checks"]
+    assert checks(report, "clip_resume_again")["parameters"]["first_step"] == 7
+    assert "clip_resume_again.parameters" in " ".join(result.stdout.split())

@@ -41,7 +41,13 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          by a process that had itself resumed (``meta.trainer.resumed_from``);
                          ``clip_after_resume`` halve the task's ``grad_clip`` on resume (clipping restored wrong);
                          ``reshard_zero_steps`` zero the optimizer's step counters (Adam's ``step``), only when the
-                         generation was written by another world size (``--allow-world-change``: a reshard bug)
+                         generation was written by another world size (``--allow-world-change``: a reshard bug);
+                         ``clip_second_resume`` halve the task's ``grad_clip`` only when the restored state was
+                         written by a process that had itself resumed (clipping wrong only on a resume of a resume);
+                         ``scheduler_step_on_restore`` step the learning-rate scheduler once right after restoring;
+                         ``lookahead_restart`` the data lookahead (trainproof.train.pipeline) restarts at the
+                         restored step instead of the next one: the resumed process's batches are out of step
+                         and it fails at its first step (a task that builds its batches: build_batch)
 ``TPHOOK_SAVE_PREFETCHED`` ``1``: every checkpoint holds the data position the DataLoader workers were asked to
                          build up to (trainproof.train.pipeline's lookahead) instead of the one the trainer consumed: the
                          bug of loaders that checkpoint their own prefetching iterator
@@ -67,7 +73,8 @@ from typing import Any
 MODULE = "tests.support.hooked"
 SABOTAGES = ("skip_optimizer", "rebuild_scheduler", "reseed_rng", "lose_cursor", "repeat_batch", "regen_permutation",
              "lose_python_rng", "lose_numpy_rng", "rng_mismatch", "crash", "sqrt_square",
-             "late_repeat_batch", "second_resume", "clip_after_resume", "reshard_zero_steps")
+             "late_repeat_batch", "second_resume", "clip_after_resume", "reshard_zero_steps", "clip_second_resume",
+             "scheduler_step_on_restore", "lookahead_restart")
 
 
 class SabotageCrash(RuntimeError):
@@ -148,6 +155,13 @@ def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> No
         random.seed(state["meta"]["seed"])
     if "clip_after_resume" in kinds and run.task.grad_clip:
         run.task.grad_clip = run.task.grad_clip * 0.5
+    if "clip_second_resume" in kinds and run.task.grad_clip and \
+            (state["meta"].get("trainer") or {}).get("resumed_from") is not None:
+        run.task.grad_clip = run.task.grad_clip * 0.5
+    if "scheduler_step_on_restore" in kinds and run.scheduler is not None:
+        run.scheduler.step()
+    if "lookahead_restart" in kinds:
+        _RESTORED.append(run.step)
     if "lose_cursor" in kinds:
         run.sampler.cursor = 0
     if "repeat_batch" in kinds:
@@ -162,6 +176,25 @@ def _zero_step_counters(optimizer: Any) -> None:
                 slot["step"].zero_()
             else:
                 slot["step"] = 0
+
+
+_RESTORED: list[int] = []
+"""The steps this process restored (``lookahead_restart``: its first batch source starts at the restored step)."""
+
+
+def _lookahead_restart() -> None:
+    """After a restore, the first batch source's lookahead starts at the restored step instead of the next one."""
+    from trainproof.train import loop
+
+    open_batches = loop.open_batches
+
+    @functools.wraps(open_batches)
+    def restarted(*args: Any, first: int, **kwargs: Any) -> Any:
+        if _RESTORED and first == _RESTORED[0] + 1:
+            first = _RESTORED.pop()
+        return open_batches(*args, first=first, **kwargs)
+
+    loop.open_batches = restarted
 
 
 def _dump_full(model: Any, optimizer: Any, path: str) -> None:
@@ -332,6 +365,8 @@ def install() -> None:
                 _zero_step_counters(run.optimizer)
 
         resume.restore_state = broken_restore
+        if "lookahead_restart" in kinds:
+            _lookahead_restart()
 
 
 if __name__ == "__main__":

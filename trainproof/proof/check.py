@@ -69,6 +69,9 @@ class Results:
     """Every check's resumed paths (:meth:`Check.resumed`), which the ``compare`` phase compares."""
     passed: bool = False
     """Whether every check passed so far (:meth:`Check.ok`)."""
+    task_evidence: dict[str, str] = field(default_factory=dict)
+    """Per resumed path, the task's own state that the live comparison (trainproof.proof.live) found differing: the
+    evidence that lets a diagnosis blame the task (trainproof.proof.diagnose), set in the ``compare`` phase."""
 
 
 class Check(abc.ABC):

@@ -95,11 +95,15 @@ def resume_checks(results: list[PathResult], at: dict[str, int], into: dict[str,
     the names of those whose self-check failed.
 
     A resume whose restore self-check failed is a failed comparison (the path names the check), not a verification
-    that could not complete. Raises VerificationIncomplete for a path that failed otherwise, or that did not resume
-    from its cut ``at[name]`` as intended (with the RNG restore, except the negative control ``negative``, which gets
-    no entry unless its process reported a failed self-check)."""
+    that could not complete; so is a resumed process that restored as intended and then crashed at a step the
+    continuous path trained (:func:`crash_after_resume`: ``finished``, a resume failure, exit 1). Raises
+    VerificationIncomplete for a path that failed otherwise (a timeout, a signal, the trainer's own one-line error: the
+    store, the data, the options), or that did not resume from its cut ``at[name]`` as intended (with the RNG restore,
+    except the negative control ``negative``, which gets no entry unless its process reported a failed self-check)."""
     failed = {r.name: event for r in results if r.code != 0 and (event := r.event("restore_check_failed"))}
-    require_success([r for r in results if r.name not in failed])
+    crashed = {r.name: detail for r in results if r.name not in failed
+               and (detail := crash_after_resume(r, at[r.name], rng_restored=r.name != negative))}
+    require_success([r for r in results if r.name not in failed and r.name not in crashed])
     for r in results:
         if r.name in failed:
             event = failed[r.name]
@@ -107,12 +111,44 @@ def resume_checks(results: list[PathResult], at: dict[str, int], into: dict[str,
                 event.get("detail") or f"generators {event.get('generators')} failed the restore self-check"))
             continue
         event = r.event("resume") or {}
+        if r.name in crashed and not event:  # crashed while restoring: nothing after it to compare
+            into[r.name]["finished"] = Diff(exceeded=True, first_step=crashed[r.name][0], detail=crashed[r.name][1])
+            continue
         if event.get("step") != at[r.name] or event.get("rng_restored") != (r.name != negative):
             raise VerificationIncomplete(f"path {r.name!r} did not resume from step {at[r.name]} as intended "
                                          f"(its resume event: {event or 'none'})")
+        if r.name in crashed:
+            into[r.name]["finished"] = Diff(exceeded=True, first_step=crashed[r.name][0], detail=crashed[r.name][1])
         if r.name != negative:
             into[r.name]["rng_restore"] = Diff()  # the resume's own self-check passed (the path ran on)
     return set(failed)
+
+
+BOX = "│╭╰─┃┏┗━"
+"""The characters a rich traceback's frame boxes start their lines with."""
+
+
+def crash_after_resume(r: PathResult, at: int, *, rng_restored: bool = True) -> tuple[int, str] | None:
+    """(step, detail) when resumed path ``r`` crashed (exit 1 with an unhandled exception, not the trainer's own
+    ``trainproof: error:`` line) while restoring step ``at``, or after restoring it as intended at a step the
+    continuous path trained without error: a failure that occurs only on a resumed path, so a resume failure. None
+    otherwise (it did not fail, failed before it started, timed out, was killed, or failed for a reason the trainer
+    names: the store, the data, the options; those leave the verification incomplete)."""
+    event = r.event("resume") or {}
+    restoring = not event  # failed before its resume event: while finding, verifying or restoring the generation
+    if r.code != 1 or not restoring and (event.get("step") != at or event.get("rng_restored") != rng_restored):
+        return None
+    lines = [line for line in r.error.splitlines()  # not the box-drawn frames of a rich traceback
+             if line.strip() and line.strip()[0] not in BOX and any(c.isalnum() for c in line)]
+    if not lines or any(line.startswith("trainproof: error:") for line in lines):
+        return None
+    if restoring:  # seeded with the generation the continuous path wrote and went on from: the restore failed
+        return at + 1, (f"the resumed process crashed while restoring step {at} (the continuous path wrote that "
+                        f"generation and trained on from it): {' '.join(' '.join(lines).split())}")
+    trained = [int(e["step"]) for e in r.events if e.get("event") == "step" and isinstance(e.get("step"), int)]
+    step = max(trained, default=at) + 1
+    return step, (f"the resumed process crashed at step {step} (resumed from step {at}; the continuous path "
+                  f"trained that step): {' '.join(' '.join(lines).split())}")
 
 
 def again_step(s: ProtocolSettings) -> int | None:
@@ -148,6 +184,8 @@ class CutsCheck(Check):
             self.urls[self.again_name] = f"{root_url.rstrip('/')}/cuts/{self.again_name}"
             self.diffs[self.again_name] = {}
         self.restore_failed: set[str] = set()
+        self.task_evidence: dict[str, str] = {}
+        """Per resumed path, the task's own state the live comparison found differing (Results.task_evidence)."""
 
     @property
     def again_name(self) -> str:
@@ -206,6 +244,7 @@ class CutsCheck(Check):
     def compare(self, phase: str, results: list[PathResult], done: Results) -> None:
         """Every run must have succeeded, every resume from its cut with the RNG restore (or failed its self-check:
         a failed comparison)."""
+        self.task_evidence = done.task_evidence  # filled by the live comparison, read by the diagnosis
         if phase == REFERENCE:
             require_success(results)
         elif phase in (RESUMED, AGAIN):  # resume_at_<c>, resume_of_resume_at_<c>: resumed from step c
@@ -237,11 +276,10 @@ class CutsCheck(Check):
 
     def diagnosis(self) -> list[str]:
         """Each failed cut's likely cause (trainproof.proof.diagnose)."""
-        out = [line for c in self.extra for line in diagnose_path(f"resume_at_{c}", self.diffs[f"resume_at_{c}"],
-                                                                  c + 1)]
-        if self.again is not None and self.again_name in self.diffs:
-            out += diagnose_path(self.again_name, self.diffs[self.again_name], self.again + 1)
-        return out
+        at = {f"resume_at_{c}": c for c in self.extra} | ({self.again_name: self.again} if self.again is not None
+                                                          and self.again_name in self.diffs else {})
+        return [line for p, c in at.items()
+                for line in diagnose_path(p, self.diffs[p], c + 1, self.task_evidence.get(p))]
 
     def verdicts(self) -> dict[str, bool]:
         """``cuts_passed``."""

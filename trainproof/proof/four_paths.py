@@ -72,6 +72,8 @@ class FourPaths(Check):
         self.drew: dict[str, bool] = {}
         self.task_state = False
         self.restore_failed: set[str] = set()
+        self.task_evidence: dict[str, str] = {}
+        """Per resumed path, the task's own state the live comparison found differing (Results.task_evidence)."""
         """The resumed paths whose own restore self-check failed (a failed comparison; not read back)."""
 
     def argv(self, path: str) -> list[str]:
@@ -108,6 +110,7 @@ class FourPaths(Check):
     def compare(self, phase: str, results: list[PathResult], done: Results) -> None:
         """Each path must have succeeded, each resume from the cut as intended (or failed its own restore self-check:
         a failed comparison, ``rng_restore``); then the comparison, then the export when every check passed."""
+        self.task_evidence = done.task_evidence  # filled by the live comparison, read by the diagnosis
         if phase == REFERENCE:
             require_success(results)
         elif phase == RESUMED:
@@ -149,7 +152,8 @@ class FourPaths(Check):
                                                                      ("cut", self.urls["cut"]),
                                                                      *((r.name, r.url) for r in resumed))}
         cut_state = readers["cut"].state(s.cut)
-        for p in (*(r.name for r in resumed), "continuous"):
+        crashed = {r.name for r in resumed if "finished" in r.diffs}  # compared on the steps it committed
+        for p in (*(r.name for r in resumed if r.name not in crashed), "continuous"):
             if s.steps not in readers[p].steps:
                 raise VerificationIncomplete(f"path {p!r} committed no generation at step {s.steps} ({readers[p].url})")
         final = self._compare_steps(readers, cut_state, resumed)
@@ -224,7 +228,7 @@ class FourPaths(Check):
         return failing + broken + ([] if exported else ["export.reload_check"])
 
     def diagnosis(self) -> list[str]:
-        return diagnose_path("resume", self.diffs["resume"], self.s.cut + 1)
+        return diagnose_path("resume", self.diffs["resume"], self.s.cut + 1, self.task_evidence.get("resume"))
 
     def sections(self) -> dict[str, Any]:
         """The negative control's summary, the parameter distances and the loss curves."""

@@ -29,8 +29,13 @@ EVENT = "live_state"
 LAZY = ("task_attributes",)
 """Components compared on the keys both records hold."""
 CAUSE = ("the resumed process restored another value than the process that wrote the checkpoint had in memory: the "
-         "checkpoint saves it wrongly (or the restore loads it wrongly, or the task keeps it outside "
-         "Task.state_dict()); stored states cannot show this, since every generation holds the same wrong value")
+         "trainer's checkpoint saves it wrongly or its restore loads it wrongly (the task's own state is not at "
+         "fault here); stored states cannot show this, since every generation holds the same wrong value")
+TASK_CAUSE = ("the resumed process's task object holds another value than the one the process that wrote the "
+              "checkpoint had in memory: the task keeps it outside Task.state_dict(), or its state_dict() saves it "
+              "stale (see docs/tasks.md, 'No hidden state on the task object')")
+TASK = ("task_state", "task_attributes")
+"""The components that are the task's own: a difference there is evidence against the task, elsewhere the trainer."""
 
 
 def records(result: PathResult | None) -> dict[int, dict[str, dict[str, str]]]:
@@ -90,13 +95,16 @@ class LiveVsRestored(Check):
             return
         live = records(done.runs.get("continuous"))
         for r in sorted(done.resumed, key=lambda r: r.at):  # a difference's first_step is the earliest cut's
-            self._compare_one(r, live, records(done.runs.get(r.name)))
+            on_task = self._compare_one(r, live, records(done.runs.get(r.name)))
+            if on_task:
+                done.task_evidence[r.name] = on_task
 
     def _compare_one(self, r: Resumed, live: dict[int, dict[str, dict[str, str]]],
-                     restored: dict[int, dict[str, dict[str, str]]]) -> None:
+                     restored: dict[int, dict[str, dict[str, str]]]) -> str | None:
+        """Compare one path's record; the first difference on the task's own state (:data:`TASK`), if any."""
         if r.at not in restored:  # a resumed path of a check that does not ask for a record
             self.not_recorded.append(r.name)
-            return
+            return None
         diffs = ({name: Diff(problems=[f"the continuous path recorded no live state at step {r.at}"])
                   for name in COMPONENTS} if r.at not in live else
                  compare_records(live[r.at], restored[r.at], path=r.name, step=r.at))
@@ -107,6 +115,8 @@ class LiveVsRestored(Check):
             self.keys = {name: len(keys) for name, keys in restored[r.at].items()}
         self.compared.append({"path": r.name, "step": r.at, "negative": r.negative,
                               "equal": all(d.within for d in diffs.values())})
+        task = [diffs[n].detail for n in TASK if n in diffs and not diffs[n].within]
+        return None if r.negative or not task else task[0]
 
     @property
     def passed(self) -> bool:
@@ -135,7 +145,8 @@ class LiveVsRestored(Check):
 
     def diagnosis(self) -> list[str]:
         """The first differing key of each failed component, and why it matters."""
-        return [f"{NAME}: {d.detail}: {CAUSE}" for d in self.diffs.values() if not d.within]
+        return [f"{NAME}: {d.detail}: {TASK_CAUSE if name in TASK else CAUSE}" for name, d in self.diffs.items()
+                if not d.within]
 
     def sections(self) -> dict[str, Any]:
         """The ``live_vs_restored`` block: where the continuous path recorded, every comparison, the components and

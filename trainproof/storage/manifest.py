@@ -163,9 +163,7 @@ def _check_files(files: dict, limits: Limits) -> None:
             raise ManifestError(f"{MARKER} entry for {name!r} claims {meta['bytes']} bytes, outside "
                                 f"0..{limits.file_bytes} (Limits.file_bytes)")
         _check_parts(name, meta)
-        if "shared" in meta:
-            if meta["shared"] is not True or "object" in meta:
-                raise ManifestError(f"{MARKER} entry for {name!r}: 'shared' must be true and name no object")
+        if _shared(name, meta):
             continue
         obj = object_name(name, meta)
         problem = name_problem(obj)
@@ -174,6 +172,15 @@ def _check_files(files: dict, limits: Limits) -> None:
         if obj in objects:
             raise ManifestError(f"{MARKER} lists object {obj!r} for two files")
         objects.add(obj)
+
+
+def _shared(name: str, meta: dict) -> bool:
+    """Whether the entry references a shared object (``"shared": true`` and no object name of its own)."""
+    if "shared" not in meta:
+        return False
+    if meta["shared"] is not True or "object" in meta:
+        raise ManifestError(f"{MARKER} entry for {name!r}: 'shared' must be true and name no object")
+    return True
 
 
 def _check_parts(name: str, meta: dict) -> None:

@@ -258,8 +258,8 @@ class Checkpointer:
         reference to each ``shared`` object (the frozen model entries)."""
         t0 = time.perf_counter()
         digests = {"state": STATE_FILE, **({"dcp_metadata": METADATA_FILE} if "sharded" in extra else {})}
-        common = dict(contract=self.contract, world=self.world, code_version=self.code_version, extra=extra,
-                      digests=digests, shared=shared)
+        common: dict[str, Any] = dict(contract=self.contract, world=self.world, code_version=self.code_version,
+                                      extra=extra, digests=digests, shared=shared)
         try:
             if rank_entries is None:
                 info = self.store.commit(step, files, check=self._check, **common)
