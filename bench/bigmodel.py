@@ -31,6 +31,8 @@ class BigModelConfig:
     """Training samples (random inputs and targets from a fixed seed)."""
     batch_size: int = 8
     """Samples per optimizer step."""
+    frozen_mib: float = 0.0
+    """A frozen base in front of the trained layers, as a LoRA run's (float32 weights that require no gradient)."""
 
 
 class _Random(Dataset):
@@ -54,8 +56,11 @@ def factory(config: dict) -> DatasetTask:
         cfg.layers = max(1, round(cfg.state_mib * 2**20 / per_layer))
     require(cfg.layers >= 1 and cfg.width >= 1, "bigmodel: layers and width must be >= 1")
 
+    base = round(cfg.frozen_mib * 2**20 / (4 * (cfg.width * cfg.width + cfg.width)))
+
     def build() -> nn.Module:
-        return nn.Sequential(*[nn.Linear(cfg.width, cfg.width) for _ in range(cfg.layers)])
+        frozen = [nn.Linear(cfg.width, cfg.width).requires_grad_(False) for _ in range(base)]
+        return nn.Sequential(*frozen, *[nn.Linear(cfg.width, cfg.width) for _ in range(cfg.layers)])
 
     def loss(model: nn.Module, batch) -> torch.Tensor:
         x, y = batch

@@ -19,7 +19,8 @@ class Frozen(RegressionTask):
     def __init__(self) -> None:
         super().__init__(RegressionConfig(dropout=0.0))
         self.write_at = int(os.environ.get("TP_FROZEN_WRITE_AT", "0"))
-        self.calls = 0
+        if self.write_at:  # a counter on the task (hidden state): only in the run that writes, never verified
+            self.calls = 0
 
     def build_model(self) -> nn.Module:
         model = nn.Sequential(nn.Linear(2, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1))
@@ -31,9 +32,10 @@ class Frozen(RegressionTask):
         return torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=self.cfg.lr)
 
     def loss_sum(self, model: nn.Module, batch):
-        self.calls += 1
-        if self.write_at and self.calls == self.write_at:
-            model[0].bias.data.add_(0.5)
+        if self.write_at:
+            self.calls += 1
+            if self.calls == self.write_at:
+                model[0].bias.data.add_(0.5)
         return super().loss_sum(model, batch)
 
 

@@ -45,6 +45,8 @@ and verifier paths it starts are wrapped too) and runs the real command line. Wh
                          ``clip_second_resume`` halve the task's ``grad_clip`` only when the restored state was
                          written by a process that had itself resumed (clipping wrong only on a resume of a resume);
                          ``scheduler_step_on_restore`` step the learning-rate scheduler once right after restoring;
+                         ``other_base`` the frozen parameters (requires_grad=False) restored 1e-3 off, as from
+                         another base model;
                          ``lookahead_restart`` the data lookahead (trainproof.train.pipeline) restarts at the
                          restored step instead of the next one: the resumed process's batches are out of step
                          and it fails at its first step (a task that builds its batches: build_batch)
@@ -74,7 +76,7 @@ MODULE = "tests.support.hooked"
 SABOTAGES = ("skip_optimizer", "rebuild_scheduler", "reseed_rng", "lose_cursor", "repeat_batch", "regen_permutation",
              "lose_python_rng", "lose_numpy_rng", "rng_mismatch", "crash", "sqrt_square",
              "late_repeat_batch", "second_resume", "clip_after_resume", "reshard_zero_steps", "clip_second_resume",
-             "scheduler_step_on_restore", "lookahead_restart")
+             "scheduler_step_on_restore", "lookahead_restart", "other_base")
 
 
 class SabotageCrash(RuntimeError):
@@ -117,6 +119,14 @@ def _state_to_restore(kinds: frozenset[str], state: dict[str, Any]) -> dict[str,
 
 def _after_restore(kinds: frozenset[str], run: Any, state: dict[str, Any]) -> None:
     from trainproof.train import rng
+
+    if "other_base" in kinds:  # the frozen parameters (a LoRA run's base) restored from another base
+        import torch
+
+        with torch.no_grad():
+            for p in run.model.parameters():
+                if not p.requires_grad:
+                    p.add_(1e-3)
 
     if "rebuild_scheduler" in kinds and run.scheduler is not None:
         # Constructing a scheduler resets the optimizer's learning rate to the schedule's start.

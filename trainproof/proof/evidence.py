@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from trainproof.storage import GenerationStore
 from trainproof.storage.errors import not_a_file
 from trainproof.storage.limits import UntrustedJSONError, loads_untrusted, safe
+from trainproof.storage.manifest import SHARED_DIR
 
 log = logging.getLogger("trainproof.verify")
 VERIFICATION_DIR, REPORT_FILE = "verification", "verification.json"
@@ -32,7 +33,8 @@ _MAX_DEPTH = 3  # <id>/world_equivalence/<path>/step-*: deeper is not a path of 
 
 
 def prune_evidence(root: GenerationStore) -> list[str]:
-    """Remove the ``step-*`` generations of every path under one verification folder ``root``.
+    """Remove the ``step-*`` generations (and ``shared/`` objects) of every path under one verification folder
+    ``root``.
 
     Returns the removed generations (relative to ``root``). Exports, quarantine and run-level files stay.
     """
@@ -43,7 +45,9 @@ def prune_evidence(root: GenerationStore) -> list[str]:
             if not entry.is_dir or entry.name in _NEVER:
                 continue
             child = f"{rel}/{entry.name}" if rel else entry.name
-            if _GENERATION.fullmatch(entry.name) and rel:  # a path's generation, not a folder named like one at the top
+            # A path's generation, not a folder named like one at the top; and its shared objects (its frozen model
+            # entries), which only its own generations reference.
+            if (_GENERATION.fullmatch(entry.name) or entry.name == SHARED_DIR) and rel:
                 root.delete_tree(child)
                 removed.append(child)
             elif depth < _MAX_DEPTH:

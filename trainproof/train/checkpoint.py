@@ -112,6 +112,8 @@ class Checkpointer:
         retention."""
         self.keep_every: KeepEvery | None = None
         """A sparse permanent series retention keeps besides the ``keep`` newest (``--keep-every``)."""
+        self._stored_frozen: tuple[int, float] | None = None
+        """(bytes, seconds) of the frozen entries the commit in progress stored (its record's ``shared_bytes``)."""
         self.frozen_ref: tuple[tuple, int, str] | None = None
         """(fingerprint, bytes, sha256) of the frozen entries stored in this run's shared objects (written or verified
         by this process), referenced as long as the fingerprint holds."""
@@ -132,6 +134,10 @@ class Checkpointer:
         finally:
             if spool is not None:
                 spool.unlink()
+        if record is not None and self._stored_frozen is not None:  # this commit stored the frozen entries
+            record["shared_bytes"], seconds = self._stored_frozen
+            record["seconds"] += seconds
+        self._stored_frozen = None
         if record is not None and own is not None:
             self._keep_history(c.step, own)
         if record is not None:
@@ -240,6 +246,7 @@ class Checkpointer:
             return None
         mark = fingerprint(c.frozen)
         if self.frozen_ref is None or self.frozen_ref[0] != mark:
+            t0 = time.perf_counter()
             spool = encode_frozen(c.frozen, self.spool_dir)
             try:
                 size, sha = self.store.put_shared(spool)
@@ -249,6 +256,7 @@ class Checkpointer:
             finally:
                 spool.unlink()
             self.frozen_ref = (mark, size, sha)
+            self._stored_frozen = (size, time.perf_counter() - t0)
         return {FROZEN_FILE: (self.frozen_ref[1], self.frozen_ref[2])}
 
     def _commit_generation(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any],
