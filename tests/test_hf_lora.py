@@ -206,3 +206,30 @@ def test_the_docs_lora_section_runs_as_written_verify_passes_and_both_directorie
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     tuned, merged = map(int, loaded.stdout.split()[-2:])
     assert tuned == merged  # the adapter on its base and the merged model predict the same next token
+
+
+def test_the_published_names_must_cover_every_entry_but_the_adapters():
+    """In process, over the example's model: the base's published names cover every entry but the adapters (which keep
+    their seeded initialisation); a base tensor missing from the files is named by its published name, and a tensor
+    the base does not have is named too."""
+    import torch
+
+    from examples.hf_llama import build_llama
+    from examples.hf_lora import HFLoraConfig, build_lora
+    from trainproof.errors import ConfigError
+    from trainproof.tasks import peft_base_name
+    from trainproof.train.pretrained import check_fits, file_names
+
+    model = build_lora(HFLoraConfig(), 257)
+    named = file_names(model, peft_base_name)
+    published = {name: list(t.shape) for name, t in build_llama(HFLoraConfig(), 257).state_dict().items()}
+    assert set(named.values()) == set(published) and len(named) < len(model.state_dict())
+    assert named["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"] == \
+        "model.layers.0.self_attn.q_proj.weight"
+    check_fits(model, published, ["base"], named)
+    with pytest.raises(ConfigError, match=r"lack 1 of the model's tensor\(s\): \['model.norm.weight'\]"):
+        check_fits(model, {k: v for k, v in published.items() if k != "model.norm.weight"}, ["base"], named)
+    with pytest.raises(ConfigError, match=r"hold 1 tensor\(s\) the model does not have: \['extra.weight'\]"):
+        check_fits(model, {**published, "extra.weight": [1]}, ["base"], named)
+    assert torch.count_nonzero(model.state_dict()[
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"]) == 0
