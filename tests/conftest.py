@@ -96,7 +96,7 @@ def pytest_unconfigure(config):
 # Modules whose shared reference runs take a minute or more: collected first, so that with parallel workers
 # (``--dist loadscope`` hands out whole modules in collection order) they start at once instead of being the
 # tail that one worker runs alone at the end.
-HEAVY_FIRST = ("test_hf", "test_container", "test_verify_fsdp", "test_verify_world", "test_dist_equivalence", "test_preempt", "test_dist_resume",
+HEAVY_FIRST = ("test_hf", "test_hf_lora", "test_container", "test_verify_fsdp", "test_verify_world", "test_dist_equivalence", "test_preempt", "test_dist_resume",
                "test_verify", "test_examples", "test_multinode", "test_train_fsdp", "test_verify_cuts",
                "test_verify_objective", "test_trust_audit", "test_trust_resume", "test_async_checkpoint",
                "test_async_world", "test_train_deadline", "test_export", "test_code_identity", "test_sharded", "test_signing_train",

@@ -219,6 +219,11 @@ def export_command(
     if hf is not None:  # a transformers model's Hugging Face directory (trainproof.proof.hf_reload)
         print(f"Hugging Face directory {hf.get('directory')}: from_pretrained without trainproof "
               f"{'reproduced the metric' if hf.get('passed') else 'FAILED: ' + str(hf.get('why') or hf.get('error'))}")
+    adapter = record["checks"].get("hf_adapter_from_pretrained")
+    if adapter is not None:  # a peft model's adapter over its base (trainproof.proof.hf_reload)
+        why = adapter.get("why") or adapter.get("error")
+        print(f"adapter {adapter.get('directory')}: PeftModel.from_pretrained over the base without trainproof "
+              f"{'reproduced the metric' if adapter.get('passed') else 'FAILED: ' + str(why)}")
     raise typer.Exit(EXIT_OK if checked.passed else EXIT_FAILURE)
 
 

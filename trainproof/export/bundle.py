@@ -139,28 +139,39 @@ def _export_loaded(run: GenerationStore, plan: dict[str, Any], task_name: str, l
     if existing is not None:
         return existing
     hf_files: dict[str, Any] = {}  # a transformers model's Hugging Face directory (trainproof.export.hf)
+    adapter_files: dict[str, Any] = {}  # a peft model's adapter directory (then hf_files is the merged model)
     files = build_files(load_task(task_name, plan["task_config"]), plan, state, source, assembled.to_json(),
-                        hf_out=hf_files)
+                        hf_out=hf_files, adapter_out=adapter_files)
+    directories = _directories(hf_files, adapter_files)
     commit = {"contract": plan["contract"], "world": plan.get("world", 1),
               "code_version": state["meta"].get("code_version", "")}
     if pending is not None:  # without a key: reused only when every stored byte is what this state exports
-        problem = _differs(dest, step, pending, files, hf_files)
+        problem = _differs(dest, step, pending, files, directories)
         if problem is None:
             discard(files)
             discard(hf_files)
             return _bundle(dest, step, pending, reused=True, task=task_name)
         _quarantine_bundle(dest, step, source, problem)
     try:
-        if hf_files:  # before the bundle, whose config.json lists the directory's files
-            from trainproof.export.hf import commit_directory
+        from trainproof.export.hf import commit_directory
 
-            commit_directory(dest, loaded.info.step, hf_files, check=check_file, digest=sha256_of, **commit)
+        for folder, listed in directories.items():  # before the bundle, whose config.json lists their files
+            commit_directory(dest, loaded.info.step, listed, check=check_file, digest=sha256_of, folder_name=folder,
+                             **commit)
         info = dest.commit(loaded.info.step, files, check=check_file, digests={"export": BF16_FILE},
                            extra={"kind": "export", "source": source}, **commit)
     finally:
         discard(files)
         discard(hf_files)
     return _bundle(dest, info.step, info.manifest, reused=False, task=task_name)
+
+
+def _directories(hf_files: dict[str, Any], adapter_files: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The Hugging Face directories of an export by folder (trainproof.export.hf): the model's (or a ``peft``
+    model's merged one) and a ``peft`` model's adapter, those it has."""
+    from trainproof.export.hf import ADAPTER_FOLDER, HF_FOLDER
+
+    return {folder: listed for folder, listed in ((HF_FOLDER, hf_files), (ADAPTER_FOLDER, adapter_files)) if listed}
 
 
 def _load_source(run: GenerationStore, plan: dict[str, Any], step: int | None):
@@ -237,7 +248,7 @@ def _not_ours(loaded: Any, source: dict[str, Any]) -> str | None:
 
 
 def _differs(dest: GenerationStore, step: int, manifest: dict[str, Any], files: dict[str, Any],
-             hf_files: dict[str, Any]) -> str | None:
+             directories: dict[str, dict[str, Any]]) -> str | None:
     """Why the stored bundle (``manifest``, and its Hugging Face directory) is not byte for byte the ``files`` this
     state exports (None when it is). Digests are compared as the store computes them, then every stored byte is
     read back against its manifest: a file the export does not write, or one that differs, is a reason."""
@@ -254,12 +265,11 @@ def _differs(dest: GenerationStore, step: int, manifest: dict[str, Any], files: 
     problem = dest.verify(step)
     if problem is not None:
         return problem
-    if hf_files:
-        from trainproof.export.hf import HF_FOLDER, same_directory
+    from trainproof.export.hf import same_directory
 
-        if not same_directory(dest.child(HF_FOLDER), step, {n: sha256_of(d) for n, d in hf_files.items()},
-                              sha256_of):
-            return "its Hugging Face directory is not this state's"
+    for folder, listed in directories.items():
+        if not same_directory(dest.child(folder), step, {n: sha256_of(d) for n, d in listed.items()}, sha256_of):
+            return f"its Hugging Face directory {folder}/ is not this state's"
     return None
 
 
@@ -272,7 +282,7 @@ def _bundle(dest: GenerationStore, step: int, manifest: dict[str, Any], *, reuse
 # -- the files --------------------------------------------------------------------------------------------
 def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source: dict[str, Any],
                 history_covered: dict[str, Any] | None = None, *, directory: str | None = None,
-                hf_out: dict[str, Any] | None = None) -> dict[str, Any]:
+                hf_out: dict[str, Any] | None = None, adapter_out: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every file of the bundle (SHA256SUMS last, over the others): the three weight files as spool files
     (``trainproof.storage.spool.Spool``, in ``directory``, default ``spool_dir()``), the rest as bytes. The caller hands
     them to the store and deletes the spools (:func:`discard`); on an error here they are deleted already.
@@ -289,7 +299,8 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
 
     ``hf_out``: when given and the task's model is a ``transformers`` model, filled with the files of its Hugging
     Face directory (trainproof.export.hf, spooled weights among them: the caller commits and discards them too), which
-    config.json and metrics.json then describe (``hf``)."""
+    config.json and metrics.json then describe (``hf``). ``adapter_out``: for a ``peft`` model, filled with its
+    adapter directory (``hf_adapter`` in config.json and metrics.json; ``hf_out`` then holds the merged model)."""
     from trainproof.export.bundle_readme import readme
     from trainproof.export.plot import loss_png
     from trainproof.export.standalone import (
@@ -324,7 +335,11 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
         hf, hf_refused = _hf_directory(task, weights, directory, threads) if hf_out is not None else (None, "")
         if hf is not None and hf_out is not None:
             hf_out.update(hf.files)
+            if adapter_out is not None:
+                adapter_out.update(hf.adapter or {})
         hf_config, hf_metrics = hf_export.records(hf, step_of(state), metric) if hf is not None else ({}, {})
+        adapter_config, adapter_metrics = hf_export.adapter_records(hf, step_of(state), metric) \
+            if hf is not None and adapter_out is not None else ({}, {})
         alone = standalone(plan["task"], task)
         # torch.export costs seconds (10+ on first use) on every export, verify included: only where no model.py
         # can rebuild the architecture does the bundle need a program to be loadable without the task's code.
@@ -343,10 +358,12 @@ def build_files(task: Task, plan: dict[str, Any], state: dict[str, Any], source:
                                   "model_args": alone.model_args if alone else {},
                                   "standalone": {"model_py": alone is not None, "program": program_note},
                                   **({"hf": hf_config} if hf_config else {}),
+                                  **({"hf_adapter": adapter_config} if adapter_config else {}),
                                   **({"hf_refused": hf_refused} if hf_refused else {})}),
             "metrics.json": _json({**_metrics(task, plan, state, (metric, others), (metric_bf16, others_bf16),
                                             threads), "history": covered,
-                                   **({"hf": hf_metrics} if hf_metrics else {})}),
+                                   **({"hf": hf_metrics} if hf_metrics else {}),
+                                   **({"hf_adapter": adapter_metrics} if adapter_metrics else {})}),
             "data.json": _json(_data(task, plan, state)),
             "README.md": readme(metric_name=task.eval_metric, metric=metric, others=others, fp_name=FP_FILE,
                                 bf16_names=[BF16_SAFETENSORS, BF16_FILE], has_model_py=alone is not None,

@@ -20,6 +20,14 @@ leaves the Hugging Face directory out with a one-line reason (``config.json``'s 
 of the bundle; the reload check refuses to load one (trainproof.proof.hf_reload), and an export that finds one at
 its name moves it to quarantine and commits its own (:func:`commit_directory`).
 
+A ``peft`` model (``get_peft_model(base, LoraConfig(...))``, examples/hf_lora.py) gets two directories: its adapter,
+committed the same way under ``<dest>/hf-adapter/step-%08d/`` (:data:`ADAPTER_FILES`: ``adapter_config.json`` and
+``adapter_model.safetensors`` as ``save_pretrained`` of the ``peft`` model writes them, what
+``PeftModel.from_pretrained(base, folder)`` loads over the base model), and the merged model
+(``merge_and_unload``: the base's own class and tensor names, each adapted weight plus its low-rank update) as the
+Hugging Face directory above. The bundle's ``config.json`` and ``metrics.json`` describe the adapter under
+``hf_adapter`` (its files' sha256; ``hf_eval.py``'s evaluation of the base with the adapter, measured at export).
+
 The weight files are written tensor by tensor into spool files (trainproof.export.tensorfile, ``{"format": "pt"}`` in
 their header), never built in memory. For a task whose held-out samples are token windows (``DatasetTask`` with
 ``(input_ids, targets)`` integer pairs, as examples/hf_llama.py) the bundle also carries ``hf_eval.py`` and
@@ -44,6 +52,11 @@ from trainproof.tasks import Task
 
 HF_FOLDER = "hf"
 """The directories' folder beside the bundles: ``<dest>/hf/step-%08d/``."""
+ADAPTER_FOLDER = "hf-adapter"
+"""A ``peft`` model's adapters' folder beside the bundles: ``<dest>/hf-adapter/step-%08d/``."""
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+ADAPTER_FILES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS})
+"""What an adapter directory holds (``save_pretrained`` of a ``peft`` model, without its README model card)."""
 HF_EVAL_FILE, HF_EVAL_DATA_FILE = "hf_eval.py", "hf_eval_data.safetensors"
 SHARD_ENV = "TRAINPROOF_HF_SHARD_MB"
 DEFAULT_SHARD_BYTES = 5_000 * 10**6
@@ -122,12 +135,21 @@ class HFDirectory:
     value: float | None = None
     """``hf_eval.py``'s evaluation of the exported weights, measured at export."""
     why_no_eval: str = ""
+    adapter: dict[str, bytes] | None = None
+    """A ``peft`` model's adapter directory (:data:`ADAPTER_FILES`; the files above are then the merged model's)."""
+    adapter_value: float | None = None
+    """``hf_eval.py``'s evaluation of the ``peft`` model (the base with the adapter), measured at export."""
 
 
 def is_transformers_model(model: nn.Module) -> bool:
     """Whether ``model`` is a ``transformers.PreTrainedModel`` (by its class ancestry: no import of transformers)."""
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
                for c in type(model).__mro__)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (LoRA adapters over a base model; by class ancestry: no import)."""
+    return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft.") for c in type(model).__mro__)
 
 
 def shard_bytes() -> int:
@@ -201,11 +223,20 @@ def directory(task: Task, weights: dict[str, torch.Tensor], spooled: Callable[[C
 
     ``spooled(write)``: a spool file filled by ``write(out)`` and its plain sha256 (trainproof.export.bundle
     ``_spooled``)."""
-    if not is_transformers_model(_model_class_probe(task)):
+    probe = _model_class_probe(task)
+    peft = is_peft_model(probe)
+    if not (peft or is_transformers_model(probe)):
         return None
     with torch.random.fork_rng(devices=[]):
         model = task.build_model()
     model.to(dtype=task.dtype).load_state_dict(weights)
+    adapter, adapter_value = None, None
+    if peft:  # the adapter as peft saves it, evaluated over the base; then the merged model is the directory's
+        eval_data, _ = eval_batches(task)
+        adapter = adapter_files(model)
+        adapter_value = run_eval(model, eval_data, threads) if eval_data is not None else None
+        model = getattr(model, "merge_and_unload")()  # noqa: B009  (peft's, untyped: nn.Module's __getattr__)
+        weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     files, sums = _config_files(model, task), {}
     problem = foreign({**files, WEIGHTS_FILE: b""})  # the weights, written below, are ours
     if problem is not None:
@@ -227,11 +258,30 @@ def directory(task: Task, weights: dict[str, torch.Tensor], spooled: Callable[[C
         total = sum(t.numel() * t.element_size() for t in weights.values())
         files[INDEX_FILE] = _json({"metadata": {"total_size": total},
                                    "weight_map": {k: name for name, g in zip(names, groups) for k in g}})
-    out = HFDirectory(files=files, sums=sums, architecture=type(model).__name__, shards=len(groups))
+    out = HFDirectory(files=files, sums=sums, architecture=type(model).__name__, shards=len(groups),
+                      adapter=adapter, adapter_value=adapter_value)
     out.eval_data, out.why_no_eval = eval_batches(task)
     if out.eval_data is not None:
         out.value = run_eval(model, out.eval_data, threads)
     return out
+
+
+def adapter_files(model: nn.Module) -> dict[str, bytes]:
+    """The adapter directory of a ``peft`` model: :data:`ADAPTER_FILES` as its ``save_pretrained`` writes them (the
+    adapters' tensors only, in full precision, and their configuration). Raises :class:`Refused` when it writes
+    them otherwise (another ``peft`` version's names) or its configuration names custom code (``auto_map``)."""
+    with tempfile.TemporaryDirectory(prefix="trainproof-hf-adapter-") as folder:
+        getattr(model, "save_pretrained")(folder, safe_serialization=True)  # noqa: B009  (peft's, untyped)
+        files = {}
+        for name in sorted(ADAPTER_FILES):
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                raise Refused(f"{type(model).__name__}'s save_pretrained wrote no {name}")
+            with open(path, "rb") as fh:
+                files[name] = fh.read()
+    if "auto_map" in _json_object(files[ADAPTER_CONFIG], None, ADAPTER_CONFIG):
+        raise Refused(f"{ADAPTER_CONFIG} has auto_map (custom code): not written")
+    return files
 
 
 def _model_class_probe(task: Task) -> nn.Module:
@@ -330,8 +380,28 @@ def records(hf: HFDirectory, step: int, metric: float) -> tuple[dict[str, Any], 
                     "value": hf.value, "equals_eval": hf.value == metric}
 
 
+def adapter_records(hf: HFDirectory, step: int, metric: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``hf_adapter`` blocks of the bundle's config.json (where the adapter directory is, its files' sha256) and
+    metrics.json (``hf_eval.py``'s value of the base with the adapter at export); empty ones without an adapter."""
+    import hashlib
+
+    from trainproof.storage.manifest import step_dir
+
+    if hf.adapter is None:
+        return {}, {}
+    files = {name: hashlib.sha256(data).hexdigest() for name, data in sorted(hf.adapter.items())}
+    config = {"folder": f"{ADAPTER_FOLDER}/{step_dir(step)}", "files": files,
+              "loader": "peft.PeftModel.from_pretrained(base, folder)", "merged": f"{HF_FOLDER}/{step_dir(step)}",
+              "base": "the model directory the run started from (its pretrained weights)"}
+    if hf.adapter_value is None:
+        return config, {"value": None, "why": hf.why_no_eval}
+    return config, {"metric": "held-out token cross-entropy over the base with the adapter (hf_eval.py)",
+                    "value": hf.adapter_value, "equals_eval": hf.adapter_value == metric}
+
+
 def commit_directory(dest: Any, step: int, files: dict[str, Any], *, check: Callable[[str, Any], None],
-                     digest: Callable[[Any], str], contract: str, world: int, code_version: str) -> None:
+                     digest: Callable[[Any], str], contract: str, world: int, code_version: str,
+                     folder_name: str = HF_FOLDER) -> None:
     """Commit the directory's files as generation ``step`` of ``<dest>/hf`` (write -> verify -> mark usable, ``check``
     run on each file read back), before the bundle that lists them. One already committed there with the same files
     (``digest``: a file's plain sha256; an export that stopped between the two commits) is kept; one with other
@@ -339,13 +409,13 @@ def commit_directory(dest: Any, step: int, files: dict[str, Any], *, check: Call
     is moved to quarantine and this one committed."""
     from trainproof.storage import COMPLETE
 
-    folder = dest.child(HF_FOLDER)
+    folder = dest.child(folder_name)
     if any(g.step == step and g.status == COMPLETE for g in folder.scan()):
         if same_directory(folder, step, {n: digest(d) for n, d in files.items()}, digest):
             return
         folder.quarantine(step, "not this state's Hugging Face directory: its files differ from the export's")
     folder.commit(step, files, contract=contract, world=world, code_version=code_version, check=check,
-                  extra={"kind": "hf-directory"})
+                  extra={"kind": "hf-directory" if folder_name == HF_FOLDER else "hf-adapter"})
 
 
 def same_directory(folder: Any, step: int, ours: dict[str, str], digest: Callable[[Any], str]) -> bool:

@@ -109,6 +109,10 @@ def _check(dest: GenerationStore, step: int, files: dict[str, Any], task: str) -
         from trainproof.proof import hf_reload
 
         checks["hf_from_pretrained"] = hf_reload.check(dest, step, files, config, metrics)
+    if "hf_adapter" in config:  # a peft model's adapter, over its base, without trainproof
+        from trainproof.proof import hf_reload
+
+        checks["hf_adapter_from_pretrained"] = hf_reload.check_adapter(dest, step, files, config, metrics)
     return {
         "schema": RELOAD_SCHEMA, "bundle": f"{dest.url.rstrip('/')}/{step_dir(step)}", "step": step,
         "pid": os.getpid(), "files_verified_against": "COMPLETE.json (size and sha256 of every file)",
@@ -292,6 +296,7 @@ def _failed(record: dict[str, Any]) -> str:
     checks = record.get("checks")
     checks = checks if isinstance(checks, dict) else {}
     names = [n for n, c in checks.items() if not (isinstance(c, dict) and c.get("passed"))]
-    hf = checks.get("hf_from_pretrained")
-    why = hf.get("why") or hf.get("error") if isinstance(hf, dict) and not hf.get("passed") else None
+    failed_hf = [c for n, c in checks.items() if n.startswith("hf_") and isinstance(c, dict) and not c.get("passed")]
+    hf = failed_hf[0] if failed_hf else None
+    why = hf.get("why") or hf.get("error") if hf is not None else None
     return ", ".join(names[:6]) + (f": {' '.join(str(why).split())[:300]}" if why else "") or "no check passed"

@@ -22,6 +22,7 @@ from trainproof.tasks.base import (
     TaskContext,
     config_from_dict,
     eval_mode,
+    peft_base_name,
     require,
     sha256_of,
 )
@@ -34,8 +35,8 @@ BUILTIN_TASKS = {
 
 __all__ = [
     "BUILTIN_TASKS", "PRECISIONS", "AdaptedBatch", "BatchRequest", "ConfigError", "DatasetTask", "Pretrained", "Task",
-    "TaskContext", "config_from_dict", "dataset_digest", "eval_mode", "load_task", "require", "sample_generators",
-    "sample_rng", "sha256_of",
+    "TaskContext", "config_from_dict", "dataset_digest", "eval_mode", "load_task", "peft_base_name", "require",
+    "sample_generators", "sample_rng", "sha256_of",
 ]
 
 

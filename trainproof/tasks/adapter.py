@@ -117,6 +117,9 @@ class DatasetTask(Task):
       ``supports_cuda``, ``default_steps``, ``precision`` (``auto``, ``bf16``, ``fp16``, ``fp32``), ``tokenizer``:
       as on :class:`Task`;
     - ``pretrained``: weights files (:class:`~trainproof.tasks.base.Pretrained`) the model starts from on a fresh start;
+    - ``pretrained_name``: the name in those files of a model entry, None for one they do not hold (it keeps its
+      seeded initialisation), as :meth:`Task.pretrained_name`; e.g. :func:`trainproof.tasks.peft_base_name` for LoRA
+      adapters on a published model. Default: the entry's own name;
     - ``verify_samples``: ``trainproof verify`` trains on the first this many samples (a short epoch for a large
       dataset; ``verify --samples`` overrides it), or None for all of them.
     """
@@ -136,7 +139,7 @@ class DatasetTask(Task):
         tokenizer: Any = None, num_workers: int = 0, prefetch: int = 2, verify_samples: int | None = None,
         eval_metrics: Mapping[str, Callable[[nn.Module, Any], torch.Tensor]] | None = None,
         scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, scheduler_metric: str = "train_loss",
-        scheduler_every: int = 1,
+        scheduler_every: int = 1, pretrained_name: Callable[[str], str | None] | None = None,
     ) -> None:
         require(isinstance(config, Mapping), f"config must be a dict of settings, not {type(config).__name__}")
         try:
@@ -187,9 +190,15 @@ class DatasetTask(Task):
         require(all(isinstance(p, Pretrained) for p in pretrained),
                 "DatasetTask: pretrained must be a list of trainproof.tasks.Pretrained(url=..., sha256=...)")
         self._pretrained = list(pretrained)
+        require(pretrained_name is None or callable(pretrained_name),
+                "DatasetTask: pretrained_name must be a function (model entry name -> name in the files, or None)")
+        self._pretrained_name = pretrained_name
 
     def pretrained(self) -> list[Pretrained]:
         return list(self._pretrained)
+
+    def pretrained_name(self, name: str) -> str | None:
+        return name if self._pretrained_name is None else self._pretrained_name(name)
 
     def deterministic_objective(self) -> DatasetTask:
         """This task without ``augment``, its batches collated with ``eval_collate`` when given (the objective check's
@@ -227,7 +236,8 @@ class DatasetTask(Task):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         cls, options = self._optimizer
-        return cls(model.parameters(), **options)
+        # Frozen parameters (requires_grad=False: a LoRA run's base) are not the optimizer's: no state, no decay.
+        return cls([p for p in model.parameters() if p.requires_grad], **options)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
         if self._scheduler is not None:

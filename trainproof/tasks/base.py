@@ -224,6 +224,12 @@ class Task(abc.ABC):
         Default: none."""
         return []
 
+    def pretrained_name(self, name: str) -> str | None:
+        """The name in the :meth:`pretrained` files of the model's state_dict entry ``name``, or None for an entry
+        they do not hold, which keeps its seeded initialisation (a LoRA adapter added to a published model: see
+        :func:`peft_base_name`). Default: the name itself (the files cover every entry)."""
+        return name
+
     eval_metric: str = "metric"
     """Name of what :meth:`evaluate` returns (recorded in export bundles), e.g. ``mse``."""
 
@@ -312,6 +318,16 @@ class Pretrained:
     def declared(self) -> str:
         """What enters the run contract (``init_sha256``): the file's sha256 or the directory's digest."""
         return self.digest or self.sha256
+
+
+def peft_base_name(name: str) -> str | None:
+    """:meth:`Task.pretrained_name` of a ``peft`` model (``get_peft_model(base, LoraConfig(...))``) whose pretrained
+    files are its base model's, as published: ``base_model.model.X`` is the base's ``X``, a layer ``peft`` wrapped
+    keeps its weights as ``X.base_layer.weight`` (the base's ``X.weight``), and the adapters (``lora_A``, ``lora_B``,
+    ``lora_embedding_A``/``B``, ``lora_magnitude_vector``) are not in the base: None (their seeded initialisation)."""
+    if any(part.startswith("lora_") for part in name.split(".")):
+        return None
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def _hex64(value: Any) -> bool:

@@ -113,6 +113,9 @@ class ObjectiveCheckTask(Task):
     def pretrained(self) -> list[Any]:
         return self.inner.pretrained()  # the same starting point as the run it checks
 
+    def pretrained_name(self, name: str) -> str | None:
+        return self.inner.pretrained_name(name)
+
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
 

@@ -45,13 +45,17 @@ from trainproof.train.model_dir import Weights
 _SHOWN = 5  # names listed in a message
 
 
-def start_from_pretrained(files: list[Pretrained], load: Any, model: nn.Module) -> dict[str, Any]:
+def start_from_pretrained(files: list[Pretrained], load: Any, model: nn.Module,
+                          rename: Callable[[str], str | None] | None = None) -> dict[str, Any]:
     """Read, verify and load ``files`` into ``model`` through ``load(model, names, get)`` (the layout's strategy,
     trainproof.train.parallel ``load_initial``: ``get(name)`` reads one tensor, which the strategy copies into the
     model's own, cast to its dtype). Returns what to report (the files and directories, their bytes, the time).
     ConfigError (exit 2) naming the file when one is missing, is not a safetensors file, or does not fit the model;
     DataError (exit 1) when it does not hash to its declared sha256 (for a directory: its listing to the declared
-    digest, each file to its listed sha256; trainproof.train.model_dir)."""
+    digest, each file to its listed sha256; trainproof.train.model_dir).
+
+    ``rename``: the task's :meth:`~trainproof.tasks.Task.pretrained_name` (a model entry's name in the files, None
+    for one they do not hold, which keeps its seeded initialisation); default: every entry by its own name."""
     t0 = time.perf_counter()
     spools: list[Spool] = []
     records: list[dict[str, Any]] = []
@@ -73,8 +77,10 @@ def start_from_pretrained(files: list[Pretrained], load: Any, model: nn.Module) 
                             raise ConfigError(f"pretrained weights: tensor {key!r} is in both {origin[key]} and "
                                               f"{w.label}: each tensor must come from one file")
                         handles[key], shapes[key], origin[key] = handle, shape, w.label
-            check_fits(model, shapes, [r["url"] for r in records])
-            load(model, sorted(handles), lambda key: handles[key].get_tensor(key))
+            named = file_names(model, rename)
+            check_fits(model, shapes, [r["url"] for r in records], named)
+            covered = sorted(k for k, f in named.items() if f in handles)
+            load(model, covered, lambda key: handles[named[key]].get_tensor(named[key]))
         finally:
             for spool in spools:
                 spool.unlink()  # an open file stays readable until closed (POSIX)
@@ -151,12 +157,21 @@ def split_url(url: str) -> tuple[str, str]:
     return os.path.dirname(path), os.path.basename(path)
 
 
-def check_fits(model: nn.Module, tensors: dict[str, list[int]], names: list[str]) -> None:
+def file_names(model: nn.Module, rename: Callable[[str], str | None] | None = None) -> dict[str, str]:
+    """Each entry of ``model``'s state_dict that the pretrained files hold -> its name there (``rename``, default the
+    entry's own name; None leaves the entry out: it keeps its seeded initialisation)."""
+    names = {k: k if rename is None else rename(k) for k in model.state_dict(keep_vars=True)}
+    return {k: f for k, f in names.items() if f is not None}
+
+
+def check_fits(model: nn.Module, tensors: dict[str, list[int]], names: list[str],
+               named: dict[str, str] | None = None) -> None:
     """ConfigError unless ``tensors`` (name -> shape) cover every entry of ``model``'s state_dict with its shape and
-    nothing else.
+    nothing else (with ``named``, :func:`file_names`: the entries it names, under their names in the files).
     An entry the model ties to another one (the same parameter under two names, e.g. an output layer sharing the
     embedding) may be absent when the other is given: loading one loads both."""
-    expected = model.state_dict(keep_vars=True)
+    own = model.state_dict(keep_vars=True)
+    expected = {f: own[k] for k, f in (named if named is not None else {k: k for k in own}).items()}
     where = ", ".join(names)
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:

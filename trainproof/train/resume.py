@@ -174,7 +174,7 @@ def _fresh(c: _Context) -> Resumed:
     changes = _decide_world(c, c.plan["world"], step=0, history=[], source=f"plan.json of {c.store.url}")
     files = c.run.task.pretrained()
     if files:
-        loaded = start_from_pretrained(files, c.parallel.load_initial, c.run.model)
+        loaded = start_from_pretrained(files, c.parallel.load_initial, c.run.model, c.run.task.pretrained_name)
         c.reporter.event("pretrained", **loaded)
     return Resumed(world_changes=changes)
 
