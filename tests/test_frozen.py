@@ -42,6 +42,8 @@ def test_the_base_is_stored_once_and_each_generation_holds_what_training_changes
     (base,) = _shared(store)
     commits = [e for e in done.events if e.get("event") == "checkpoint"]
     assert len(commits) == STEPS // 2
+    # The first commit stored the base (its bytes written once); no later one wrote any.
+    assert [e.get("shared_bytes") for e in commits] == [base.stat().st_size] + [None] * (len(commits) - 1)
     for e in commits:
         folder = store / e["generation"]
         held = sum(p.stat().st_size for p in folder.iterdir())
@@ -62,6 +64,8 @@ def test_a_run_stopped_and_resumed_ends_bitwise_equal_with_its_base_still_stored
     assert finish(first).code == 75
     second = run(store, *ARGS)
     assert second.code == 0 and second.last("resume")["step"] >= 4, second.stderr
+    # The resumed process references the base it restored: its commits store nothing under shared/.
+    assert [e for e in second.events if e.get("event") == "checkpoint" and "shared_bytes" in e] == []
     assert kept_differences(load_state(reference[0], history="kept"), load_state(store, history="kept")) == []
     assert [p.name for p in _shared(store)] == [p.name for p in _shared(reference[0])]
 

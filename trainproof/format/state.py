@@ -49,7 +49,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar, cast
 
 import torch
 
@@ -373,7 +373,7 @@ def encode_frozen(tensors: dict[str, torch.Tensor], directory: str | None = None
     """The frozen entries serialised into a spool (``torch.save`` of a flat dict, weights-only loadable)."""
     check_types(tensors, "frozen")
     with SpoolWriter(directory) as out:
-        torch.save(dict(sorted(tensors.items())), out)
+        torch.save(dict(sorted(tensors.items())), cast(IO[bytes], out))  # a write-only file object
     return out.finish()
 
 

@@ -23,6 +23,11 @@ from typing import Any
 
 import torch
 
+from trainproof.format.state import FROZEN_FILE
+from trainproof.storage import GenerationStore
+from trainproof.storage.digest import Digest
+from trainproof.storage.errors import StoreError
+
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 CHUNK = 1 << 24
 """Elements summed at a time (a bounded temporary, whatever the tensor's size)."""
@@ -53,3 +58,20 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> tuple:
                 total += int(chunk.to(torch.int64).sum())
         out.append((name, str(t.dtype), tuple(t.shape), total))
     return tuple(out)
+
+
+def restored_frozen_ref(store: GenerationStore, step: int, frozen: dict[str, torch.Tensor]) -> tuple | None:
+    """(fingerprint, bytes, sha256) of the shared frozen object generation ``step`` references, with the fingerprint
+    of ``frozen`` (the entries just restored from it, verified by its hash as they were read); None when the generation
+    references none, holds them itself (a copy), or its manifest cannot be read now (the first commit then stores them
+    again: correct, only slower)."""
+    if not frozen:
+        return None
+    try:
+        entry = (store.generation(step).manifest or {}).get("files", {}).get(FROZEN_FILE)
+    except (StoreError, OSError):
+        return None
+    if not isinstance(entry, dict) or not entry.get("shared"):
+        return None
+    sha = Digest(entry["sha256"], tuple(entry.get("parts", ())), int(entry.get("part_bytes", 0)))
+    return fingerprint(frozen), int(entry["bytes"]), sha

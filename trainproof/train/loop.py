@@ -38,7 +38,7 @@ from trainproof.train.config import TrainConfig
 from trainproof.train.data import epoch_plan
 from trainproof.train.device import configure_determinism, resolve_device
 from trainproof.train.discover import agree_plan
-from trainproof.train.frozen import frozen_keys, split_frozen
+from trainproof.train.frozen import frozen_keys, restored_frozen_ref, split_frozen
 from trainproof.train.live import live_state
 from trainproof.train.pipeline import (
     check_workers,
@@ -170,6 +170,11 @@ class Trainer:
         # retention (rank 0 only) keeps what the audit needs around every restore point not yet audited
         self.saving.checkpointer.protect = restore_protection(self.store, self.resumed.step, self.cfg.keep)
         self.saving.checkpointer.keep_every = self.cfg.keep_every_rule()  # and a sparse permanent series
+        if self.rank == 0 and self.resumed.step is not None and run.parallel.inline_state:
+            # The frozen entries just restored are the shared object the generation references: referenced again,
+            # not serialised and stored once more by this process's first commit.
+            self.saving.checkpointer.frozen_ref = restored_frozen_ref(
+                self.store, self.resumed.step, split_frozen(run.model.state_dict(), frozen_keys(run.model)))
         target = self.cfg.target_step(run.step, self.task.default_steps)
         # A schedule the run would step past its end (OneCycleLR): one line now, not a traceback at its end.
         check_length(run.scheduler, start=run.step, target=target, source=self.cfg.target_source())
