@@ -95,3 +95,21 @@ def test_verify_passes_the_frozen_task_and_fails_a_resume_that_restores_its_base
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     failing = read_report(store, "base")["failing_checks"]
     assert "resume.parameters" in failing, failing
+
+
+def test_generations_whose_base_is_damaged_are_passed_over_like_any_damaged_generation(tmp_path):
+    """The base changed at step 7 (the task wrote into it): generations 2-6 reference the first object, 8-12 the
+    second. A flipped byte in the second makes 8-12 unusable: the restart passes over them loudly (quarantined, the
+    object named) to step 6, whose base verifies, and trains on from there."""
+    store = tmp_path / "run"
+    done = run(store, *ARGS, "--keep", "0", env={"TP_FROZEN_WRITE_AT": "7"})
+    assert done.code == 0, done.stderr
+    newest = json.loads((store / "step-00000012" / "COMPLETE.json").read_text())["files"]["frozen.pt"]["sha256"]
+    damaged = store / "shared" / newest
+    damaged.write_bytes(bytes([damaged.read_bytes()[0] ^ 1]) + damaged.read_bytes()[1:])
+    again = run(store, "--task", TASK, "--max-steps", "14", "--checkpoint-every", "2", "--log-format", "json")
+    assert again.code == 0, again.stderr
+    assert again.last("resume")["step"] == 6
+    assert f"shared/{newest[:16]}" in again.stderr
+    assert sorted(p.name[:13] for p in (store / "quarantine").iterdir()) == [f"step-{s:08d}" for s in (8, 10, 12)]
+    assert (store / "step-00000014" / "COMPLETE.json").is_file()

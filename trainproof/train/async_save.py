@@ -209,33 +209,39 @@ class BackgroundSaver:
 
     def submit(self, step: int, state: dict[str, Any] | None, *, extra: dict[str, Any], blocked_s: float,
                part: dict[str, Any] | None = None, sharded: dict[str, Any] | None = None,
-               frozen: dict[str, Any] | None = None) -> None:
+               frozen: dict[str, Any] | None = None, frozen_fields: dict[str, Any] | None = None) -> None:
         """Snapshot what this rank commits (training must not step until this returns) and commit it in the
         background: ``state`` (rank 0's training state; None on other ranks), ``part`` (a rank >= 1's own part)
-        and ``sharded`` (this rank's shards of a sharded run); ``frozen`` (rank 0's frozen model entries) is not
-        copied: no step changes it, and it is written only when its fingerprint moved. See Checkpointer.commit.
+        and ``sharded`` (this rank's shards of a sharded run); ``frozen`` (rank 0's frozen model entries, only when
+        they must be stored: the first commit, or a task wrote into one) is snapshotted with them, ``frozen_fields``
+        (their fingerprint, or the stored object they are) passed on. See Checkpointer.commit.
 
         The caller has already waited (:meth:`wait`): at most one save is in flight.
         """
         assert self._step is None, "one save in flight at most: wait() first"
         t0 = time.perf_counter()
         copied, done = self._snapshotter.copy({"state": state, "part": part, "sharded": sharded})
-        del state, part, sharded  # the live references: the worker only ever sees the copy
+        # Frozen entries to store (rarely: a process's first commit of a fresh run, or after a task wrote into one):
+        # copied apart, not into the reused buffers, so their copy is freed once stored.
+        copied["frozen"] = None if frozen is None else {k: v.detach().to("cpu", copy=True) for k, v in frozen.items()}
+        del state, part, sharded, frozen  # the live references: the worker only ever sees the copy
         blocked_s += time.perf_counter() - t0
         holder = [copied]
         del copied
         self._step, self._result = step, None
-        self._thread = threading.Thread(target=self._work, args=(step, holder, done, extra, blocked_s, frozen),
+        self._thread = threading.Thread(target=self._work, args=(step, holder, done, extra, blocked_s,
+                                                                 frozen_fields or {}),
                                         name=f"trainproof-save-{step}", daemon=True)
         self._thread.start()
 
     def save(self, capture: Capture, *, blocked_since: float) -> None:
         """:meth:`submit` of one step's capture (trainproof.train.saver ``Saver``): blocked since ``blocked_since``."""
         self.submit(capture.step, capture.state, extra=capture.extra, blocked_s=time.perf_counter() - blocked_since,
-                    part=capture.part, sharded=capture.sharded, frozen=capture.frozen)
+                    part=capture.part, sharded=capture.sharded, frozen=capture.frozen,
+                    frozen_fields={"frozen_mark": capture.frozen_mark, "frozen_ref": capture.frozen_ref})
 
     def _work(self, step: int, holder: list, done: torch.cuda.Event | None, extra: dict[str, Any],
-              blocked_s: float, frozen: dict[str, Any] | None = None) -> None:
+              blocked_s: float, frozen_fields: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         failure: BaseException | None = None
         _lower_priority()
@@ -244,20 +250,21 @@ class BackgroundSaver:
                 done.synchronize()  # the non-blocking device → host copies have landed
             copied = holder.pop()
             state = copied.pop("state")
+            frozen = {"frozen": copied.pop("frozen"), **frozen_fields}
             own = {k: v for k, v in copied.items() if v is not None}  # part, sharded: this rank's own
             del copied
             if self.checkpointer.world > 1 or own:
                 # Every rank enters the cross-rank commit whatever happens, so that no rank waits alone in one of
                 # its collectives: rank 0 serialises the state inside it, where a failure reaches every rank.
                 self.checkpointer.commit(Capture(step=step, state=state, extra=extra, blocked_s=blocked_s,
-                                                 frozen=frozen, **own))
+                                                 **frozen, **own))
             else:
                 # Serialised into a spool file (no in-memory copy); the snapshot is dropped once it is written.
                 history = encode_history(state) if "history" in state else None
                 spool = encode_spool(state, self.checkpointer.spool_dir)
                 del state
                 self.checkpointer.commit(Capture(step=step, state=None, extra=extra, encoded=spool, history=history,
-                                                 blocked_s=blocked_s, frozen=frozen))
+                                                 blocked_s=blocked_s, **frozen))
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which fails the run
             failure = exc
         self._result = (time.perf_counter() - t0, failure)

@@ -79,8 +79,13 @@ class Capture:
     (its ``history.pt``, state.encode_history); the spool is deleted once the commit is over, whatever its outcome."""
     history: bytes | None = None
     frozen: dict[str, Any] | None = None
-    """Rank 0's frozen model entries (trainproof.train.frozen), live references, never snapshotted: committed as
-    the run's shared ``frozen.pt`` when they changed, else referenced."""
+    """Rank 0's frozen model entries (trainproof.train.frozen) to store as the run's shared ``frozen.pt``: only when
+    their fingerprint (``frozen_mark``) is not the one already stored (snapshotted like the state then); else None
+    and ``frozen_ref`` names the stored object."""
+    frozen_mark: tuple | None = None
+    frozen_ref: tuple | None = None
+    """(fingerprint, bytes, sha256) of the stored frozen object this step's frozen entries are (decided at capture,
+    on the training thread: a task writing into a frozen parameter after the capture cannot change it)."""
     blocked_s: float | None = None
     """How long training was blocked for this checkpoint, or ``blocked_since`` (a ``time.perf_counter()``) when it
     is blocked until the commit returns; recorded as the record's ``blocked_s`` (neither: the commit's seconds)."""
@@ -239,13 +244,9 @@ class Checkpointer:
         return entries
 
     def _frozen(self, c: Capture) -> dict[str, tuple[int, str]] | None:
-        """The ``shared`` reference to ``c``'s frozen entries: the object this process stored or verified while their
-        fingerprint holds, else serialised and stored once more (``put_shared``: reused when the store holds those
-        bytes already)."""
-        if not c.frozen:
-            return None
-        mark = fingerprint(c.frozen)
-        if self.frozen_ref is None or self.frozen_ref[0] != mark:
+        """The ``shared`` reference to ``c``'s frozen entries: the stored object the capture named, or ``c.frozen``
+        serialised and stored (``put_shared``: reused when the store holds those bytes already)."""
+        if c.frozen:
             t0 = time.perf_counter()
             spool = encode_frozen(c.frozen, self.spool_dir)
             try:
@@ -255,9 +256,23 @@ class Checkpointer:
                                  f"be stored ({exc})") from None
             finally:
                 spool.unlink()
-            self.frozen_ref = (mark, size, sha)
+            assert c.frozen_mark is not None, "frozen entries to store come with their fingerprint (frozen_capture)"
+            self.frozen_ref = (c.frozen_mark, size, sha)
             self._stored_frozen = (size, time.perf_counter() - t0)
-        return {FROZEN_FILE: (self.frozen_ref[1], self.frozen_ref[2])}
+            return {FROZEN_FILE: (size, sha)}
+        if c.frozen_ref is not None:
+            return {FROZEN_FILE: (c.frozen_ref[1], c.frozen_ref[2])}
+        return None
+
+    def frozen_capture(self, frozen: dict[str, Any]) -> dict[str, Any]:
+        """On the training thread, at capture: the ``Capture`` fields for this step's frozen entries: a reference to
+        the stored object while their fingerprint holds, else the entries themselves to store."""
+        if not frozen:
+            return {}
+        mark = fingerprint(frozen)
+        if self.frozen_ref is not None and self.frozen_ref[0] == mark:
+            return {"frozen_ref": self.frozen_ref}
+        return {"frozen": frozen, "frozen_mark": mark}
 
     def _commit_generation(self, step: int, files: dict[str, Spool | bytes], extra: dict[str, Any],
                            rank_entries: dict[str, list] | None,

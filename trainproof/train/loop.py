@@ -357,12 +357,13 @@ class Trainer:
         if self.saving.checkpointer.keep_every is not None:  # the rule `ls` and `gc` read back
             extra["keep_every"] = str(self.saving.checkpointer.keep_every)
         state = capture_state(run, self._meta(run)) if self.rank == 0 else None
-        frozen = None
+        frozen: dict[str, Any] = {}
         if state is not None and run.parallel.inline_state:  # sharded: the frozen parameters stay in the shards
-            frozen = split_frozen(state["model"], frozen_keys(run.model)) or None
-            if frozen:
-                state["meta"] = {**state["meta"], "frozen": {"keys": sorted(frozen)}}
-        return Capture(step=run.step, extra=extra, state=state, frozen=frozen,
+            found = split_frozen(state["model"], frozen_keys(run.model))
+            if found:
+                state["meta"] = {**state["meta"], "frozen": {"keys": sorted(found)}}
+                frozen = self.saving.checkpointer.frozen_capture(found)
+        return Capture(step=run.step, extra=extra, state=state, **frozen,
                        part=capture_rank_part(run) if self.rank else None,
                        sharded=run.parallel.capture(run.model, run.optimizer))
 
