@@ -9,9 +9,10 @@ with a commit every ``--every``, into a fresh local folder, in this checkout ("a
 ``shared/``, each generation referencing it) and in ``--before`` (a checkout from before frozen entries were split
 out: every generation holds the base; this script's ``bench/bigmodel.py`` is copied into it). Printed per side, the
 medians over the repetitions of: bytes per generation (the checkpoint events' ``bytes``: what the generation holds
-itself), commit seconds (serialise -> COMPLETE.json, in the background) and blocked seconds per commit, the first
-commit apart (the one that stores the base); and the ratios to the trainable state's bytes. The machine's load
-is printed beside them.
+itself), the store's commit seconds (written -> read back -> COMPLETE.json), the seconds from a checkpoint's start
+to its landing (``landed_s``: the snapshot, serialising, the store's commit) and the seconds training was blocked, the
+first commit apart (``first_*``: the one that stores the base); and the ratios to the trainable state's bytes. The
+machine's load is printed beside them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,12 +44,16 @@ def one(checkout: Path, args: argparse.Namespace, work: Path) -> dict:
         raise SystemExit(done.stderr[-3000:])
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     commits = [e for e in events if e.get("event") == "checkpoint"]
+    begun = {e["step"]: e["time"] for e in events if e.get("event") == "checkpoint_begin"}
+    landed = [(datetime.fromisoformat(e["time"]) - datetime.fromisoformat(begun[e["step"]])).total_seconds()
+              for e in commits]
     shared = sum(p.stat().st_size for p in (store / "shared").iterdir()) if (store / "shared").is_dir() else 0
     shutil.rmtree(store, ignore_errors=True)
     later = commits[1:]
     return {"bytes": statistics.median(e["bytes"] for e in later),
             "seconds": statistics.median(e["seconds"] for e in later),
             "blocked_s": statistics.median(e["blocked_s"] for e in later),
+            "landed_s": statistics.median(landed[1:]), "first_landed_s": landed[0],
             "first_seconds": commits[0]["seconds"], "shared_bytes": shared, "load": os.getloadavg()[0]}
 
 
@@ -77,8 +83,8 @@ def main() -> None:
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         out[side] = {**{k: round(v, 3) for k, v in med.items()}, "bytes_per_trainable": round(med["bytes"] / trainable,
                                                                                                3)}
-    out["ratio_after_before"] = {k: round(out["after"][k] / out["before"][k], 3) for k in ("bytes", "seconds",
-                                                                                         "blocked_s")}
+    out["ratio_after_before"] = {k: round(out["after"][k] / out["before"][k], 3)
+                                 for k in ("bytes", "seconds", "blocked_s", "landed_s", "first_landed_s")}
     print(json.dumps(out, indent=1))
 
 
