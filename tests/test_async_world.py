@@ -128,14 +128,15 @@ def test_two_rank_async_saves_overlap_training_and_write_the_same_generations_as
 
 
 def test_a_save_failing_on_rank_0_stops_both_ranks_at_one_boundary_and_the_restart_resumes(tmp_path):
-    """The spool folder turns into a file after the first commit, so rank 0's next save fails while it serialises
-    (inside the cross-rank commit, so rank 1's save thread learns it at once): both ranks exit 1 naming the step,
-    no rank hangs in a collective, that step has no COMPLETE.json, and a restart resumes the last commit to the
-    same end as an uninterrupted run."""
+    """The run's spool folder (``<run>/.spool``) turns into a file after the first commit, so rank 0's next save fails
+    while it serialises (inside the cross-rank commit, so rank 1's save thread learns it at once): both ranks exit 1
+    naming the step, no rank hangs in a collective, that step has no COMPLETE.json, and a restart (which moves the
+    file aside) resumes the last commit to the same end as an uninterrupted run."""
     common = (*_config(tmp_path), "--max-steps", str(TARGET), "--checkpoint-every", "5", "--keep", "0")
-    spool, store, ref = tmp_path / "spool", tmp_path / "run", tmp_path / "ref"
+    store, ref = tmp_path / "run", tmp_path / "ref"
+    spool = store / ".spool"
     reference = start_world(ref, *common)
-    proc = start_world(store, *common, env={"TPHOOK_STEP_DELAY": "0.1", "TRAINPROOF_SPOOL_DIR": str(spool)})
+    proc = start_world(store, *common, env={"TPHOOK_STEP_DELAY": "0.1"})
     lines: list[str] = []
     read_until(proc, lambda e: e.get("event") == "checkpoint" and e["step"] == 5, lines)
     shutil.rmtree(spool)
@@ -150,12 +151,13 @@ def test_a_save_failing_on_rank_0_stops_both_ranks_at_one_boundary_and_the_resta
     assert f"rank 0: background checkpoint of step {failed} failed: FileExistsError" in err, err
     assert f"rank 1: background checkpoint of step {failed} failed: step {failed} was not committed by rank 0" in err
     assert not (store / f"step-{failed:08d}" / "COMPLETE.json").exists()
-    spool.unlink()
-    restart = finish(start_world(store, *common, env={"TRAINPROOF_SPOOL_DIR": str(spool)}), timeout=budget(300))
+    restart = finish(start_world(store, *common), timeout=budget(300))
     assert restart.code == 0 and restart.last("resume")["step"] == complete[-1], restart.stderr
     assert finish(reference, timeout=budget(300)).code == 0
     assert differences(trajectory(load_world_state(ref)), trajectory(load_world_state(store))) == []
-    assert not os.listdir(spool), "a spool file was left behind"
+    assert spool.is_dir() and not os.listdir(spool), "a spool file was left behind"
+    (moved,) = [p for p in (store / "quarantine").iterdir() if p.name.startswith(".spool")]
+    assert (moved / "OCCUPANT").read_text() == "not a folder\n"
 
 
 def test_on_s3_a_refused_shard_upload_fails_both_ranks_and_the_restart_resumes_the_previous_bitwise(

@@ -21,7 +21,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 from tests.support.timing import budget
 from tests.test_bundle_standalone import link_site
 from tests.test_examples import readme_commands
-from tests.test_train_helpers import differences, finish, load_state, run, start
+from tests.test_train_helpers import differences, finish, load_state, run, start, stopped_after_step
 
 pytest.importorskip("transformers")  # the optional extra `[hf]`; the test extras install it
 
@@ -62,19 +61,7 @@ def runs(tmp_path_factory) -> SimpleNamespace:
     tmp = tmp_path_factory.mktemp("hf")
     args = ("--task", HF, "--config", str(QUICK), "--max-steps", str(STEPS))
     reference = start(tmp / "ref", *args, env=OFFLINE)
-    victim = start(tmp / "cut", *args, env={**OFFLINE, "TPHOOK_STEP_DELAY": "0.3"})  # a signal lands mid-run
-    seen = []
-    try:
-        while True:
-            line = victim.stdout.readline()
-            assert line, f"the run ended before step 2: {seen[-3:]} {victim.stderr.read()}"
-            seen.append(line)
-            if line.startswith("{") and json.loads(line).get("event") == "step" and json.loads(line)["step"] >= 2:
-                break
-        victim.send_signal(signal.SIGTERM)
-        stopped = finish(victim, timeout=budget(300))
-    finally:
-        victim.kill()
+    stopped = stopped_after_step(tmp / "cut", *args, step=2, env=OFFLINE)
     resumed = run(tmp / "cut", *args, env=OFFLINE)
     ref = finish(reference, timeout=budget(300))
     exported = _job("export", "--store", str(tmp / "cut"), "--task", HF, env={"TRAINPROOF_HF_SHARD_MB": "0.05"})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -83,6 +84,25 @@ def run_all(*jobs: tuple) -> list[Result]:
 def run(store: Path | str, *args: str, env: dict[str, str] | None = None) -> Result:
     """Run one training process to completion."""
     return finish(start(store, *args, env=env))
+
+
+def stopped_after_step(store: Path | str, *args: str, step: int, env: dict[str, str] | None = None,
+                       step_delay: str = "0.3") -> Result:
+    """A train process SIGTERMed once it printed step ``step`` (its steps slowed by ``step_delay`` s, so the signal
+    lands mid-run), run to its end: the stopped attempt of a stop-and-resume test."""
+    victim = start(store, *args, env={**(env or {}), "TPHOOK_STEP_DELAY": step_delay})
+    seen: list[str] = []
+    try:
+        while True:
+            line = victim.stdout.readline()
+            assert line, f"the run ended before step {step}: {seen[-3:]} {victim.stderr.read()}"
+            seen.append(line)
+            if line.startswith("{") and json.loads(line).get("event") == "step" and json.loads(line)["step"] >= step:
+                break
+        victim.send_signal(signal.SIGTERM)
+        return finish(victim, timeout=budget(300))
+    finally:
+        victim.kill()
 
 
 def startup_s(folder: Path) -> float:
