@@ -40,7 +40,7 @@ from trainproof.storage.errors import (
 from trainproof.storage.generations import CORRUPT, FOREIGN, INCOMPLETE, Check, Ctx, anchor, in_chain, scan
 from trainproof.storage.limits import safe
 from trainproof.storage.pieces import nbytes
-from trainproof.storage.quarantine import move_aside, quarantine
+from trainproof.storage.quarantine import clear_for_folder, move_aside, quarantine
 from trainproof.storage.spool import Spool
 
 Data = "bytes | Pieces | Spool"
@@ -122,12 +122,8 @@ def put_shared(ctx: Ctx, data: Spool) -> tuple[int, str]:
     the object written."""
     sha = data.sha256
     path = join(ctx.path(mf.SHARED_DIR), str(sha))
-    top = ctx.io("list the run", lambda: ctx.backend.listdir(ctx.root, prefix=mf.SHARED_DIR))
-    if any(e.name == mf.SHARED_DIR and (not e.is_dir or e.is_special) for e in top):  # never written through
-        move_aside(ctx, mf.SHARED_DIR, "not a folder, where the run keeps its shared objects")
-    there = [e for e in ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(ctx.path(mf.SHARED_DIR),
-                                                                                     prefix=str(sha)))
-             if e.name == str(sha)]
+    clear_for_folder(ctx, mf.SHARED_DIR, "not a folder, where the run keeps its shared objects")
+    there = _shared_entries(ctx, str(sha))
     if there:
         if all(not e.is_dir and not e.is_special for e in there) and _holds(ctx, path, data):
             return data.size, sha
@@ -160,9 +156,14 @@ def _holds(ctx: Ctx, path: str, data: Spool) -> bool:
     return got == (data.size, sha)
 
 
-def _shared_size(ctx: Ctx, sha: str) -> int | None:
+def _shared_entries(ctx: Ctx, sha: str) -> list:
+    """The entries named ``sha`` under ``shared/`` (a fresh listing)."""
     listing = ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(ctx.path(mf.SHARED_DIR), prefix=sha))
-    return next((e.size for e in listing if e.name == sha and not e.is_dir and not e.is_special), None)
+    return [e for e in listing if e.name == sha]
+
+
+def _shared_size(ctx: Ctx, sha: str) -> int | None:
+    return next((e.size for e in _shared_entries(ctx, sha) if not e.is_dir and not e.is_special), None)
 
 
 def _signed(ctx: Ctx, step: int, manifest: dict) -> dict:

@@ -47,6 +47,17 @@ def quarantine(ctx: Ctx, name: str, reason: str) -> str:
     return dest_name
 
 
+def clear_for_folder(ctx: Ctx, name: str, reason: str) -> bool:
+    """Where the run keeps a folder at its entry ``name``: move aside (:func:`move_aside`) what occupies it without
+    being one (a file, a link, a FIFO; on an object store an object of that name), so the folder is never written
+    through. Whether something was moved."""
+    listing = ctx.io(f"list {name}", lambda: ctx.backend.listdir(ctx.root, prefix=name))
+    if any(e.name == name and (not e.is_dir or e.is_special) for e in listing):
+        move_aside(ctx, name, reason)
+        return True
+    return False
+
+
 def move_aside(ctx: Ctx, name: str, reason: str, *, label: str | None = None) -> str:
     """Move what occupies the run's entry ``name`` without being a folder (a file, a FIFO, a symlink; on an object
     store an object named like a folder) into a quarantine folder of its own, as ``OCCUPANT`` beside a REASON

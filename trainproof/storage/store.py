@@ -34,7 +34,7 @@ from trainproof.storage.generations import (
 )
 from trainproof.storage.limits import loads_untrusted, plain_name_problem, redact_url
 from trainproof.storage.options import StoreOptions
-from trainproof.storage.quarantine import list_quarantined, move_aside, quarantine
+from trainproof.storage.quarantine import clear_for_folder, list_quarantined, move_aside, quarantine
 from trainproof.storage.retention import DEFAULT_GRACE_SECONDS, RetentionPolicy, apply_retention
 from trainproof.storage.retry import RetryStats, retry_or_unavailable
 from trainproof.storage.spool import SPOOL_PREFIX, Spool, download
@@ -237,6 +237,12 @@ class GenerationStore:
         self._before_write()
         return quarantine(self._ctx, mf.step_dir(step), reason)
 
+    def clear_for_folder(self, name: str, reason: str) -> bool:
+        """Where the run keeps a folder at ``name``: move aside what occupies it without being one (a file, a link, a
+        FIFO), so the folder is never written through; whether something was moved."""
+        self._before_write()
+        return clear_for_folder(self._ctx, name, reason)
+
     def move_aside(self, name: str, reason: str) -> str:
         """Move what occupies the run-level name ``name`` (a folder, a link, a FIFO where the run keeps a file) into
         quarantine with a REASON file, the entry itself, so the run can write its file there; the folder's name."""
@@ -352,8 +358,7 @@ class GenerationStore:
         self._before_write()
         path = join(self.root, SPOOL_FOLDER)
         try:
-            if any(not e.is_dir or e.is_special for e in self.entries(SPOOL_FOLDER)):
-                self.move_aside(SPOOL_FOLDER, "not a folder, where the run's writer keeps its spools")
+            self.clear_for_folder(SPOOL_FOLDER, "not a folder, where the run's writer keeps its spools")
             os.makedirs(path, exist_ok=True)
             if not stat.S_ISDIR(os.lstat(path).st_mode):
                 raise OSError(errno.ENOTDIR, "not a folder")

@@ -183,8 +183,7 @@ class AttemptRecorder(Reporter):
         try:
             if not self._cleared:  # never through a link, into a FIFO or over a file someone put at attempts/
                 self._cleared = True
-                if any(not e.is_dir or e.is_special for e in self._run.entries(ATTEMPTS_DIR)):
-                    self._run.move_aside(ATTEMPTS_DIR, "occupied the folder of the run's attempt records: not one")
+                self._run.clear_for_folder(ATTEMPTS_DIR, "occupied the folder of the run's attempt records: not one")
             signed = self._keys.sign(record) if self._keys is not None else record
             self.store.write_file(self.name, (json.dumps(signed, indent=1) + "\n").encode())
         except Exception as exc:  # noqa: BLE001 - a record is only reported: never a reason to stop
