@@ -210,15 +210,15 @@ def report_json(url: str) -> dict:
 
 
 def predicted(cell: Cell, args: argparse.Namespace) -> float | None:
-    """1 - the planner's overhead (trainproof.lifecycle.planner) for this cell: C = its measured blocked seconds per
-    commit, T = its interval (auto: the planner's optimum), M = the harness's mean time between interruptions that
-    lost work, R = its median start-up + restore + the harness's restart gap, paid at every interruption:
-    ``C/(T+C) + ((T+C)/2)/M + R x interruptions/wall``."""
+    """1 - the planner's overhead (trainproof.lifecycle.planner) for this cell: C = its measured blocked and
+    interference seconds per commit, T = its interval (auto: the planner's optimum), M = the harness's mean time
+    between interruptions that lost work, R = its median start-up + restore + the harness's restart gap, paid at
+    every interruption: ``C/(T+C) + ((T+C)/2)/M + R x interruptions/wall``."""
     attempts = cell.report.get("attempts") or []
     commits = sum(a["commits"] for a in attempts)
     if not commits or len(attempts) < 1:
         return None
-    c = max(sum(a["checkpoint_stall_s"] for a in attempts) / commits, 1e-3)
+    c = max(sum(a["checkpoint_stall_s"] + a.get("checkpoint_interference_s", 0.0) for a in attempts) / commits, 1e-3)
     lost = sum(1 for a in attempts[:-1] if a["end"].startswith("killed") or a["redone_steps"] > 0)
     m = cell.wall_s / lost if lost else float("inf")
     r = statistics.median(a["startup_s"] + a["restore_s"] for a in attempts) + args.restart

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -15,10 +16,11 @@ from tests.support.timing import budget
 from tests.test_dist_helpers import read_until
 from tests.test_train_helpers import finish, start
 from trainproof.errors import ConfigError
-from trainproof.lifecycle.autointerval import MAX_S, MIN_S, AutoInterval
+from trainproof.lifecycle.autointerval import FIRST_S, MAX_S, MIN_S, AutoInterval
 from trainproof.lifecycle.goodput import Attempt, Report
 from trainproof.lifecycle.planner import PlanInputs, daly_interval
 from trainproof.train.config import TrainConfig
+from trainproof.train.loop import train as train_in_process
 
 AUTO = ("--checkpoint-every", "auto", "--sync-checkpoint", "--log-format", "json")
 CHEAP = {"TPHOOK_SAVE_DELAY": "0.2"}  # test-only: each (inline) commit blocks training this long at least
@@ -86,19 +88,34 @@ def test_the_planner_counts_only_interruptions_that_lost_work_and_keeps_its_boun
     assert plan.mtbi_s == 300.0  # three attempts' exposure over one interruption
     assert plan.checkpoint_s == pytest.approx(0.8)  # the newest attempt with commits, per commit
     assert plan.interval_s == pytest.approx(max(MIN_S, daly_interval(0.8, 300.0)))
+    # The newest attempt's interference counts too: 10 steps beside commits at 0.5 s, clear ones at 0.2 s.
+    slowed = Report(attempts=[replace(_attempt(300, 400, how="done", steps=(20, 30), blocked=0.8, commits=2),
+                                      step_times=(20, 4.0, 10, 5.0))])
+    assert AutoInterval.from_report(slowed, clock=clock).checkpoint_s == pytest.approx((1.6 + 10 * 0.3) / 2)
 
     # A stop whose final commit was skipped lost the steps after its commit: the next attempt resumed before them.
     lossy = Report(attempts=[_attempt(0, 100, how="stopped", steps=(0, 20)), _attempt(150, 250, how="done",
                                                                                       steps=(15, 30))])
     assert AutoInterval.from_report(lossy, clock=clock).interruptions == 1
 
-    fresh = AutoInterval(clock=clock)  # nothing measured: the planner's defaults, capped
+    fresh = AutoInterval(clock=clock)  # nothing measured: the planner's defaults, the first commit within FIRST_S
     defaults = PlanInputs(rental_s=1.0)
-    assert fresh.interval_s == min(MAX_S, daly_interval(defaults.checkpoint_s, defaults.mtbi_s))
+    assert fresh.interval_s == FIRST_S < daly_interval(defaults.checkpoint_s, defaults.mtbi_s)
+    assert AutoInterval(past_checkpoint_s=defaults.checkpoint_s, clock=clock).interval_s == daly_interval(
+        defaults.checkpoint_s, defaults.mtbi_s)  # the same C measured by an earlier attempt: the planner's interval
     assert fresh.change() is not None and fresh.change() is None  # logged once, then only when it moves
 
     fresh.observe_commit(blocked_s=0.001, commit_s=40.0)  # cheap to block, slow to land: never shorter than a commit
     assert fresh.interval_s == 40.0 and fresh.change()["previous_s"] is not None
+
+    # Steps slowed beside a commit are part of what it costs: 4 steps of 0.5 s beside it, clear steps 0.2 s.
+    slowed = AutoInterval(clock=clock)
+    for seconds, beside in [(0.2, False), (0.2, False), (0.5, True), (0.5, True), (0.5, True), (0.5, True)]:
+        slowed.observe_step(seconds, beside_commit=beside)
+    slowed.observe_commit(blocked_s=0.1, commit_s=2.0)
+    assert slowed.checkpoint_s == pytest.approx(0.1 + 4 * 0.3)
+    slowed.observe_commit(blocked_s=0.2, commit_s=2.0)  # no step beside the second: its blocked time only
+    assert slowed.checkpoint_s == pytest.approx((1.3 + 0.2) / 2)
     fresh.observe_commit(blocked_s=1e4, commit_s=1e4)
     assert fresh.interval_s == MAX_S
 
@@ -109,3 +126,60 @@ def test_auto_is_a_word_or_a_step_count_and_nothing_else(tmp_path):
     for bad in ("-1", "sometimes", "2.5"):
         with pytest.raises(ConfigError, match="--checkpoint-every must be"):
             TrainConfig(store=str(tmp_path), checkpoint_every=bad)
+
+
+def test_auto_counts_what_a_background_commit_slows_the_steps_beside_it(tmp_path, monkeypatch):
+    """The real trainer and background saver, in-process: each commit takes 0.4 s, steps take 0.1 s longer while one
+    is in flight (what serialising and uploading on the training machine's cores does). The interval's C must be the
+    blocked time plus that slowing, measured from the steps themselves; blocked time alone is a few ms."""
+    from trainproof.lifecycle import autointerval
+    from trainproof.train import checkpoint, loop
+    from trainproof.train.progress import Reporter
+
+    committing, step, commit = [0], loop.train_step, checkpoint.Checkpointer.commit
+
+    def slow_step(run):
+        record = step(run)
+        time.sleep(0.02 + (0.1 if committing[0] else 0.0))
+        return record
+
+    def slow_commit(self, capture):
+        committing[0] += 1
+        try:
+            time.sleep(0.4)
+            return commit(self, capture)
+        finally:
+            committing[0] -= 1
+
+    monkeypatch.setattr(loop, "train_step", slow_step)
+    monkeypatch.setattr(checkpoint.Checkpointer, "commit", slow_commit)
+    monkeypatch.setattr(autointerval, "MIN_S", 1.0)  # many commits in a short test; the planner would pick less
+
+    class Seen(AutoInterval):
+        def __init__(self) -> None:
+            super().__init__(past_checkpoint_s=1e-3, past_exposure_s=1.0, interruptions=10)  # M ~ 0.1 s: the floor
+            self.steps: list[tuple[float, bool]] = []
+            self.costs: list[tuple[float, float]] = []
+
+        def observe_step(self, seconds: float, *, beside_commit: bool) -> None:
+            self.steps.append((seconds, beside_commit))
+            super().observe_step(seconds, beside_commit=beside_commit)
+
+        def observe_commit(self, blocked_s: float, commit_s: float) -> None:
+            beside = [s for s, b in self.steps if b]
+            self.steps.clear()
+            super().observe_commit(blocked_s, commit_s)
+            self.costs.append((blocked_s, self._cost[-1], len(beside)))
+
+    seen = Seen()
+    cfg = TrainConfig(store=str(tmp_path / "run"), max_steps=60, checkpoint_every="auto", log_format="json",
+                      log_every=10**6, tensorboard="off")
+    assert train_in_process(cfg, reporter=Reporter(), interval=seen).exit_code == 0
+    mid = [c for c in seen.costs if c[2]]  # commits with steps beside them (not the final one, after the loop)
+    assert len(mid) >= 2, seen.costs
+    for blocked, cost, beside in mid:
+        # At least 0.1 s per step beside it (load makes the clear steps slower too, never the difference smaller
+        # than what the sleep adds, less the mean's spread), at most what the steps beside it took in all.
+        assert cost - blocked >= 0.7 * 0.1 * beside, seen.costs
+        assert cost - blocked <= beside * 1.0, seen.costs
+    assert seen.checkpoint_s > 10 * max(b for b, _, _ in mid)  # blocked alone would have been C

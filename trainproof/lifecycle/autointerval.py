@@ -3,10 +3,13 @@
 The interval is Daly's optimum (:func:`trainproof.lifecycle.planner.daly_interval`, what ``trainproof plan``
 recommends) of two figures the run keeps up to date instead of figures an operator typed:
 
-- **C**, what one checkpoint costs training: the median of the blocked seconds of the newest commits (a background
-  commit blocks training only while the state is copied to host memory, and while the previous commit is still
-  landing; an inline one for the whole commit). Before this process has committed, the previous attempts' mean
-  blocked time per commit (their attempt records); before any, the planner's default (60 s).
+- **C**, what one checkpoint costs training: the median over the newest commits of the seconds each blocked training
+  (a background commit blocks only while the state is copied to host memory, and while the previous commit is still
+  landing; an inline one for the whole commit) plus the seconds it slowed the steps that ran beside it (serialising,
+  hashing and uploading share the machine's cores, memory bandwidth and PCIe with training: the steps that ended
+  while it was in flight, less as many steps at the mean of those that ran clear of any commit). Before this process
+  has committed, the previous attempt's blocked and interference seconds per commit (its attempt record); before
+  any, the planner's default (60 s).
 - **M**, the mean time between interruptions that *lose work*, from the run's attempt records
   (trainproof.train.attempts): an attempt killed without an end (SIGKILL, a crash, a lost machine), or stopped
   with steps after its last commit that the next attempt redid. A stop whose notice was honoured (SIGTERM or a
@@ -15,9 +18,11 @@ recommends) of two figures the run keeps up to date instead of figures an operat
   process's own time so far) over the interruptions counted; with none yet, the larger of that exposure and the
   planner's default (6 h): a run that has not been interrupted in 40 h does not expect one every 6 h.
 
-The interval is bounded: at least :data:`MIN_S` and at least the median time a background commit takes to land (a
-shorter interval would only queue commits behind each other), at most :data:`MAX_S` (a long, quiet run still
-leaves a generation every hour). It is re-planned after every commit; a change of more than :data:`CHANGE` is
+Until a commit has measured C (this process's or one in the records), the first commit comes at most :data:`FIRST_S`
+after training began: on the planner's default C a fresh run would wait 26 minutes, unprotected, for its first
+generation. The interval is bounded: at least :data:`MIN_S` and at least the median time a background commit takes
+to land (a shorter interval would only queue commits behind each other), at most :data:`MAX_S` (a long, quiet run
+still leaves a generation every hour). It is re-planned after every commit; a change of more than :data:`CHANGE` is
 logged (event ``checkpoint_interval``), and so is the first plan. Each rank plans from its own commits; rank 0,
 which reads the attempt records, has the whole picture, and a checkpoint is due when any rank's clock says so.
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import deque
 from typing import Any
 
 from trainproof.lifecycle.goodput import Report, read_report
@@ -38,12 +44,17 @@ from trainproof.lifecycle.planner import PlanInputs, daly_interval
 from trainproof.storage import GenerationStore
 from trainproof.storage.limits import safe
 
+FIRST_S = 60.0
+"""Longest a run waits for its first commit while nothing has measured what one costs (no commit of this process,
+none in the attempt records): the planner's default C (60 s) is a guess, one commit measures it."""
 MIN_S = 5.0
 MAX_S = 3600.0
 CHANGE = 0.1
 """Relative change of the interval that is logged."""
 WINDOW = 5
-"""Newest commits whose blocked time is C's median."""
+"""Newest commits whose cost is C's median."""
+CLEAR_WINDOW = 200
+"""Newest steps clear of any commit whose mean is a step's undisturbed duration."""
 _DEFAULTS = PlanInputs(rental_s=1.0)
 
 
@@ -56,8 +67,11 @@ class AutoInterval:
         self.past_checkpoint_s = past_checkpoint_s
         self._clock = clock
         self._t0 = clock()
-        self._blocked: list[float] = []
+        self._cost: list[float] = []
         self._commits: list[float] = []
+        self._clear: deque[float] = deque(maxlen=CLEAR_WINDOW)
+        self._beside = [0, 0.0]
+        """Steps that ended while the commit now in flight was, and their seconds."""
         self.interval_s = self._plan()
         self._logged: float | None = None
 
@@ -69,7 +83,8 @@ class AutoInterval:
         cheap = [a for a, r in zip(attempts, redone) if a.end == "stopped" and r == 0]
         exposure = sum(max(0.0, a.stop - a.started) for a in attempts)
         with_commits = [a for a in attempts if a.commits]
-        past_c = with_commits[-1].blocked_s / with_commits[-1].commits if with_commits else None
+        newest = with_commits[-1] if with_commits else None
+        past_c = (newest.blocked_s + newest.interference_s) / newest.commits if newest else None
         return cls(past_exposure_s=exposure, interruptions=len(lost), cheap_stops=len(cheap),
                    past_checkpoint_s=past_c, **kwargs)
 
@@ -90,9 +105,9 @@ class AutoInterval:
     # -- the figures -----------------------------------------------------------------------------------------
     @property
     def checkpoint_s(self) -> float:
-        """C: seconds one checkpoint blocks training."""
-        if self._blocked:
-            return max(statistics.median(self._blocked[-WINDOW:]), 1e-3)
+        """C: seconds one checkpoint costs training (blocked, and the steps beside it slowed)."""
+        if self._cost:
+            return max(statistics.median(self._cost[-WINDOW:]), 1e-3)
         if self.past_checkpoint_s is not None:
             return max(self.past_checkpoint_s, 1e-3)
         return _DEFAULTS.checkpoint_s
@@ -107,14 +122,33 @@ class AutoInterval:
 
     def _plan(self) -> float:
         floor = max(MIN_S, statistics.median(self._commits[-WINDOW:]) if self._commits else 0.0)
-        return min(MAX_S, max(floor, daly_interval(self.checkpoint_s, self.mtbi_s)))
+        ceiling = MAX_S if self._cost or self.past_checkpoint_s is not None else FIRST_S
+        return min(ceiling, max(floor, daly_interval(self.checkpoint_s, self.mtbi_s)))
 
     # -- the trainer's side ----------------------------------------------------------------------------------
+    def observe_step(self, seconds: float, *, beside_commit: bool) -> None:
+        """A step took ``seconds`` (not the one a checkpoint began in: its blocked time is counted apart), ending while
+        a commit was in flight or clear of any."""
+        if beside_commit:
+            self._beside[0] += 1
+            self._beside[1] += max(0.0, seconds)
+        else:
+            self._clear.append(max(0.0, seconds))
+
+    def interference_s(self) -> float:
+        """What the commit in flight has slowed the steps beside it so far (none before a step ran clear of one)."""
+        n, seconds = self._beside
+        if not n or not self._clear:
+            return 0.0
+        return max(0.0, seconds - n * statistics.fmean(self._clear))
+
     def observe_commit(self, blocked_s: float, commit_s: float) -> None:
-        """A commit landed: it blocked training ``blocked_s``, took ``commit_s`` from start to committed."""
-        self._blocked.append(max(0.0, blocked_s))
+        """A commit landed: it blocked training ``blocked_s``, took ``commit_s`` from start to committed; the steps
+        observed beside it since the previous one landed were its interference."""
+        self._cost.append(max(0.0, blocked_s) + self.interference_s())
+        self._beside = [0, 0.0]
         self._commits.append(max(0.0, commit_s))
-        self._blocked, self._commits = self._blocked[-WINDOW:], self._commits[-WINDOW:]
+        self._cost, self._commits = self._cost[-WINDOW:], self._commits[-WINDOW:]
         self.interval_s = self._plan()
 
     def change(self) -> dict[str, Any] | None:

@@ -47,8 +47,9 @@ class TrainConfig:
     max_steps: int | None = setting(None, "Target total of optimizer steps (idempotent).")
     steps: int | None = setting(None, "Additional optimizer steps from where this run resumes.")
     checkpoint_every: int | str = setting(0, "Commit every N steps (0: off), or auto: every T seconds, T re-planned "
-                                          "after each commit (Daly) from this run's measured checkpoint stall and its "
-                                          "interruptions that lost work (its attempt records); replaces "
+                                          "after each commit (Daly) from this run's measured cost per commit (stall "
+                                          "and the steps it slowed) and its interruptions that lost work (its "
+                                          "attempt records); replaces "
                                           "--checkpoint-every-seconds.")
     """``auto``: trainproof.lifecycle.autointerval. Normalised: an int, or the string ``auto``."""
     checkpoint_every_seconds: float = setting(600.0, "Commit every S seconds (0: off).")

@@ -135,6 +135,8 @@ class Saving:
         self._on_saved = on_saved
         self._blocked: float | None = None
         """The blocked seconds of the newest save, once its submission returned."""
+        self._step_at: float | None = None
+        self._skip_step = True
         on_saved = self._saved
         self._log_interval()
         # Commits run their collectives over the checkpoint group (trainproof.train.dist), from whichever thread saves.
@@ -173,9 +175,21 @@ class Saving:
     def due(self, step: int) -> bool:
         """At a step boundary: whether this rank's clock asks for a checkpoint after ``step`` (the trainer agrees on it
         across ranks). One process collects a finished save first: one that failed fails the run here, naming it."""
+        if self.interval is not None:
+            self._time_step()
         if self.sync.world == 1:
             self.saver.poll()
         return self.clock.due(step, saved_through=max(self.checkpointer.last_step, self.saver.in_flight or 0))
+
+    def _time_step(self) -> None:
+        """At a step boundary, for an auto interval: the step that just ended, beside a commit in flight (one not yet
+        collected) or clear of any; not the first (warm-up) nor one a checkpoint began in (its blocked time is
+        counted apart)."""
+        assert self.interval is not None
+        now = time.perf_counter()
+        if self._step_at is not None and not self._skip_step:
+            self.interval.observe_step(now - self._step_at, beside_commit=self.saver.in_flight is not None)
+        self._step_at, self._skip_step = now, False
 
     def save(self, step: int, capture: Callable[[], Capture]) -> None:
         """Commit this step on every rank, once the previous save landed: ``capture()`` (a host-memory snapshot of it
@@ -189,6 +203,7 @@ class Saving:
         self._blocked = None  # inline, the commit reports its own time while still blocking: that is the blocked time
         self.saver.save(capture(), blocked_since=t0)
         self._blocked = time.perf_counter() - t0
+        self._skip_step = True
         self.clock.mark()
 
     def finish(self, step: int, reason: str, *, stop: StopFlags, stop_seen_at: float | None,
