@@ -5,11 +5,14 @@
 Each measurement is a fresh process (``PYTHONPATH`` = the checkout) holding ``--mib`` MiB of float32 tensors:
 
 - ``floor``: ``torch.save`` of the tensors into a file of the folder, then ``fsync`` (durable, unverified);
+- ``dcp``: ``torch.distributed.checkpoint.save`` with its ``FileSystemWriter`` (the default: one file per rank,
+  fsynced; durable, unverified), the peer issue 42 measures against;
 - ``commit``: what the trainer's checkpointer does on a folder store: ``torch.save`` into a spool while hashing it
   (``SpoolWriter``, in ``GenerationStore.spool_folder()`` when the checkout has it, else the temp folder), then
   ``GenerationStore.commit``: written (linked or copied), read back and hashed, ``COMPLETE.json`` create-only.
 
-The modes alternate order per repetition; printed: one JSON line per run, then the medians, ratios to the floor
+The modes alternate order per repetition; printed: one JSON line per run (wall and CPU seconds: user + system, every
+thread), then the medians, ratios to the floor and to DCP
 (``before``/``after`` with ``--before``, e.g. ``mkdir /tmp/before && git archive HEAD | tar -x -C /tmp/before``)
 and the load average.
 """
@@ -36,16 +39,21 @@ def child(mode: str, folder: str, mib: float) -> dict:
     count = max(1, int(mib // 64))
     tensors = {f"t{i}": torch.randn(int(mib * 2**20 / 4 / count)) for i in range(count)}
     os.makedirs(folder, exist_ok=True)
-    t0 = time.perf_counter()
-    if mode == "floor":
+    # Every library imported before the clock starts: a trainer has them loaded when it saves.
+    import torch.distributed.checkpoint as dcp
+
+    from trainproof.storage import open_store
+    from trainproof.storage.spool import SpoolWriter
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    if mode == "dcp":
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.path.join(folder, "dcp")))
+    elif mode == "floor":
         with open(os.path.join(folder, "state.pt"), "wb") as fh:
             torch.save(tensors, fh)
             fh.flush()
             os.fsync(fh.fileno())
     else:
-        from trainproof.storage import open_store
-        from trainproof.storage.spool import SpoolWriter
-
         store = open_store(os.path.join(folder, "run"))
         spools = store.spool_folder() if hasattr(store, "spool_folder") else None
         with SpoolWriter(spools) as out:
@@ -53,16 +61,16 @@ def child(mode: str, folder: str, mib: float) -> dict:
         spool = out.finish()
         store.commit(1, {"training_state.pt": spool}, contract="bench", world=1, code_version="bench")
         spool.unlink()
-    return {"seconds": time.perf_counter() - t0}
+    return {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
-def one(checkout: Path, mode: str, mib: float, work: Path) -> float:
+def one(checkout: Path, mode: str, mib: float, work: Path) -> dict:
     folder = work / f"{mode}-{time.monotonic_ns()}"
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_folder_commit.py"), "--child", mode,
                           str(folder), str(mib)], env=env, cwd=checkout, capture_output=True, text=True, check=True)
     shutil.rmtree(folder, ignore_errors=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -78,26 +86,30 @@ def main() -> None:
         return
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-folder-commit-"))
     work.mkdir(parents=True, exist_ok=True)
-    sides = [("floor", "after", ROOT), ("commit", "after", ROOT)]
+    sides = [("floor", "after", ROOT), ("dcp", "after", ROOT), ("commit", "after", ROOT)]
     if args.before:
         sides.append(("commit", "before", args.before))
     times: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     loads = []
     try:
         for rep in range(args.reps):
             for mode, side, checkout in (sides if rep % 2 == 0 else list(reversed(sides))):
                 loads.append(os.getloadavg()[0])
-                seconds = one(checkout, mode, args.mib, work)
-                key = "floor" if mode == "floor" else f"commit/{side}"
-                times.setdefault(key, []).append(seconds)
-                print(json.dumps({"mode": key, "seconds": round(seconds, 3), "load": round(loads[-1], 2)}),
-                      flush=True)
+                result = one(checkout, mode, args.mib, work)
+                key = mode if mode != "commit" else f"commit/{side}"
+                times.setdefault(key, []).append(result["seconds"])
+                cpus.setdefault(key, []).append(result["cpu_s"])
+                print(json.dumps({"mode": key, "seconds": round(result["seconds"], 3),
+                                  "cpu_s": round(result["cpu_s"], 3), "load": round(loads[-1], 2)}), flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     medians = {k: round(statistics.median(v), 3) for k, v in times.items()}
     print(json.dumps({"mib": args.mib, "medians_s": medians,
+                      "cpu_medians_s": {k: round(statistics.median(v), 3) for k, v in cpus.items()},
                       "ratio_to_floor": {k: round(v / medians["floor"], 2) for k, v in medians.items()},
+                      "ratio_to_dcp": {k: round(v / medians["dcp"], 2) for k, v in medians.items()},
                       "load_median": round(statistics.median(loads), 2)}))
 
 

@@ -14,9 +14,21 @@ raw tools and the peers, at each ``--sizes`` MiB of state; every measurement is 
   file + ``torch.load(mmap=True)``: one streamed GET (boto3, obstore), parallel ranged GETs (boto3 threads),
   ``download_file``, s3fs ``get_file``, and ``s3torchconnector``'s reader + ``torch.load``;
 - **memory**: each child's peak RSS above its RSS just before the measured operation (sampled every 10 ms), and of
-  that the anonymous part (a mapped file's pages are page cache, reclaimable; the anonymous ones are not).
+  that the anonymous part (a mapped file's pages are page cache, reclaimable; the anonymous ones are not);
+- **CPU**: each child's CPU seconds (user + system, every thread, native clients' included) over the measured
+  operation (``cpu_s``; a resume: from the client library's import to ready), and the server's (Ceph's ``radosgw``,
+  ``ceph-osd`` and ``ceph-mon`` together, ``server_cpu_s``) over the whole child: on a machine whose cores the server
+  shares, the two add up to the wall time.
+
+The peers are the raw floor (``save_floor``: ``torch.save`` into memory, then ``upload_fileobj``), a Lightning-style
+save (``save_torch_s3fs``: ``torch.save`` into memory, written through an s3fs file), DCP's ``FsspecWriter``
+(``save_dcp_fsspec``), s3torchconnector's ``S3Checkpoint`` writer (``save_s3tc``) and its DCP ``S3StorageWriter``
+(``save_dcp_s3tc``; both on AWS's CRT client). obstore and s3torchconnector are not trainproof's dependencies: they are
+installed into ``--peers`` (default ``bench/out/peers``, ``pip install --target``) on first use and put on the
+children's path only; ``--peers none`` measures what imports without them.
 
     .venv/bin/python bench/bench_s3.py --sizes 1024,4096 --reps 3        # starts its own RGW (root: installs it)
+    .venv/bin/python bench/bench_s3.py --sizes 1024 --modes commit_store,save_store,save_floor,save_s3tc
     AWS_ENDPOINT_URL=http://... .venv/bin/python bench/bench_s3.py --bucket B --sizes 1024   # an existing server
 
 Medians per measurement, the ratios of the goals, the machine and versions go to stdout and ``--out``
@@ -43,10 +55,13 @@ sys.path.insert(0, ROOT)
 
 MiB = 2**20
 LIBRARIES = {"store": ("trainproof.storage.s3", "trainproof.format.state"), "boto3": ("boto3",), "s3fs": ("s3fs",),
-             "obstore": ("obstore",), "s3tc": ("s3torchconnector",),
+             "obstore": ("obstore",), "s3tc": ("s3torchconnector",), "floor": ("boto3",), "torch": ("s3fs",),
              "dcp": ("torch.distributed.checkpoint", "s3fs")}
 COMMIT = ["commit_store", "upload_boto3", "upload_boto3_parts", "upload_s3fs", "upload_obstore"]
-SAVE = ["save_store", "save_dcp_fsspec", "save_s3tc"]
+SAVE = ["save_store", "save_floor", "save_torch_s3fs", "save_dcp_fsspec", "save_s3tc", "save_dcp_s3tc"]
+PEERS = ("obstore==0.12.1", "s3torchconnector==1.5.0", "s3torchconnectorclient==1.5.0")
+"""Installed into ``--peers`` for the children only (``--no-deps``: torch is the project's own)."""
+SERVER = ("radosgw", "ceph-osd", "ceph-mon")
 RESUME = ["resume_store", "read_boto3_stream", "read_boto3_ranged", "read_boto3_download", "read_s3fs",
           "read_obstore", "read_s3tc"]
 
@@ -73,6 +88,7 @@ class Memory(threading.Thread):
 
     def mark(self) -> None:
         self.base = self.peak = self.now()
+        self.cpu0 = time.process_time()
 
     def run(self) -> None:
         while self.running:
@@ -84,7 +100,8 @@ class Memory(threading.Thread):
         self.running = False
         rss, anon = self.now()
         peak = (max(self.peak[0], rss), max(self.peak[1], anon))
-        return {"extra_rss": peak[0] - self.base[0], "extra_anon": peak[1] - self.base[1]}
+        return {"extra_rss": peak[0] - self.base[0], "extra_anon": peak[1] - self.base[1],
+                "cpu_s": time.process_time() - self.cpu0}
 
 
 def _boto3(args):
@@ -158,17 +175,17 @@ def child(mode: str, args: dict) -> dict:
         sha = of_parts(args["sha"]["parts"], args["sha"]["part_bytes"])  # the digest encode_spool computed
         mem.mark()
         for step, field in ((1, "seconds"), (2, "seconds_second")):  # a process's first commit, then a later one
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             store.commit(step, {"training_state.pt": Spool(path=path, size=size, sha256=sha)},
                          contract="bench", world=1, code_version="bench", check=lambda _n, d: load_weights_only(d))
-            out[field] = time.perf_counter() - t0
+            out[field], out[f"cpu_{field}"] = time.perf_counter() - t0, time.process_time() - c0
     elif mode == "upload_boto3":
         client = _boto3(args)
         for suffix, field in (("", "seconds"), (".2", "seconds_second")):  # as commit_store: a first, then another
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with open(path, "rb") as fh:
                 client.upload_fileobj(fh, args["bucket"], key + suffix)
-            out[field] = time.perf_counter() - t0
+            out[field], out[f"cpu_{field}"] = time.perf_counter() - t0, time.process_time() - c0
     elif mode == "upload_boto3_parts":
         from boto3.s3.transfer import TransferConfig
 
@@ -226,6 +243,46 @@ def child(mode: str, args: dict) -> dict:
             t0 = time.perf_counter()
             with checkpoint.writer(f"s3://{args['bucket']}/{key}") as w:
                 torch.save(state, w)
+        elif mode == "save_floor":  # the floor: serialise into memory, one upload_fileobj (durable, unverified)
+            import io
+
+            client = _boto3(args)
+            mem.mark()
+            t0 = time.perf_counter()
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            buffer.seek(0)
+            client.upload_fileobj(buffer, args["bucket"], key)
+        elif mode == "save_torch_s3fs":  # Lightning's _atomic_save through fsspec: into memory, then one fs write
+            import io
+
+            from tests.support.s3server import make_s3fs
+
+            fs = make_s3fs(args["endpoint"], key=os.environ["AWS_ACCESS_KEY_ID"],
+                           secret=os.environ["AWS_SECRET_ACCESS_KEY"], read_timeout=300)
+            mem.mark()
+            t0 = time.perf_counter()
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            with fs.open(f"{args['bucket']}/{key}", "wb") as fh:
+                fh.write(buffer.getvalue())
+        elif mode == "save_dcp_s3tc":
+            import torch.distributed.checkpoint as dcp
+            from s3torchconnector import S3ClientConfig
+            from s3torchconnector._s3client import S3Client
+            from s3torchconnector.dcp import S3StorageWriter
+            from s3torchconnector.dcp.s3_file_system import S3FileSystem
+
+            url = f"s3://{args['bucket']}/{key}"
+            writer = S3StorageWriter("us-east-1", url)
+            # Its constructor has no endpoint: the same writer over a client that has one (path-style, the part size).
+            config = S3ClientConfig(force_path_style=True, part_size=args["part"])
+            writer.fs = S3FileSystem("us-east-1", s3_client=S3Client("us-east-1", endpoint=args["endpoint"],
+                                                                       s3client_config=config))
+            writer.path = writer.fs.init_path(url)
+            mem.mark()
+            t0 = time.perf_counter()
+            dcp.save(state, storage_writer=writer)
         out["seconds"] = time.perf_counter() - t0
     else:  # resume and reads: timed from the parent's Popen (process start, imports included)
         if mode == "resume_store":
@@ -295,24 +352,57 @@ def _read_raw(mode: str, args: dict, key: str, local: str) -> None:
 def available(mode: str) -> str | None:
     """Why ``mode`` cannot run here (a module it needs does not import), else None."""
     needs = {"upload_obstore": "obstore", "read_obstore": "obstore", "save_s3tc": "s3torchconnector",
-             "read_s3tc": "s3torchconnector"}.get(mode)
+             "read_s3tc": "s3torchconnector", "save_dcp_s3tc": "s3torchconnector"}.get(mode)
     if needs is None:
         return None
-    try:
-        __import__(needs)
-    except Exception as exc:  # noqa: BLE001 - any failure means: not measured, say why
-        return f"{needs} does not import: {exc}"
+    proc = subprocess.run([sys.executable, "-c", f"import {needs}"], env=child_env(), capture_output=True, text=True)
+    if proc.returncode:  # any failure means: not measured, say why
+        return f"{needs} does not import: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
     return None
 
 
+def server_cpu_s() -> float:
+    """CPU seconds the S3 server's processes (:data:`SERVER`) have used so far (0 when none runs here)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if name in SERVER:
+            total += int(rest[11]) + int(rest[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def child_env() -> dict:
+    """The children's environment: the peers' folder after the checkout on the path."""
+    paths = [ROOT] + ([PEERS_DIR[0]] if PEERS_DIR[0] else [])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+PEERS_DIR: list[str | None] = [None]
+
+
+def install_peers(folder: str) -> None:
+    """The peers' libraries into ``folder`` (once), for the children only."""
+    if all(os.path.isdir(os.path.join(folder, p.split("==")[0])) for p in PEERS):
+        return
+    print(f"installing {', '.join(PEERS)} into {folder} (the benchmark's children only)", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", folder, *PEERS],
+                   check=True)
+
+
 def run_child(mode: str, args: dict) -> dict:
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, __file__, "child", mode, json.dumps(args)], cwd=ROOT,
+    t0, server0 = time.time(), server_cpu_s()
+    proc = subprocess.run([sys.executable, __file__, "child", mode, json.dumps(args)], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:  # recorded, not fatal: a peer's client may not work with this server
         lines = proc.stderr.strip().splitlines() or ["no output"]
         return {"error": lines[-1][:300]}
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["server_cpu_s"] = server_cpu_s() - server0
     if "ready_at" in result:
         result["seconds"] = result.pop("ready_at") - t0
     return result
@@ -388,6 +478,19 @@ def summary(size: int, runs: dict[str, list]) -> dict:
         best = min(raw, key=raw.get)
         out["resume_vs_best_raw"] = med["resume_store"]["seconds"] / raw[best]
         out["best_raw"] = best
+    gib = size / 2**30
+    out["cpu_s_per_gib"] = {m: round(v["cpu_s"] / gib, 3) for m, v in med.items() if "cpu_s" in v}
+    out["server_cpu_s_per_gib"] = {m: round(v["server_cpu_s"] / gib, 3) for m, v in med.items()}
+    peers = {m: v for m, v in med.items() if m in SAVE and m not in ("save_store", "save_floor")}
+    if "save_store" in med and peers:  # the goals: a verified save against the fastest peer's unverified one
+        fastest = min(peers, key=lambda m: peers[m]["seconds"])
+        mine = med["save_store"]
+        out["save_vs_fastest_peer"] = {"peer": fastest, "seconds": mine["seconds"] / peers[fastest]["seconds"],
+                                       "cpu": mine["cpu_s"] / peers[fastest]["cpu_s"],
+                                       "cpu_with_server": (mine["cpu_s"] + mine["server_cpu_s"])
+                                       / (peers[fastest]["cpu_s"] + peers[fastest]["server_cpu_s"])}
+        if "save_floor" in med:
+            out["save_vs_floor"] = mine["seconds"] / med["save_floor"]["seconds"]
     for m in ("commit_store", "resume_store", "save_store"):
         if m in med:
             out[f"{m}_extra_rss_x_state"] = med[m]["extra_rss"] / size
@@ -422,7 +525,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--work", default=None, help="local folder for the state file and spools (default: temp)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "s3.json"))
+    ap.add_argument("--peers", default=os.path.join(ROOT, "bench", "out", "peers"),
+                    help="folder the peers' libraries are installed into for the children (none: use what imports)")
     args = ap.parse_args()
+    if args.peers != "none":
+        install_peers(args.peers)
+        PEERS_DIR[0] = args.peers
+        sys.path.append(args.peers)  # for versions() only: the parent imports none of them
     from tests.support import rgw
     from tests.support.s3server import dummy_aws_env
 

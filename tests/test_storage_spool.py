@@ -267,6 +267,57 @@ def test_a_folder_store_links_a_spool_from_its_spool_folder_and_copies_one_from_
         assert loaded.files["training_state.pt"] == _spool_bytes(6 * 2**20, seed)
 
 
+def _cached_pages(path) -> int:
+    """How many of ``path``'s pages are in the page cache now (mincore on a mapping that faults none in)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size, page = os.path.getsize(path), mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        vec = (ctypes.c_ubyte * (-(-size // page)))()
+        try:
+            assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec)
+
+
+def test_a_folder_write_leaves_nothing_in_the_page_cache_so_the_read_back_reads_the_disk(tmp_path):
+    """Every way a folder store writes a file (bytes, a spool linked in, a spool copied from elsewhere) ends with the
+    file's pages dropped from the cache after its fsync: the commit's read-back that follows verifies what the device
+    holds, not the pages the writer just filled. Without that, the whole file would still be cached here."""
+    import subprocess
+
+    from trainproof.storage.backend import LocalBackend
+
+    if subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip() in (
+            "tmpfs", "ramfs"):
+        pytest.skip("the temp folder is in memory: its pages are the file, nothing to drop")
+    backend, size = LocalBackend(), 8 * 2**20
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".spool").mkdir()
+    cases = [("bytes.bin", _spool_bytes(size, 5)), ("linked.bin", _spool(str(run / ".spool"), size, seed=3))]
+    if os.path.isdir("/dev/shm") and os.stat("/dev/shm").st_dev != os.stat(tmp_path).st_dev:
+        cases.append(("copied.bin", _spool("/dev/shm", size, seed=4)))  # another file system: copied, not linked
+    for name, data in cases:
+        written = backend.write(str(run / name), data, create_only=True)
+        if isinstance(data, Spool):
+            assert (os.stat(run / name).st_ino == os.stat(data.path).st_ino) == (name == "linked.bin")
+            data.unlink()
+        assert written[0] == size
+        assert _cached_pages(run / name) == 0, name
+        assert hashlib.sha256((run / name).read_bytes()).hexdigest() == written[1]  # read from the disk, same bytes
+
+
 def _spool_bytes(size: int, seed: int) -> bytes:
     block = hashlib.sha256(str(seed).encode()).digest() * (2**16 // 32)
     return (block * (size // len(block) + 1))[:size]

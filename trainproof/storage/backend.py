@@ -212,7 +212,9 @@ def join(*parts: str) -> str:
 class LocalBackend:
     """A local folder.  Writes go to a hidden temp file in the same folder, are fsynced, then published by
     ``os.replace`` (overwrite) or ``os.link`` (create-only: fails atomically if the name exists), so a
-    reader never sees a half-written file under its final name and a crash leaves only a ``.tmp-`` file."""
+    reader never sees a half-written file under its final name and a crash leaves only a ``.tmp-`` file.
+    Once fsynced, a file's pages are dropped from the page cache, so the read-back that verifies it reads the
+    device (:func:`_drop_cached`)."""
 
     def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:
         folder, name = os.path.split(path)
@@ -248,6 +250,7 @@ class LocalBackend:
                         size += len(chunk)
                 fh.flush()
                 os.fsync(fh.fileno())
+                _drop_cached(fh.fileno())
             if create_only:
                 os.link(tmp, path)  # FileExistsError if another writer got there first
             else:
@@ -394,6 +397,7 @@ def _link_spool(spool: Spool, path: str, create_only: bool) -> tuple[int, str] |
             return None
         os.fchmod(fd, 0o666 & ~_umask())  # a spool is private (mkstemp: 0600); a stored file is as any other
         os.fsync(fd)
+        _drop_cached(fd)
     finally:
         os.close(fd)
     target = path if create_only else os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
@@ -436,6 +440,16 @@ def _sendfile(src, dst) -> None:
         if sent == 0:
             break
         offset += sent
+
+
+def _drop_cached(fd: int) -> None:
+    """Ask the kernel to drop the file's cached pages, clean after its fsync: the read-back that verifies a commit
+    then reads what the device holds, not the pages this process just wrote into memory (a write the disk lost or
+    changed is caught, not masked by the cache). Best effort: a file system without a separate cache (tmpfs) or a
+    platform without ``posix_fadvise`` keeps them, and the read-back reads the cache as before."""
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _fsync_dir(folder: str) -> None:
