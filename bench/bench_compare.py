@@ -45,7 +45,7 @@ def child(mode: str, run: str, others: int) -> dict:
     from trainproof.tasks import load_task
 
     store = open_store(run)
-    names = parameter_names(load_task(TASK, read_run_plan(store)["task_config"]))
+    names, _ = parameter_names(load_task(TASK, read_run_plan(store)["task_config"]))
     step = max(g.step for g in store.scan() if g.status == "complete")
     with PeakRSS(anon=True) as mem:
         start = time.perf_counter()

@@ -163,6 +163,20 @@ def test_the_plan_counts_every_path_and_commit():
     assert plan.paths == [18, 5, 13, 13, 12, 9] and plan.steps == 70
     assert plan.commits == 4 + 1 + 3 + 3 + 3 + 2 and plan.bytes == plan.commits * 1000
     assert Plan.of(steps=18, cut=5, extra_cuts=[], steps_per_epoch=6, every=0, state_bytes=1).commits == 4
+    # A frozen base is stored once per path, not per generation.
+    lora = Plan.of(steps=18, cut=5, extra_cuts=[6, 9], steps_per_epoch=6, every=4, state_bytes=1000, frozen_bytes=10**6)
+    assert lora.bytes == plan.commits * 1000 + 6 * 10**6
+
+
+def test_the_size_estimate_counts_adam_for_trainable_parameters_and_a_frozen_base_once():
+    import torch
+
+    from trainproof.proof.budget import ADAM_COPIES, OVERHEAD, state_bytes
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))
+    model[0].requires_grad_(False)  # the base, frozen; the head trains
+    assert state_bytes(model) == (OVERHEAD + ADAM_COPIES * (100 * 10 + 10) * 4, (100 * 100 + 100) * 4)
 
 
 @pytest.mark.parametrize("steps_per_epoch,global_batch", [(4092, 8), (300, 32), (40, 1)])

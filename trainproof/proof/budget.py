@@ -17,7 +17,9 @@ from typing import Any
 from trainproof.errors import ConfigError
 
 ADAM_COPIES = 3
-"""The bytes of a generation, estimated as the parameters this many times over (weights plus Adam's two moments)."""
+"""The bytes of a generation, estimated as the trainable parameters this many times over (weights plus Adam's two
+moments). Frozen parameters (a LoRA's base) are no generation's: each path's run stores them once, as a shared object
+(trainproof.train.frozen)."""
 OVERHEAD = 32 * 2**10
 """And this much more: the manifest, the history rows, the generators' states."""
 
@@ -33,6 +35,8 @@ class Plan:
     """Commit cadence (0: only each path's last state)."""
     state_bytes: int
     """Estimated bytes of one generation."""
+    frozen_bytes: int = 0
+    """Bytes of the frozen parameters, stored once by each path."""
 
     @classmethod
     def of(cls, *, steps: int, cut: int, extra_cuts: list[int], **rest: Any) -> Plan:
@@ -49,7 +53,7 @@ class Plan:
 
     @property
     def bytes(self) -> int:
-        return self.commits * self.state_bytes
+        return self.commits * self.state_bytes + len(self.paths) * self.frozen_bytes
 
     def line(self) -> str:
         continuous, epochs = self.paths[0], self.paths[0] / max(1, self.steps_per_epoch)
@@ -62,9 +66,16 @@ class Plan:
                 "commits": self.commits, "estimated_bytes": self.bytes, "steps_per_epoch": self.steps_per_epoch}
 
 
-def state_bytes(model: Any) -> int:
-    """A generation's size, estimated from the model's parameters (built on the meta device: nothing allocated)."""
-    return OVERHEAD + ADAM_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
+def state_bytes(model: Any) -> tuple[int, int]:
+    """A generation's size, estimated from the model's trainable parameters, and the bytes of its frozen ones, stored
+    once per run (the model built on the meta device: nothing allocated)."""
+    trainable = frozen = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            trainable += p.numel() * p.element_size()
+        else:
+            frozen += p.numel() * p.element_size()
+    return OVERHEAD + ADAM_COPIES * trainable, frozen
 
 
 def check_budget(plan: Plan, *, max_steps: int, max_gib: float, cuts_given: bool, samples: int,

@@ -68,9 +68,9 @@ def verification_base(opener: Opener, store: str, workdir: str | None) -> Genera
     return opener(workdir) if workdir else opener(store).child("verification")
 
 
-def parameter_names(task: Task) -> tuple[frozenset[str], int]:
-    """The model's parameter names (the rest of its state_dict are buffers) and a generation's estimated size
-    (trainproof.proof.budget), built without allocating."""
+def parameter_names(task: Task) -> tuple[frozenset[str], tuple[int, int]]:
+    """The model's parameter names (the rest of its state_dict are buffers), a generation's estimated size and the
+    bytes of its frozen parameters (trainproof.proof.budget.state_bytes), built without allocating."""
     with torch.device("meta"):
         model = task.build_model()
     return frozenset(name for name, _ in model.named_parameters()), state_bytes(model)
@@ -89,7 +89,7 @@ class Protocol(VerificationRunner):
         if settings.tolerance is None:  # exact where the paths are bitwise by construction (the CPU)
             settings = replace(settings, tolerance=default_tolerance(self.task, settings.device))
         self.s = settings
-        self.param_names, self.state_bytes = parameter_names(self.task)
+        self.param_names, self.sizes = parameter_names(self.task)
         base = verification_base(opener, settings.store, settings.workdir)
         self.root = base.child(settings.vid)
         self.done = Results()
@@ -104,7 +104,8 @@ class Protocol(VerificationRunner):
             self.s = settings = replace(settings, steps=steps)
         if not settings.reuse:  # a reused reference's paths are not trained again
             self.plan = Plan.of(steps=steps, cut=settings.cut, extra_cuts=extra_cuts, steps_per_epoch=steps_per_epoch,
-                                every=settings.checkpoint_every, state_bytes=self.state_bytes)
+                                every=settings.checkpoint_every, state_bytes=self.sizes[0],
+                                frozen_bytes=self.sizes[1])
             log.info("%s", self.plan.line())
             check_budget(self.plan, max_steps=settings.budget_steps, max_gib=settings.budget_gib,
                          cuts_given=settings.cuts is not None, samples=self.task.num_samples(),
