@@ -147,3 +147,41 @@ def test_a_plateau_metric_the_task_cannot_compute_is_refused_by_name(tmp_path, m
             DatasetTask(dataset=task.dataset, build_model=task._build_model, per_sample_loss=module.squared_error,
                         config={}, batch_size=4, eval_dataset=task.eval_dataset, scheduler=task._scheduler, **bad)
         assert "\n" not in str(caught.value) and str(next(iter(bad))) in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize("kind", ["onecycle", "warmup_then_onecycle", "onecycle_then_constant", "chained",
+                                  "chained_without_end"])
+def test_the_length_of_a_schedule_is_where_torch_refuses_the_next_step(kind):
+    """A OneCycleLR inside a SequentialLR or a ChainedScheduler has an end too: the length trainproof computes is the
+    number of steps torch's own scheduler takes before it raises (None: it never does within 200)."""
+    import warnings
+
+    import torch
+
+    from trainproof.train.schedule import schedule_length
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler
+
+    def one_cycle(total: int) -> Any:
+        return sched.OneCycleLR(opt, max_lr=0.1, total_steps=total)
+
+    scheduler = {"onecycle": lambda: one_cycle(12),
+                 "warmup_then_onecycle": lambda: sched.SequentialLR(
+                     opt, [sched.LinearLR(opt, start_factor=0.5, total_iters=4), one_cycle(9)], milestones=[5]),
+                 "onecycle_then_constant": lambda: sched.SequentialLR(
+                     opt, [one_cycle(30), sched.ConstantLR(opt, factor=1.0, total_iters=2)], milestones=[7]),
+                 "chained": lambda: sched.ChainedScheduler([sched.ExponentialLR(opt, 0.99), one_cycle(15)]),
+                 "chained_without_end": lambda: sched.ChainedScheduler([sched.ExponentialLR(opt, 0.99),
+                                                                        sched.StepLR(opt, 3)])}[kind]()
+    taken = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SequentialLR steps its members with an epoch argument (deprecated)
+        for n in range(1, 201):
+            opt.step()
+            try:
+                scheduler.step()
+            except ValueError:
+                taken = n - 1
+                break
+    assert schedule_length(scheduler) == taken

@@ -32,10 +32,24 @@ def takes_metric(scheduler: Any) -> bool:
 
 def schedule_length(scheduler: Any) -> int | None:
     """The optimizer steps ``scheduler`` allows (``OneCycleLR``: its ``total_steps``, each step after one optimizer
-    step), or None for a schedule without an end."""
+    step; a ``SequentialLR`` ending in one: the last milestone + its length; a ``ChainedScheduler``: its shortest
+    member's), or None for a schedule without an end."""
+    sched = torch.optim.lr_scheduler
     total = getattr(scheduler, "total_steps", None)
-    if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR) and isinstance(total, int):
+    if isinstance(scheduler, sched.OneCycleLR) and isinstance(total, int):
         return total
+    inner = getattr(scheduler, "_schedulers", None)
+    if not isinstance(inner, (list, tuple)) or not inner:
+        return None
+    if isinstance(scheduler, sched.SequentialLR):
+        # Each scheduler runs until the next milestone, the last one from the last milestone on: only it can end.
+        last, milestones = schedule_length(inner[-1]), getattr(scheduler, "_milestones", None)
+        if last is None or not isinstance(milestones, (list, tuple)) or not milestones:
+            return None
+        return int(milestones[-1]) + last
+    if isinstance(scheduler, sched.ChainedScheduler):  # all step together: the shortest ends the chain
+        lengths = [n for n in (schedule_length(s) for s in inner) if n is not None]
+        return min(lengths) if lengths else None
     return None
 
 
