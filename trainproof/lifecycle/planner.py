@@ -23,12 +23,10 @@ the mean time between interruptions that *lose work*: crashes, hard kills, notic
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+from trainproof.storage.durations import duration_seconds
 
 
 def parse_duration(text: str) -> float:
@@ -40,10 +38,10 @@ def parse_duration(text: str) -> float:
     try:
         seconds = float(spec)
     except ValueError:
-        parts = _DURATION.findall(spec)
-        if not parts or "".join(n + u for n, u in parts) != spec:
+        parsed = duration_seconds(spec)
+        if parsed is None:
             raise ValueError(f"{text!r} is not a duration (use 90s, 10m, 6h, 7d, 1h30m or plain seconds)") from None
-        seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+        seconds = parsed
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{text!r} is not a duration (it must be finite and >= 0)")
     return seconds

@@ -12,7 +12,6 @@ default way, which loses nothing: no step was taken yet.
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from datetime import datetime, timedelta, timezone
@@ -20,10 +19,9 @@ from types import FrameType
 from typing import Any
 
 from trainproof.errors import ConfigError
+from trainproof.storage.durations import duration_seconds
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 class StopRequest:
@@ -68,9 +66,7 @@ class StopRequest:
 
 def is_duration(text: str) -> bool:
     """True for a relative ``--deadline`` (``90m``), False for an absolute time."""
-    spec = text.strip().lower()
-    parts = _DURATION.findall(spec)
-    return bool(parts) and "".join(n + u for n, u in parts) == spec
+    return duration_seconds(text) is not None
 
 
 def parse_deadline(text: str, now: datetime | None = None) -> datetime:
@@ -80,10 +76,9 @@ def parse_deadline(text: str, now: datetime | None = None) -> datetime:
     Returns an aware datetime.
     """
     now = now or datetime.now(timezone.utc)
-    spec = text.strip().lower()
-    parts = _DURATION.findall(spec)
-    if parts and "".join(n + u for n, u in parts) == spec:
-        return now + timedelta(seconds=sum(float(n) * _UNIT_SECONDS[u] for n, u in parts))
+    seconds = duration_seconds(text)
+    if seconds is not None:
+        return now + timedelta(seconds=seconds)
     try:
         at = datetime.fromisoformat(text.strip())
     except ValueError:

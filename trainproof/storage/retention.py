@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Callable, Iterable
 
 from trainproof.storage import manifest as mf
+from trainproof.storage.durations import duration_seconds
 from trainproof.storage.generations import (
     COMPLETE,
     CORRUPT,
@@ -57,8 +57,6 @@ COLLECT_PER_PASS = 256
 """Most partial generations one retention collects (each costs a few requests on S3); the rest wait for the next."""
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d)")
-_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 KEEP_EVERY_FORMS = "a step count (1000) or a duration (90s, 10m, 6h, 7d, 1h30m)"
 
 
@@ -91,11 +89,9 @@ class KeepEvery:
         spec = str(text).strip().lower()
         if spec.isdigit() and len(spec) < 19 and int(spec) > 0:
             return cls(steps=int(spec))
-        parts = _DURATION.findall(spec)
-        if parts and "".join(n + u for n, u in parts) == spec:
-            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
-            if math.isfinite(seconds) and seconds > 0:
-                return cls(seconds=seconds)
+        seconds = duration_seconds(spec)
+        if seconds is not None and math.isfinite(seconds) and seconds > 0:
+            return cls(seconds=seconds)
         raise ValueError(f"{str(text)[:40]!r} is not {KEEP_EVERY_FORMS} greater than 0")
 
     def __str__(self) -> str:
