@@ -149,8 +149,9 @@ def test_a_plateau_metric_the_task_cannot_compute_is_refused_by_name(tmp_path, m
         assert "\n" not in str(caught.value) and str(next(iter(bad))) in str(caught.value), caught.value
 
 
-@pytest.mark.parametrize("kind", ["onecycle", "warmup_then_onecycle", "onecycle_then_constant", "chained",
-                                  "chained_without_end"])
+@pytest.mark.parametrize("kind", ["onecycle", "warmup_then_onecycle", "onecycle_then_constant",
+                                  "short_onecycle_then_constant", "warmup_short_onecycle_then_constant",
+                                  "onecycle_filling_its_span", "chained", "chained_without_end"])
 def test_the_length_of_a_schedule_is_where_torch_refuses_the_next_step(kind):
     """A OneCycleLR inside a SequentialLR or a ChainedScheduler has an end too: the length trainproof computes is the
     number of steps torch's own scheduler takes before it raises (None: it never does within 200)."""
@@ -171,6 +172,13 @@ def test_the_length_of_a_schedule_is_where_torch_refuses_the_next_step(kind):
                      opt, [sched.LinearLR(opt, start_factor=0.5, total_iters=4), one_cycle(9)], milestones=[5]),
                  "onecycle_then_constant": lambda: sched.SequentialLR(
                      opt, [one_cycle(30), sched.ConstantLR(opt, factor=1.0, total_iters=2)], milestones=[7]),
+                 "short_onecycle_then_constant": lambda: sched.SequentialLR(
+                     opt, [one_cycle(3), sched.ConstantLR(opt, factor=1.0, total_iters=2)], milestones=[10]),
+                 "warmup_short_onecycle_then_constant": lambda: sched.SequentialLR(
+                     opt, [sched.LinearLR(opt, total_iters=2), one_cycle(4), sched.ConstantLR(opt, total_iters=2)],
+                     milestones=[3, 9]),
+                 "onecycle_filling_its_span": lambda: sched.SequentialLR(
+                     opt, [one_cycle(5), sched.ConstantLR(opt, total_iters=2)], milestones=[6]),
                  "chained": lambda: sched.ChainedScheduler([sched.ExponentialLR(opt, 0.99), one_cycle(15)]),
                  "chained_without_end": lambda: sched.ChainedScheduler([sched.ExponentialLR(opt, 0.99),
                                                                         sched.StepLR(opt, 3)])}[kind]()

@@ -19,12 +19,13 @@ recommends) of two figures the run keeps up to date instead of figures an operat
   planner's default (6 h): a run that has not been interrupted in 40 h does not expect one every 6 h.
 
 Until a commit has measured C (this process's or one in the records), the first commit comes at most :data:`FIRST_S`
-after training began: on the planner's default C a fresh run would wait 26 minutes, unprotected, for its first
-generation. The interval is bounded: at least :data:`MIN_S` and at least the median time a background commit takes
-to land (a shorter interval would only queue commits behind each other), at most :data:`MAX_S` (a long, quiet run
-still leaves a generation every hour). It is re-planned after every commit; a change of more than :data:`CHANGE` is
-logged (event ``checkpoint_interval``), and so is the first plan. Each rank plans from its own commits; rank 0,
-which reads the attempt records, has the whole picture, and a checkpoint is due when any rank's clock says so.
+after training began (rank 0's clock, which reads the records, decides it for all ranks): on the planner's default C
+a fresh run would wait 26 minutes, unprotected, for its first generation. The interval is bounded: at least
+:data:`MIN_S` and at least the median time a background commit takes to land (a shorter interval would only queue
+commits behind each other), at most :data:`MAX_S` (a long, quiet run still leaves a generation every hour). It is
+re-planned after every commit; a change of more than :data:`CHANGE` is logged (event ``checkpoint_interval``), and
+so is the first plan. Each rank plans from its own commits; rank 0, which reads the attempt records, has the whole
+picture, and a checkpoint is due when any rank's clock says so.
 
 Attempt records are only ever read (size-capped, validated, signed when the run has a key, by
 trainproof.lifecycle.goodput); a record that is not usable is ignored, so a planted record can at worst move the
@@ -62,9 +63,13 @@ class AutoInterval:
     """The seconds between commits of ``--checkpoint-every auto`` (the trainer's ``IntervalPolicy``)."""
 
     def __init__(self, *, past_exposure_s: float = 0.0, interruptions: int = 0, cheap_stops: int = 0,
-                 past_checkpoint_s: float | None = None, clock: Any = time.monotonic) -> None:
+                 past_checkpoint_s: float | None = None, reads_records: bool = True,
+                 clock: Any = time.monotonic) -> None:
         self.past_exposure_s, self.interruptions, self.cheap_stops = past_exposure_s, interruptions, cheap_stops
         self.past_checkpoint_s = past_checkpoint_s
+        self.reads_records = reads_records
+        """False on ranks other than 0: they read no records, so an unmeasured C says nothing; rank 0's clock (which
+        has the records) brings the first commit forward when the run has none."""
         self._clock = clock
         self._t0 = clock()
         self._cost: list[float] = []
@@ -93,7 +98,7 @@ class AutoInterval:
         """From the records in ``store`` (None: this rank reads none, the planner's defaults stand in). Records that
         cannot be read at all (the folder is not one, the store fails) are a warning: the defaults stand in."""
         if store is None:
-            return cls()
+            return cls(reads_records=False)
         try:
             return cls.from_report(read_report(store))
         except Exception as exc:  # noqa: BLE001 - what the bucket holds never stops a run; the interval is bounded
@@ -122,7 +127,8 @@ class AutoInterval:
 
     def _plan(self) -> float:
         floor = max(MIN_S, statistics.median(self._commits[-WINDOW:]) if self._commits else 0.0)
-        ceiling = MAX_S if self._cost or self.past_checkpoint_s is not None else FIRST_S
+        measured = self._cost or self.past_checkpoint_s is not None or not self.reads_records
+        ceiling = MAX_S if measured else FIRST_S
         return min(ceiling, max(floor, daly_interval(self.checkpoint_s, self.mtbi_s)))
 
     # -- the trainer's side ----------------------------------------------------------------------------------

@@ -188,6 +188,7 @@ class Trainer:
         try:
             if not past:
                 run.batches = self._open_batches(run)
+            self.saving.clock.mark()  # the interval counts from training's start, not from before the restore
             reason = "deadline" if past else self._loop(run, target)
             self._close_batches(run)  # before the final commit: what the workers prefetched is never saved
             committed = self.saving.finish(run.step, reason, stop=self.stop, stop_seen_at=self._stop_seen_at,

@@ -136,7 +136,7 @@ class Saving:
         self._blocked: float | None = None
         """The blocked seconds of the newest save, once its submission returned."""
         self._step_at: float | None = None
-        self._skip_step = True
+        self._skip_step = False
         on_saved = self._saved
         self._log_interval()
         # Commits run their collectives over the checkpoint group (trainproof.train.dist), from whichever thread saves.
@@ -183,13 +183,13 @@ class Saving:
 
     def _time_step(self) -> None:
         """At a step boundary, for an auto interval: the step that just ended, beside a commit in flight (one not yet
-        collected) or clear of any; not the first (warm-up) nor one a checkpoint began in (its blocked time is
-        counted apart)."""
+        collected) or clear of any; not the first (warm-up); one a checkpoint began before is timed from the end of
+        that checkpoint's blocked time (counted apart)."""
         assert self.interval is not None
-        now = time.perf_counter()
+        now, first = time.perf_counter(), self._step_at is None
         if self._step_at is not None and not self._skip_step:
             self.interval.observe_step(now - self._step_at, beside_commit=self.saver.in_flight is not None)
-        self._step_at, self._skip_step = now, False
+        self._step_at, self._skip_step = now, first  # the pass after the first boundary holds the warm-up step
 
     def save(self, step: int, capture: Callable[[], Capture]) -> None:
         """Commit this step on every rank, once the previous save landed: ``capture()`` (a host-memory snapshot of it
@@ -203,7 +203,7 @@ class Saving:
         self._blocked = None  # inline, the commit reports its own time while still blocking: that is the blocked time
         self.saver.save(capture(), blocked_since=t0)
         self._blocked = time.perf_counter() - t0
-        self._skip_step = True
+        self._step_at = time.perf_counter()  # the next step is timed from here: its blocked time is counted apart
         self.clock.mark()
 
     def finish(self, step: int, reason: str, *, stop: StopFlags, stop_seen_at: float | None,

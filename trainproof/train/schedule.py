@@ -32,8 +32,8 @@ def takes_metric(scheduler: Any) -> bool:
 
 def schedule_length(scheduler: Any) -> int | None:
     """The optimizer steps ``scheduler`` allows (``OneCycleLR``: its ``total_steps``, each step after one optimizer
-    step; a ``SequentialLR`` ending in one: the last milestone + its length; a ``ChainedScheduler``: its shortest
-    member's), or None for a schedule without an end."""
+    step; a ``SequentialLR``: the first member that would step past its end within its span, at its milestone + its
+    length; a ``ChainedScheduler``: its shortest member's), or None for a schedule without an end."""
     sched = torch.optim.lr_scheduler
     total = getattr(scheduler, "total_steps", None)
     if isinstance(scheduler, sched.OneCycleLR) and isinstance(total, int):
@@ -42,11 +42,17 @@ def schedule_length(scheduler: Any) -> int | None:
     if not isinstance(inner, (list, tuple)) or not inner:
         return None
     if isinstance(scheduler, sched.SequentialLR):
-        # Each scheduler runs until the next milestone, the last one from the last milestone on: only it can end.
-        last, milestones = schedule_length(inner[-1]), getattr(scheduler, "_milestones", None)
-        if last is None or not isinstance(milestones, (list, tuple)) or not milestones:
+        # Member i runs from its milestone (the first from 0) until the next one; one of fixed length L that would
+        # step past it within its span ends the whole schedule at its start + L.
+        milestones = getattr(scheduler, "_milestones", None)
+        if not isinstance(milestones, (list, tuple)) or len(milestones) != len(inner) - 1:
             return None
-        return int(milestones[-1]) + last
+        starts, ends = [0, *map(int, milestones)], [*map(int, milestones), None]
+        for member, start, end in zip(inner, starts, ends):
+            length = schedule_length(member)
+            if length is not None and (end is None or start + length + 2 <= end):
+                return start + length
+        return None
     if isinstance(scheduler, sched.ChainedScheduler):  # all step together: the shortest ends the chain
         lengths = [n for n in (schedule_length(s) for s in inner) if n is not None]
         return min(lengths) if lengths else None
@@ -66,7 +72,9 @@ def check_length(scheduler: Any, *, start: int, target: int, source: str) -> Non
         return
     raise ConfigError(f"{describe(scheduler)} is {length} steps long, but this run would train to step {target} "
                       f"({source}; it is at step {start}): train at most {length} steps in all (--max-steps "
-                      f"{length}) or build the schedule for the run's length (total_steps={target})")
+                      f"{length}) or build the schedule for the run's length ("
+                      + (f"total_steps={target})" if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR)
+                         else f"{target} steps)"))
 
 
 def check_cadence(task: Any, scheduler: Any) -> None:
