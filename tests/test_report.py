@@ -216,3 +216,27 @@ def test_png_without_matplotlib_is_one_clear_line(monkeypatch, tmp_path):
     with pytest.raises(UsageError, match=r"--png needs matplotlib \(pip install matplotlib"):
         _write_png(tmp_path / "goodput.png", Report(), {"wall_s": 0.0, "buckets": {}, "goodput": None}, "x")
     assert not (tmp_path / "goodput.png").exists()
+
+
+def test_the_newest_attempt_stopped_after_its_last_commit_has_those_steps_redone_not_kept():
+    """A SIGTERM whose final commit did not fit in the grace (exit 75, steps after the last commit): the next attempt
+    resumes from that commit, so those steps are redone even before it starts; an attempt still running (no end)
+    has its uncommitted steps counted as trained until it ends."""
+    from trainproof.lifecycle.goodput import Attempt, Report, summary
+
+    def attempt(start: float, end: str | None, resumed: int, last: int, committed: int) -> Attempt:
+        return Attempt(name=f"{start}.json", started=start, updated=start + 100, ended=start + 100 if end else None,
+                       end=end, reason="signal" if end == "stopped" else None, resumed_from=resumed, last_step=last,
+                       startup_s=1.0, restore_s=0.0, train_s=(last - resumed) * 0.5, blocked_s=0.0, commits=1,
+                       committed_step=committed, finish_s=0.0)
+
+    skipped_final = Report(attempts=[attempt(0, "stopped", 0, 100, 80)])
+    assert skipped_final.redone() == [20]
+    doc = summary(skipped_final)
+    assert (doc["steps_kept"], doc["redone_steps"]) == (80, 20)
+    assert doc["buckets"]["productive"]["seconds"] == pytest.approx(80 * 0.5)
+    running = Report(attempts=[attempt(0, None, 0, 100, 80)])
+    assert running.redone() == [0] and summary(running)["steps_kept"] == 100
+    # Once a next attempt exists, where it resumed decides, as for any attempt.
+    resumed = Report(attempts=[attempt(0, "stopped", 0, 100, 80), attempt(200, "done", 80, 150, 150)])
+    assert resumed.redone() == [20, 0] and summary(resumed)["steps_kept"] == 150

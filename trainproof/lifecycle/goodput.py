@@ -13,7 +13,10 @@ commit's blocked time, and how it ended. From those, in the buckets of Google's 
   how much longer they took on average than the attempt's steps clear of one (a mean of each, so steps whose length
   varies anyway, e.g. with the batch's sequence lengths, are not counted as slowed);
 - **redone steps**: training time of steps an attempt trained beyond the point the next attempt resumed from (a
-  SIGKILL between commits), priced at that attempt's own step time;
+  SIGKILL between commits), priced at that attempt's own step time; for the newest attempt, when it stopped (exit 75)
+  with steps after its last commit (the final commit did not fit in the stop's grace), those steps: the next attempt
+  resumes from that commit. An attempt still running (no end) has its uncommitted steps counted as trained until it
+  ends;
 - **gaps**: from an attempt's end (or, killed, its last record) to the next attempt's start (rescheduling, a new VM);
 - **finish**: after the last step (the final commit, an export, the reload check);
 - **unaccounted**: the rest of the wall time (a killed attempt's time after its last record).
@@ -106,11 +109,15 @@ class Report:
                 "skipped": self.skipped, **summary(self, price_per_hour, on_demand_price)}
 
     def redone(self) -> list[int]:
-        """Per attempt, the steps it trained beyond where the next attempt that restored resumed (0 for the last;
-        an attempt killed before it restored says nothing about where the run continued from)."""
+        """Per attempt, the steps it trained beyond where the next attempt that restored resumed (an attempt killed
+        before it restored says nothing about where the run continued from). With no such next attempt, where the
+        next one will resume: a stopped attempt's last commit; none known for one without an end (still running, or
+        killed after its last record: counted when the next attempt shows where it resumed)."""
         out, after = [], None
         for a in reversed(self.attempts):
-            out.append(0 if after is None else max(0, (a.last_step or a.resumed_from) - max(after, a.resumed_from)))
+            resumes_at = after if after is not None else (a.committed_step if a.end == "stopped" else None)
+            out.append(0 if resumes_at is None else
+                       max(0, (a.last_step or a.resumed_from) - max(resumes_at, a.resumed_from)))
             after = a.resumed_from if a.restored else after
         return out[::-1]
 
@@ -252,18 +259,19 @@ def summary(report: Report, price_per_hour: float | None = None,
         "wall_s": round(wall, 3), "goodput": round(buckets["productive"] / wall, 4) if wall > 0 else None,
         "buckets": {k: {"seconds": round(v, 3), "share": round(v / wall, 4) if wall > 0 else None}
                     for k, v in buckets.items()},
-        "steps_kept": _steps_kept(attempts),
+        "steps_kept": _steps_kept(attempts, redone),
         "redone_steps": sum(redone), "interruptions": sum(1 for a in attempts[:-1] if a.end != "done")}
     if price_per_hour is not None:
         out.update(_costs(out, price_per_hour, on_demand_price))
     return out
 
 
-def _steps_kept(attempts: list[Attempt]) -> int:
+def _steps_kept(attempts: list[Attempt], redone: list[int]) -> int:
     """From the first attempt's start to where the last attempt that restored got (one killed before it restored
-    trained nothing)."""
-    last = next((a for a in reversed(attempts) if a.restored), attempts[-1])
-    return (last.last_step or last.resumed_from) - attempts[0].resumed_from
+    trained nothing), less what it trained after its last commit when it stopped (redone by the next attempt)."""
+    i = next((i for i in range(len(attempts) - 1, -1, -1) if attempts[i].restored), len(attempts) - 1)
+    last = attempts[i]
+    return (last.last_step or last.resumed_from) - redone[i] - attempts[0].resumed_from
 
 
 def _costs(out: dict[str, Any], price: float, on_demand_price: float | None) -> dict[str, Any]:
