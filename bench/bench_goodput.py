@@ -10,8 +10,10 @@ later. At the end of the wall time the run gets a SIGTERM and its notice like an
 
 Ground truth, from the harness alone: wall = first start to the last process's end (harness clock); useful work =
 each step the store holds committed at the end, at the step time the harness itself saw on the machine that trained
-it last (the median gap between the step lines it read, stamped with its own clock: the same load as the run);
-truth goodput = useful / wall. Beside it: ``trainproof report``'s goodput
+it last (the mean gap between the step lines it read, stamped with its own clock, over the steps clear of any
+commit: no checkpoint in flight, beginning or landing between the two lines; the same load as the run; the median of
+all gaps gives ``truth_median``, printed beside it); truth goodput = useful / wall. An interruption so late that the
+next machine would start at the end of the wall time ends the cell there (no machine started only to be stopped). Beside it: ``trainproof report``'s goodput
 (from the attempt records), and the planner's prediction (1 - overhead, ``trainproof plan`` with the measured C,
 the harness's M of interruptions that lose work, and the measured restart).
 
@@ -63,6 +65,9 @@ class Cell:
     wall_s: float = 0.0
     steps: int = 0
     truth: float = 0.0
+    """Useful / wall, each kept step at the mean of its machine's step gaps clear of commits."""
+    truth_median: float = 0.0
+    """The same at the median of all its machine's step gaps."""
     report: dict = field(default_factory=dict)
     predicted: float | None = None
     final_equal: bool | None = None
@@ -123,6 +128,8 @@ class Machine:
                                      start_new_session=True)
         self.steps: list[tuple[float, int]] = []
         """(harness clock, step) of every step line, as it arrived."""
+        self.events: list[tuple[float, dict]] = []
+        """(harness clock, event) of every step and checkpoint line, as it arrived."""
         self._reader = threading.Thread(target=self._read, args=(log,), daemon=True)
         self._reader.start()
 
@@ -130,13 +137,39 @@ class Machine:
         for line in self.proc.stdout:
             now = time.monotonic()
             log.write(line)
-            if line.startswith('{"event": "step"'):
-                self.steps.append((now, json.loads(line)["step"]))
+            if line.startswith(('{"event": "step"', '{"event": "checkpoint')):
+                event = json.loads(line)
+                self.events.append((now, event))
+                if event["event"] == "step":
+                    self.steps.append((now, event["step"]))
 
     def step_s(self) -> float | None:
         """Median seconds between consecutive step lines (stalls and start-up excluded by the median)."""
         gaps = [b[0] - a[0] for a, b in zip(self.steps, self.steps[1:]) if b[1] == a[1] + 1]
         return statistics.median(gaps) if gaps else None
+
+    def clear_step_s(self) -> float | None:
+        """Mean seconds between consecutive step lines with no checkpoint in flight, beginning or landing between
+        them (:func:`clear_gaps`): a step's undisturbed duration, its natural spread included."""
+        gaps = clear_gaps(self.events)
+        return statistics.fmean(gaps) if gaps else None
+
+
+def clear_gaps(events: list[tuple[float, dict]]) -> list[float]:
+    """Seconds between consecutive step lines during which no commit was in flight, began or landed (the first
+    step's excluded: warm-up), from ``events`` (clock, step or checkpoint event) in order."""
+    in_flight, touched, previous, gaps = 0, True, None, []
+    for at, event in events:
+        kind = event.get("event")
+        if kind == "checkpoint_begin":
+            in_flight, touched = in_flight + 1, True
+        elif kind in ("checkpoint", "checkpoint_failed"):
+            in_flight, touched = max(0, in_flight - 1), True
+        elif kind == "step":
+            if previous is not None and not touched and not in_flight and event["step"] == previous[1] + 1:
+                gaps.append(at - previous[0])
+            previous, touched = (at, event["step"]), bool(in_flight)
+    return gaps
 
     def close(self) -> None:
         self._reader.join(timeout=10)
@@ -172,24 +205,30 @@ def run_cell(args: argparse.Namespace, cell: Cell, work: Path) -> Cell:
         if machines[-1].proc.poll() is not None:  # it ended by itself (exit 2: a bug of the harness): say so
             raise SystemExit(f"the supervisor exited {machines[-1].proc.returncode} by itself; see {log.name}")
         interrupt(machines[-1], how, args.notice)
-        if at < args.wall:
-            cell.events.append((round(at, 1), how))
-            time.sleep(args.restart)
-            machines.append(Machine(args, cell.url, env, work, log))
+        if at >= args.wall:
+            break
+        cell.events.append((round(at, 1), how))
+        if time.monotonic() - t0 + args.restart >= args.wall:
+            break  # the next machine would start at the end of the measurement: the cell ends with this one
+        time.sleep(args.restart)
+        machines.append(Machine(args, cell.url, env, work, log))
     cell.wall_s = time.monotonic() - t0
     log.close()
     cell.steps = committed_step(cell.url)
-    cell.truth = useful_s(machines, cell.steps) / cell.wall_s
+    cell.truth = useful_s(machines, cell.steps, Machine.clear_step_s) / cell.wall_s
+    cell.truth_median = useful_s(machines, cell.steps, Machine.step_s) / cell.wall_s
     cell.report = report_json(cell.url)
     return cell
 
 
-def useful_s(machines: list[Machine], final: int) -> float:
+def useful_s(machines: list[Machine], final: int, price=None) -> float:
     """The harness's ground truth of useful training time: each step the run kept (up to ``final``, the last commit),
-    at the step time the harness saw on the machine that trained it last (its median gap between step lines)."""
+    at the step time the harness saw on the machine that trained it last: ``price(machine)``, by default the mean gap
+    between step lines clear of any commit (:meth:`Machine.clear_step_s`; :meth:`Machine.step_s`, the median of
+    all, is the other figure)."""
     kept: dict[int, float] = {}
     for m in machines:
-        per_step = m.step_s()
+        per_step = (price or Machine.clear_step_s)(m)
         for _, step in m.steps:
             if step <= final and per_step is not None:
                 kept[step] = per_step  # a later machine that trained the step again replaces the earlier one
@@ -285,7 +324,8 @@ def row(c: Cell) -> str:
     kills = sum(1 for _, h in c.events if h == "sigkill")
     diff = f"{(rep - c.truth) * 100:+.1f} pt" if isinstance(rep, float) else c.report.get("error", "?")
     return (f"mtbi {c.mtbi:>5g}s every {c.every:>5}: {len(c.events)} interruptions ({kills} kills), wall "
-            f"{c.wall_s:.0f}s, {c.steps} steps kept; goodput truth {c.truth:.3f}, report {rep} ({diff}), "
+            f"{c.wall_s:.0f}s, {c.steps} steps kept; goodput truth {c.truth:.3f} (median-priced "
+            f"{c.truth_median:.3f}), report {rep} ({diff}), "
             f"planner {c.predicted}, final state equal: {c.final_equal}")
 
 
