@@ -13,9 +13,9 @@ each step the store holds committed at the end, at the step time the harness its
 it last (the mean gap between the step lines it read, stamped with its own clock, over the steps clear of any
 commit: no checkpoint in flight, beginning or landing between the two lines; the same load as the run; the median of
 all gaps gives ``truth_median``, printed beside it); truth goodput = useful / wall. An interruption so late that the
-next machine would start at the end of the wall time ends the cell there (no machine started only to be stopped). Beside it: ``trainproof report``'s goodput
-(from the attempt records), and the planner's prediction (1 - overhead, ``trainproof plan`` with the measured C,
-the harness's M of interruptions that lose work, and the measured restart).
+next machine would start at the end of the wall time ends the cell there (no machine started only to be stopped).
+Beside it: ``trainproof report``'s goodput (from the attempt records), and the planner's prediction (1 - overhead,
+``trainproof plan`` with the measured C, the harness's M of interruptions that lose work, and the measured restart).
 
 Each configuration is a ``--mtbi`` and an ``--every`` (``auto`` or a fixed ``--checkpoint-every-seconds``); all
 configurations of one invocation see the same interruption times (same seed). ``--check-final`` trains an
