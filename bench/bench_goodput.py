@@ -281,6 +281,60 @@ def check_final(cell: Cell, args: argparse.Namespace, work: Path) -> bool:
     return not kept_differences(load_state(folder, cell.steps, **kept), load_state(cell.url, cell.steps, **kept))
 
 
+def reanalyse(result: Path, logs: Path, records: Path) -> list[dict]:
+    """Each cell of an earlier run (its JSON ``result``) with the current figures: the truth from its log
+    (``logs/cell-<mtbi>-<every>.log``: what the harness read, in order; the trainer's own time stamps, ms, stand in for
+    the harness's arrival stamps) and ``trainproof report`` from a copy of its attempt records
+    (``records/<run id>/attempts/``). ``wall_trimmed_s``: the wall less a last machine that trained no step (one a
+    harness without that fix started at the end of the wall time), at the supervisor's one-second resolution."""
+    from datetime import datetime
+
+    def stamp(text: str) -> float:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+    out = []
+    for cell in json.loads(result.read_text())["cells"]:
+        supervise: list[tuple[float, str]] = []
+        events: list[tuple[float, dict]] = []
+        run_id = None
+        # The supervisors' lines (stderr) reached the log at once, the trainers' (stdout) through the harness's
+        # buffered writes: events are placed by their time stamp, on the machine started last before it.
+        for line in (logs / f"cell-{cell['mtbi']:g}-{cell['every']}.log").read_text().splitlines():
+            if line.startswith("[supervise "):
+                supervise.append((stamp(line[11:31]), line[33:]))
+                if line[33:].startswith("starting:"):
+                    run_id = run_id or line.split("/goodput/")[1].split("/")[0]
+            elif line.startswith(('{"event": "step"', '{"event": "checkpoint')):
+                event = json.loads(line)
+                events.append((stamp(event["time"]), event))
+        starts = [t for t, text in supervise if text.startswith("starting:")]
+        machines: list[list[tuple[float, dict]]] = [[] for _ in starts]
+        for at, event in sorted(events, key=lambda e: e[0]):
+            machines[max(0, sum(1 for t in starts if t <= at) - 1)].append((at, event))
+        kept: dict[int, float] = {}
+        for events in machines:
+            gaps = clear_gaps(events)
+            for _, event in events:
+                if event["event"] == "step" and event["step"] <= cell["steps"] and gaps:
+                    kept[event["step"]] = statistics.fmean(gaps)
+        wall = cell["wall_s"]
+        trimmed = wall
+        if machines and not any(e["event"] == "step" for _, e in machines[-1]):
+            ends = [t for t, text in supervise if t < starts[-1] and not text.startswith("starting:")]
+            trimmed = wall - (supervise[-1][0] - ends[-1]) if ends else wall
+        report = report_json(str(records / run_id)) if run_id else {}
+        useful = sum(kept.values())
+        out.append({"mtbi": cell["mtbi"], "every": cell["every"], "steps": cell["steps"], "wall_s": round(wall, 1),
+                    "wall_trimmed_s": round(trimmed, 1), "truth": round(useful / wall, 4),
+                    "truth_trimmed": round(useful / trimmed, 4), "truth_median_before": cell["truth"],
+                    "report": report.get("goodput"), "report_before": cell["report"].get("goodput"),
+                    "report_steps_kept": report.get("steps_kept"), "interruptions": len(cell["events"]),
+                    "kills": sum(1 for _, how in cell["events"] if how == "sigkill"),
+                    "final_equal": cell["final_equal"], "predicted": cell["predicted"]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mtbi", type=float, action="append", help="mean seconds between interruptions (repeatable)")
@@ -295,7 +349,12 @@ def main() -> None:
     ap.add_argument("--check-final", nargs="?", const="all", choices=("all", "auto"),
                     help="compare each final state (or only the auto cells': --check-final auto) with an "
                          "uninterrupted run to the same step")
+    ap.add_argument("--reanalyse", nargs=3, type=Path, metavar=("RESULT", "LOGS", "RECORDS"),
+                    help="recompute an earlier run's figures (see reanalyse()) instead of running one")
     args = ap.parse_args()
+    if args.reanalyse:
+        reanalyse(*args.reanalyse)
+        return
     mtbis, everies = args.mtbi or [90.0], args.every or ["auto"]
     with ExitStack() as stack:
         stack.enter_context(bench_endpoint())

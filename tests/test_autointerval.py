@@ -116,6 +116,8 @@ def test_the_planner_counts_only_interruptions_that_lost_work_and_keeps_its_boun
     assert slowed.checkpoint_s == pytest.approx(0.1 + 4 * 0.3)
     slowed.observe_commit(blocked_s=0.2, commit_s=2.0)  # no step beside the second: its blocked time only
     assert slowed.checkpoint_s == pytest.approx((1.3 + 0.2) / 2)
+    slowed.observe_step(0.6, beside_commit=False, after_commit=True)  # the step after it landed, slowed: its cost
+    assert slowed.checkpoint_s == pytest.approx((1.3 + 0.2 + 0.4) / 2)
     fresh.observe_commit(blocked_s=1e4, commit_s=1e4)
     assert fresh.interval_s == MAX_S
 
@@ -161,9 +163,9 @@ def test_auto_counts_what_a_background_commit_slows_the_steps_beside_it(tmp_path
             self.steps: list[tuple[float, bool]] = []
             self.costs: list[tuple[float, float]] = []
 
-        def observe_step(self, seconds: float, *, beside_commit: bool) -> None:
+        def observe_step(self, seconds: float, *, beside_commit: bool, after_commit: bool = False) -> None:
             self.steps.append((seconds, beside_commit))
-            super().observe_step(seconds, beside_commit=beside_commit)
+            super().observe_step(seconds, beside_commit=beside_commit, after_commit=after_commit)
 
         def observe_commit(self, blocked_s: float, commit_s: float) -> None:
             beside = [s for s, b in self.steps if b]
@@ -171,11 +173,15 @@ def test_auto_counts_what_a_background_commit_slows_the_steps_beside_it(tmp_path
             super().observe_commit(blocked_s, commit_s)
             self.costs.append((blocked_s, self._cost[-1], len(beside)))
 
+        @property
+        def final_costs(self) -> list[tuple[float, float, int]]:  # with what the step after each landing added
+            return [(b, cost, n) for (b, _, n), cost in zip(self.costs, self._cost[-len(self.costs):])]
+
     seen = Seen()
-    cfg = TrainConfig(store=str(tmp_path / "run"), max_steps=60, checkpoint_every="auto", log_format="json",
+    cfg = TrainConfig(store=str(tmp_path / "run"), max_steps=150, checkpoint_every="auto", log_format="json",
                       log_every=10**6, tensorboard="off")
     assert train_in_process(cfg, reporter=Reporter(), interval=seen).exit_code == 0
-    mid = [c for c in seen.costs if c[2]]  # commits with steps beside them (not the final one, after the loop)
+    mid = [c for c in seen.final_costs if c[2]]  # commits with steps beside them (not the final one, after the loop)
     assert len(mid) >= 2, seen.costs
     for blocked, cost, beside in mid:
         # At least 0.1 s per step beside it (load makes the clear steps slower too, never the difference smaller

@@ -88,8 +88,9 @@ class AutoInterval:
         cheap = [a for a, r in zip(attempts, redone) if a.end == "stopped" and r == 0]
         exposure = sum(max(0.0, a.stop - a.started) for a in attempts)
         with_commits = [a for a in attempts if a.commits]
+        interference = dict(zip(map(id, attempts), report.interference()))
         newest = with_commits[-1] if with_commits else None
-        past_c = (newest.blocked_s + newest.interference_s) / newest.commits if newest else None
+        past_c = (newest.blocked_s + interference[id(newest)]) / newest.commits if newest else None
         return cls(past_exposure_s=exposure, interruptions=len(lost), cheap_stops=len(cheap),
                    past_checkpoint_s=past_c, **kwargs)
 
@@ -132,9 +133,15 @@ class AutoInterval:
         return min(ceiling, max(floor, daly_interval(self.checkpoint_s, self.mtbi_s)))
 
     # -- the trainer's side ----------------------------------------------------------------------------------
-    def observe_step(self, seconds: float, *, beside_commit: bool) -> None:
+    def observe_step(self, seconds: float, *, beside_commit: bool, after_commit: bool = False) -> None:
         """A step took ``seconds`` (not the one a checkpoint began in: its blocked time is counted apart), ending while
-        a commit was in flight or clear of any."""
+        a commit was in flight, right after one landed (``after_commit``: what follows a commit, freeing its snapshot,
+        the server finishing its writes, is still its cost: added to the commit that landed), or clear of any."""
+        if after_commit and not beside_commit and self._cost:
+            if self._clear:
+                self._cost[-1] += max(0.0, seconds - statistics.fmean(self._clear))
+                self.interval_s = self._plan()
+            return
         if beside_commit:
             self._beside[0] += 1
             self._beside[1] += max(0.0, seconds)

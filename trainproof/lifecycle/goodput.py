@@ -84,10 +84,16 @@ class Attempt:
     def interference_s(self) -> float:
         """What background commits cost the steps that ran beside them: their count times how much longer they took
         on average than the steps clear of one (0 with fewer than MIN_STEPS of either), at most the training time."""
+        return self.interference()
+
+    def interference(self, run_clear_mean: float | None = None) -> float:
+        """:attr:`interference_s`; an attempt with fewer than MIN_STEPS steps clear of a commit (commits back to
+        back) measured against ``run_clear_mean``, the mean clear step of the run's attempts, when given."""
         clear_n, clear_s, commit_n, commit_s = self.step_times
-        if clear_n < MIN_STEPS or commit_n < MIN_STEPS:
+        clear_mean = clear_s / clear_n if clear_n >= MIN_STEPS else run_clear_mean
+        if clear_mean is None or commit_n < MIN_STEPS:
             return 0.0
-        return min(self.train_s, max(0.0, commit_s - commit_n * clear_s / clear_n))
+        return min(self.train_s, max(0.0, commit_s - commit_n * clear_mean))
 
     @property
     def stop(self) -> float:
@@ -105,8 +111,16 @@ class Report:
     skipped: list[str] = field(default_factory=list)
 
     def to_json(self, price_per_hour: float | None = None, on_demand_price: float | None = None) -> dict[str, Any]:
-        return {"attempts": [_attempt_json(a, redone) for a, redone in zip(self.attempts, self.redone())],
+        return {"attempts": [_attempt_json(a, r, i) for a, r, i in zip(self.attempts, self.redone(),
+                                                                         self.interference())],
                 "skipped": self.skipped, **summary(self, price_per_hour, on_demand_price)}
+
+    def interference(self) -> list[float]:
+        """Per attempt, :meth:`Attempt.interference`, one without enough steps clear of a commit measured against the
+        mean clear step of all the run's attempts (the same machine type, as a rule)."""
+        clear_n = sum(a.step_times[0] for a in self.attempts)
+        pooled = sum(a.step_times[1] for a in self.attempts) / clear_n if clear_n >= MIN_STEPS else None
+        return [a.interference(pooled) for a in self.attempts]
 
     def redone(self) -> list[int]:
         """Per attempt, the steps it trained beyond where the next attempt that restored resumed (an attempt killed
@@ -215,14 +229,14 @@ def _count(value: Any, what: str, default: int | None = None) -> int:
     return value
 
 
-def _attempt_json(a: Attempt, redone: int) -> dict[str, Any]:
+def _attempt_json(a: Attempt, redone: int, interference: float) -> dict[str, Any]:
     return {"record": a.name, "started": _iso(a.started), "ended": _iso(a.ended) if a.ended is not None else None,
             "end": a.end or "killed (no end recorded)", "reason": a.reason,
             "resumed_from": a.resumed_from if a.restored else None,
             "last_step": a.last_step, "steps": a.steps, "redone_steps": redone, "commits": a.commits,
             "committed_step": a.committed_step, "startup_s": a.startup_s, "restore_s": a.restore_s,
             "train_s": a.train_s, "checkpoint_stall_s": a.blocked_s,
-            "checkpoint_interference_s": round(a.interference_s, 3)}
+            "checkpoint_interference_s": round(interference, 3)}
 
 
 def _iso(t: float) -> str:
@@ -240,8 +254,7 @@ def summary(report: Report, price_per_hour: float | None = None,
         return {"wall_s": 0.0, "buckets": {}, "goodput": None}
     redone = report.redone()
     buckets = dict.fromkeys(BUCKETS, 0.0)
-    for a, r in zip(attempts, redone):
-        interference = a.interference_s
+    for a, r, interference in zip(attempts, redone, report.interference()):
         per_step = (a.train_s - interference) / a.steps if a.steps else 0.0
         wasted = min(a.train_s - interference, r * per_step)
         buckets["productive"] += a.train_s - interference - wasted

@@ -66,6 +66,9 @@ class AttemptRecorder(Reporter):
         self._last_step_at: float | None = None
         self._in_flight = 0
         """Commits begun and not yet landed (or failed): steps ending meanwhile ran beside a background commit."""
+        self._touched = False
+        """A commit landed (or failed) since the last step ended: the next step counts as beside a commit (what
+        follows a commit, freeing its snapshot, the server finishing its writes and deletes, still slows it)."""
         self._skip_step = True
         """The next step's duration is not counted: the first (warm-up) or one a checkpoint began in (its blocked
         time is counted apart)."""
@@ -92,11 +95,11 @@ class AttemptRecorder(Reporter):
         with self._lock:
             self.record["last_step"] = record["step"]
             if self._last_step_at is not None and not self._skip_step:
-                kind = "commit" if self._in_flight else "clear"
+                kind = "commit" if self._in_flight or self._touched else "clear"
                 times = self.record["step_times"]
                 times[f"{kind}_n"] += 1
                 times[f"{kind}_s"] = round(times[f"{kind}_s"] + (now - self._last_step_at), 6)
-            self._skip_step = False
+            self._skip_step = self._touched = False
             self._last_step_at = now
             self._set_train_s()
         if now - self._last_write >= self.refresh_s:
@@ -119,6 +122,7 @@ class AttemptRecorder(Reporter):
                 return
             elif name in ("checkpoint", "checkpoint_failed"):
                 self._in_flight = max(0, self._in_flight - 1)
+                self._touched = True
                 if name == "checkpoint_failed":
                     return
                 self._checkpoint(fields)

@@ -137,6 +137,9 @@ class Saving:
         """The blocked seconds of the newest save, once its submission returned."""
         self._step_at: float | None = None
         self._skip_step = False
+        self._touched = False
+        """A commit was collected at this boundary: the next step counts as beside it (what follows a commit still
+        slows it), as in the attempt record (trainproof.train.attempts)."""
         on_saved = self._saved
         self._log_interval()
         # Commits run their collectives over the checkpoint group (trainproof.train.dist), from whichever thread saves.
@@ -150,6 +153,7 @@ class Saving:
     def _saved(self, seconds: float) -> None:
         """A commit landed (``seconds`` from its start): tell the deadline, re-plan an auto interval."""
         self._on_saved(seconds)
+        self._touched = True
         if self.interval is not None:
             self.interval.observe_commit(seconds if self._blocked is None else self._blocked, seconds)
             self.clock.every_seconds = self.interval.interval_s
@@ -188,8 +192,9 @@ class Saving:
         assert self.interval is not None
         now, first = time.perf_counter(), self._step_at is None
         if self._step_at is not None and not self._skip_step:
-            self.interval.observe_step(now - self._step_at, beside_commit=self.saver.in_flight is not None)
-        self._step_at, self._skip_step = now, first  # the pass after the first boundary holds the warm-up step
+            self.interval.observe_step(now - self._step_at, beside_commit=self.saver.in_flight is not None,
+                                       after_commit=self._touched)
+        self._step_at, self._skip_step, self._touched = now, first, False  # after the first: the warm-up step
 
     def save(self, step: int, capture: Callable[[], Capture]) -> None:
         """Commit this step on every rank, once the previous save landed: ``capture()`` (a host-memory snapshot of it
