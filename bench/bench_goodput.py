@@ -117,6 +117,10 @@ def schedule(mtbi: float, wall: float, kill_share: float, seed: int) -> list[tup
         out.append((t, "sigkill" if rng.random() < kill_share else "sigterm"))
 
 
+MIN_CLEAR = 5
+"""Fewer clear gaps than this on a machine (its commits ran back to back): its steps are priced at the cell's."""
+
+
 class Machine:
     """One rented machine: the supervisor (and the trainers it starts) in a process group of its own, its output
     read line by line by the harness, which stamps each step line with its own clock."""
@@ -152,7 +156,10 @@ class Machine:
         """Mean seconds between consecutive step lines with no checkpoint in flight, beginning or landing between
         them (:func:`clear_gaps`): a step's undisturbed duration, its natural spread included."""
         gaps = clear_gaps(self.events)
-        return statistics.fmean(gaps) if gaps else None
+        return statistics.fmean(gaps) if len(gaps) >= MIN_CLEAR else None
+
+    def close(self) -> None:
+        self._reader.join(timeout=10)
 
 
 def clear_gaps(events: list[tuple[float, dict]]) -> list[float]:
@@ -170,9 +177,6 @@ def clear_gaps(events: list[tuple[float, dict]]) -> list[float]:
                 gaps.append(at - previous[0])
             previous, touched = (at, event["step"]), bool(in_flight)
     return gaps
-
-    def close(self) -> None:
-        self._reader.join(timeout=10)
 
 
 def interrupt(machine: Machine, how: str, notice: float) -> None:
@@ -227,8 +231,11 @@ def useful_s(machines: list[Machine], final: int, price=None) -> float:
     between step lines clear of any commit (:meth:`Machine.clear_step_s`; :meth:`Machine.step_s`, the median of
     all, is the other figure)."""
     kept: dict[int, float] = {}
+    pooled = [g for m in machines for g in clear_gaps(m.events)]
+    fallback = statistics.fmean(pooled) if len(pooled) >= MIN_CLEAR else None
     for m in machines:
         per_step = (price or Machine.clear_step_s)(m)
+        per_step = fallback if per_step is None and price is None else per_step
         for _, step in m.steps:
             if step <= final and per_step is not None:
                 kept[step] = per_step  # a later machine that trained the step again replaces the earlier one
@@ -312,8 +319,10 @@ def reanalyse(result: Path, logs: Path, records: Path) -> list[dict]:
         for at, event in sorted(events, key=lambda e: e[0]):
             machines[max(0, sum(1 for t in starts if t <= at) - 1)].append((at, event))
         kept: dict[int, float] = {}
+        pooled = [g for events in machines for g in clear_gaps(events)]
         for events in machines:
             gaps = clear_gaps(events)
+            gaps = gaps if len(gaps) >= MIN_CLEAR else pooled
             for _, event in events:
                 if event["event"] == "step" and event["step"] <= cell["steps"] and gaps:
                     kept[event["step"]] = statistics.fmean(gaps)
