@@ -177,6 +177,13 @@ def test_the_size_estimate_counts_adam_for_trainable_parameters_and_a_frozen_bas
         model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))
     model[0].requires_grad_(False)  # the base, frozen; the head trains
     assert state_bytes(model) == (OVERHEAD + ADAM_COPIES * (100 * 10 + 10) * 4, (100 * 100 + 100) * 4)
+    from trainproof.proof.budget import plan_sizes
+
+    per_generation, frozen = state_bytes(model)
+    assert plan_sizes(per_generation, frozen, sharded=False) == {"state_bytes": per_generation, "frozen_bytes": frozen}
+    # FSDP shards keep the frozen base in every generation (stored apart only by a replicated run)
+    assert plan_sizes(per_generation, frozen, sharded=True) == {"state_bytes": per_generation + frozen,
+                                                                "frozen_bytes": 0}
 
 
 @pytest.mark.parametrize("steps_per_epoch,global_batch", [(4092, 8), (300, 32), (40, 1)])

@@ -78,6 +78,14 @@ def state_bytes(model: Any) -> tuple[int, int]:
     return OVERHEAD + ADAM_COPIES * trainable, frozen
 
 
+def plan_sizes(per_generation: int, frozen: int, *, sharded: bool) -> dict[str, int]:
+    """:class:`Plan`'s sizes: a sharded run keeps its frozen parameters in every generation's shards (only a
+    replicated run stores them apart, once), so there they count per generation, without Adam's moments."""
+    if sharded:
+        return {"state_bytes": per_generation + frozen, "frozen_bytes": 0}
+    return {"state_bytes": per_generation, "frozen_bytes": frozen}
+
+
 def check_budget(plan: Plan, *, max_steps: int, max_gib: float, cuts_given: bool, samples: int,
                  global_batch: int) -> None:
     """ConfigError (exit 2), one line naming what shrinks the plan, when it exceeds ``max_steps`` or ``max_gib``.

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from trainproof.errors import ConfigError
-from trainproof.proof.budget import Plan, check_budget, state_bytes
+from trainproof.proof.budget import Plan, check_budget, plan_sizes, state_bytes
 from trainproof.proof.check import AFTER, AGAIN, COMPARE, PHASES, REFERENCE, RESUMED, Check, Results, Skipped
 from trainproof.proof.clipping import ClipCheck
 from trainproof.proof.cuts import CutsCheck, again_step, plan_cuts
@@ -104,8 +104,7 @@ class Protocol(VerificationRunner):
             self.s = settings = replace(settings, steps=steps)
         if not settings.reuse:  # a reused reference's paths are not trained again
             self.plan = Plan.of(steps=steps, cut=settings.cut, extra_cuts=extra_cuts, steps_per_epoch=steps_per_epoch,
-                                every=settings.checkpoint_every, state_bytes=self.sizes[0],
-                                frozen_bytes=self.sizes[1])
+                                **plan_sizes(*self.sizes, sharded=settings.fsdp or bool(self.task.fsdp)))
             log.info("%s", self.plan.line())
             check_budget(self.plan, max_steps=settings.budget_steps, max_gib=settings.budget_gib,
                          cuts_given=settings.cuts is not None, samples=self.task.num_samples(),
