@@ -291,8 +291,8 @@ def _cached_pages(path) -> int:
 
 
 def test_a_folder_write_leaves_nothing_in_the_page_cache_so_the_read_back_reads_the_disk(tmp_path):
-    """Every way a folder store writes a file (bytes, a spool linked in, a spool copied from elsewhere) ends with the
-    file's pages dropped from the cache after its fsync: the commit's read-back that follows verifies what the device
+    """Every way a folder store writes a state file (bytes, a spool linked in, a spool copied from elsewhere) ends with
+    the file's pages dropped from the cache after its fsync (markers, under 1 MiB, stay): the commit's read-back that follows verifies what the device
     holds, not the pages the writer just filled. Without that, the whole file would still be cached here."""
     import subprocess
 
@@ -316,6 +316,8 @@ def test_a_folder_write_leaves_nothing_in_the_page_cache_so_the_read_back_reads_
         assert written[0] == size
         assert _cached_pages(run / name) == 0, name
         assert hashlib.sha256((run / name).read_bytes()).hexdigest() == written[1]  # read from the disk, same bytes
+    backend.write(str(run / "COMPLETE.json"), b"{}" * 100)  # a marker: small, read by every scan, stays cached
+    assert _cached_pages(run / "COMPLETE.json") == 1
 
 
 def _spool_bytes(size: int, seed: int) -> bytes:

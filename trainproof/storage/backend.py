@@ -250,7 +250,7 @@ class LocalBackend:
                         size += len(chunk)
                 fh.flush()
                 os.fsync(fh.fileno())
-                _drop_cached(fh.fileno())
+                _drop_cached(fh.fileno(), size)
             if create_only:
                 os.link(tmp, path)  # FileExistsError if another writer got there first
             else:
@@ -397,7 +397,7 @@ def _link_spool(spool: Spool, path: str, create_only: bool) -> tuple[int, str] |
             return None
         os.fchmod(fd, 0o666 & ~_umask())  # a spool is private (mkstemp: 0600); a stored file is as any other
         os.fsync(fd)
-        _drop_cached(fd)
+        _drop_cached(fd, st.st_size)
     finally:
         os.close(fd)
     target = path if create_only else os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
@@ -442,12 +442,17 @@ def _sendfile(src, dst) -> None:
         offset += sent
 
 
-def _drop_cached(fd: int) -> None:
+DROP_CACHED_BYTES = 2**20
+"""Files from this size on (states, not markers or manifests) leave the page cache once fsynced."""
+
+
+def _drop_cached(fd: int, size: int) -> None:
     """Ask the kernel to drop the file's cached pages, clean after its fsync: the read-back that verifies a commit
     then reads what the device holds, not the pages this process just wrote into memory (a write the disk lost or
     changed is caught, not masked by the cache). Best effort: a file system without a separate cache (tmpfs) or a
-    platform without ``posix_fadvise`` keeps them, and the read-back reads the cache as before."""
-    if hasattr(os, "posix_fadvise"):
+    platform without ``posix_fadvise`` keeps them, and the read-back reads the cache as before. Small files (under
+    :data:`DROP_CACHED_BYTES`: markers, manifests, records) stay cached: every scan reads them again."""
+    if size >= DROP_CACHED_BYTES and hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
