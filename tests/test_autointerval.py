@@ -93,6 +93,14 @@ def test_the_planner_counts_only_interruptions_that_lost_work_and_keeps_its_boun
                                       step_times=(20, 4.0, 10, 5.0))])
     assert AutoInterval.from_report(slowed, clock=clock).checkpoint_s == pytest.approx((1.6 + 10 * 0.3) / 2)
 
+    # Honoured stops lose no work but say how often the machine is interrupted: one SIGTERM 40 s in, and the share
+    # of stops that lose work is still 1/3 (one imagined of each kind): M = 40 / 1 / (1/3); ten honoured, none lost:
+    # the exposure / 10 / (1/12).
+    early = Report(attempts=[_attempt(0, 40, how="stopped", steps=(0, 20))])
+    assert AutoInterval.from_report(early, clock=clock).mtbi_s == pytest.approx(120.0)
+    calm = Report(attempts=[_attempt(100 * i, 100 * i + 100, how="stopped", steps=(20 * i, 20 * i + 20))
+                            for i in range(10)])
+    assert AutoInterval.from_report(calm, clock=clock).mtbi_s == pytest.approx(1000 / 10 * 12)
     # A stop whose final commit was skipped lost the steps after its commit: the next attempt resumed before them.
     lossy = Report(attempts=[_attempt(0, 100, how="stopped", steps=(0, 20)), _attempt(150, 250, how="done",
                                                                                       steps=(15, 30))])

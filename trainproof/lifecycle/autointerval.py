@@ -13,10 +13,12 @@ recommends) of two figures the run keeps up to date instead of figures an operat
 - **M**, the mean time between interruptions that *lose work*, from the run's attempt records
   (trainproof.train.attempts): an attempt killed without an end (SIGKILL, a crash, a lost machine), or stopped
   with steps after its last commit that the next attempt redid. A stop whose notice was honoured (SIGTERM or a
-  spot notice, the final step committed) costs a restart but loses no work: the interval cannot change what it
-  costs, so it is not counted. M is the exposure (the attempts' time from start to end or last record, plus this
-  process's own time so far) over the interruptions counted; with none yet, the larger of that exposure and the
-  planner's default (6 h): a run that has not been interrupted in 40 h does not expect one every 6 h.
+  spot notice, the final step committed) costs a restart but loses no work, yet it says how often the machine is
+  interrupted. So M is the exposure (the attempts' time from start to end or last record, plus this process's own
+  time so far) over all stops, divided by the share of stops that lose work, estimated as (lost + 1) / (stops + 2):
+  one SIGTERM after a minute is evidence of a spot market that interrupts often, and three honoured stops make the
+  next kill less likely than three kills do. With no stop yet, the larger of that exposure and the planner's default
+  (6 h): a run that has not been interrupted in 40 h does not expect one every 6 h.
 
 Until a commit has measured C (this process's or one in the records), the first commit comes at most :data:`FIRST_S`
 after training began (rank 0's clock, which reads the records, decides it for all ranks): on the planner's default C
@@ -120,10 +122,15 @@ class AutoInterval:
 
     @property
     def mtbi_s(self) -> float:
-        """M: mean seconds between interruptions that lose work."""
+        """M: mean seconds between interruptions that lose work: every stop, honoured or not, says how often this
+        machine is interrupted; the share of them that lose work is estimated with one imagined stop of each kind
+        added (Laplace's rule), so a run whose stops were all honoured so far still expects some not to be, and one
+        with only kills expects them all to be. No stop yet: the larger of the exposure and the planner's default."""
         exposure = self.past_exposure_s + (self._clock() - self._t0)
-        if self.interruptions:
-            return max(exposure / self.interruptions, 1.0)
+        stops = self.interruptions + self.cheap_stops
+        if stops:
+            lossy_share = (self.interruptions + 1) / (stops + 2)
+            return max(exposure / stops / lossy_share, 1.0)
         return max(_DEFAULTS.mtbi_s, exposure)
 
     def _plan(self) -> float:
