@@ -104,6 +104,7 @@ class Protocol(VerificationRunner):
             self.s = settings = replace(settings, steps=steps)
         if not settings.reuse:  # a reused reference's paths are not trained again
             self.plan = Plan.of(steps=steps, cut=settings.cut, extra_cuts=extra_cuts, steps_per_epoch=steps_per_epoch,
+                                every=settings.checkpoint_every,
                                 **plan_sizes(*self.sizes, sharded=settings.fsdp or bool(self.task.fsdp)))
             log.info("%s", self.plan.line())
             check_budget(self.plan, max_steps=settings.budget_steps, max_gib=settings.budget_gib,
