@@ -275,7 +275,10 @@ def damage_mid_run(dataset: dict[str, Any], store: Path, cache: Path, *args: str
             line = proc.stdout.readline()
             assert line, f"the run ended before step 2: {proc.stderr.read()}"
             seen.append(line)
-        shard.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])  # damaged in the bucket (a folder here) ...
+        # damaged in the bucket (a folder here), in one atomic replace: a reader never sees it half-written ...
+        damaged = shard.with_name(shard.name + ".damaged")
+        damaged.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])
+        os.replace(damaged, shard)
         for part in cache.glob("*/*"):  # ... and no longer cached: the next read of it fetches the damaged bytes
             if not part.name.startswith("."):
                 part.unlink()
