@@ -18,6 +18,8 @@ from tests.test_train_helpers import finish, start
 from trainproof.errors import ConfigError
 from trainproof.lifecycle.autointerval import FIRST_S, MAX_S, MIN_S, AutoInterval
 from trainproof.lifecycle.goodput import Attempt, Report
+from trainproof.lifecycle.goodput import _attempt as parse_attempt
+from trainproof.train.attempts import SCHEMA
 from trainproof.lifecycle.planner import PlanInputs, daly_interval
 from trainproof.train.config import TrainConfig
 from trainproof.train.loop import train as train_in_process
@@ -115,6 +117,18 @@ def test_the_planner_counts_only_interruptions_that_lost_work_and_keeps_its_boun
 
     fresh.observe_commit(blocked_s=0.001, commit_s=40.0)  # cheap to block, slow to land: never shorter than a commit
     assert fresh.interval_s == 40.0 and fresh.change()["previous_s"] is not None
+    # Nor is a new process's first interval, before it has landed one of its own: the newest attempt's commits say
+    # how long one takes to land (the median of its newest; a record that lists no durations says nothing).
+    slow = Report(attempts=[replace(_attempt(0, 40, how="stopped", steps=(0, 20), commits=3, blocked=0.01),
+                                    commit_seconds=[30.0, 50.0, 45.0]),
+                            _attempt(50, 60, how="stopped", steps=(20, 20), commits=0)])
+    assert daly_interval(0.01, 50 / 2 / (1 / 4)) < 45.0 == AutoInterval.from_report(slow, clock=clock).interval_s
+    unlisted = Report(attempts=[_attempt(0, 40, how="stopped", steps=(0, 20), commits=3, blocked=0.01)])
+    assert AutoInterval.from_report(unlisted, clock=clock).interval_s < 45.0
+    record = {"schema": SCHEMA, "started_at": "2026-01-01T00:00:00+00:00", "updated_at": "2026-01-01T00:01:00+00:00",
+              "recent_commits": [{"step": 5, "seconds": 12.5}, {"step": 6, "seconds": -1}, {"step": 7, "seconds": "x"},
+                                 {"step": 8}, "junk", {"step": 9, "seconds": 1e300}, {"step": 10, "seconds": 7}]}
+    assert parse_attempt("planted.json", record).commit_seconds == [12.5, 7.0]  # what is not a duration: left out
 
     # Steps slowed beside a commit are part of what it costs: 4 steps of 0.5 s beside it, clear steps 0.2 s.
     slowed = AutoInterval(clock=clock)

@@ -24,7 +24,8 @@ Until a commit has measured C (this process's or one in the records), the first 
 after training began (rank 0's clock, which reads the records, decides it for all ranks): on the planner's default C
 a fresh run would wait 26 minutes, unprotected, for its first generation. The interval is bounded: at least
 :data:`MIN_S` and at least the median time a background commit takes to land (a shorter interval would only queue
-commits behind each other), at most :data:`MAX_S` (a long, quiet run still leaves a generation every hour). It is
+commits behind each other; before this process has landed one, the newest attempt record's), at most :data:`MAX_S`
+(a long, quiet run still leaves a generation every hour). It is
 re-planned after every commit; a change of more than :data:`CHANGE` is logged (event ``checkpoint_interval``), and
 so is the first plan. Each rank plans from its own commits; rank 0, which reads the attempt records, has the whole
 picture, and a checkpoint is due when any rank's clock says so.
@@ -65,10 +66,12 @@ class AutoInterval:
     """The seconds between commits of ``--checkpoint-every auto`` (the trainer's ``IntervalPolicy``)."""
 
     def __init__(self, *, past_exposure_s: float = 0.0, interruptions: int = 0, cheap_stops: int = 0,
-                 past_checkpoint_s: float | None = None, reads_records: bool = True,
-                 clock: Any = time.monotonic) -> None:
+                 past_checkpoint_s: float | None = None, past_commit_s: float | None = None,
+                 reads_records: bool = True, clock: Any = time.monotonic) -> None:
         self.past_exposure_s, self.interruptions, self.cheap_stops = past_exposure_s, interruptions, cheap_stops
         self.past_checkpoint_s = past_checkpoint_s
+        self.past_commit_s = past_commit_s
+        """The median seconds a commit of the previous attempt took to land: the floor until this process's own."""
         self.reads_records = reads_records
         """False on ranks other than 0: they read no records, so an unmeasured C says nothing; rank 0's clock (which
         has the records) brings the first commit forward when the run has none."""
@@ -93,8 +96,10 @@ class AutoInterval:
         interference = dict(zip(map(id, attempts), report.interference()))
         newest = with_commits[-1] if with_commits else None
         past_c = (newest.blocked_s + interference[id(newest)]) / newest.commits if newest else None
+        landed = [a.commit_seconds for a in attempts if a.commit_seconds]
         return cls(past_exposure_s=exposure, interruptions=len(lost), cheap_stops=len(cheap),
-                   past_checkpoint_s=past_c, **kwargs)
+                   past_checkpoint_s=past_c,
+                   past_commit_s=statistics.median(landed[-1][-WINDOW:]) if landed else None, **kwargs)
 
     @classmethod
     def from_store(cls, store: GenerationStore | None) -> AutoInterval:
@@ -134,7 +139,8 @@ class AutoInterval:
         return max(_DEFAULTS.mtbi_s, exposure)
 
     def _plan(self) -> float:
-        floor = max(MIN_S, statistics.median(self._commits[-WINDOW:]) if self._commits else 0.0)
+        landing = statistics.median(self._commits[-WINDOW:]) if self._commits else self.past_commit_s
+        floor = max(MIN_S, landing or 0.0)
         measured = self._cost or self.past_checkpoint_s is not None or not self.reads_records
         ceiling = MAX_S if measured else FIRST_S
         return min(ceiling, max(floor, daly_interval(self.checkpoint_s, self.mtbi_s)))

@@ -77,6 +77,8 @@ class Attempt:
     """Whether the record names the step it resumed from (it had restored, or started fresh, and begun)."""
     commit_steps: list[int] = field(default_factory=list)
     """Steps of its newest commits (the record lists at most its last 200)."""
+    commit_seconds: list[float] = field(default_factory=list)
+    """Seconds each of its newest commits took from its start to committed (as many as :attr:`commit_steps`)."""
     step_times: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
     """Steps that ended clear of a background commit (count, seconds), and beside one (count, seconds)."""
 
@@ -187,7 +189,9 @@ def _attempt(name: str, doc: Any) -> Attempt:
                    committed_step=None if doc.get("committed_step") is None else _count(doc["committed_step"],
                                                                                       "committed_step"),
                    finish_s=_secs(doc.get("finish_s")), restored=doc.get("resumed_from") is not None,
-                   commit_steps=_commit_steps(doc.get("recent_commits")), step_times=_step_times(doc.get("step_times")))
+                   commit_steps=_commit_steps(doc.get("recent_commits")),
+                   commit_seconds=_commit_seconds(doc.get("recent_commits")),
+                   step_times=_step_times(doc.get("step_times")))
 
 
 def _step_times(value: Any) -> tuple[int, float, int, float]:
@@ -206,6 +210,19 @@ def _commit_steps(value: Any) -> list[int]:
         return []
     return [c["step"] for c in value[-MAX_COMMITS:] if isinstance(c, dict) and isinstance(c.get("step"), int)
             and not isinstance(c["step"], bool) and 0 <= c["step"] < 2**62]
+
+
+def _commit_seconds(value: Any) -> list[float]:
+    """The seconds of a record's ``recent_commits`` (``{"seconds": s, ...}``); what is not a duration is left out."""
+    if not isinstance(value, list):
+        return []
+    out = []
+    for c in value[-MAX_COMMITS:]:
+        try:
+            out.append(_secs(c.get("seconds")) if isinstance(c, dict) and c.get("seconds") is not None else None)
+        except ValueError:
+            out.append(None)
+    return [s for s in out if s is not None]
 
 
 def _time(value: Any) -> float:
