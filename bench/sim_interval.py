@@ -35,7 +35,7 @@ fails.
 
     python bench/sim_interval.py                       # 3 rates x 200 seeds x 8 h: auto against the sweep
     python bench/sim_interval.py --mtbi 180 --seeds 50 --wall 3600
-    python bench/sim_interval.py --replay bench/out/goodput-*.json   # the model against measured cells
+    python bench/sim_interval.py --replay bench/goodput-1gib-cells.json   # the model against measured cells
 
 Prints a table per rate (mean goodput over the seeds, its standard error, auto minus the best fixed interval with a
 paired standard error: every policy of a seed sees the same interruptions and commit times) and writes
@@ -381,7 +381,8 @@ def main() -> None:
                             help=f"{HELP[name]} (default {value:g})")
     ap.add_argument("--land", type=float, nargs=2, default=Costs.land, metavar=("MIN", "MAX"),
                     help="a background commit lands uniformly this many seconds after it began (default 8 18)")
-    ap.add_argument("--replay", nargs="+", help="bench_goodput result files: the model against their cells")
+    ap.add_argument("--replay", nargs="+", help="bench_goodput result files (or bench/goodput-1gib-cells.json): the "
+                    "model against their cells")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "sim_interval.json"))
     args = ap.parse_args()
     args.mtbi = args.mtbi or [180.0, 600.0, 1800.0]
