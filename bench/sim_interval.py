@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.bench_goodput import schedule  # noqa: E402 - the harness's schedules: same seed, same times
 from trainproof.lifecycle.autointerval import CLEAR_WINDOW, WINDOW, AutoInterval  # noqa: E402
 from trainproof.train.attempts import REFRESH_S  # noqa: E402
 from trainproof.train.saver import final_commit_skip, save_due  # noqa: E402
@@ -286,17 +287,6 @@ class Run:
                 record.lost = True  # stopped with steps the next attempt redoes
         record.stop = t
         return min(t + c.exit, deadline), how
-
-
-def schedule(mtbi: float, wall: float, kill_share: float, seed: int) -> list[tuple[float, str]]:
-    """The harness's schedule (bench/bench_goodput.py), same seed, same times."""
-    rng = random.Random(seed)
-    out, t = [], 0.0
-    while True:
-        t += rng.expovariate(1.0 / mtbi)
-        if t >= wall:
-            return out
-        out.append((t, "sigkill" if rng.random() < kill_share else "sigterm"))
 
 
 def one(costs: Costs, every: float | None, events, wall: float, seed: int) -> tuple[float, list[float]]:
