@@ -157,6 +157,13 @@ def test_a_read_back_of_many_digest_parts_hashes_them_on_the_fetching_threads(ex
         assert len(threads) > 1
     plain = hashed_parts(lambda a, b: data[a:b], size, FileHasher(0), part_size=part, concurrency=3)
     assert plain[1] == hashlib.sha256(data[: size + 1]).hexdigest()
+    # A download (a sink) is written by one thread, in order, whatever the digest: fetching threads that each wrote
+    # their own parts into the one file cost several times the system time (bench_s3's resume).
+    writes: list[tuple[int, int]] = []
+    sunk = hashed_parts(lambda a, b: data[a:b], size, FileHasher(digest_part), part_size=part, concurrency=3,
+                        sink=lambda offset, chunk: writes.append((threading.get_ident(), offset)))
+    assert sunk == got and {t for t, _ in writes} == {threading.get_ident()}
+    assert [o for _, o in writes] == sorted(o for _, o in writes) and len(writes) >= size // part
 
 
 def test_commit_and_spooled_load_of_a_large_object_stay_within_the_parts_in_flight(store_url, tmp_path):
