@@ -97,7 +97,8 @@ def test_steps_slowed_beside_a_background_commit_are_checkpoint_interference_not
     assert result.code == 0, result.stderr
     record = json.loads(next((tmp_path / "run" / "attempts").glob("*.json")).read_text())
     times = record["step_times"]
-    assert times["commit_n"] >= 3 and times["clear_n"] >= 10 and times["commit_n"] + times["clear_n"] <= 40, times
+    # Every step but the first (warm-up) is timed: the one after a checkpoint began from the end of its blocked time.
+    assert times["commit_n"] >= 3 and times["clear_n"] >= 10 and times["commit_n"] + times["clear_n"] == 39, times
     done = report(tmp_path / "run", "--json")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)

@@ -92,10 +92,9 @@ class AutoInterval:
         lost = [a for a, r in zip(attempts, redone) if a.end is None or (a.end == "stopped" and r > 0)]
         cheap = [a for a, r in zip(attempts, redone) if a.end == "stopped" and r == 0]
         exposure = sum(max(0.0, a.stop - a.started) for a in attempts)
-        with_commits = [a for a in attempts if a.commits]
-        interference = dict(zip(map(id, attempts), report.interference()))
-        newest = with_commits[-1] if with_commits else None
-        past_c = (newest.blocked_s + interference[id(newest)]) / newest.commits if newest else None
+        past_c = next(((a.blocked_s + i) / a.commits for a, i in zip(reversed(attempts),
+                                                                     reversed(report.interference())) if a.commits),
+                      None)  # the newest attempt with commits, per commit
         landed = [a.commit_seconds for a in attempts if a.commit_seconds]
         return cls(past_exposure_s=exposure, interruptions=len(lost), cheap_stops=len(cheap),
                    past_checkpoint_s=past_c,
@@ -138,18 +137,23 @@ class AutoInterval:
             return max(exposure / stops / lossy_share, 1.0)
         return max(_DEFAULTS.mtbi_s, exposure)
 
-    def _plan(self) -> float:
+    def bounds(self) -> tuple[float, float]:
+        """The interval's floor (MIN_S, or longer: the time a commit takes to land) and ceiling (MAX_S; FIRST_S
+        while nothing has measured C)."""
         landing = statistics.median(self._commits[-WINDOW:]) if self._commits else self.past_commit_s
-        floor = max(MIN_S, landing or 0.0)
         measured = self._cost or self.past_checkpoint_s is not None or not self.reads_records
-        ceiling = MAX_S if measured else FIRST_S
+        return max(MIN_S, landing or 0.0), MAX_S if measured else FIRST_S
+
+    def _plan(self) -> float:
+        floor, ceiling = self.bounds()
         return min(ceiling, max(floor, daly_interval(self.checkpoint_s, self.mtbi_s)))
 
     # -- the trainer's side ----------------------------------------------------------------------------------
     def observe_step(self, seconds: float, *, beside_commit: bool, after_commit: bool = False) -> None:
-        """A step took ``seconds`` (not the one a checkpoint began in: its blocked time is counted apart), ending while
-        a commit was in flight, right after one landed (``after_commit``: what follows a commit, freeing its snapshot,
-        the server finishing its writes, is still its cost: added to the commit that landed), or clear of any."""
+        """A step took ``seconds`` (one a checkpoint began before is timed from the end of its blocked time, counted
+        apart), ending while a commit was in flight, right after one landed (``after_commit``: what follows a
+        commit, freeing its snapshot, the server finishing its writes, is still its cost: added to the commit that
+        landed), or clear of any."""
         if after_commit and not beside_commit and self._cost:
             if self._clear:
                 self._cost[-1] += max(0.0, seconds - statistics.fmean(self._clear))
@@ -185,4 +189,4 @@ class AutoInterval:
         return {"interval_s": round(self.interval_s, 1), "previous_s": None if previous is None else round(previous, 1),
                 "checkpoint_s": round(self.checkpoint_s, 3), "mtbi_s": round(self.mtbi_s, 1),
                 "interruptions": self.interruptions, "cheap_stops": self.cheap_stops,
-                "bounds_s": [MIN_S, MAX_S]}
+                "bounds_s": [round(b, 1) for b in self.bounds()]}

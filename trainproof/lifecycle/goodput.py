@@ -78,19 +78,16 @@ class Attempt:
     commit_steps: list[int] = field(default_factory=list)
     """Steps of its newest commits (the record lists at most its last 200)."""
     commit_seconds: list[float] = field(default_factory=list)
-    """Seconds each of its newest commits took from its start to committed (as many as :attr:`commit_steps`)."""
+    """Seconds its newest commits took from their start to committed: the valid durations among them (not aligned
+    with :attr:`commit_steps`: each list drops what is not one of its kind)."""
     step_times: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
     """Steps that ended clear of a background commit (count, seconds), and beside one (count, seconds)."""
 
-    @property
-    def interference_s(self) -> float:
-        """What background commits cost the steps that ran beside them: their count times how much longer they took
-        on average than the steps clear of one (0 with fewer than MIN_STEPS of either), at most the training time."""
-        return self.interference()
-
     def interference(self, run_clear_mean: float | None = None) -> float:
-        """:attr:`interference_s`; an attempt with fewer than MIN_STEPS steps clear of a commit (commits back to
-        back) measured against ``run_clear_mean``, the mean clear step of the run's attempts, when given."""
+        """What background commits cost the steps that ran beside them: their count times how much longer they took
+        on average than the steps clear of one, at most the training time; 0 with fewer than MIN_STEPS beside one.
+        With fewer than MIN_STEPS clear of one (commits back to back), measured against ``run_clear_mean``, the
+        mean clear step of the run's attempts, when given (else 0)."""
         clear_n, clear_s, commit_n, commit_s = self.step_times
         clear_mean = clear_s / clear_n if clear_n >= MIN_STEPS else run_clear_mean
         if clear_mean is None or commit_n < MIN_STEPS:

@@ -18,8 +18,9 @@ from trainproof.errors import ConfigError
 
 ADAM_COPIES = 3
 """The bytes of a generation, estimated as the trainable parameters this many times over (weights plus Adam's two
-moments). Frozen parameters (a LoRA's base) are no generation's: each path's run stores them once, as a shared object
-(trainproof.train.frozen)."""
+moments). Frozen parameters (a LoRA's base) are no generation's in a replicated run: each path's run stores them
+once, as a shared object (trainproof.train.frozen); a sharded one keeps them in every generation's shards
+(:func:`plan_sizes`)."""
 OVERHEAD = 32 * 2**10
 """And this much more: the manifest, the history rows, the generators' states."""
 

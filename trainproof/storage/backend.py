@@ -213,8 +213,9 @@ class LocalBackend:
     """A local folder.  Writes go to a hidden temp file in the same folder, are fsynced, then published by
     ``os.replace`` (overwrite) or ``os.link`` (create-only: fails atomically if the name exists), so a
     reader never sees a half-written file under its final name and a crash leaves only a ``.tmp-`` file.
-    Once fsynced, a file's pages are dropped from the page cache, so the read-back that verifies it reads the
-    device (:func:`_drop_cached`)."""
+    Once fsynced, a file of :data:`DROP_CACHED_BYTES` or more (a state) has its pages dropped from the page
+    cache, so the read-back that verifies it reads the device (:func:`_drop_cached`); markers, manifests and records
+    stay cached."""
 
     def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:
         folder, name = os.path.split(path)

@@ -64,14 +64,17 @@ class AttemptRecorder(Reporter):
         self._closed = False
         self._began: float | None = None
         self._last_step_at: float | None = None
+        self._step_from: float | None = None
+        """Where the next step's duration starts: the previous step's end, or the end of a checkpoint's blocked time."""
         self._in_flight = 0
         """Commits begun and not yet landed (or failed): steps ending meanwhile ran beside a background commit."""
         self._touched = False
         """A commit landed (or failed) since the last step ended: the next step counts as beside a commit (what
         follows a commit, freeing its snapshot, the server finishing its writes and deletes, still slows it)."""
         self._skip_step = True
-        """The next step's duration is not counted: the first (warm-up) or one a checkpoint began in (its blocked
-        time is counted apart)."""
+        """The next step's duration is not counted: the first (warm-up), or one a checkpoint began before whose
+        blocked time has not ended (``checkpoint_snapshot`` times it from there; the blocked time is counted
+        apart)."""
         self._last_write = time.monotonic()
         self._warned = False
         self._thread = threading.Thread(target=self._writer, name="trainproof-attempt", daemon=True)
@@ -94,13 +97,13 @@ class AttemptRecorder(Reporter):
         now = time.monotonic()
         with self._lock:
             self.record["last_step"] = record["step"]
-            if self._last_step_at is not None and not self._skip_step:
+            if self._step_from is not None and not self._skip_step:
                 kind = "commit" if self._in_flight or self._touched else "clear"
                 times = self.record["step_times"]
                 times[f"{kind}_n"] += 1
-                times[f"{kind}_s"] = round(times[f"{kind}_s"] + (now - self._last_step_at), 6)
+                times[f"{kind}_s"] = round(times[f"{kind}_s"] + (now - self._step_from), 6)
             self._skip_step = self._touched = False
-            self._last_step_at = now
+            self._last_step_at = self._step_from = now
             self._set_train_s()
         if now - self._last_write >= self.refresh_s:
             self._dirty.set()
@@ -118,7 +121,10 @@ class AttemptRecorder(Reporter):
                                    startup_s=round(max(0.0, now - self._t0 - restore), 3))
             elif name == "checkpoint_begin":
                 self._in_flight += 1
-                self._skip_step = True
+                self._skip_step = True  # the step ended before the blocked time began, the next one after it ends
+                return
+            elif name == "checkpoint_snapshot":  # training resumes: the next step is timed from here, as auto does
+                self._step_from, self._skip_step = now, self._step_from is None
                 return
             elif name in ("checkpoint", "checkpoint_failed"):
                 self._in_flight = max(0, self._in_flight - 1)

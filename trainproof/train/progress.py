@@ -104,8 +104,8 @@ class RichReporter(Reporter):
         )
 
     def event(self, name: str, **fields: Any) -> None:
-        if name == "checkpoint_begin":
-            return  # JSON logs keep it (it timestamps the save's start); on a terminal it is noise
+        if name in ("checkpoint_begin", "checkpoint_snapshot"):
+            return  # JSON logs keep them (the save's start, the end of its blocked time); on a terminal, noise
         if name == "start":
             self.console.print(start_line({k: escape(safe(v, 500)) if isinstance(v, str) else v
                                            for k, v in fields.items()}), highlight=False)

@@ -156,8 +156,13 @@ class Saving:
         self._touched = True
         if self.interval is not None:
             self.interval.observe_commit(seconds if self._blocked is None else self._blocked, seconds)
+            self._replanned()
+
+    def _replanned(self) -> None:
+        """The auto interval may have moved: the clock follows it at once, and a change worth it is logged."""
+        if self.interval is not None:
             self.clock.every_seconds = self.interval.interval_s
-            self._log_interval()
+        self._log_interval()
 
     def _log_interval(self) -> None:
         change = self.interval.change() if self.interval is not None else None
@@ -194,6 +199,8 @@ class Saving:
         if self._step_at is not None and not self._skip_step:
             self.interval.observe_step(now - self._step_at, beside_commit=self.saver.in_flight is not None,
                                        after_commit=self._touched)
+            if self._touched:  # the step after a landing added to that commit's cost: the interval is re-planned
+                self._replanned()
         self._step_at, self._skip_step, self._touched = now, first, False  # after the first: the warm-up step
 
     def save(self, step: int, capture: Callable[[], Capture]) -> None:
@@ -209,6 +216,7 @@ class Saving:
         self.saver.save(capture(), blocked_since=t0)
         self._blocked = time.perf_counter() - t0
         self._step_at = time.perf_counter()  # the next step is timed from here: its blocked time is counted apart
+        self.reporter.event("checkpoint_snapshot", step=step, blocked_s=round(self._blocked, 4))  # the record too
         self.clock.mark()
 
     def finish(self, step: int, reason: str, *, stop: StopFlags, stop_seen_at: float | None,
