@@ -98,13 +98,17 @@ def test_steps_slowed_beside_a_background_commit_are_checkpoint_interference_not
     record = json.loads(next((tmp_path / "run" / "attempts").glob("*.json")).read_text())
     times = record["step_times"]
     # Every step but the first (warm-up) is timed: the one after a checkpoint began from the end of its blocked time.
-    assert times["commit_n"] >= 3 and times["clear_n"] >= 10 and times["commit_n"] + times["clear_n"] == 39, times
+    assert times["commit_n"] >= record["commits"] + 3 and times["clear_n"] >= 10, (times, record)
+    assert times["commit_n"] + times["clear_n"] == 39, times
     done = report(tmp_path / "run", "--json")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     interference = doc["buckets"]["checkpoint_interference"]["seconds"]
+    # The step after each landing counts as beside its commit (freeing the snapshot slows it in a real run) but the
+    # hook only slows steps while a commit runs: at most one such step per commit is not slowed here.
     slowed = times["commit_n"] * extra
-    assert 0.7 * slowed <= interference <= slowed + times["commit_n"] * budget(0.1), (interference, times)
+    assert 0.7 * (times["commit_n"] - record["commits"]) * extra <= interference, (interference, times, record)
+    assert interference <= slowed + times["commit_n"] * budget(0.1), (interference, times)
     (attempt,) = doc["attempts"]
     assert attempt["checkpoint_interference_s"] == pytest.approx(interference, abs=0.002)
     assert doc["buckets"]["productive"]["seconds"] == pytest.approx(attempt["train_s"] - interference, abs=0.01)
