@@ -238,6 +238,8 @@ class Run:
                 t += k * dur
                 return self.stop(t, dur, pending.pop(0), step, inflight, measured, record, ready, collect)
             self._feed(auto, n, dur, inflight is not None, touched)
+            if touched and auto is not None:  # the step after a landing re-plans; the trainer's clock follows
+                every = auto.interval_s
             touched = False
             step += n
             t = end_at
