@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import threading
 import tracemalloc
 from dataclasses import replace
 
 import pytest
 
+from trainproof.storage import digest
 from trainproof.storage import CorruptGenerationError, StoreOptions, open_store
 from trainproof.storage.backend import CHUNK
 from trainproof.storage.spool import Spool, SpoolWriter, download, hashed_ranges, spans
@@ -71,6 +73,44 @@ def test_spool_writer_hashes_what_it_writes_and_discards_on_error(tmp_path):
             out.write(b"partial")
             raise RuntimeError("serialisation failed")
     assert not os.path.exists(out.path), "a failed serialisation leaves no spool file behind"
+
+
+def test_a_spool_hashes_the_parts_of_a_large_write_beside_it_and_before_it_returns(tmp_path, monkeypatch):
+    # Parts of 1 MiB: writes of 4 MiB and more are hashed on the pool, piece by part, while the file is written.
+    monkeypatch.setattr(digest, "PART_BYTES", 2**20)
+    rng = random.Random(7)
+    sizes = [5, 4 * 2**20, 2**20 - 3, 9 * 2**20 + 11, 100, 4 * 2**20 + 2**19, 6 * 2**20]
+    written = bytearray()
+    with SpoolWriter(str(tmp_path)) as out:
+        for n in sizes:
+            buf = bytearray(rng.randbytes(n))
+            assert out.write(memoryview(buf)) == n
+            written += buf
+            buf[:] = bytes(n)  # the caller reuses its buffer once write returned: the digest must not see this
+    spool = out.finish()
+    expected = digest.FileHasher(2**20)
+    expected.update(written)
+    with open(spool.path, "rb") as fh:
+        assert fh.read() == written
+    assert (spool.size, spool.sha256) == (len(written), expected.hexdigest())
+    assert len(expected.digest().parts) == -(-len(written) // 2**20) > 20, "the writes crossed many parts"
+
+
+def test_a_spool_write_of_more_than_2_gib_writes_every_byte(tmp_path):
+    # Linux writes at most 2 GiB - 4 KiB per write call: one tensor that large (an embedding's float32 Adam moment)
+    # is one write of torch.save. The buffer is calloc'd: its pages cost nothing until read.
+    size = 2**31 + 4096 + 7
+    buf = bytearray(size)
+    buf[-8:] = b"the tail"
+    with SpoolWriter(str(tmp_path)) as out:
+        out.write(buf)
+    spool = out.finish()
+    try:
+        assert os.path.getsize(spool.path) == spool.size == size
+        assert spool.read_range(size - 8, size) == b"the tail"
+        assert spool.sha256 == digest.digest_bytes(buf)
+    finally:
+        spool.unlink()
 
 
 @pytest.mark.parametrize("size", [0, 1, PART - 1, PART, PART + 1, 3 * PART + 17])

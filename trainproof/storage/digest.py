@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from trainproof.storage.pieces import as_pieces
 
@@ -101,7 +101,7 @@ class FileHasher:
 
     def __init__(self, part_bytes: int | None = None) -> None:
         self.part_bytes = default_part_bytes() if part_bytes is None else part_bytes  # 0: one part, plain sha256
-        self._parts: list[str] = []
+        self._parts: list = []  # hex digests, or a part's sha256 object until digest() (update_on)
         self._sha = hashlib.sha256()
         self._filled = 0
 
@@ -124,11 +124,31 @@ class FileHasher:
                 self._parts.append(self._sha.hexdigest())
                 self._sha, self._filled = hashlib.sha256(), 0
 
+    def update_on(self, data, pool: Executor) -> list[Future]:
+        """:meth:`update`, with the pieces that fall into different parts hashed at once on ``pool``'s threads;
+        returns their futures. Each part has its own sha256, so only the bytes of one part are ordered, and one call
+        gives each part at most one piece. The caller keeps ``data`` unchanged and waits for every future (the
+        result, so an error surfaces) before its next update or :meth:`digest`. A plain hasher (one part) hashes its
+        piece on one thread."""
+        view = memoryview(data).cast("B")
+        jobs: list[Future] = []
+        while view.nbytes:
+            take = view.nbytes if not self.part_bytes else min(view.nbytes, self.part_bytes - self._filled)
+            jobs.append(pool.submit(self._sha.update, view[:take]))
+            self._filled += take
+            view = view[take:]
+            if self.part_bytes and self._filled == self.part_bytes:
+                self._parts.append(self._sha)  # its hexdigest is taken in digest(), once its piece is hashed
+                self._sha, self._filled = hashlib.sha256(), 0
+        return jobs
+
     def digest(self) -> Digest:
         """The digest of everything fed so far."""
         if not self.part_bytes:
             return Digest(self._sha.hexdigest())
-        parts = self._parts + ([self._sha.hexdigest()] if self._filled or not self._parts else [])
+        done = [p if isinstance(p, str) else p.hexdigest() for p in self._parts]
+        self._parts = done
+        parts = done + ([self._sha.hexdigest()] if self._filled or not done else [])
         return of_parts(parts, self.part_bytes)
 
     def hexdigest(self) -> Digest:

@@ -2,10 +2,11 @@
 
 A checkpoint of a 1-8 B-parameter model is 12-100 GB. Held as ``bytes`` it would need that much RAM again (and
 again for the read-back). Instead the writer serialises straight into a :class:`Spool` (a local file, sha256 and
-size computed while the bytes go by), the backend uploads from it (parallel multipart parts read with
-``os.pread``: memory is the parts in flight, not the object), the read-back verification streams the stored
-object through sha256 in parallel ranged reads (:func:`hashed_ranges`), and the caller's content check reads
-the spool itself: bytes proven identical to the stored ones by the hash.
+size computed while the bytes go by: a tensor's digest parts on other cores while this one writes it), the
+backend uploads from it (parallel multipart parts read with ``os.pread``: memory is the parts in flight, not the
+object), the read-back verification streams the stored object through sha256 in parallel ranged reads
+(:func:`hashed_ranges`), and the caller's content check reads the spool itself: bytes proven identical to the
+stored ones by the hash.
 
 Loading does the same in reverse: :func:`download` fetches an object in parallel ranges into a new spool,
 hashing the ranges in order as they arrive; the caller then maps the file (``torch.load(mmap=True)``) instead
@@ -20,14 +21,15 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import closing
 from dataclasses import dataclass
 from itertools import islice
 from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar
 
-from trainproof.storage.digest import FileHasher
+from trainproof.storage.digest import FileHasher, cores
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -75,6 +77,33 @@ class Spool:
             pass
 
 
+def write_all(fh: BinaryIO, view: memoryview) -> None:
+    """Write all of ``view`` to an unbuffered file: one ``write`` may write less (Linux writes at most 2 GiB - 4 KiB
+    per call, so one tensor of 2 GiB or more, an embedding's Adam moment in float32, would lose its tail)."""
+    while view.nbytes:
+        written = fh.write(view)
+        if not written:
+            raise OSError(f"writing {view.nbytes} bytes to {getattr(fh, 'name', 'a spool')} made no progress")
+        view = view[written:]
+
+
+HASH_BESIDE_BYTES = 4 * 2**20
+"""A spool write of at least this many bytes (a tensor's storage) is hashed on :func:`hash_pool`'s threads while it
+is written; smaller ones (the pickle, headers) inline."""
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """The process's threads that hash spool writes (the cores it may use, at most 8), made at the first use; a
+    forked child (whose copy has no threads) makes its own."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(min(8, cores()), thread_name_prefix="trainproof-hash"))
+        return _POOL[1]
+
+
 def spool_dir(directory: str | None = None) -> str:
     """The folder spools go to: ``directory``, else ``TRAINPROOF_SPOOL_DIR``, else the system temp folder."""
     folder = directory or os.environ.get("TRAINPROOF_SPOOL_DIR") or tempfile.gettempdir()
@@ -96,9 +125,21 @@ class SpoolWriter:
         self.spool: Spool | None = None
 
     def write(self, data) -> int:
-        view = memoryview(data)
-        self._sha.update(view)  # hashlib releases the GIL for large buffers
-        self._fh.write(view)  # unbuffered: the view is written as is, no copy
+        view = memoryview(data).cast("B")
+        if view.nbytes < HASH_BESIDE_BYTES:
+            self._sha.update(view)
+            write_all(self._fh, view)
+        else:
+            # The digest's parts hashed on other threads while this one writes (hashlib and the write both release
+            # the GIL): the bytes are read twice at once instead of one pass after the other. Every piece is hashed
+            # before this returns: the caller (torch.save) may reuse its buffer then.
+            pending = self._sha.update_on(view, hash_pool())
+            try:
+                write_all(self._fh, view)
+            finally:
+                wait(pending)
+            for job in pending:
+                job.result()
         self._size += view.nbytes
         return view.nbytes
 
@@ -174,10 +215,19 @@ def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_si
     sha, seen = hasher or FileHasher(), 0
     with closing(in_order(lambda r: read_range(*r), ranges, concurrency, "trainproof-range")) as reads:
         for (start, end), data in reads:
-            if digest:
+            beside = digest and sink is not None and len(data) >= HASH_BESIDE_BYTES
+            if digest and not beside:
                 sha.update(data)
             if sink is not None and data:
-                sink(start, data)
+                # A large part is hashed on the pool while this thread hands it on (a download's pwrite: both
+                # release the GIL), and done before the next part.
+                pending = sha.update_on(data, hash_pool()) if beside else []
+                try:
+                    sink(start, data)
+                finally:
+                    wait(pending)
+                for job in pending:
+                    job.result()
             seen += len(data)
             short = len(data) < end - start
             del data
