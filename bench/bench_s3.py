@@ -31,6 +31,7 @@ children's path only; ``--peers none`` measures what imports without them.
 
     .venv/bin/python bench/bench_s3.py --sizes 1024,4096 --reps 3        # starts its own RGW (root: installs it)
     .venv/bin/python bench/bench_s3.py --sizes 1024 --modes commit_store,save_store,save_floor,save_s3tc
+    .venv/bin/python bench/bench_s3.py --sizes 1024 --modes save_store,resume_store --before /tmp/older  # MODE@before
     AWS_ENDPOINT_URL=http://... .venv/bin/python bench/bench_s3.py --bucket B --sizes 1024   # an existing server
 
 Medians per measurement, the ratios of the goals, the machine and versions go to stdout and ``--out``
@@ -378,13 +379,17 @@ def server_cpu_s() -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def child_env() -> dict:
+def child_env(root: str = ROOT) -> dict:
     """The children's environment: the peers' folder after the checkout on the path."""
-    paths = [ROOT] + ([PEERS_DIR[0]] if PEERS_DIR[0] else [])
+    paths = [root] + ([PEERS_DIR[0]] if PEERS_DIR[0] else [])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
 
 PEERS_DIR: list[str | None] = [None]
+BEFORE: list[str | None] = [None]
+"""``--before``: another checkout, whose own bench/bench_s3.py runs the ``MODE@before`` children."""
+COMPARED = ("commit_store", "save_store", "resume_store")
+"""The store's modes ``--before`` also runs from the other checkout."""
 
 
 def install_peers(folder: str) -> None:
@@ -398,8 +403,11 @@ def install_peers(folder: str) -> None:
 
 def run_child(mode: str, args: dict) -> dict:
     t0, server0 = time.time(), server_cpu_s()
-    proc = subprocess.run([sys.executable, __file__, "child", mode, json.dumps(args)], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=3600)
+    mode, _, side = mode.partition("@")
+    root = BEFORE[0] if side == "before" and BEFORE[0] else ROOT
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_s3.py"), "child", mode,
+                           json.dumps(args)], cwd=root, env=child_env(root), capture_output=True, text=True,
+                          timeout=3600)
     if proc.returncode != 0:  # recorded, not fatal: a peer's client may not work with this server
         lines = proc.stderr.strip().splitlines() or ["no output"]
         return {"error": lines[-1][:300]}
@@ -447,11 +455,11 @@ def measure(size_mib: int, reps: int, modes: list[str], endpoint: str, client, w
         bucket = f"bench-s3-{size_mib}-{rep}-{os.getpid()}"
         client.create_bucket(Bucket=bucket)
         args = {**base, "bucket": bucket, "run": "run", "key": "obj/state.pt"}
-        for mode in [m for m in order if m in COMMIT + SAVE]:
+        for mode in [m for m in order if m.split("@")[0] in COMMIT + SAVE]:
             results[mode].append(run_child(mode, args))
             clean(client, bucket)
             print(f"  {size_mib} MiB rep {rep} {mode}: {results[mode][-1]}", flush=True)
-        reads = [m for m in order if m in RESUME]
+        reads = [m for m in order if m.split("@")[0] in RESUME]
         if reads:
             run_child("commit_store", args)
             with open(path, "rb") as fh:
@@ -532,7 +540,10 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "s3.json"))
     ap.add_argument("--peers", default=os.path.join(ROOT, "bench", "out", "peers"),
                     help="folder the peers' libraries are installed into for the children (none: use what imports)")
+    ap.add_argument("--before", default=None, help="another checkout (e.g. git archive of an older commit): its "
+                    f"store runs {', '.join(COMPARED)} too, as MODE@before, beside this one's")
     args = ap.parse_args()
+    BEFORE[0] = os.path.abspath(args.before) if args.before else None
     if args.peers != "none":
         install_peers(args.peers)
         PEERS_DIR[0] = args.peers
@@ -555,8 +566,10 @@ def main() -> None:
                           config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required"))
     modes = []
     skipped = {}
-    for m in args.modes.split(","):
-        why = available(m)
+    wanted = args.modes.split(",")
+    wanted += [f"{m}@before" for m in wanted if BEFORE[0] and m in COMPARED]
+    for m in wanted:
+        why = available(m.split("@")[0])
         if why:
             skipped[m] = why
         else:
