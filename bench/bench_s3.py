@@ -6,7 +6,8 @@ raw tools and the peers, at each ``--sizes`` MiB of state; every measurement is 
   s3fs ``put_file``, obstore ``put`` and boto3 with the store's part size and concurrency; the store's commit and
   ``upload_fileobj`` are each done twice per child, and the second of each is reported too (``seconds_second``: a
   trainer commits many times per process, and pays the first one's set-up once);
-- **save** (serialise + upload, what the peers' writers do): ``torch.save`` into a spool + the store's commit, against
+- **save** (serialise + upload, what the peers' writers do): ``torch.save`` into a spool + the store's commit (on S3,
+  as the trainer does: the upload runs beside the serialisation, ``encode_live``), against
   DCP's ``FsspecWriter`` (``torch.distributed.checkpoint.save``) and ``s3torchconnector``'s ``S3Checkpoint`` writer
   (when they import);
 - **resume**: process start -> state loaded and every tensor read once, through the store (discovery, parallel ranged
@@ -226,13 +227,28 @@ def child(mode: str, args: dict) -> dict:
             store.write_file("plan.json", b"{}")
             mem.mark()
             t0 = time.perf_counter()
-            with SpoolWriter(args["work"]) as w:
-                torch.save(state, w)
-            spool = w.finish()
-            out["encode_seconds"] = time.perf_counter() - t0
+            if getattr(store, "uploads_while_written", False):  # as the trainer's Checkpointer.encode does on S3
+                from trainproof.format.state import encode_live
+
+                spool = encode_live(state, args["work"])
+
+                def serialised() -> None:  # when torch.save ended, while the upload goes on
+                    spool.join()
+                    out["encode_seconds"] = time.perf_counter() - t0
+
+                timer = threading.Thread(target=serialised)
+                timer.start()
+            else:
+                timer = None
+                with SpoolWriter(args["work"]) as w:
+                    torch.save(state, w)
+                spool = w.finish()
+                out["encode_seconds"] = time.perf_counter() - t0
             store.commit(1, {"training_state.pt": spool}, contract="bench", world=1, code_version="bench",
                          check=lambda _n, d: load_weights_only(d))
             spool.unlink()
+            if timer is not None:
+                timer.join()
         elif mode == "save_dcp_fsspec":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter

@@ -69,10 +69,11 @@ def main() -> None:
             if backend == "s3":
                 srv = rgw.session_server()
                 os.environ["AWS_ENDPOINT_URL"] = srv.endpoint
-                env = {**os.environ, "TRAINPROOF_PART_SIZE_MB": "5"}
-                rep = run(f"s3://{srv.create_bucket()}/crash/run", args.kills, seed=args.seed, max_delay=0.8,
-                          size_scale=60, after_commits=2, aim_claims=True, env=env,
-                          progress=progress)
+                with tempfile.TemporaryDirectory() as spools:  # what a killed writer's serialising thread left
+                    env = {**os.environ, "TRAINPROOF_PART_SIZE_MB": "5", "TRAINPROOF_SPOOL_DIR": spools}
+                    rep = run(f"s3://{srv.create_bucket()}/crash/run", args.kills, seed=args.seed, max_delay=0.8,
+                              size_scale=60, after_commits=2, aim_claims=True, env=env,
+                              progress=progress)
             else:
                 with tempfile.TemporaryDirectory() as tmp:
                     rep = run(os.path.join(tmp, "run"), args.kills, seed=args.seed, progress=progress)

@@ -66,6 +66,7 @@ def test_the_background_save_runs_at_low_cpu_priority_and_spools_the_state(tmp_p
 
     import torch
 
+    from trainproof.storage.spool import LiveSpool
     from trainproof.train.async_save import SAVE_NICE, BackgroundSaver
     from trainproof.train.progress import Reporter
 
@@ -76,20 +77,27 @@ def test_the_background_save_runs_at_low_cpu_priority_and_spools_the_state(tmp_p
         reporter = None
         world = 1
 
+        def encode(self, state):  # as on S3: serialised on a thread of its own while the commit uploads it
+            def fill(out):
+                seen["serialiser"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+                torch.save(state, out)
+
+            return LiveSpool.serialise(fill, self.spool_dir)
+
         def commit(self, capture):
             seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             child = threading.Thread(target=lambda: seen.setdefault(
                 "child", os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
             child.start()
             child.join()
-            seen["state"] = torch.load(capture.encoded.path, weights_only=True)["w"]
+            seen["state"] = torch.load(capture.encoded.result().path, weights_only=True)["w"]
             capture.encoded.unlink()
 
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     saver = BackgroundSaver(Recorder(), Reporter(), on_saved=lambda s: None)
     saver.submit(3, {"w": torch.arange(4.0)}, extra={}, blocked_s=0.0)
     saver.wait()
-    assert seen["nice"] == seen["child"] == min(19, before + SAVE_NICE) and seen["nice"] > before
+    assert seen["nice"] == seen["child"] == seen["serialiser"] == min(19, before + SAVE_NICE) and seen["nice"] > before
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before, "training keeps its priority"
     assert torch.equal(seen["state"], torch.arange(4.0)) and os.listdir(tmp_path) == []
 

@@ -556,6 +556,34 @@ def test_one_bad_part_does_not_fail_every_attempt(s3_server, proxy, bucket, big_
     assert fresh(s3_server, bucket).load(1).files["big.bin"] == big_payload
 
 
+@pytest.mark.parametrize("kind", ["slowdown", "reset"])
+def test_parts_uploaded_while_the_file_is_written_are_retried_alone(s3_server, proxy, bucket, big_payload, logs,
+                                                                   tmp_path, kind):
+    """A state uploaded while its serialising thread writes it (``LiveSpool``, the trainer's S3 commits): faults on
+    its parts are retried part by part, and the commit lands with the writer's bytes."""
+    from trainproof.storage.spool import LiveSpool
+
+    store = prepared(store_via(proxy, bucket, attempts=6, total=60.0, read_timeout=1.0))
+    logs.clear()
+    before = store.stats.retries
+    proxy.set_faults([Fault(kind, methods={"PUT"}, path_contains="partNumber=", max_count=3)], seed=7)
+    view = memoryview(big_payload)
+
+    def fill(out):  # 1 MiB every 10 ms: the upload starts long before the file is whole
+        for at in range(0, len(view), MiB):
+            out.write(view[at:at + MiB])
+            time.sleep(0.01)
+
+    live = LiveSpool.serialise(fill, str(tmp_path), expected=len(view))
+    try:
+        commit(store, 1, {"training_state.pt": live})
+    finally:
+        live.unlink()
+    assert proxy.stats.injected.get(kind, 0) == 3, proxy.fault_counts()
+    assert store.stats.retries - before >= 1 and any("part" in r.getMessage() for r in retry_lines(logs))
+    assert fresh(s3_server, bucket).load(1).files["training_state.pt"] == big_payload
+
+
 @pytest.mark.parametrize("size, part, expected", [
     (1 * MiB, 8 * MiB, 8 * MiB),
     (10_000 * 8 * MiB, 8 * MiB, 8 * MiB),  # exactly 10 000 parts: the configured size still fits

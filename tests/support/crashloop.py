@@ -45,12 +45,34 @@ def writer(url: str, keep: int, size_scale: int) -> None:
     print("ready", flush=True)
     while True:
         print(f"committing {step}", flush=True)
-        store.commit(step, payload(step, size_scale), contract=CONTRACT, world=1, code_version="crashloop")
+        files: dict = payload(step, size_scale)
+        if store.uploads_while_written:  # as the trainer commits on S3: uploaded while a thread writes the spool
+            files["training_state.pt"] = _written_slowly(files["training_state.pt"])
+        try:
+            store.commit(step, files, contract=CONTRACT, world=1, code_version="crashloop")
+        finally:
+            if not isinstance(files["training_state.pt"], bytes):
+                files["training_state.pt"].unlink()
         print(f"committed {step}", flush=True)
         # Grace 0: abandoned partials below the newest commit go at once, so kills also land inside deletions
         # and partials don't pile up (each one costs discovery a listing).  Safe here: this is the only writer.
         store.apply_retention(RetentionPolicy(keep=keep, grace_seconds=0, i_know_no_writer_is_active=True))
         step += 1
+
+
+def _written_slowly(data: bytes):
+    """``data`` as a ``LiveSpool`` its thread writes 1 MiB every 2 ms (in ``TRAINPROOF_SPOOL_DIR``): kills land while
+    parts are uploaded from a file still being written."""
+    from trainproof.storage.spool import LiveSpool
+
+    view = memoryview(data)
+
+    def fill(out) -> None:
+        for at in range(0, len(view), 2**20):
+            out.write(view[at:at + 2**20])
+            time.sleep(0.002)
+
+    return LiveSpool.serialise(fill, expected=len(view))
 
 
 def _announce_claims() -> None:

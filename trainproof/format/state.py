@@ -54,7 +54,7 @@ from typing import IO, Any, ClassVar, cast
 import torch
 
 from trainproof.errors import StateError
-from trainproof.storage.spool import Spool, SpoolWriter
+from trainproof.storage.spool import LiveSpool, Spool, SpoolWriter
 
 STATE_SCHEMA = "trainproof.state/2"  # /2: bounded history + history_chain, O(1) data position
 STATE_FILE = "training_state.pt"
@@ -297,6 +297,26 @@ def encode_spool(state: dict[str, Any], directory: str | None = None) -> Spool:
     with SpoolWriter(directory) as out:
         torch.save(state, out)
     return out.finish()
+
+
+def encode_live(state: dict[str, Any], directory: str | None = None) -> LiveSpool:
+    """:func:`encode_spool` on a thread of its own: the spool is returned at once and its bytes can be read (and
+    uploaded, ``GenerationStore.uploads_while_written``) while ``torch.save`` writes them. The caller keeps ``state``
+    unchanged until the spool is done (``LiveSpool.join``)."""
+    check_types(state)
+    return LiveSpool.serialise(lambda out: torch.save(state, out), directory, expected=tensor_bytes(state))
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors' storages in ``value`` (a state of dicts, lists and tuples; a storage shared by
+    several tensors counts each time): about the size ``torch.save`` writes."""
+    if isinstance(value, torch.Tensor):
+        return value.untyped_storage().nbytes()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
 
 
 def decode(data: bytes | Spool) -> dict[str, Any]:

@@ -95,6 +95,15 @@ class ParallelRanges(Protocol):
 
 
 @runtime_checkable
+class UploadsWhileWritten(Protocol):
+    """A backend whose ``write`` of a :class:`trainproof.storage.spool.LiveSpool` uploads its parts as they are
+    written (S3's multipart upload), so a writer gains by handing it over before the serialisation ends. Other
+    backends wait for the finished spool (a folder links it)."""
+
+    uploads_while_written: bool
+
+
+@runtime_checkable
 class StreamsListing(Protocol):
     """A backend that hands a folder's children over as they are listed (a local folder's scandir, S3's pages), so a
     caller can drop the ones it does not want at once: memory is what it keeps, not the listing."""

@@ -32,7 +32,7 @@ from trainproof.storage.limits import redact_url
 from trainproof.storage.options import StoreOptions
 from trainproof.storage.pieces import Pieces, nbytes
 from trainproof.storage.retry import RetryStats, is_transient, retry_or_unavailable
-from trainproof.storage.spool import Spool
+from trainproof.storage.spool import LiveSpool, Spool
 
 log = logging.getLogger("trainproof.storage")
 
@@ -72,6 +72,10 @@ MAX_PARTS = 10_000
 """S3's most parts in one multipart upload."""
 
 
+class _TooManyParts(Exception):
+    """A streamed upload would need more than MAX_PARTS parts (its file grew past the expected size)."""
+
+
 def part_size_for(size: int, part_size: int) -> int:
     """The part size for an object of ``size`` bytes: ``part_size``, or, when that would take more than
     :data:`MAX_PARTS` parts, the smallest whole number of MiB that fits (a 100 GB state at 8 MiB parts would need
@@ -87,6 +91,9 @@ class S3Backend(FsspecBackend):
 
     parallel_ranges = True
     """Large objects are read back and downloaded as parallel ranged GETs (``trainproof.storage.spool``)."""
+
+    uploads_while_written = True
+    """A :class:`LiveSpool`'s parts are uploaded as the serialisation writes them (:meth:`_write_live`)."""
 
     multipart_create_only = False
     """Whether this endpoint refuses (412) a CompleteMultipartUpload with ``If-None-Match: *`` over an existing key,
@@ -160,9 +167,8 @@ class S3Backend(FsspecBackend):
         part = self.options.part_size
         try:
             if isinstance(data, Spool):
-                if data.size >= 2 * part:  # parts read from the file in parallel: never the whole object in memory
-                    create_only = self._claim(path, create_only)
-                    return self._write_multipart(path, data.size, data.read_range, create_only, sha=data.sha256)
+                if (sent := self._write_spool(path, data, create_only)) is not None:
+                    return sent
                 data = data.read_range(0, data.size)
             if isinstance(data, Pieces):
                 if data.nbytes >= 2 * part:  # each part joined from the pieces it spans: one part per worker
@@ -194,6 +200,75 @@ class S3Backend(FsspecBackend):
             if _is_precondition_failed(exc) and not isinstance(exc, FileExistsError):
                 raise FileExistsError(f"{path} already exists (412 Precondition Failed)") from exc
             raise
+
+    def _write_spool(self, path: str, data: Spool, create_only: bool) -> tuple[int, str] | None:
+        """A spool of two parts or more as a multipart upload, its parts read from the file in parallel (never the
+        whole object in memory); a :class:`LiveSpool` still being written, while it is written
+        (:meth:`_write_live`). None for a smaller one: the caller sends it in one PUT."""
+        part = self.options.part_size
+        if isinstance(data, LiveSpool) and not data.done:
+            part = part_size_for(max(data.expected, 1), part)
+            if data.available(2 * part) >= 2 * part:
+                create_only = self._claim(path, create_only)
+                sent = self._write_live(path, data, part, create_only)
+                if sent is not None:
+                    return sent
+                # It outgrew its expected size: the finished file, in parts of its own size, over our claim.
+                return self._write_multipart(path, data.size, data.read_range, create_only, sha=data.sha256)
+        if data.size >= 2 * self.options.part_size:
+            create_only = self._claim(path, create_only)
+            return self._write_multipart(path, data.size, data.read_range, create_only, sha=data.sha256)
+        return None
+
+    def _write_live(self, path: str, data: LiveSpool, part: int, create_only: bool) -> tuple[int, str] | None:
+        """Upload a spool while it is being written (its key claimed when needed, :meth:`_claim`): each part of
+        ``part`` bytes as soon as they exist, at most ``concurrency`` read and in flight at once, so the upload runs
+        beside the serialisation. A file that turns out to need more than :data:`MAX_PARTS` such parts has its
+        upload aborted, and None is returned for the finished file to be uploaded instead."""
+        bucket, key, _ = self.fs.split_path(path)
+        upload_id = self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        slots = threading.Semaphore(self.options.concurrency)  # parts read and in flight: the memory bound
+        failed = threading.Event()
+
+        def put(number: int, start: int, end: int) -> dict:
+            try:
+                body = data.read_range(start, end)
+                out = self._part_retry(f"upload part {number} of {key} (still being written)", lambda: self._call(
+                    "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
+                return {"PartNumber": number, "ETag": out["ETag"]}
+            except BaseException:
+                failed.set()
+                raise
+            finally:
+                slots.release()
+
+        try:
+            with ThreadPoolExecutor(max_workers=self.options.concurrency) as pool:
+                futures: list = []
+                start = 0
+                while not failed.is_set() and (end := data.available(start + part)) > start:
+                    if len(futures) == MAX_PARTS:
+                        raise _TooManyParts()
+                    slots.acquire()
+                    futures.append(pool.submit(put, len(futures) + 1, start, end))
+                    start = end
+                parts = [f.result() for f in futures]  # a failed part raises here
+            size, sha = data.size, data.sha256
+            if size != start:
+                raise OSError(f"{path}: {start} bytes uploaded while the spool holds {size}; it changed under us")
+            self._complete(path, bucket, key, upload_id, parts, size, create_only)
+        except BaseException as exc:
+            try:
+                self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception:  # the start-up sweep collects what an abort could not
+                pass
+            if isinstance(exc, _TooManyParts):
+                log.info("%s grew past %d parts of %d bytes while it was uploaded; uploading the finished file",
+                         path, MAX_PARTS, part)
+                return None
+            raise
+        self.fs.invalidate_cache(path)
+        return size, sha
 
     def _claim(self, path: str, create_only: bool) -> bool:
         """Before a create-only write that may end in a multipart completion on an endpoint whose completions are

@@ -24,10 +24,10 @@ import tempfile
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import closing
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from itertools import islice
-from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 from trainproof.storage.digest import FileHasher, cores
 
@@ -90,18 +90,13 @@ def write_all(fh: BinaryIO, view: memoryview) -> None:
 HASH_BESIDE_BYTES = 4 * 2**20
 """A spool write of at least this many bytes (a tensor's storage) is hashed on :func:`hash_pool`'s threads while it
 is written; smaller ones (the pickle, headers) inline."""
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
-_POOL_LOCK = threading.Lock()
 
 
 def hash_pool() -> ThreadPoolExecutor:
-    """The process's threads that hash spool writes (the cores it may use, at most 8), made at the first use; a
-    forked child (whose copy has no threads) makes its own."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), ThreadPoolExecutor(min(8, cores()), thread_name_prefix="trainproof-hash"))
-        return _POOL[1]
+    """Threads that hash beside a writer (the cores this process may use, at most 8), for one spool or one
+    download: made by the writing thread, so they run at its priority (a background save's lowered one,
+    trainproof.train.async_save), and shut down by the caller."""
+    return ThreadPoolExecutor(min(8, cores()), thread_name_prefix="trainproof-hash")
 
 
 def spool_dir(directory: str | None = None) -> str:
@@ -122,6 +117,7 @@ class SpoolWriter:
         self._fh = os.fdopen(fd, "wb", buffering=0)
         self._sha = FileHasher()
         self._size = 0
+        self._pool: ThreadPoolExecutor | None = None
         self.spool: Spool | None = None
 
     def write(self, data) -> int:
@@ -133,7 +129,8 @@ class SpoolWriter:
             # The digest's parts hashed on other threads while this one writes (hashlib and the write both release
             # the GIL): the bytes are read twice at once instead of one pass after the other. Every piece is hashed
             # before this returns: the caller (torch.save) may reuse its buffer then.
-            pending = self._sha.update_on(view, hash_pool())
+            self._pool = self._pool or hash_pool()
+            pending = self._sha.update_on(view, self._pool)
             try:
                 write_all(self._fh, view)
             finally:
@@ -150,11 +147,18 @@ class SpoolWriter:
         """Close the file and return what it holds."""
         if self.spool is None:
             self._fh.close()
+            self._stop_pool()
             self.spool = Spool(path=self.path, size=self._size, sha256=self._sha.hexdigest())
         return self.spool
 
+    def _stop_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
     def discard(self) -> None:
         self._fh.close()
+        self._stop_pool()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -168,6 +172,129 @@ class SpoolWriter:
             self.finish()
         else:
             self.discard()
+
+
+class SerialiseError(RuntimeError):
+    """Raised by a :class:`LiveSpool`'s readers when its serialisation failed; ``__cause__`` is that failure (the
+    caller re-raises :attr:`LiveSpool.error` itself, so the user sees what went wrong, not where it was read)."""
+
+
+class LiveSpool(Spool):
+    """A spool another thread is still writing: its ranges can be read as soon as they are written, so an upload
+    runs beside the serialisation instead of after it (``S3Backend`` streams its parts; every other reader waits).
+
+    ``size`` and ``sha256`` block until the writer is done and raise :class:`SerialiseError` when it failed; so do
+    :meth:`open` and the other whole-file uses. :meth:`read_range` waits only for the bytes it asks for.
+    :meth:`available` is the upload's clock. :meth:`unlink` waits for the writer first. ``expected``: the caller's
+    estimate of the size (the sum of the tensors' bytes), for choosing a part size before the size is known."""
+
+    expected: int
+    _cond: threading.Condition
+    _state: dict[str, Any]
+    _writer: SpoolWriter
+    _thread: threading.Thread | None
+
+    def __init__(self, writer: SpoolWriter, expected: int) -> None:
+        object.__setattr__(self, "path", writer.path)  # a frozen dataclass's field; the rest is this class's own
+        object.__setattr__(self, "expected", expected)
+        object.__setattr__(self, "_cond", threading.Condition())
+        object.__setattr__(self, "_state", {"written": 0, "spool": None, "error": None})
+        object.__setattr__(self, "_writer", writer)
+        object.__setattr__(self, "_thread", None)
+
+    @classmethod
+    def serialise(cls, fill: Callable[[BinaryIO], None], directory: str | None = None, *,
+                  expected: int = 0) -> "LiveSpool":
+        """Start ``fill(writer)`` (e.g. ``torch.save(state, writer)``) on a thread of its own, writing a new spool
+        in ``directory`` (:func:`spool_dir`); return the spool at once."""
+        live = cls(SpoolWriter(directory), expected)
+        thread = threading.Thread(target=live._run, args=(fill,), name="trainproof-serialise", daemon=True)
+        object.__setattr__(live, "_thread", thread)
+        thread.start()
+        return live
+
+    def _run(self, fill: Callable[[BinaryIO], None]) -> None:
+        writer = self._writer
+        state, cond = self._state, self._cond
+        inner = writer.write
+
+        def write(data) -> int:
+            n = inner(data)
+            with cond:
+                state["written"] += n
+                cond.notify_all()
+            return n
+
+        writer.write = write  # type: ignore[method-assign]
+        try:
+            fill(writer)  # type: ignore[arg-type]
+            spool = writer.finish()
+        except BaseException as exc:  # noqa: BLE001 - handed to every reader
+            writer._fh.close()
+            with cond:
+                state["error"] = exc
+                cond.notify_all()
+            return
+        with cond:
+            state["spool"] = spool
+            cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        """Whether the writer has finished (or failed)."""
+        return self._state["spool"] is not None or self._state["error"] is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The writer's failure, once it failed."""
+        return self._state["error"]
+
+    def _raise(self) -> None:
+        if self._state["error"] is not None:
+            raise SerialiseError(f"serialising {self.path} failed: {self._state['error']!r}") from self._state["error"]
+
+    def available(self, end: int) -> int:
+        """Wait until the first ``end`` bytes are written, or the writer is done; return how many of them exist
+        (less than ``end`` only at the end of a finished file). SerialiseError when the writer failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._state["written"] >= end or self.done)
+            self._raise()
+            return min(end, self._state["written"])
+
+    def result(self) -> Spool:
+        """The finished spool (waits for the writer); SerialiseError when it failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.done)
+            self._raise()
+            return self._state["spool"]
+
+    @property  # type: ignore[override]
+    def size(self) -> int:
+        return self.result().size
+
+    @property  # type: ignore[override]
+    def sha256(self) -> str:
+        return self.result().sha256
+
+    def open(self) -> BinaryIO:
+        return self.result().open()
+
+    def read_range(self, start: int, end: int) -> bytes:
+        self.available(end)
+        return super().read_range(start, end)
+
+    def join(self) -> BaseException | None:
+        """Wait for the writer to end; its failure, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.error
+
+    def unlink(self) -> None:
+        self.join()
+        super().unlink()
+
+    def __repr__(self) -> str:
+        return f"LiveSpool({self.path!r}, written={self._state['written']}, done={self.done})"
 
 
 def spans(size: int, part_size: int) -> list[tuple[int, int]]:
@@ -213,15 +340,19 @@ def hashed_ranges(read_range: Callable[[int, int], bytes], size: int, *, part_si
     last_start, _ = ranges[-1]
     ranges[-1] = (last_start, size + 1)
     sha, seen = hasher or FileHasher(), 0
-    with closing(in_order(lambda r: read_range(*r), ranges, concurrency, "trainproof-range")) as reads:
+    with ExitStack() as stack:
+        reads = stack.enter_context(closing(in_order(lambda r: read_range(*r), ranges, concurrency,
+                                                     "trainproof-range")))
+        large = digest and sink is not None and size >= HASH_BESIDE_BYTES
+        pool = stack.enter_context(hash_pool()) if large else None
         for (start, end), data in reads:
-            beside = digest and sink is not None and len(data) >= HASH_BESIDE_BYTES
+            beside = pool is not None and len(data) >= HASH_BESIDE_BYTES
             if digest and not beside:
                 sha.update(data)
             if sink is not None and data:
                 # A large part is hashed on the pool while this thread hands it on (a download's pwrite: both
                 # release the GIL), and done before the next part.
-                pending = sha.update_on(data, hash_pool()) if beside else []
+                pending = sha.update_on(data, pool) if pool is not None and beside else []
                 try:
                     sink(start, data)
                 finally:

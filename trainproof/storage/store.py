@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 from trainproof.storage import manifest as mf
-from trainproof.storage.backend import FsspecBackend, LocalBackend, join, read_at_most
+from trainproof.storage.backend import FsspecBackend, LocalBackend, UploadsWhileWritten, join, read_at_most
 from trainproof.storage.commit import LATEST, clear_way, commit_generation, mark_usable, put_shared, write_part
 from trainproof.storage.digest import Digest, of_parts
 from trainproof.storage.errors import CorruptGenerationError, StoreConfigError, StoreError
@@ -346,6 +346,13 @@ class GenerationStore:
         whether a name the run keeps a folder at is one, or a file, a link or a FIFO someone put there."""
         return [e for e in self._io(f"list {name}", lambda: self.backend.listdir(self.root, prefix=name))
                 if e.name == name]
+
+    @property
+    def uploads_while_written(self) -> bool:
+        """Whether a :class:`trainproof.storage.spool.LiveSpool` handed to :meth:`commit` is uploaded while it is
+        written (S3), so a writer should start the commit as soon as it starts serialising; elsewhere the commit
+        waits for the finished spool, and the writer gains nothing by it."""
+        return isinstance(self.backend, UploadsWhileWritten)
 
     def spool_folder(self) -> str | None:
         """A folder on the run's own file system for the writer's spools (a folder store; None for an object

@@ -56,7 +56,7 @@ from typing import Any, Callable
 import torch
 
 from trainproof.errors import TrainError
-from trainproof.format.state import encode_history, encode_spool
+from trainproof.format.state import encode_history
 from trainproof.train.checkpoint import Capture, Checkpointer
 from trainproof.train.progress import Reporter
 
@@ -261,8 +261,8 @@ class BackgroundSaver:
             else:
                 # Serialised into a spool file (no in-memory copy); the snapshot is dropped once it is written.
                 history = encode_history(state) if "history" in state else None
-                spool = encode_spool(state, self.checkpointer.spool_dir)
-                del state
+                spool = self.checkpointer.encode(state)  # on S3 still being written: uploaded as it is
+                del state  # the serialising thread holds it until it is written
                 self.checkpointer.commit(Capture(step=step, state=None, extra=extra, encoded=spool, history=history,
                                                  blocked_s=blocked_s, **frozen))
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which fails the run

@@ -49,13 +49,14 @@ from trainproof.format.state import (
     decode_rank_part,
     encode_frozen,
     encode_history,
+    encode_live,
     encode_rank_part,
     encode_spool,
     rank_file,
 )
 from trainproof.storage import GenerationStore, KeepEvery, RetentionPolicy
 from trainproof.storage.errors import CommitConflictError, StoreError
-from trainproof.storage.spool import Spool
+from trainproof.storage.spool import LiveSpool, Spool
 from trainproof.train.dist import Collectives
 from trainproof.train.frozen import fingerprint
 from trainproof.train.progress import Reporter
@@ -130,10 +131,7 @@ class Checkpointer:
         try:
             own = c.history if c.encoded is not None else encode_history(c.state) if rank == 0 else None
             if self.world == 1 and c.sharded is None:
-                spool = spool if spool is not None else encode_spool(c.state, self.spool_dir)
-                files: dict[str, Spool | bytes] = {STATE_FILE: spool}
-                files.update({HISTORY_FILE: own} if own is not None else {})
-                record = self._commit_generation(c.step, files, c.extra, None, self._frozen(c))
+                record = self._commit_one(c, own)
             else:
                 record = self._commit_world(c, rank, own)
         finally:
@@ -156,6 +154,36 @@ class Checkpointer:
         if rank == 0:
             self._apply_retention()
         return record
+
+    def _commit_one(self, c: Capture, history: bytes | None) -> dict[str, Any]:
+        """One rank's generation: the state's spool (``c.encoded``, or serialised here and deleted after) and its
+        history rows. When the spool's serialisation failed while the store was uploading it, that failure is
+        raised, as itself."""
+        spool = c.encoded
+        if spool is None:
+            assert c.state is not None, "a capture holds its state until it is encoded"
+            spool = self.encode(c.state)
+        try:
+            files: dict[str, Spool | bytes] = {STATE_FILE: spool}
+            files.update({HISTORY_FILE: history} if history is not None else {})
+            try:
+                return self._commit_generation(c.step, files, c.extra, None, self._frozen(c))
+            except BaseException:
+                failure = _serialising_failure(spool)
+                if failure is None:
+                    raise
+            raise failure  # out here, not in the handler: its own context (what torch.save met) stays as it was
+        finally:
+            if spool is not c.encoded:  # commit() deletes the one it was handed
+                spool.unlink()
+
+    def encode(self, state: dict[str, Any]) -> Spool:
+        """``state`` serialised into a spool for :meth:`commit`: on a store that uploads while the spool is written
+        (S3), a :class:`LiveSpool` still being written by a thread of its own, so the upload runs beside the
+        serialisation; elsewhere the finished spool. The caller leaves ``state`` unchanged until the commit returns."""
+        if self.store.uploads_while_written:
+            return encode_live(state, self.spool_dir)
+        return encode_spool(state, self.spool_dir)
 
     def _keep_history(self, step: int, rows: bytes) -> None:
         """With retention on, the generation's own history rows are committed again under ``<run>/history/`` (a
@@ -185,11 +213,13 @@ class Checkpointer:
             shards = write_sharded(self.store, step, c.sharded, process_group=self.sync.group)
         frame = self._write_own_part(step, c.part, rank) if rank else b""
         frames = self.sync.gather_bytes(frame, f"gather the rank parts of step {step}")
-        record, failure, raised = None, b"", None
+        record, failure = None, b""
+        raised: BaseException | None = None
         if rank == 0:
             spool = None
             try:
-                spool = encode_spool(c.state, self.spool_dir)
+                assert c.state is not None, "rank 0's capture holds the state"
+                spool = self.encode(c.state)
                 entries = self._rank_entries(step, frames)
                 if shards is not None:
                     entries, extra = {**entries, **shards[0]}, {**extra, "sharded": shards[1]}
@@ -198,7 +228,8 @@ class Checkpointer:
                                                  self._frozen(c))
                 record["seconds"] = time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - told to every rank, then re-raised here
-                failure, raised = (str(exc) or type(exc).__name__).encode(), exc
+                raised = _serialising_failure(spool) or exc
+                failure = (str(raised) or type(raised).__name__).encode()
             finally:
                 if spool is not None:
                     spool.unlink()
@@ -324,3 +355,11 @@ class Checkpointer:
             return
         if removed:
             self.reporter.event("retention", keep=self.keep, removed=[g.name for g in removed])
+
+
+def _serialising_failure(spool: Spool | None) -> BaseException | None:
+    """When a commit failed: the failure of its spool's serialisation, if that is what failed (a :class:`LiveSpool`
+    the store was uploading while it was written), so the caller raises what went wrong, not where it was read."""
+    if isinstance(spool, LiveSpool):
+        return spool.join()
+    return None
