@@ -43,6 +43,9 @@ try:
     print("won", flush=True)
 except CommitConflictError as exc:
     print("conflict:", exc, flush=True)
+finally:
+    if live:
+        state.unlink()
 """
 
 
@@ -71,6 +74,7 @@ def test_exactly_one_of_two_concurrent_writers_commits(backend, tmp_path, reques
         if backend != "s3":  # 12.5 MB in 5 MiB parts: three parts, completed by CompleteMultipartUpload; s3-live:
             # uploaded part by part while a thread still writes the spool (trainproof.storage.spool.LiveSpool)
             env["TRAINPROOF_PART_SIZE_MB"], repeat = "5", 2_500_000
+            env["TRAINPROOF_SPOOL_DIR"] = str(tmp_path)
     else:
         url, env = str(tmp_path / "run"), None
     from trainproof.storage import open_store

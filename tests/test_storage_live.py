@@ -11,7 +11,6 @@ import hashlib
 import logging
 import os
 import threading
-import time
 from dataclasses import replace
 
 import pytest
@@ -85,6 +84,48 @@ def test_a_failed_serialisation_reaches_every_reader_and_its_caller(tmp_path):
     assert not os.path.exists(live.path)
 
 
+def test_deleting_a_spool_stops_its_writer(tmp_path):
+    # A commit that failed deletes its spool: the writer stops at its next write instead of serialising the rest.
+    writes = []
+    never = threading.Event()
+
+    def fill(out):
+        for i in range(100):
+            writes.append(i)
+            out.write(_block(2**20, i))
+            if i == 1:
+                never.wait(0.2)  # the commit fails meanwhile
+
+    live = LiveSpool.serialise(fill, str(tmp_path))
+    live.available(2**20)
+    live.unlink()
+    assert len(writes) <= 3 and isinstance(live.error, SerialiseError) and not os.path.exists(live.path)
+
+
+def test_a_folder_store_links_a_spool_once_it_is_written(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    blocks = [_block(3 * 2**20, i) for i in range(3)]
+    gate = threading.Event()
+    live = LiveSpool.serialise(_paced(blocks, {2: gate}), store.spool_folder(), expected=9 * 2**20)
+    threading.Timer(0.2, gate.set).start()
+    store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+    stored = os.path.join(store.root, "step-00000001", "training_state.pt")
+    assert os.path.samefile(stored, live.path), "linked, not copied"
+    with open(stored, "rb") as fh:
+        assert fh.read() == b"".join(blocks)
+    live.unlink()
+
+
+def test_the_expected_size_counts_each_storage_once():
+    from trainproof.format.state import tensor_bytes
+
+    flat = torch.zeros(1000)
+    tied = torch.ones(10, 10)
+    state = {"flat": flat, "views": [flat[:10], flat.view(10, 100)], "a": tied, "b": tied, "n": 3,
+             "sparse": torch.eye(4).to_sparse(), "bf16": torch.zeros(8, dtype=torch.bfloat16)}
+    assert tensor_bytes(state) == 4000 + 400 + (2 * 4 * 8 + 4 * 4) + 16
+
+
 def _s3_store(s3_env):
     return open_store(f"s3://{s3_env}/live/run",
                       replace(StoreOptions.from_env(), part_size=PART, concurrency=2))
@@ -114,10 +155,8 @@ def test_s3_uploads_the_parts_while_the_file_is_written(s3_env, tmp_path):
     # The writer holds its last blocks until two parts are up: an upload that waited for the finished file would
     # send nothing before the gate's timeout.
     live = LiveSpool.serialise(_paced(blocks, {4: two_sent}), str(tmp_path), expected=sum(map(len, blocks)))
-    t0 = time.monotonic()
     store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
-    assert time.monotonic() - t0 < budget(8), "the writer waited for its gate's timeout: nothing was streamed"
-    assert {n for n, _ in sent[:2]} == {1, 2} and not any(done for _, done in sent[:2])
+    assert {n for n, _ in sent[:2]} == {1, 2} and not any(done for _, done in sent[:2]), "sent while written"
     assert sorted(n for n, _ in sent) == list(range(1, 8))
     loaded = store.load(1, contract=C, spool_dir=str(tmp_path / "load"))
     try:

@@ -304,19 +304,42 @@ def encode_live(state: dict[str, Any], directory: str | None = None) -> LiveSpoo
     uploaded, ``GenerationStore.uploads_while_written``) while ``torch.save`` writes them. The caller keeps ``state``
     unchanged until the spool is done (``LiveSpool.join``)."""
     check_types(state)
-    return LiveSpool.serialise(lambda out: torch.save(state, out), directory, expected=tensor_bytes(state))
+    expected = tensor_bytes(state)
+    expected += expected // 100 + 2**20  # the archive's own records (pickle, headers): a margin, never a shortfall
+    return LiveSpool.serialise(lambda out: torch.save(state, out), directory, expected=expected)
 
 
-def tensor_bytes(value: Any) -> int:
-    """The bytes of the tensors' storages in ``value`` (a state of dicts, lists and tuples; a storage shared by
-    several tensors counts each time): about the size ``torch.save`` writes."""
+def tensor_bytes(value: Any, seen: set | None = None) -> int:
+    """About the bytes ``torch.save`` writes for the tensors in ``value`` (a state of dicts, lists and tuples): each
+    storage once, however many tensors view it (tied weights, views of one flat buffer); a tensor without a storage
+    of its own (sparse) by its elements."""
+    seen = set() if seen is None else seen
     if isinstance(value, torch.Tensor):
-        return value.untyped_storage().nbytes()
+        try:
+            storage = value.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return sum(tensor_bytes(t, seen) for t in _parts_of(value))
+        key = (storage.data_ptr(), str(value.device), storage.nbytes())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
     if isinstance(value, dict):
-        return sum(tensor_bytes(v) for v in value.values())
+        return sum(tensor_bytes(v, seen) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(v) for v in value)
+        return sum(tensor_bytes(v, seen) for v in value)
     return 0
+
+
+def _parts_of(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors a sparse one is saved as (its indices and values), else none."""
+    if tensor.layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return []
 
 
 def decode(data: bytes | Spool) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import BinaryIO, Iterator, Protocol, Union, runtime_checkable
 
 from trainproof.storage.digest import FileHasher, digest_bytes
 from trainproof.storage.pieces import Pieces, as_pieces
-from trainproof.storage.spool import Spool
+from trainproof.storage.spool import LiveSpool, Spool
 
 CHUNK = 8 * 2**20
 Source = Union[bytes, bytearray, memoryview, Pieces, BinaryIO, Spool]
@@ -229,6 +229,8 @@ class LocalBackend:
     def write(self, path: str, data: Source, *, create_only: bool = False) -> tuple[int, str]:
         folder, name = os.path.split(path)
         os.makedirs(folder, exist_ok=True)
+        if isinstance(data, LiveSpool):  # still being written: a folder takes the whole file, once it is there
+            data = data.result()
         if isinstance(data, Spool) and (linked := _link_spool(data, path, create_only)) is not None:
             return linked
         tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")

@@ -233,6 +233,9 @@ class S3Backend(FsspecBackend):
         def put(number: int, start: int, end: int) -> dict:
             try:
                 body = data.read_range(start, end)
+                if len(body) != end - start:  # the written bytes are in the file: a shorter read means it shrank
+                    raise OSError(f"{path}: part {number} read {len(body)} bytes of {end - start} from the spool; "
+                                  "the local file changed while it was uploaded")
                 out = self._part_retry(f"upload part {number} of {key} (still being written)", lambda: self._call(
                     "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
                 return {"PartNumber": number, "ETag": out["ETag"]}
@@ -253,9 +256,7 @@ class S3Backend(FsspecBackend):
                     futures.append(pool.submit(put, len(futures) + 1, start, end))
                     start = end
                 parts = [f.result() for f in futures]  # a failed part raises here
-            size, sha = data.size, data.sha256
-            if size != start:
-                raise OSError(f"{path}: {start} bytes uploaded while the spool holds {size}; it changed under us")
+            size, sha = data.size, data.sha256  # the writer's: the read-back verification compares the object with it
             self._complete(path, bucket, key, upload_id, parts, size, create_only)
         except BaseException as exc:
             try:

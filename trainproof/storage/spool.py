@@ -146,8 +146,7 @@ class SpoolWriter:
     def finish(self) -> Spool:
         """Close the file and return what it holds."""
         if self.spool is None:
-            self._fh.close()
-            self._stop_pool()
+            self.close()
             self.spool = Spool(path=self.path, size=self._size, sha256=self._sha.hexdigest())
         return self.spool
 
@@ -157,12 +156,18 @@ class SpoolWriter:
             self._pool = None
 
     def discard(self) -> None:
-        self._fh.close()
-        self._stop_pool()
+        self.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    def close(self) -> None:
+        """Close the file and stop the hashing threads, keeping the file (:meth:`discard` deletes it too)."""
+        try:
+            self._fh.close()
+        finally:
+            self._stop_pool()
 
     def __enter__(self) -> "SpoolWriter":
         return self
@@ -184,9 +189,11 @@ class LiveSpool(Spool):
     runs beside the serialisation instead of after it (``S3Backend`` streams its parts; every other reader waits).
 
     ``size`` and ``sha256`` block until the writer is done and raise :class:`SerialiseError` when it failed; so do
-    :meth:`open` and the other whole-file uses. :meth:`read_range` waits only for the bytes it asks for.
-    :meth:`available` is the upload's clock. :meth:`unlink` waits for the writer first. ``expected``: the caller's
-    estimate of the size (the sum of the tensors' bytes), for choosing a part size before the size is known."""
+    :meth:`open` and :meth:`result` (the finished :class:`Spool`, for whoever needs the whole file by its ``path``:
+    ``path`` itself does not wait). :meth:`read_range` waits only for the bytes it asks for; :meth:`available` is
+    the upload's clock. :meth:`unlink` stops a writer still running (its next write fails) and waits for it.
+    ``expected``: the caller's estimate of the size (the tensors' bytes), for choosing a part size before the size
+    is known."""
 
     expected: int
     _cond: threading.Condition
@@ -198,7 +205,7 @@ class LiveSpool(Spool):
         object.__setattr__(self, "path", writer.path)  # a frozen dataclass's field; the rest is this class's own
         object.__setattr__(self, "expected", expected)
         object.__setattr__(self, "_cond", threading.Condition())
-        object.__setattr__(self, "_state", {"written": 0, "spool": None, "error": None})
+        object.__setattr__(self, "_state", {"written": 0, "spool": None, "error": None, "cancelled": False})
         object.__setattr__(self, "_writer", writer)
         object.__setattr__(self, "_thread", None)
 
@@ -219,6 +226,8 @@ class LiveSpool(Spool):
         inner = writer.write
 
         def write(data) -> int:
+            if state["cancelled"]:
+                raise SerialiseError(f"the writing of {self.path} was stopped: its commit is over")
             n = inner(data)
             with cond:
                 state["written"] += n
@@ -226,18 +235,23 @@ class LiveSpool(Spool):
             return n
 
         writer.write = write  # type: ignore[method-assign]
+        spool: Spool | None = None
+        error: BaseException | None = None
         try:
             fill(writer)  # type: ignore[arg-type]
             spool = writer.finish()
         except BaseException as exc:  # noqa: BLE001 - handed to every reader
-            writer._fh.close()
+            error = exc
+            try:
+                writer.close()
+            except BaseException:  # noqa: BLE001,S110 - the writer's own failure is the one to report
+                pass
+        finally:  # whatever happens, readers are woken with an outcome: none of them waits forever
             with cond:
-                state["error"] = exc
+                if spool is None and error is None:
+                    error = SerialiseError(f"the writer of {self.path} ended without a file")
+                state["spool"], state["error"] = spool, error
                 cond.notify_all()
-            return
-        with cond:
-            state["spool"] = spool
-            cond.notify_all()
 
     @property
     def done(self) -> bool:
@@ -290,6 +304,9 @@ class LiveSpool(Spool):
         return self.error
 
     def unlink(self) -> None:
+        """Stop the writer if it still runs (its next write fails: the spool is not wanted any more), wait for it,
+        delete the file."""
+        self._state["cancelled"] = True
         self.join()
         super().unlink()
 
@@ -441,7 +458,7 @@ def download(read_range: Callable[[int, int], bytes], size: int, directory: str 
     except BaseException:
         writer.discard()
         raise
-    writer._fh.close()
+    writer.close()
     spool = Spool(path=writer.path, size=min(seen, size), sha256=sha)
     writer.spool = spool
     return spool, seen, sha

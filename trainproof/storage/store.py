@@ -352,7 +352,7 @@ class GenerationStore:
         """Whether a :class:`trainproof.storage.spool.LiveSpool` handed to :meth:`commit` is uploaded while it is
         written (S3), so a writer should start the commit as soon as it starts serialising; elsewhere the commit
         waits for the finished spool, and the writer gains nothing by it."""
-        return isinstance(self.backend, UploadsWhileWritten)
+        return isinstance(self.backend, UploadsWhileWritten) and self.backend.uploads_while_written is True
 
     def spool_folder(self) -> str | None:
         """A folder on the run's own file system for the writer's spools (a folder store; None for an object

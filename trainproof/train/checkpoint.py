@@ -76,7 +76,8 @@ class Capture:
     sharded: dict[str, Any] | None = None
     """This rank's shards of the model and optimizer (every rank of a sharded run; ``state`` then holds neither)."""
     encoded: Spool | None = None
-    """Or rank 0's state already serialised (trainproof.train.async_save drops its snapshot then), with ``history``
+    """Or rank 0's state serialised by the caller (``Checkpointer.encode``: on S3 a ``LiveSpool`` still being written,
+    trainproof.train.async_save drops its own reference to the snapshot then), with ``history``
     (its ``history.pt``, state.encode_history); the spool is deleted once the commit is over, whatever its outcome."""
     history: bytes | None = None
     frozen: dict[str, Any] | None = None
@@ -126,7 +127,8 @@ class Checkpointer:
 
     def commit(self, c: Capture) -> dict[str, Any] | None:
         """Serialise and commit generation ``c.step``, then apply retention (rank 0). Raises TrainError (exit 1) on
-        every rank when it failed: nothing was marked usable, the previous generation is still the resume point."""
+        every rank when it failed (or, on one rank, what serialising its state raised): nothing was marked usable,
+        the previous generation is still the resume point."""
         rank, spool = (self.sync.rank if self.sync else 0), c.encoded
         try:
             own = c.history if c.encoded is not None else encode_history(c.state) if rank == 0 else None
@@ -358,8 +360,8 @@ class Checkpointer:
 
 
 def _serialising_failure(spool: Spool | None) -> BaseException | None:
-    """When a commit failed: the failure of its spool's serialisation, if that is what failed (a :class:`LiveSpool`
-    the store was uploading while it was written), so the caller raises what went wrong, not where it was read."""
-    if isinstance(spool, LiveSpool):
-        return spool.join()
-    return None
+    """When a commit failed: the failure of its spool's serialisation when that writer had failed (a
+    :class:`LiveSpool` the store was uploading while it was written: its readers fail only once the writer has), so
+    the caller raises what went wrong, not where it was read; else None. Never waits: deleting the spool stops a
+    writer still running."""
+    return spool.error if isinstance(spool, LiveSpool) else None
