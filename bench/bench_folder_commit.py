@@ -10,6 +10,8 @@ Each measurement is a fresh process (``PYTHONPATH`` = the checkout) holding ``--
 - ``commit``: what the trainer's checkpointer does on a folder store: ``torch.save`` into a spool while hashing it
   (``SpoolWriter``, in ``GenerationStore.spool_folder()`` when the checkout has it, else the temp folder), then
   ``GenerationStore.commit``: written (linked or copied), read back and hashed, ``COMPLETE.json`` create-only.
+  Where the store has ``verifies_while_written`` (a folder), as the checkpointer does: serialised on a thread of its
+  own into a spool written behind, which the commit reads back from the device part by part meanwhile.
 
 The modes alternate order per repetition; printed: one JSON line per run (wall and CPU seconds: user + system, every
 thread), then the medians, ratios to the floor and to DCP
@@ -56,9 +58,20 @@ def child(mode: str, folder: str, mib: float) -> dict:
     else:
         store = open_store(os.path.join(folder, "run"))
         spools = store.spool_folder() if hasattr(store, "spool_folder") else None
-        with SpoolWriter(spools) as out:
-            torch.save(tensors, out)
-        spool = out.finish()
+        if spools is not None and getattr(store, "verifies_while_written", False):
+            # As the checkpointer does (Checkpointer.encode): serialised on a thread of its own, written behind, and
+            # read back from the device by the commit meanwhile.
+            from trainproof.storage.spool import LiveSpool
+
+            spool = LiveSpool.serialise(lambda out: torch.save(tensors, out), spools, write_behind=True)
+        else:  # checkouts before it: serialised first (written behind where the checkout can), then committed
+            try:
+                out = SpoolWriter(spools, write_behind=spools is not None)
+            except TypeError:
+                out = SpoolWriter(spools)
+            with out:
+                torch.save(tensors, out)
+            spool = out.finish()
         store.commit(1, {"training_state.pt": spool}, contract="bench", world=1, code_version="bench")
         spool.unlink()
     return {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}

@@ -102,17 +102,126 @@ def test_deleting_a_spool_stops_its_writer(tmp_path):
     assert len(writes) <= 3 and isinstance(live.error, SerialiseError) and not os.path.exists(live.path)
 
 
-def test_a_folder_store_links_a_spool_once_it_is_written(tmp_path):
+def _spying_syncs(monkeypatch, then: threading.Event, after: int, live_of) -> list[tuple[int, bool]]:
+    """Record each range a folder's read-back sends to the device (offset, whether the writer was done), and set
+    ``then`` once ``after`` of them were."""
+    from trainproof.storage import backend
+
+    synced: list[tuple[int, bool]] = []
+    inner = backend._sync_range
+
+    def sync(fd, offset, length):
+        synced.append((offset, live_of().done))
+        if len(synced) >= after:
+            then.set()
+        inner(fd, offset, length)
+
+    monkeypatch.setattr(backend, "_sync_range", sync)
+    return synced
+
+
+def test_a_folder_reads_a_spool_back_from_its_device_while_it_is_written_and_links_it(tmp_path, monkeypatch):
+    from trainproof.storage import digest
+    from trainproof.storage.backend import LocalBackend
+
+    monkeypatch.setattr(digest, "PART_BYTES", 2**20)
     store = open_store(str(tmp_path / "run"))
-    blocks = [_block(3 * 2**20, i) for i in range(3)]
-    gate = threading.Event()
-    live = LiveSpool.serialise(_paced(blocks, {2: gate}), store.spool_folder(), expected=9 * 2**20)
-    threading.Timer(0.2, gate.set).start()
+    blocks = [_block(2**20, i) for i in range(6)] + [_block(12345, 6)]
+    two_read = threading.Event()
+    lives: list[LiveSpool] = []
+    synced = _spying_syncs(monkeypatch, two_read, 2, lambda: lives[0])
+    reads = []
+    monkeypatch.setattr(LocalBackend, "read_range", lambda self, path, a, b: reads.append(path) or b"")
+    # The writer holds its last blocks until two parts were read back: a read-back that waited for the finished file
+    # would read nothing before the gate's timeout.
+    lives.append(LiveSpool.serialise(_paced(blocks, {4: two_read}), store.spool_folder(), write_behind=True))
+    live = lives[0]
     store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+    assert [done for _, done in synced[:2]] == [False, False], "read back while written"
+    assert sorted(off for off, _ in synced) == [i * 2**20 for i in range(7)], "every part, the short last one too"
+    assert reads == [], "not read a second time after it was published"
     stored = os.path.join(store.root, "step-00000001", "training_state.pt")
     assert os.path.samefile(stored, live.path), "linked, not copied"
     with open(stored, "rb") as fh:
         assert fh.read() == b"".join(blocks)
+    monkeypatch.undo()  # the store's own reads again, for the verification below
+    assert store.verify(1, contract=C) is None
+    entry = store.load_latest(contract=C).info.manifest["files"]["training_state.pt"]
+    assert entry["sha256"] == live.sha256 and len(entry["parts"]) == 7
+    live.unlink()
+
+
+def test_a_folder_refuses_a_spool_whose_device_bytes_are_not_the_serialised_ones(tmp_path, monkeypatch):
+    # What verification is for: the device holds other bytes than the ones serialised and hashed (a write the disk
+    # changed). Nothing is published or marked, and the next writer commits the step.
+    from trainproof.storage import CorruptGenerationError, digest, spool
+
+    monkeypatch.setattr(digest, "PART_BYTES", 2**20)
+    inner, writes = spool.write_all, []
+
+    def write_all(fh, view):
+        writes.append(view.nbytes)
+        if len(writes) == 3:  # the third block reaches the file with one bit flipped
+            view = memoryview(bytes([view[0] ^ 1]) + bytes(view[1:]))
+        inner(fh, view)
+
+    monkeypatch.setattr(spool, "write_all", write_all)
+    store = open_store(str(tmp_path / "run"))
+    blocks = [_block(2**20, i) for i in range(5)]
+    live = LiveSpool.serialise(_paced(blocks, {}), store.spool_folder(), write_behind=True)
+    with pytest.raises(CorruptGenerationError, match="read back from the store differs"):
+        store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+    live.unlink()
+    assert store.load_latest(contract=C) is None
+    assert not os.path.exists(os.path.join(store.root, "step-00000001", "training_state.pt")), "nothing published"
+    monkeypatch.setattr(spool, "write_all", inner)
+    again = LiveSpool.serialise(_paced(blocks, {}), store.spool_folder(), write_behind=True)
+    store.commit(1, {"training_state.pt": again}, contract=C, world=1, code_version="t")
+    again.unlink()
+    assert store.load_latest(contract=C).info.step == 1 and store.verify(1, contract=C) is None
+
+
+def test_a_folder_commit_of_a_serialisation_failing_midway_publishes_nothing(tmp_path, monkeypatch):
+    from trainproof.storage import digest
+
+    monkeypatch.setattr(digest, "PART_BYTES", 2**20)
+    store = open_store(str(tmp_path / "run"))
+    blocks = [_block(2**20, i) for i in range(5)]
+    two_read = threading.Event()
+    lives: list[LiveSpool] = []
+    _spying_syncs(monkeypatch, two_read, 2, lambda: lives[0])
+    lives.append(LiveSpool.serialise(_paced(blocks, {3: two_read}, fail_at=3), store.spool_folder(),
+                                     write_behind=True))
+    with pytest.raises(SerialiseError):
+        store.commit(1, {"training_state.pt": lives[0]}, contract=C, world=1, code_version="t")
+    assert two_read.is_set(), "the failure came while parts were being read back"
+    assert isinstance(lives[0].join(), OSError)
+    lives[0].unlink()
+    assert store.load_latest(contract=C) is None
+    assert not os.path.exists(os.path.join(store.root, "step-00000001", "training_state.pt")), "nothing published"
+
+
+@pytest.mark.parametrize("why", ["another file system", "a digest of one part"])
+def test_a_live_spool_a_folder_cannot_read_back_as_written_is_committed_the_ordinary_way(tmp_path, monkeypatch,
+                                                                                            why):
+    from trainproof.storage import digest
+
+    store = open_store(str(tmp_path / "run"))
+    folder = store.spool_folder()
+    if why == "another file system":
+        if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+            pytest.skip("no other file system at hand")
+        folder = "/dev/shm"
+    else:
+        monkeypatch.setattr(digest, "PART_BYTES", 0)
+    blocks = [_block(2**20, i) for i in range(3)]
+    live = LiveSpool.serialise(_paced(blocks, {}), folder, write_behind=True)
+    store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+    stored = os.path.join(store.root, "step-00000001", "training_state.pt")
+    assert os.path.samefile(stored, live.path) is (why != "another file system")
+    with open(stored, "rb") as fh:
+        assert fh.read() == b"".join(blocks)
+    assert store.verify(1, contract=C) is None
     live.unlink()
 
 
@@ -234,6 +343,7 @@ def test_the_checkpointer_raises_the_serialisations_own_error(s3_env, tmp_path, 
              "weights": [torch.full((2**20,), float(i)) for i in range(6)]}  # 24 MiB
     ckpt = Checkpointer(store, contract=C, world=1, code_version="t", keep=0, reporter=Reporter(),
                         spool_dir=str(tmp_path))
+    assert not ckpt.links_spools, "an uploaded spool is read again by the upload: not written behind"
     with pytest.raises(Exception) as caught:  # noqa: PT011 - torch's own error, whatever it wraps the OSError in
         ckpt.commit(Capture(step=1, state=state, extra={}))
     # What torch.save raised (as a spool serialised before the upload would have), not where the upload read it.
@@ -245,3 +355,39 @@ def test_the_checkpointer_raises_the_serialisations_own_error(s3_env, tmp_path, 
     assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain), chain
     assert store.load_latest(contract=C) is None
     assert os.listdir(tmp_path) == [], "the spool is deleted"
+
+
+@pytest.mark.parametrize("own_folder", [True, False])
+def test_a_folder_checkpointer_writes_behind_only_the_spool_it_links(tmp_path, monkeypatch, own_folder):
+    """On a folder store the spool made in the run's spool folder becomes the stored file: it is written behind
+    (SpoolWriter's write_behind) and linked. One made elsewhere is copied: not written behind. Either way the
+    generation verifies and holds the state."""
+    from trainproof.format.state import STATE_FILE, load_weights_only
+    from trainproof.train.checkpoint import Capture, Checkpointer
+    from trainproof.train.progress import Reporter
+
+    kinds = []
+    inner = SpoolWriter.__init__
+
+    def init(self, *args, write_behind=False, **kwargs):
+        kinds.append(write_behind)
+        inner(self, *args, write_behind=write_behind, **kwargs)
+
+    monkeypatch.setattr(SpoolWriter, "__init__", init)
+    loaded = {}  # the content check loads what was stored (a test state lacks the trainer's other sections)
+    monkeypatch.setattr(Checkpointer, "_check",
+                        lambda self, name, stored: loaded.setdefault(name, load_weights_only(stored)))
+    store = open_store(str(tmp_path / "run"))
+    spools = store.spool_folder() if own_folder else None
+    ckpt = Checkpointer(store, contract=C, world=1, code_version="t", keep=0, reporter=Reporter(), spool_dir=spools)
+    assert ckpt.links_spools is own_folder
+    weights = [torch.full((2**20,), float(i)) for i in range(6)]  # 24 MiB: several write-behind windows
+    state = {"progress": {"step": 1}, "history": [], "history_chain": "", "weights": weights}
+    ckpt.commit(Capture(step=1, state=state, extra={}))
+    assert kinds == [own_folder]
+    stored = loaded[STATE_FILE]["weights"]
+    assert all(torch.equal(a, b) for a, b in zip(stored, weights, strict=True))
+    assert store.verify(1, contract=C) is None
+    assert [g.step for g in store.scan(contract=C)] == [1]
+    if own_folder:
+        assert os.listdir(spools) == [], "the linked spool's own name is gone"

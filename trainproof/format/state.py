@@ -290,23 +290,26 @@ def encode(state: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def encode_spool(state: dict[str, Any], directory: str | None = None) -> Spool:
+def encode_spool(state: dict[str, Any], directory: str | None = None, *, write_behind: bool = False) -> Spool:
     """:func:`encode` into a spool file (``trainproof.storage.spool``): ``torch.save`` streams each tensor into the file
-    while it is hashed, so serialising never holds a second copy of the state in memory."""
+    while it is hashed, so serialising never holds a second copy of the state in memory. ``write_behind``: the spool
+    becomes the stored file (``SpoolWriter``'s)."""
     check_types(state)
-    with SpoolWriter(directory) as out:
+    with SpoolWriter(directory, write_behind=write_behind) as out:
         torch.save(state, out)
     return out.finish()
 
 
-def encode_live(state: dict[str, Any], directory: str | None = None) -> LiveSpool:
+def encode_live(state: dict[str, Any], directory: str | None = None, *, write_behind: bool = False) -> LiveSpool:
     """:func:`encode_spool` on a thread of its own: the spool is returned at once and its bytes can be read (and
-    uploaded, ``GenerationStore.uploads_while_written``) while ``torch.save`` writes them. The caller keeps ``state``
-    unchanged until the spool is done (``LiveSpool.join``)."""
+    uploaded, ``GenerationStore.uploads_while_written``, or read back from a folder's device,
+    ``verifies_while_written``) while ``torch.save`` writes them. The caller keeps ``state`` unchanged until the
+    spool is done (``LiveSpool.join``)."""
     check_types(state)
     expected = tensor_bytes(state)
     expected += expected // 100 + 2**20  # the archive's own records (pickle, headers): a margin, never a shortfall
-    return LiveSpool.serialise(lambda out: torch.save(state, out), directory, expected=expected)
+    return LiveSpool.serialise(lambda out: torch.save(state, out), directory, expected=expected,
+                               write_behind=write_behind)
 
 
 def tensor_bytes(value: Any, seen: set | None = None) -> int:
@@ -412,10 +415,12 @@ LoRA run), as ``{name: tensor}``: stored once for the run as a shared object tha
 ``meta.frozen.keys`` lists them."""
 
 
-def encode_frozen(tensors: dict[str, torch.Tensor], directory: str | None = None) -> Spool:
-    """The frozen entries serialised into a spool (``torch.save`` of a flat dict, weights-only loadable)."""
+def encode_frozen(tensors: dict[str, torch.Tensor], directory: str | None = None, *,
+                  write_behind: bool = False) -> Spool:
+    """The frozen entries serialised into a spool (``torch.save`` of a flat dict, weights-only loadable);
+    ``write_behind`` as :func:`encode_spool`'s."""
     check_types(tensors, "frozen")
-    with SpoolWriter(directory) as out:
+    with SpoolWriter(directory, write_behind=write_behind) as out:
         torch.save(dict(sorted(tensors.items())), cast(IO[bytes], out))  # a write-only file object
     return out.finish()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import os
 import shutil
@@ -17,7 +18,7 @@ import stat
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, Protocol, Union, runtime_checkable
+from typing import Any, BinaryIO, Iterator, Protocol, Union, runtime_checkable
 
 from trainproof.storage.digest import FileHasher, digest_bytes
 from trainproof.storage.pieces import Pieces, as_pieces
@@ -101,6 +102,20 @@ class UploadsWhileWritten(Protocol):
     backends wait for the finished spool (a folder links it)."""
 
     uploads_while_written: bool
+
+
+@runtime_checkable
+class VerifiesWhileWritten(Protocol):
+    """A backend that reads a :class:`trainproof.storage.spool.LiveSpool` back from its device while it is written
+    (a folder, whose spool becomes the stored file): each part is sent to the device, dropped from the page cache and
+    read back as soon as the serialising thread has written it, so the commit's verification runs beside the
+    serialisation instead of after it."""
+
+    def write_verified(self, path: str, data: LiveSpool, *, create_only: bool = False,
+                       concurrency: int = 8) -> tuple[int, str] | None:
+        """Publish ``data`` under ``path`` and return (bytes, digest) of what was read back from the device: the bytes
+        now stored there. None when it cannot (the spool is not where it can be linked from): nothing was published,
+        and the caller writes and verifies it the ordinary way."""
 
 
 @runtime_checkable
@@ -273,6 +288,36 @@ class LocalBackend:
                 os.unlink(tmp)
         return size, known or sha.hexdigest()
 
+    def write_verified(self, path: str, data: LiveSpool, *, create_only: bool = False,
+                       concurrency: int = 8) -> tuple[int, str] | None:
+        """:class:`VerifiesWhileWritten`: read ``data`` back from the device as it is written (:func:`_read_back`),
+        then fsync it (little is left to write: the read-back sent every part to the device) and link it in as
+        :func:`_link_spool` does. None, having published nothing, when the spool cannot be linked (another file
+        system, no hard links) or its digest is of one part (``TRAINPROOF_DIGEST_PART_MIB=0``: nothing to verify in
+        parallel)."""
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        hasher = FileHasher()
+        try:
+            fd = os.open(data.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not hasher.part_bytes or not stat.S_ISREG(st.st_mode) or st.st_dev != os.stat(folder).st_dev:
+                return None
+            read_back = _read_back(fd, data, hasher.part_bytes, concurrency)
+            spool = data.result()
+            if read_back != (spool.size, spool.sha256):
+                return read_back  # nothing published: the caller refuses what the device holds
+            if _link_spool(spool, path, create_only, dropped=True) is None:
+                return None
+            if not os.path.samestat(os.stat(path, follow_symlinks=False), st):
+                return -1, ""  # what is published under the name is not the file read back: the caller refuses it
+            return read_back
+        finally:
+            os.close(fd)
+
     def read(self, path: str) -> bytes:
         with _open_regular(path) as fh:
             return fh.read()
@@ -393,7 +438,73 @@ class _Hasher(threading.Thread):
         return self._digest
 
 
-def _link_spool(spool: Spool, path: str, create_only: bool) -> tuple[int, str] | None:
+def _read_back(fd: int, live: LiveSpool, part_bytes: int, concurrency: int) -> tuple[int, str]:
+    """(bytes, digest) of the spool open as ``fd``, read back from the device while ``live``'s writer writes it: each
+    digest part, once written, is written to the device and waited for (``sync_file_range``; ``fdatasync`` where that
+    is missing), dropped from the page cache and read again with ``pread``, on ``concurrency`` threads, parts in
+    order. The pages read back stay cached, for the content check that reads the spool next."""
+    from trainproof.storage.digest import of_parts
+    from trainproof.storage.spool import in_order, spans
+
+    def written() -> Iterator[tuple[int, int]]:
+        start = 0
+        while (end := live.available(start + part_bytes)) > start:
+            yield start, end
+            start = end
+
+    buffers = threading.local()  # one buffer per thread, reused: no fresh pages to fault in per range
+
+    def verify(span: tuple[int, int]) -> tuple[int, str]:
+        start, end = span
+        _sync_range(fd, start, end - start)
+        if hasattr(os, "posix_fadvise"):  # every part, however small: what follows reads the device
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        buf = getattr(buffers, "buf", None)
+        if buf is None:
+            buf = buffers.buf = memoryview(bytearray(CHUNK))
+        sha, seen = hashlib.sha256(), 0
+        for a, b in spans(end - start, CHUNK):
+            n = os.preadv(fd, [buf[:b - a]], start + a)
+            sha.update(buf[:n])
+            seen += n
+            if n < b - a:
+                break
+        return seen, sha.hexdigest()
+
+    seen, parts = 0, []
+    with contextlib.closing(in_order(verify, written(), concurrency, "trainproof-readback")) as results:
+        for (start, end), (n, hexdigest) in results:
+            seen += n
+            parts.append(hexdigest)
+            if n < end - start:  # shorter on the device than written: the caller refuses the size
+                break
+    return seen, of_parts(parts or [hashlib.sha256().hexdigest()], part_bytes)
+
+
+_SYNC_FILE_RANGE: Any = None  # libc's sync_file_range once looked up; False where there is none
+
+
+def _sync_range(fd: int, offset: int, length: int) -> None:
+    """Write ``length`` bytes of ``fd`` from ``offset`` to the device and wait for them (Linux ``sync_file_range`` with
+    WAIT_BEFORE | WRITE | WAIT_AFTER, through libc: the file's other ranges and its metadata are left to the
+    commit's fsync); ``fdatasync`` of the whole file where libc has no such call."""
+    global _SYNC_FILE_RANGE
+    if _SYNC_FILE_RANGE is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+            _SYNC_FILE_RANGE = fn
+        except (OSError, AttributeError):
+            _SYNC_FILE_RANGE = False
+    if _SYNC_FILE_RANGE and _SYNC_FILE_RANGE(fd, offset, length, 7) == 0:
+        return
+    os.fdatasync(fd)
+
+
+def _link_spool(spool: Spool, path: str, create_only: bool, *, dropped: bool = False) -> tuple[int, str] | None:
     """Publish a spool that lies on the destination's file system under ``path`` without copying it: fsync its bytes
     once, hard-link it in (create-only: fails atomically if the name exists; else through a temp name and
     ``os.replace``), fsync the folder. None when it cannot be linked (another file system, a file system without hard
@@ -409,7 +520,8 @@ def _link_spool(spool: Spool, path: str, create_only: bool) -> tuple[int, str] |
             return None
         os.fchmod(fd, 0o666 & ~_umask())  # a spool is private (mkstemp: 0600); a stored file is as any other
         os.fsync(fd)
-        _drop_cached(fd, st.st_size)
+        if not dropped:  # (``dropped``: already read back from the device; its pages are for the content check)
+            _drop_cached(fd, st.st_size)
     finally:
         os.close(fd)
     target = path if create_only else os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")

@@ -14,7 +14,8 @@ Two phases, so that several writers (one per rank) can each write and verify the
    reads compared with those bytes (whose sha256 the write computed: the stored bytes are the hashed ones,
    without hashing them twice); a :class:`trainproof.storage.spool.Spool` is never held in memory: it is uploaded from
    its local file, read back as parallel ranged reads hashed in order, and the content check reads the spool (bytes
-   the hash just proved identical to the stored ones);
+   the hash just proved identical to the stored ones). A spool still being written, handed to a folder, is read back
+   from the device part by part while it is written (``VerifiesWhileWritten``), and is not read a second time;
 4. with a signing key, chain and sign the manifest (``trainproof.storage.signing``); write ``COMPLETE.json`` last,
    create-only; a 412 may be our own write whose response was lost, so read the marker back and compare the
    attempt id before concluding we lost;
@@ -29,7 +30,7 @@ from typing import Callable
 
 from trainproof.storage import digest as dg
 from trainproof.storage import manifest as mf
-from trainproof.storage.backend import join, read_at_most
+from trainproof.storage.backend import VerifiesWhileWritten, join, read_at_most
 from trainproof.storage.errors import (
     CommitConflictError,
     CorruptGenerationError,
@@ -41,7 +42,7 @@ from trainproof.storage.generations import CORRUPT, FOREIGN, INCOMPLETE, Check, 
 from trainproof.storage.limits import safe
 from trainproof.storage.pieces import nbytes
 from trainproof.storage.quarantine import clear_for_folder, move_aside, quarantine
-from trainproof.storage.spool import Spool
+from trainproof.storage.spool import LiveSpool, Spool
 
 Data = "bytes | Pieces | Spool"
 
@@ -79,8 +80,9 @@ def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | No
     name = mf.step_dir(step)
     attempt = attempt or uuid.uuid4().hex
     clear_way(ctx, name, contract, code_version)
-    written = {fname: _write_file(ctx, name, fname, data, attempt) for fname, data in files.items()}
-    _verify(ctx, name, written, check, files)
+    verified: set[str] = set()  # objects the backend read back from its device while they were written
+    written = {fname: _write_file(ctx, name, fname, data, attempt, verified) for fname, data in files.items()}
+    _verify(ctx, name, written, check, files, verified)
     return written
 
 
@@ -241,10 +243,17 @@ def _or_conflict(move: Callable[[], object], what: str) -> None:
                                   "through it") from None
 
 
-def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tuple[int, str, str]:
-    """Write one file create-only; return (bytes, sha256, object name)."""
+def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str,
+                verified: set[str]) -> tuple[int, str, str]:
+    """Write one file create-only; return (bytes, sha256, object name). A spool still being written, on a backend
+    that reads it back from its device meanwhile (:class:`trainproof.storage.backend.VerifiesWhileWritten`), is
+    published with that read-back done: its object is added to ``verified``, for :func:`_verify` not to read it
+    again."""
     path = ctx.path(name, fname)
     spooled = isinstance(data, Spool)
+    if isinstance(data, LiveSpool) and (done := _write_verified(ctx, name, fname, data)) is not None:
+        verified.add(fname)
+        return done
     try:
         size, sha = ctx.io(f"write {name}/{fname}", lambda: ctx.backend.write(path, data, create_only=True))
         if spooled:
@@ -271,6 +280,25 @@ def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tu
     return size, sha, obj
 
 
+def _write_verified(ctx: Ctx, name: str, fname: str, data: LiveSpool) -> tuple[int, str, str] | None:
+    """``data`` published under its own name with its read-back from the device done while it was written
+    (``VerifiesWhileWritten``); None when the backend cannot (or the name is taken): the ordinary path follows."""
+    backend = ctx.backend
+    if not isinstance(backend, VerifiesWhileWritten):
+        return None
+    try:
+        got = ctx.io(f"write {name}/{fname}", lambda: backend.write_verified(
+            ctx.path(name, fname), data, create_only=True, concurrency=ctx.concurrency))
+    except FileExistsError:
+        return None  # taken: the ordinary path finds out by whom
+    if got is None:
+        return None
+    if got != (data.size, data.sha256):
+        raise CorruptGenerationError(name, f"{fname} read back from the store differs from what was written "
+                                           f"({got[0]} bytes vs {data.size}); not marking it usable")
+    return got[0], got[1], fname
+
+
 def _same_as_source(name: str, obj: str, sent: tuple[int, str], source: tuple[int, str]) -> None:
     """A spool's file must still hold the bytes hashed when it was written (nothing changed it under us)."""
     if sent != source:
@@ -291,7 +319,8 @@ def _sizes(ctx: Ctx, name: str) -> dict[str, int]:
     return {e.name: e.size for e in listing if not e.is_dir and not e.is_special}
 
 
-def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict[str, Data]) -> None:
+def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict[str, Data],
+            verified: set[str]) -> None:
     sizes = _sizes(ctx, name)
     for fname, (size, sha, obj) in written.items():
         if obj in sizes and sizes[obj] != size:  # the listing's size first: a wrong-sized object is not read
@@ -300,7 +329,9 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict
         path = ctx.path(name, obj)
         data = files[fname]
         try:
-            if isinstance(data, Spool):
+            if obj in verified:  # read back from the device while it was written (_write_file)
+                got = (size, sha)
+            elif isinstance(data, Spool):
                 # Hash it as parallel ranged reads: never more than the parts in flight in memory.  A spool's
                 # content check then reads the spool, whose bytes this hash proves identical to the stored ones.
                 got = ctx.io(f"verify {name}/{obj}", lambda: ctx.hashed(path, size))

@@ -94,7 +94,8 @@ class Ctx:
 
     def transfer(self) -> dict[str, int]:
         """Part size and concurrency of ranged reads on this backend (parallel on S3, one chunk at a time on a
-        local disk, where sha256 and not the reads is the bottleneck)."""
+        local disk, where one consumer hashes and writes in order; a pure read-back is parallel everywhere,
+        :meth:`hashed`)."""
         if reads_in_parallel(self.backend):
             return {"part_size": self.part_size, "concurrency": self.concurrency}
         return {"part_size": CHUNK, "concurrency": 1}
@@ -108,7 +109,11 @@ class Ctx:
         if size == 0:  # S3 refuses a ranged read of an empty object (416): one plain read
             return hash_object(self.backend, path, 0, hasher)
         if sink is None:  # a pure read-back: the digest's parts are hashed on the fetching threads
-            return hashed_parts(read, size, hasher or FileHasher(), **self.transfer())
+            # ... ``concurrency`` of them on every backend: on a local disk too, where they hash on every core and
+            # keep the device's queue full (1 GiB read back from the test VM's disk: 0.6 s, against 1.0-1.2 s as one
+            # chunk at a time, bench/RESULTS.md).
+            return hashed_parts(read, size, hasher or FileHasher(), part_size=self.transfer()["part_size"],
+                                concurrency=self.concurrency)
         return hashed_ranges(read, size, sink=sink, hasher=hasher, **self.transfer())
 
     def matches(self, path: str, source) -> bool:

@@ -15,7 +15,14 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 from trainproof.storage import manifest as mf
-from trainproof.storage.backend import FsspecBackend, LocalBackend, UploadsWhileWritten, join, read_at_most
+from trainproof.storage.backend import (
+    FsspecBackend,
+    LocalBackend,
+    UploadsWhileWritten,
+    VerifiesWhileWritten,
+    join,
+    read_at_most,
+)
 from trainproof.storage.commit import LATEST, clear_way, commit_generation, mark_usable, put_shared, write_part
 from trainproof.storage.digest import Digest, of_parts
 from trainproof.storage.errors import CorruptGenerationError, StoreConfigError, StoreError
@@ -353,6 +360,13 @@ class GenerationStore:
         written (S3), so a writer should start the commit as soon as it starts serialising; elsewhere the commit
         waits for the finished spool, and the writer gains nothing by it."""
         return isinstance(self.backend, UploadsWhileWritten) and self.backend.uploads_while_written is True
+
+    @property
+    def verifies_while_written(self) -> bool:
+        """Whether a :class:`trainproof.storage.spool.LiveSpool` made in :meth:`spool_folder` and handed to
+        :meth:`commit` is read back from the device while it is written (a folder), so the commit's verification
+        runs beside the serialisation."""
+        return isinstance(self.backend, VerifiesWhileWritten)
 
     def spool_folder(self) -> str | None:
         """A folder on the run's own file system for the writer's spools (a folder store; None for an object

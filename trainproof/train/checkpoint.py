@@ -179,13 +179,23 @@ class Checkpointer:
             if spool is not c.encoded:  # commit() deletes the one it was handed
                 spool.unlink()
 
+    @property
+    def links_spools(self) -> bool:
+        """Whether a spool becomes the stored file itself: made in a folder store's own spool folder, it is linked
+        into its generation, so it is written behind (``SpoolWriter``'s ``write_behind``) and the commit's fsync
+        finds little left to write."""
+        return self.spool_dir is not None and not self.store.uploads_while_written
+
     def encode(self, state: dict[str, Any]) -> Spool:
-        """``state`` serialised into a spool for :meth:`commit`: on a store that uploads while the spool is written
-        (S3), a :class:`LiveSpool` still being written by a thread of its own, so the upload runs beside the
-        serialisation; elsewhere the finished spool. The caller leaves ``state`` unchanged until the commit returns."""
+        """``state`` serialised into a spool for :meth:`commit`: a :class:`LiveSpool` still being written by a thread of
+        its own on a store that uploads it meanwhile (S3), or reads it back from its device meanwhile (a folder whose
+        spool is linked in, written behind), so the commit runs beside the serialisation; elsewhere the finished
+        spool. The caller leaves ``state`` unchanged until the commit returns."""
         if self.store.uploads_while_written:
             return encode_live(state, self.spool_dir)
-        return encode_spool(state, self.spool_dir)
+        if self.links_spools and self.store.verifies_while_written:
+            return encode_live(state, self.spool_dir, write_behind=True)
+        return encode_spool(state, self.spool_dir, write_behind=self.links_spools)
 
     def _keep_history(self, step: int, rows: bytes) -> None:
         """With retention on, the generation's own history rows are committed again under ``<run>/history/`` (a
@@ -281,7 +291,7 @@ class Checkpointer:
         serialised and stored (``put_shared``: reused when the store holds those bytes already)."""
         if c.frozen:
             t0 = time.perf_counter()
-            spool = encode_frozen(c.frozen, self.spool_dir)
+            spool = encode_frozen(c.frozen, self.spool_dir, write_behind=self.links_spools)
             try:
                 size, sha = self.store.put_shared(spool)
             except (StoreError, OSError) as exc:
