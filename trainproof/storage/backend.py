@@ -89,8 +89,9 @@ class Backend(Protocol):
 # -- optional capabilities: a backend has them or not; the store asks with isinstance, never getattr ---------------
 @runtime_checkable
 class ParallelRanges(Protocol):
-    """A backend whose ranged reads are worth running many at once (S3: one GET each, latency-bound); a local
-    disk is not (sha256, not the reads, is the bottleneck there), so it is read one chunk at a time."""
+    """A backend whose ranged reads are worth running many at once (S3: one GET each, latency-bound). A local disk
+    hands a download's chunks to one consumer that hashes and writes them in order; its pure read-backs (a commit's
+    verification) run in parallel too (``Ctx.hashed``)."""
 
     parallel_ranges: bool
 

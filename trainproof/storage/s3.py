@@ -18,6 +18,7 @@ What this module owns, each rule answering something S3 and S3-compatible server
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -225,51 +226,63 @@ class S3Backend(FsspecBackend):
         ``part`` bytes as soon as they exist, at most ``concurrency`` read and in flight at once, so the upload runs
         beside the serialisation. A file that turns out to need more than :data:`MAX_PARTS` such parts has its
         upload aborted, and None is returned for the finished file to be uploaded instead."""
-        bucket, key, _ = self.fs.split_path(path)
-        upload_id = self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
         slots = threading.Semaphore(self.options.concurrency)  # parts read and in flight: the memory bound
         failed = threading.Event()
-
-        def put(number: int, start: int, end: int) -> dict:
-            try:
-                body = data.read_range(start, end)
-                if len(body) != end - start:  # the written bytes are in the file: a shorter read means it shrank
-                    raise OSError(f"{path}: part {number} read {len(body)} bytes of {end - start} from the spool; "
-                                  "the local file changed while it was uploaded")
-                out = self._part_retry(f"upload part {number} of {key} (still being written)", lambda: self._call(
-                    "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
-                return {"PartNumber": number, "ETag": out["ETag"]}
-            except BaseException:
-                failed.set()
-                raise
-            finally:
-                slots.release()
-
         try:
-            with ThreadPoolExecutor(max_workers=self.options.concurrency) as pool:
-                futures: list = []
-                start = 0
-                while not failed.is_set() and (end := data.available(start + part)) > start:
-                    if len(futures) == MAX_PARTS:
-                        raise _TooManyParts()
-                    slots.acquire()
-                    futures.append(pool.submit(put, len(futures) + 1, start, end))
-                    start = end
-                parts = [f.result() for f in futures]  # a failed part raises here
-            size, sha = data.size, data.sha256  # the writer's: the read-back verification compares the object with it
-            self._complete(path, bucket, key, upload_id, parts, size, create_only)
-        except BaseException as exc:
-            try:
-                self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            except Exception:  # the start-up sweep collects what an abort could not
-                pass
-            if isinstance(exc, _TooManyParts):
-                log.info("%s grew past %d parts of %d bytes while it was uploaded; uploading the finished file",
-                         path, MAX_PARTS, part)
-                return None
-            raise
+            with self._multipart(path) as (bucket, key, upload_id):
+
+                def put(number: int, start: int, end: int) -> dict:
+                    try:
+                        body = data.read_range(start, end)
+                        if len(body) != end - start:  # the written bytes are in the file: shorter means it shrank
+                            raise OSError(f"{path}: part {number} read {len(body)} bytes of {end - start} from the "
+                                          "spool; the local file changed while it was uploaded")
+                        return self._send_part(bucket, key, upload_id, number, body, "still being written")
+                    except BaseException:
+                        failed.set()
+                        raise
+                    finally:
+                        slots.release()
+
+                with ThreadPoolExecutor(max_workers=self.options.concurrency) as pool:
+                    futures: list = []
+                    start = 0
+                    while not failed.is_set() and (end := data.available(start + part)) > start:
+                        if len(futures) == MAX_PARTS:
+                            raise _TooManyParts()
+                        slots.acquire()
+                        futures.append(pool.submit(put, len(futures) + 1, start, end))
+                        start = end
+                    parts = [f.result() for f in futures]  # a failed part raises here
+                size, sha = data.size, data.sha256  # the writer's: the read-back verification compares with it
+                self._complete(path, bucket, key, upload_id, parts, size, create_only)
+        except _TooManyParts:
+            log.info("%s grew past %d parts of %d bytes while it was uploaded; uploading the finished file",
+                     path, MAX_PARTS, part)
+            return None
         self.fs.invalidate_cache(path)
         return size, sha
+
+    @contextlib.contextmanager
+    def _multipart(self, path: str) -> Iterator[tuple[str, str, str]]:
+        """A multipart upload to ``path``: (bucket, key, upload id), aborted when the block raises, so no object
+        appears (an abort that fails is left to the start-up sweep of unfinished uploads)."""
+        bucket, key, _ = self.fs.split_path(path)
+        upload_id = self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        try:
+            yield bucket, key, upload_id
+        except BaseException:
+            try:
+                self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception:  # noqa: BLE001,S110 - the sweep collects what an abort could not
+                pass
+            raise
+
+    def _send_part(self, bucket: str, key: str, upload_id: str, number: int, body, note: str) -> dict:
+        """Upload one part, retried on its own (UploadPart is idempotent); its entry for the completion."""
+        out = self._part_retry(f"upload part {number} ({note}) of {key}", lambda: self._call(
+            "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
+        return {"PartNumber": number, "ETag": out["ETag"]}
 
     def _claim(self, path: str, create_only: bool) -> bool:
         """Before a create-only write that may end in a multipart completion on an endpoint whose completions are
@@ -288,17 +301,8 @@ class S3Backend(FsspecBackend):
         its own (UploadPart is idempotent), and the upload aborted on failure so no object appears. ``sha``: the
         bytes' digest when known (a spool's); otherwise computed in parallel with the upload, by ``hash_source()``
         when given (bytes already in memory, hashed where they lie), else from ``read_range``."""
-        bucket, key, _ = self.fs.split_path(path)
-        upload_id = self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
         part = part_size_for(size, self.options.part_size)
         spans = [(n + 1, off, min(off + part, size)) for n, off in enumerate(range(0, size, part))]
-
-        def put(span):
-            number, start, end = span
-            body = read_range(start, end)  # one part in memory per worker thread
-            out = self._part_retry(f"upload part {number}/{len(spans)} of {key}", lambda: self._call(
-                "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
-            return {"PartNumber": number, "ETag": out["ETag"]}
 
         def whole_sha() -> str:
             digest = FileHasher()
@@ -306,18 +310,18 @@ class S3Backend(FsspecBackend):
                 digest.update(read_range(start, end))  # hashlib releases the GIL
             return digest.hexdigest()
 
-        try:
+        with self._multipart(path) as (bucket, key, upload_id):
+
+            def put(span):
+                number, start, end = span
+                body = read_range(start, end)  # one part in memory per worker thread
+                return self._send_part(bucket, key, upload_id, number, body, f"of {len(spans)}")
+
             with ThreadPoolExecutor(max_workers=self.options.concurrency + 1) as pool:
                 digest = pool.submit(hash_source or whole_sha) if sha is None else None
                 parts = list(pool.map(put, spans))
             sha = sha if digest is None else digest.result()
             self._complete(path, bucket, key, upload_id, parts, size, create_only)
-        except BaseException:
-            try:
-                self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            except Exception:  # the start-up sweep collects what an abort could not
-                pass
-            raise
         self.fs.invalidate_cache(path)
         return size, sha
 
