@@ -102,53 +102,78 @@ def test_deleting_a_spool_stops_its_writer(tmp_path):
     assert len(writes) <= 3 and isinstance(live.error, SerialiseError) and not os.path.exists(live.path)
 
 
-def _spying_syncs(monkeypatch, then: threading.Event, after: int, live_of) -> list[tuple[int, bool]]:
-    """Record each range a folder's read-back sends to the device (offset, whether the writer was done), and set
-    ``then`` once ``after`` of them were."""
-    from trainproof.storage import backend
+def _spying_syncs(monkeypatch, then: threading.Event, after: int, live_of) -> list[tuple[str, int, bool]]:
+    """Record what a folder's read-back does to the file, in order: ("wait", offset, whether the writer was done) when
+    it waits for a part to be on the device, ("drop", offset, ...) when it drops it from the cache, ("read", offset,
+    ...) for each read; set ``then`` once ``after`` parts were waited for."""
+    from trainproof.storage import backend, writeback
 
-    synced: list[tuple[int, bool]] = []
-    inner = backend._sync_range
+    events: list[tuple[str, int, bool]] = []
 
-    def sync(fd, offset, length):
-        synced.append((offset, live_of().done))
-        if len(synced) >= after:
-            then.set()
-        inner(fd, offset, length)
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(writeback, name)
 
-    monkeypatch.setattr(backend, "_sync_range", sync)
-    return synced
+        def wait(self, fd, offset, length):
+            events.append(("wait", offset, live_of().done))
+            writeback.wait(fd, offset, length)
+            if sum(e[0] == "wait" for e in events) >= after:
+                then.set()
+
+        def drop(self, fd, offset, length):
+            events.append(("drop", offset, live_of().done))
+            writeback.drop(fd, offset, length)
+
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset):
+        events.append(("read", offset, live_of().done))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(backend, "writeback", Spy())
+    monkeypatch.setattr(backend.os, "preadv", preadv)
+    return events
 
 
-def test_a_folder_reads_a_spool_back_from_its_device_while_it_is_written_and_links_it(tmp_path, monkeypatch):
-    from trainproof.storage import digest
+@pytest.mark.parametrize("range_sync", [True, False], ids=["sync_file_range", "fdatasync"])
+def test_a_folder_reads_a_spool_back_from_its_device_while_it_is_written_and_links_it(tmp_path, monkeypatch,
+                                                                                      range_sync):
+    from trainproof.storage import digest, writeback
     from trainproof.storage.backend import LocalBackend
 
     monkeypatch.setattr(digest, "PART_BYTES", 2**20)
+    if not range_sync:  # a platform without sync_file_range: each part waited for by an fdatasync of the file
+        monkeypatch.setattr(writeback, "_CALL", False)
     store = open_store(str(tmp_path / "run"))
     blocks = [_block(2**20, i) for i in range(6)] + [_block(12345, 6)]
     two_read = threading.Event()
     lives: list[LiveSpool] = []
-    synced = _spying_syncs(monkeypatch, two_read, 2, lambda: lives[0])
+    events = _spying_syncs(monkeypatch, two_read, 2, lambda: lives[0])
     reads = []
     monkeypatch.setattr(LocalBackend, "read_range", lambda self, path, a, b: reads.append(path) or b"")
     # The writer holds its last blocks until two parts were read back: a read-back that waited for the finished file
     # would read nothing before the gate's timeout.
     lives.append(LiveSpool.serialise(_paced(blocks, {4: two_read}), store.spool_folder(), write_behind=True))
     live = lives[0]
-    store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
-    assert [done for _, done in synced[:2]] == [False, False], "read back while written"
-    assert sorted(off for off, _ in synced) == [i * 2**20 for i in range(7)], "every part, the short last one too"
-    assert reads == [], "not read a second time after it was published"
-    stored = os.path.join(store.root, "step-00000001", "training_state.pt")
-    assert os.path.samefile(stored, live.path), "linked, not copied"
-    with open(stored, "rb") as fh:
-        assert fh.read() == b"".join(blocks)
-    monkeypatch.undo()  # the store's own reads again, for the verification below
-    assert store.verify(1, contract=C) is None
-    entry = store.load_latest(contract=C).info.manifest["files"]["training_state.pt"]
-    assert entry["sha256"] == live.sha256 and len(entry["parts"]) == 7
-    live.unlink()
+    try:
+        store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+        waits = [(off, done) for what, off, done in events if what == "wait"]
+        assert [done for _, done in waits[:2]] == [False, False], "read back while written"
+        assert sorted(off for off, _ in waits) == [i * 2**20 for i in range(7)], "every part, the short last one too"
+        for i in range(7):  # each part: on the device, then dropped from the cache, then read
+            seen = [what for what, off, _ in events if i * 2**20 <= off < (i + 1) * 2**20]
+            assert seen[:2] == ["wait", "drop"] and set(seen[2:]) == {"read"}, (i, seen)
+        assert reads == [], "not read a second time after it was published"
+        stored = os.path.join(store.root, "step-00000001", "training_state.pt")
+        assert os.path.samefile(stored, live.path), "linked, not copied"
+        with open(stored, "rb") as fh:
+            assert fh.read() == b"".join(blocks)
+        monkeypatch.undo()  # the store's own reads again, for the verification below
+        assert store.verify(1, contract=C) is None
+        entry = store.load_latest(contract=C).info.manifest["files"]["training_state.pt"]
+        assert entry["sha256"] == live.sha256 and len(entry["parts"]) == 7
+    finally:
+        live.unlink()
 
 
 def test_a_folder_refuses_a_spool_whose_device_bytes_are_not_the_serialised_ones(tmp_path, monkeypatch):
@@ -169,9 +194,11 @@ def test_a_folder_refuses_a_spool_whose_device_bytes_are_not_the_serialised_ones
     store = open_store(str(tmp_path / "run"))
     blocks = [_block(2**20, i) for i in range(5)]
     live = LiveSpool.serialise(_paced(blocks, {}), store.spool_folder(), write_behind=True)
-    with pytest.raises(CorruptGenerationError, match="read back from the store differs"):
-        store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
-    live.unlink()
+    try:
+        with pytest.raises(CorruptGenerationError, match="read back from the store differs"):
+            store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+    finally:
+        live.unlink()
     assert store.load_latest(contract=C) is None
     assert not os.path.exists(os.path.join(store.root, "step-00000001", "training_state.pt")), "nothing published"
     monkeypatch.setattr(spool, "write_all", inner)
@@ -179,6 +206,35 @@ def test_a_folder_refuses_a_spool_whose_device_bytes_are_not_the_serialised_ones
     store.commit(1, {"training_state.pt": again}, contract=C, world=1, code_version="t")
     again.unlink()
     assert store.load_latest(contract=C).info.step == 1 and store.verify(1, contract=C) is None
+
+
+def test_a_write_back_error_the_device_reports_fails_the_commit_with_it(tmp_path, monkeypatch):
+    # EIO or ENOSPC from sync_file_range is the error to report: not a fallback to fdatasync, which would find the
+    # error already reported and return 0, nor a digest mismatch that hides what happened.
+    import ctypes
+
+    from trainproof.storage import digest, writeback
+
+    monkeypatch.setattr(digest, "PART_BYTES", 2**20)
+    calls = []
+
+    def failing(fd, offset, length, flags):
+        calls.append(offset)
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(writeback, "_CALL", failing)
+    store = open_store(str(tmp_path / "run"))
+    blocks = [_block(2**20, i) for i in range(3)]
+    live = LiveSpool.serialise(_paced(blocks, {}), store.spool_folder())
+    try:
+        with pytest.raises(OSError) as caught:
+            store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+        assert caught.value.errno == errno.EIO and calls
+    finally:
+        live.unlink()
+    assert store.load_latest(contract=C) is None
+    assert not os.path.exists(os.path.join(store.root, "step-00000001", "training_state.pt")), "nothing published"
 
 
 def test_a_folder_commit_of_a_serialisation_failing_midway_publishes_nothing(tmp_path, monkeypatch):
@@ -192,11 +248,13 @@ def test_a_folder_commit_of_a_serialisation_failing_midway_publishes_nothing(tmp
     _spying_syncs(monkeypatch, two_read, 2, lambda: lives[0])
     lives.append(LiveSpool.serialise(_paced(blocks, {3: two_read}, fail_at=3), store.spool_folder(),
                                      write_behind=True))
-    with pytest.raises(SerialiseError):
-        store.commit(1, {"training_state.pt": lives[0]}, contract=C, world=1, code_version="t")
-    assert two_read.is_set(), "the failure came while parts were being read back"
-    assert isinstance(lives[0].join(), OSError)
-    lives[0].unlink()
+    try:
+        with pytest.raises(SerialiseError):
+            store.commit(1, {"training_state.pt": lives[0]}, contract=C, world=1, code_version="t")
+        assert two_read.is_set(), "the failure came while parts were being read back"
+        assert isinstance(lives[0].join(), OSError)
+    finally:
+        lives[0].unlink()
     assert store.load_latest(contract=C) is None
     assert not os.path.exists(os.path.join(store.root, "step-00000001", "training_state.pt")), "nothing published"
 
@@ -216,13 +274,15 @@ def test_a_live_spool_a_folder_cannot_read_back_as_written_is_committed_the_ordi
         monkeypatch.setattr(digest, "PART_BYTES", 0)
     blocks = [_block(2**20, i) for i in range(3)]
     live = LiveSpool.serialise(_paced(blocks, {}), folder, write_behind=True)
-    store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
-    stored = os.path.join(store.root, "step-00000001", "training_state.pt")
-    assert os.path.samefile(stored, live.path) is (why != "another file system")
-    with open(stored, "rb") as fh:
-        assert fh.read() == b"".join(blocks)
-    assert store.verify(1, contract=C) is None
-    live.unlink()
+    try:
+        store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+        stored = os.path.join(store.root, "step-00000001", "training_state.pt")
+        assert os.path.samefile(stored, live.path) is (why != "another file system")
+        with open(stored, "rb") as fh:
+            assert fh.read() == b"".join(blocks)
+        assert store.verify(1, contract=C) is None
+    finally:
+        live.unlink()
 
 
 def test_the_expected_size_counts_each_storage_once():

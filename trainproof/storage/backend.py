@@ -18,8 +18,9 @@ import stat
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterator, Protocol, Union, runtime_checkable
+from typing import BinaryIO, Iterator, Protocol, Union, runtime_checkable
 
+from trainproof.storage import writeback
 from trainproof.storage.digest import FileHasher, digest_bytes
 from trainproof.storage.pieces import Pieces, as_pieces
 from trainproof.storage.spool import LiveSpool, Spool
@@ -294,8 +295,8 @@ class LocalBackend:
         """:class:`VerifiesWhileWritten`: read ``data`` back from the device as it is written (:func:`_read_back`),
         then fsync it (little is left to write: the read-back sent every part to the device) and link it in as
         :func:`_link_spool` does. None, having published nothing, when the spool cannot be linked (another file
-        system, no hard links) or its digest is of one part (``TRAINPROOF_DIGEST_PART_MIB=0``: nothing to verify in
-        parallel)."""
+        system, no hard links), pages cannot be dropped (no ``posix_fadvise``: the read-back would read the cache) or
+        its digest is of one part (nothing to verify part by part)."""
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         hasher = FileHasher()
@@ -305,7 +306,8 @@ class LocalBackend:
             return None
         try:
             st = os.fstat(fd)
-            if not hasher.part_bytes or not stat.S_ISREG(st.st_mode) or st.st_dev != os.stat(folder).st_dev:
+            if (not hasher.part_bytes or not writeback.can_drop() or not stat.S_ISREG(st.st_mode)
+                    or st.st_dev != os.stat(folder).st_dev):
                 return None
             read_back = _read_back(fd, data, hasher.part_bytes, concurrency)
             spool = data.result()
@@ -441,9 +443,10 @@ class _Hasher(threading.Thread):
 
 def _read_back(fd: int, live: LiveSpool, part_bytes: int, concurrency: int) -> tuple[int, str]:
     """(bytes, digest) of the spool open as ``fd``, read back from the device while ``live``'s writer writes it: each
-    digest part, once written, is written to the device and waited for (``sync_file_range``; ``fdatasync`` where that
-    is missing), dropped from the page cache and read again with ``pread``, on ``concurrency`` threads, parts in
-    order. The pages read back stay cached, for the content check that reads the spool next."""
+    digest part, once written, is written to the device and waited for, dropped from the page cache
+    (``trainproof.storage.writeback``) and read again with ``pread``, on ``concurrency`` threads, parts in order. The
+    pages read back stay cached, for the content check that reads the spool next. Best effort as the drop is: a file
+    system that keeps a file's pages (tmpfs) is read from them."""
     from trainproof.storage.digest import of_parts
     from trainproof.storage.spool import in_order, spans
 
@@ -457,19 +460,19 @@ def _read_back(fd: int, live: LiveSpool, part_bytes: int, concurrency: int) -> t
 
     def verify(span: tuple[int, int]) -> tuple[int, str]:
         start, end = span
-        _sync_range(fd, start, end - start)
-        if hasattr(os, "posix_fadvise"):  # every part, however small: what follows reads the device
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        writeback.wait(fd, start, end - start)  # on the device, clean: then dropped, so what follows reads the device
+        writeback.drop(fd, start, end - start)
         buf = getattr(buffers, "buf", None)
         if buf is None:
             buf = buffers.buf = memoryview(bytearray(CHUNK))
         sha, seen = hashlib.sha256(), 0
         for a, b in spans(end - start, CHUNK):
-            n = os.preadv(fd, [buf[:b - a]], start + a)
+            n = 0
+            while n < b - a and (got := os.preadv(fd, [buf[n:b - a]], start + a + n)):
+                n += got
             sha.update(buf[:n])
             seen += n
-            if n < b - a:
+            if n < b - a:  # the end of the file
                 break
         return seen, sha.hexdigest()
 
@@ -481,28 +484,6 @@ def _read_back(fd: int, live: LiveSpool, part_bytes: int, concurrency: int) -> t
             if n < end - start:  # shorter on the device than written: the caller refuses the size
                 break
     return seen, of_parts(parts or [hashlib.sha256().hexdigest()], part_bytes)
-
-
-_SYNC_FILE_RANGE: Any = None  # libc's sync_file_range once looked up; False where there is none
-
-
-def _sync_range(fd: int, offset: int, length: int) -> None:
-    """Write ``length`` bytes of ``fd`` from ``offset`` to the device and wait for them (Linux ``sync_file_range`` with
-    WAIT_BEFORE | WRITE | WAIT_AFTER, through libc: the file's other ranges and its metadata are left to the
-    commit's fsync); ``fdatasync`` of the whole file where libc has no such call."""
-    global _SYNC_FILE_RANGE
-    if _SYNC_FILE_RANGE is None:
-        try:
-            import ctypes
-
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-            fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
-            _SYNC_FILE_RANGE = fn
-        except (OSError, AttributeError):
-            _SYNC_FILE_RANGE = False
-    if _SYNC_FILE_RANGE and _SYNC_FILE_RANGE(fd, offset, length, 7) == 0:
-        return
-    os.fdatasync(fd)
 
 
 def _link_spool(spool: Spool, path: str, create_only: bool, *, dropped: bool = False) -> tuple[int, str] | None:

@@ -329,7 +329,7 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict
         path = ctx.path(name, obj)
         data = files[fname]
         try:
-            if obj in verified:  # read back from the device while it was written (_write_file)
+            if fname in verified:  # read back from the device while it was written (_write_file)
                 got = (size, sha)
             elif isinstance(data, Spool):
                 # Hash it as parallel ranged reads: never more than the parts in flight in memory.  A spool's
