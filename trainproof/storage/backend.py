@@ -300,15 +300,10 @@ class LocalBackend:
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         hasher = FileHasher()
-        try:
-            fd = os.open(data.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
+        if not hasher.part_bytes or not writeback.can_drop() or (opened := _open_linkable(data.path, folder)) is None:
             return None
+        fd, st = opened
         try:
-            st = os.fstat(fd)
-            if (not hasher.part_bytes or not writeback.can_drop() or not stat.S_ISREG(st.st_mode)
-                    or st.st_dev != os.stat(folder).st_dev):
-                return None
             read_back = _read_back(fd, data, hasher.part_bytes, concurrency)
             spool = data.result()
             if read_back != (spool.size, spool.sha256):
@@ -486,19 +481,35 @@ def _read_back(fd: int, live: LiveSpool, part_bytes: int, concurrency: int) -> t
     return seen, of_parts(parts or [hashlib.sha256().hexdigest()], part_bytes)
 
 
+def _open_linkable(path: str, folder: str) -> tuple[int, os.stat_result] | None:
+    """``path`` opened read-only, a link not followed, with its stat: when it is a regular file on ``folder``'s file
+    system (one that can be hard-linked into it); None otherwise, nothing left open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_dev == os.stat(folder).st_dev:
+            return fd, st
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
 def _link_spool(spool: Spool, path: str, create_only: bool, *, dropped: bool = False) -> tuple[int, str] | None:
     """Publish a spool that lies on the destination's file system under ``path`` without copying it: fsync its bytes
     once, hard-link it in (create-only: fails atomically if the name exists; else through a temp name and
     ``os.replace``), fsync the folder. None when it cannot be linked (another file system, a file system without hard
     links, a spool that is not a regular file of its own size): the caller copies it instead."""
     folder, name = os.path.split(path)
-    try:
-        fd = os.open(spool.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
+    if (opened := _open_linkable(spool.path, folder)) is None:
         return None
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != spool.size or st.st_dev != os.stat(folder).st_dev:
+        if st.st_size != spool.size:
             return None
         os.fchmod(fd, 0o666 & ~_umask())  # a spool is private (mkstemp: 0600); a stored file is as any other
         os.fsync(fd)
