@@ -4,6 +4,7 @@ per folder, and classifies every entry exactly as a folder-by-folder look does (
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -56,3 +57,50 @@ def test_a_scan_lists_a_flood_of_folders_in_pages_and_classifies_each_as_alone(s
     alone = {g.name: inspect(store._ctx, g.name, contract="c", world=1) for g in found}
     assert {n: (g.status, g.reason, g.bytes) for n, g in by_name.items()} == {
         n: (g.status, g.reason, g.bytes) for n, g in alone.items()}
+
+
+def test_a_scan_reads_the_markers_and_lists_the_tree_at_once_and_finds_what_one_at_a_time_finds(s3_env, s3_server):
+    """A resume or a retention scans the run: on S3 its two listings run together and the generations' COMPLETE.json
+    are read ``concurrency`` at a time, so a run keeping milestones does not pay a round trip per generation after
+    the other. Each gated request waits for a second one to be in flight: done one after the other, the scan fails."""
+    store = open_store(f"s3://{s3_env}/together/run", StoreOptions.from_env())
+    for step in (1, 2, 3, 5):
+        store.commit(step, {"state.pt": bytes([step]) * 1000}, contract="c", world=1, code_version="v")
+    _plant(s3_server.boto3_client(), s3_env, ["together/run/step-00000004/x",  # partial: no marker
+                                              "together/run/step-00000006/COMPLETE.json"])  # a marker alone: corrupt
+
+    barriers = {"listing": threading.Barrier(2, timeout=20), "marker": threading.Barrier(2, timeout=20)}
+    met: list[str] = []
+    lock = threading.Lock()
+
+    def gate(kind: str) -> None:
+        with lock:
+            first_two = met.count(kind) < 2
+            met.append(kind)
+        if first_two:
+            barriers[kind].wait()  # BrokenBarrierError after 20 s alone: the scan fails
+
+    backend, fs = store.backend, store.backend.fs
+    real_call, real_iter_read = fs.call_s3, backend.iter_read
+
+    def call_s3(method, *args, **kwargs):
+        if method == "list_objects_v2":
+            gate("listing")
+        return real_call(method, *args, **kwargs)
+
+    def iter_read(path, *args, **kwargs):
+        if path.endswith("/COMPLETE.json"):
+            gate("marker")
+        return real_iter_read(path, *args, **kwargs)
+
+    fs.call_s3, backend.iter_read = call_s3, iter_read
+    try:
+        found = store.scan(contract="c", world=1)
+    finally:
+        fs.call_s3, backend.iter_read = real_call, real_iter_read
+    assert met.count("listing") >= 2 and met.count("marker") == 5
+    alone = {n: inspect(store._ctx, n, contract="c", world=1) for n in (f"step-{s:08d}" for s in range(1, 7))}
+    assert [g.name for g in found] == sorted(alone)  # ascending, as one at a time
+    assert {g.name: (g.status, g.reason, g.bytes) for g in found} == {
+        n: (g.status, g.reason, g.bytes) for n, g in alone.items()}
+    assert [g.status for g in found] == ["complete", "complete", "complete", "incomplete", "complete", "corrupt"]
