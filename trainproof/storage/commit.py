@@ -80,8 +80,13 @@ def write_part(ctx: Ctx, step: int, files: dict[str, Data], *, check: Check | No
     name = mf.step_dir(step)
     attempt = attempt or uuid.uuid4().hex
     clear_way(ctx, name, contract, code_version)
+    written: dict[str, tuple[int, str, str]] = {}
     verified: set[str] = set()  # objects the backend read back from its device while they were written
-    written = {fname: _write_file(ctx, name, fname, data, attempt, verified) for fname, data in files.items()}
+    for fname, data in files.items():
+        done = _write_verified(ctx, name, fname, data) if isinstance(data, LiveSpool) else None
+        if done is not None:
+            verified.add(fname)
+        written[fname] = done or _write_file(ctx, name, fname, data, attempt)
     _verify(ctx, name, written, check, files, verified)
     return written
 
@@ -243,17 +248,10 @@ def _or_conflict(move: Callable[[], object], what: str) -> None:
                                   "through it") from None
 
 
-def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str,
-                verified: set[str]) -> tuple[int, str, str]:
-    """Write one file create-only; return (bytes, sha256, object name). A spool still being written, on a backend
-    that reads it back from its device meanwhile (:class:`trainproof.storage.backend.VerifiesWhileWritten`), is
-    published with that read-back done: its object is added to ``verified``, for :func:`_verify` not to read it
-    again."""
+def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str) -> tuple[int, str, str]:
+    """Write one file create-only; return (bytes, sha256, object name)."""
     path = ctx.path(name, fname)
     spooled = isinstance(data, Spool)
-    if isinstance(data, LiveSpool) and (done := _write_verified(ctx, name, fname, data)) is not None:
-        verified.add(fname)
-        return done
     try:
         size, sha = ctx.io(f"write {name}/{fname}", lambda: ctx.backend.write(path, data, create_only=True))
         if spooled:
@@ -281,8 +279,9 @@ def _write_file(ctx: Ctx, name: str, fname: str, data: Data, attempt: str,
 
 
 def _write_verified(ctx: Ctx, name: str, fname: str, data: LiveSpool) -> tuple[int, str, str] | None:
-    """``data`` published under its own name with its read-back from the device done while it was written
-    (``VerifiesWhileWritten``); None when the backend cannot (or the name is taken): the ordinary path follows."""
+    """A spool still being written, published under its own name with its read-back from the device done while it
+    was written (:class:`trainproof.storage.backend.VerifiesWhileWritten`), for :func:`_verify` not to read it
+    again; None when the backend cannot (or the name is taken): :func:`_write_file` follows."""
     backend = ctx.backend
     if not isinstance(backend, VerifiesWhileWritten):
         return None
@@ -293,10 +292,16 @@ def _write_verified(ctx: Ctx, name: str, fname: str, data: LiveSpool) -> tuple[i
         return None  # taken: the ordinary path finds out by whom
     if got is None:
         return None
-    if got != (data.size, data.sha256):
-        raise CorruptGenerationError(name, f"{fname} read back from the store differs from what was written "
-                                           f"({got[0]} bytes vs {data.size}); not marking it usable")
+    _read_back_as_written(name, fname, got, (data.size, data.sha256))
     return got[0], got[1], fname
+
+
+def _read_back_as_written(name: str, obj: str, got: tuple[int, str], written: tuple[int, str]) -> None:
+    """CorruptGenerationError unless the (bytes, digest) read back are those written (bytes -1: other bytes)."""
+    if got != written:
+        seen = f"{got[0]} bytes" if got[0] >= 0 else "other bytes"
+        raise CorruptGenerationError(name, f"{obj} read back from the store differs from what was written "
+                                           f"({seen} vs {written[0]}); not marking it usable")
 
 
 def _same_as_source(name: str, obj: str, sent: tuple[int, str], source: tuple[int, str]) -> None:
@@ -329,7 +334,7 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict
         path = ctx.path(name, obj)
         data = files[fname]
         try:
-            if fname in verified:  # read back from the device while it was written (_write_file)
+            if fname in verified:  # read back from the device while it was written (_write_verified)
                 got = (size, sha)
             elif isinstance(data, Spool):
                 # Hash it as parallel ranged reads: never more than the parts in flight in memory.  A spool's
@@ -343,10 +348,7 @@ def _verify(ctx: Ctx, name: str, written: dict, check: Check | None, files: dict
         except FileNotFoundError:
             raise CommitConflictError(f"{name}/{obj} vanished right after it was written (another process is "
                                       "deleting this run's files?); not marking it usable") from None
-        if got != (size, sha):
-            seen = f"{got[0]} bytes" if got[0] >= 0 else "other bytes"
-            raise CorruptGenerationError(name, f"{obj} read back from the store differs from what was written "
-                                               f"({seen} vs {size}); not marking it usable")
+        _read_back_as_written(name, obj, got, (size, sha))
         # The manifest records the digest read back: the one verified, with its part list (a spool handed in with
         # only the root as a plain string would otherwise be listed without its parts, and fail every read).
         written[fname] = (size, got[1], obj)
