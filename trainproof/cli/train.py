@@ -68,6 +68,8 @@ def train_command(store: StoreArg, config: ConfigArg = None, deadline: DeadlineA
             cfg = TrainConfig(store=store, task_config=load_task_config(config) if config else {},
                               variant=Variant.parse(variant), **settings)  # deadline: from the run's deadline.json
             run_store = open_run(store, endpoint_url, region, path_style)
+            if os.environ.get("RANK", "0") == "0":  # on S3 the store's probe runs beside importing torch, until
+                run_store.prepare_soon()  # the first write (plan.json, or deadline.json) waits for it
             _warn_unsigned(run_store)
             cfg.deadline = _run_deadline(run_store, deadline, rental_ends)  # a restart must not move it
             from trainproof.train.loop import train  # torch is slow to import: keep `--help` and config errors fast

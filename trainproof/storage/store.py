@@ -64,6 +64,9 @@ class GenerationStore:
         self._prepared = _prepare is None
         self._shared = _shared  # an S3 store
         self._lock = threading.Lock()
+        self._soon: threading.Thread | None = None
+        self._prepare_error: BaseException | None = None
+        """What preparing beside the caller (:meth:`prepare_soon`) raised, for the first write to raise."""
         self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits, keys=options.signing,
                         part_size=options.part_size, concurrency=options.concurrency)
 
@@ -88,8 +91,28 @@ class GenerationStore:
         # Probing and sweeping write to the store, so read-only users (ls, audit) never trigger them.
         with self._lock:
             if not self._prepared:
+                if (failed := self._prepare_error) is not None:
+                    self._prepare_error = None  # raised once: a later write prepares again
+                    raise failed
                 self._prepare(self)
                 self._prepared = True
+
+    def prepare_soon(self) -> None:
+        """Start preparing the store for writing now, on a thread of its own, for a caller that will write (a
+        trainer) and has set-up to do meanwhile: on S3 the create-only probe and the sweep of stale multipart
+        uploads, 8-9 round trips one after the other that the first write otherwise makes first. That write waits
+        for them and raises what they raised. Nothing for a store already prepared or that needs no preparation."""
+        with self._lock:
+            if self._prepared or self._soon is not None:
+                return
+            self._soon = threading.Thread(target=self._prepare_beside, name="trainproof-prepare", daemon=True)
+            self._soon.start()
+
+    def _prepare_beside(self) -> None:
+        try:
+            self._before_write()
+        except BaseException as exc:  # for the first write to raise (_before_write)
+            self._prepare_error = exc
 
     def child(self, relpath: str) -> "GenerationStore":
         """A store rooted at ``<run>/<relpath>`` sharing this one's client and checks."""

@@ -100,6 +100,8 @@ def train(cfg: TrainConfig, *, store: GenerationStore | None = None, stop: StopF
     plan_of_epoch = epoch_plan(task.num_samples(), task.batch_size, env.world)
     layout = Layout.choose(world=env.world, fsdp=cfg.fsdp or task.fsdp)  # chosen once, here
     store = store or _open_store(cfg.store)
+    if env.rank == 0:  # its first write is plan.json: on S3 the store's probe runs beside the set-up until then
+        store.prepare_soon()
     with dist.session(env, device, cfg.dist_timeout_s, group_of_one=layout.sharded) as sync:
         plan = agree_plan(store, build_plan(
             task=cfg.task, task_config=task.config(), data_identity=task.data_identity(), seed=cfg.seed,
