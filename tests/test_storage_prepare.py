@@ -53,15 +53,17 @@ def test_the_probe_runs_beside_the_callers_set_up_and_the_first_write_waits_for_
 def test_a_failed_preparation_is_raised_by_the_first_write_and_tried_again_by_the_next(s3_env):
     store = open_store(f"s3://{s3_env}/soon-failed/run", replace(StoreOptions.from_env(), create_only="require"))
     backend = store.backend
-    real_probe, probes = backend.probe_create_only, []
+    real_probe, probes, probed = backend.probe_create_only, [], threading.Event()
 
     def ignored(path):  # as an endpoint that ignores If-None-Match answers
         probes.append(threading.current_thread().name)
+        probed.set()
         return False
 
     backend.probe_create_only = ignored
     try:
         store.prepare_soon()
+        assert probed.wait(20)  # the thread got there first (else the write would simply probe itself)
         with pytest.raises(StoreConfigError, match="ignores If-None-Match"):
             store.write_file("plan.json", b"{}")
         assert probes == ["trainproof-prepare"]  # raised from the probe beside, not probed again

@@ -105,7 +105,7 @@ class GenerationStore:
         with self._lock:
             if self._prepared or self._soon is not None:
                 return
-            self._soon = threading.Thread(target=self._prepare_beside, name="trainproof-prepare", daemon=True)
+            self._soon = threading.Thread(target=self._prepare_beside, name="trainproof-prepare")
             self._soon.start()
 
     def _prepare_beside(self) -> None:
