@@ -50,15 +50,10 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="another checkout to time beside this one")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
-    import boto3
-
-    from tests.support.rgw import bench_endpoint
+    from tests.support.rgw import bench_bucket
 
     roots = {"this": ROOT, **({"before": os.path.abspath(args.before)} if args.before else {})}
-    with bench_endpoint() as endpoint:
-        client = boto3.client("s3", endpoint_url=endpoint)
-        if BUCKET not in {b["Name"] for b in client.list_buckets()["Buckets"]}:
-            client.create_bucket(Bucket=BUCKET)
+    with bench_bucket(BUCKET):  # the trainers find it in AWS_ENDPOINT_URL
         stamp = f"{os.getpid()}-{int(time.time())}"
         urls = {name: f"s3://{BUCKET}/{name}-{stamp}" for name in roots}
         for name, root in roots.items():  # the first process of each run starts it: not a restart

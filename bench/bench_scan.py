@@ -62,16 +62,11 @@ def main() -> None:
         child(root, endpoint, url, int(reps))
         return
     sys.path.insert(0, ROOT)
-    import boto3
-
-    from tests.support.rgw import bench_endpoint
+    from tests.support.rgw import bench_bucket
     from trainproof.storage import StoreOptions, open_store
 
     roots = {"this": ROOT, **({"before": os.path.abspath(args.before)} if args.before else {})}
-    with bench_endpoint() as endpoint:
-        client = boto3.client("s3", endpoint_url=endpoint)
-        if BUCKET not in {b["Name"] for b in client.list_buckets()["Buckets"]}:
-            client.create_bucket(Bucket=BUCKET)
+    with bench_bucket(BUCKET) as endpoint:
         url = f"s3://{BUCKET}/run-{os.getpid()}-{int(time.time())}"
         store = open_store(url, StoreOptions.from_env(endpoint_url=endpoint))
         print(f"load average before: {os.getloadavg()[0]:.2f}; {args.reps} scans per process")

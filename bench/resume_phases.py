@@ -70,18 +70,14 @@ def main() -> None:
     if args.child:
         child(*args.child)
         return
-    import boto3
     import torch
 
-    from tests.support.rgw import bench_endpoint
+    from tests.support.rgw import bench_bucket
     from trainproof.format.state import load_weights_only
     from trainproof.storage import StoreOptions, open_store
     from trainproof.storage.spool import SpoolWriter
 
-    with bench_endpoint() as endpoint, tempfile.TemporaryDirectory() as work:
-        client = boto3.client("s3", endpoint_url=endpoint)
-        if BUCKET not in {b["Name"] for b in client.list_buckets()["Buckets"]}:
-            client.create_bucket(Bucket=BUCKET)
+    with bench_bucket(BUCKET) as endpoint, tempfile.TemporaryDirectory() as work:
         store = open_store(f"s3://{BUCKET}/run", StoreOptions.from_env(endpoint_url=endpoint))
         state = {f"t{i}": torch.rand(16 * 2**20) for i in range(max(1, args.mib // 64))}
         with SpoolWriter(work) as writer:

@@ -4,11 +4,14 @@ raised, and a write after that tries again (on Ceph RGW)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 
 import pytest
 
+from tests.support.timing import budget
 from trainproof.storage import StoreOptions, open_store
 from trainproof.storage.errors import StoreConfigError
 
@@ -35,6 +38,7 @@ def test_the_probe_runs_beside_the_callers_set_up_and_the_first_write_waits_for_
     try:
         store.prepare_soon()
         assert started.wait(20), "no probe started before any write"
+        store.prepare_soon()  # started already: returns at once (waiting here would hold the probe 20 s, and fail)
         writer = threading.Thread(target=store.write_file, args=("plan.json", b"{}"))
         writer.start()
         writer.join(0.5)  # a write that did not wait would have begun by now
@@ -72,3 +76,20 @@ def test_a_failed_preparation_is_raised_by_the_first_write_and_tried_again_by_th
     finally:
         backend.probe_create_only = real_probe
     assert store.read_file("plan.json") == b"{}"
+
+
+def test_a_start_refused_after_the_probe_began_leaves_nothing_in_the_bucket(s3_server, s3_env, tmp_path):
+    """``train`` starts the probe as soon as it has opened the store; a task that does not import is refused (exit 2)
+    after that, and the process ends only once the probe has deleted its objects and aborted its upload."""
+    from tests.test_train_helpers import ROOT, train_env
+
+    (tmp_path / "usertask.py").write_text("import not_installed_package_xyz\n")
+    env = {**train_env(), "PYTHONPATH": ROOT}
+    result = subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", f"s3://{s3_env}/refused/run",
+                             "--task", "usertask:make"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=budget(300))
+    assert result.returncode == 2, result.stderr
+    assert "not_installed_package_xyz" in result.stderr.strip().splitlines()[-1]
+    client = s3_server.boto3_client()
+    assert client.list_objects_v2(Bucket=s3_env, Prefix="refused/").get("KeyCount") == 0
+    assert not client.list_multipart_uploads(Bucket=s3_env, Prefix="refused/").get("Uploads")

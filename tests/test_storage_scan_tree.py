@@ -8,8 +8,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import pytest
+
 from trainproof.storage import StoreOptions, open_store
-from trainproof.storage.generations import inspect
+from trainproof.storage.backend import Entry
+from trainproof.storage.generations import Ctx, inspect, scan_capped
+from trainproof.storage.limits import Limits
 
 FLOOD = 400
 
@@ -104,3 +108,28 @@ def test_a_scan_reads_the_markers_and_lists_the_tree_at_once_and_finds_what_one_
     assert {g.name: (g.status, g.reason, g.bytes) for g in found} == {
         n: (g.status, g.reason, g.bytes) for n, g in alone.items()}
     assert [g.status for g in found] == ["complete", "complete", "complete", "incomplete", "complete", "corrupt"]
+
+
+def test_a_failed_listing_of_the_generations_stops_the_listing_of_their_files_beside_it():
+    """The listing of the generations' files runs beside the listing of the generations: when the latter fails, the
+    scan raises its error after the other listing's next page, not after it has listed a whole flood (or run into
+    ``Limits.scan_seconds``)."""
+    listed = [0]
+
+    class Flooded:  # a bucket whose tree listing never ends, and whose folder listing is refused
+        parallel_ranges = True
+
+        def iterdir(self, path, *, prefix=""):
+            raise PermissionError("listing refused")
+            yield  # a generator, as S3's pages are
+
+        def itertree(self, path, *, prefix="", cap=None):
+            while True:
+                listed[0] += 1
+                yield "step-flood", Entry("x", 0, False, None)  # not a generation's folder: kept nowhere
+
+    limits = replace(Limits(), scan_seconds=60.0)
+    ctx = Ctx(backend=Flooded(), root="bucket/run", io=lambda _what, fn: fn(), limits=limits)
+    with pytest.raises(PermissionError, match="listing refused"):
+        scan_capped(ctx)
+    assert 0 < listed[0] < 1_000_000, listed  # stopped at its next page (about 20 million in 60 s)

@@ -199,3 +199,15 @@ def bench_endpoint():
         if own:
             end_session(own)
 
+
+
+@contextmanager
+def bench_bucket(bucket: str):
+    """:func:`bench_endpoint`, with ``bucket`` created there when it is missing: the endpoint."""
+    import boto3
+
+    with bench_endpoint() as endpoint:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        if bucket not in {b["Name"] for b in client.list_buckets()["Buckets"]}:
+            client.create_bucket(Bucket=bucket)
+        yield endpoint

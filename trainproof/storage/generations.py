@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
@@ -263,10 +264,11 @@ def scan_capped(ctx: Ctx, *, contract: str | None = None, world: int | None = No
                 kept.append(e)
         return kept
 
-    with ThreadPoolExecutor(1, thread_name_prefix="trainproof-scan") as beside:
-        trees_later = beside.submit(_listed_trees, ctx, in_time) if parallel else None
-        entries = sorted(ctx.io("list generations", listing), key=lambda e: e.name)
-        trees = trees_later.result() if trees_later is not None else _listed_trees(ctx, in_time)
+    if parallel:
+        entries, trees = _both_listings(ctx, listing, in_time)
+    else:
+        entries, trees = ctx.io("list generations", listing), _listed_trees(ctx, in_time)
+    entries.sort(key=lambda e: e.name)
     run_anchor = anchor(ctx) if ctx.keys is not None else False
 
     def classify(e: Entry) -> GenerationInfo:
@@ -276,6 +278,27 @@ def scan_capped(ctx: Ctx, *, contract: str | None = None, world: int | None = No
     found = _classified(classify, entries, ctx.concurrency if parallel else 1, in_time)
     # Without a plan.json (an export folder) there is no run to chain: bundles are checked by signature alone.
     return Scan(_chained(found) if ctx.keys is not None and run_anchor is not None else found, False)
+
+
+def _both_listings(ctx: Ctx, listing: Callable[[], list[Entry]], in_time: Callable[[str], None]
+                   ) -> tuple[list[Entry], dict[str, list[Entry]] | None]:
+    """``listing()`` (the generations) on this thread and :func:`_listed_trees` (their files) beside it, at once; a
+    failure of the first stops the second at its next page instead of waiting for it to end."""
+    abandoned = threading.Event()
+
+    def tree_in_time(what: str) -> None:
+        if abandoned.is_set():
+            raise ListingIncompleteError(f"{what} of {ctx.root} was abandoned: the listing of the generations failed")
+        in_time(what)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="trainproof-scan") as beside:
+        trees = beside.submit(_listed_trees, ctx, tree_in_time)
+        try:
+            entries = ctx.io("list generations", listing)
+        except BaseException:
+            abandoned.set()
+            raise
+        return entries, trees.result()
 
 
 def _classified(classify: Callable[[Entry], GenerationInfo], entries: list[Entry], workers: int,

@@ -65,6 +65,7 @@ class GenerationStore:
         self._shared = _shared  # an S3 store
         self._lock = threading.Lock()
         self._soon: threading.Thread | None = None
+        self._soon_lock = threading.Lock()
         self._prepare_error: BaseException | None = None
         """What preparing beside the caller (:meth:`prepare_soon`) raised, for the first write to raise."""
         self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits, keys=options.signing,
@@ -101,18 +102,23 @@ class GenerationStore:
         """Start preparing the store for writing now, on a thread of its own, for a caller that will write (a
         trainer) and has set-up to do meanwhile: on S3 the create-only probe and the sweep of stale multipart
         uploads, 8-9 round trips one after the other that the first write otherwise makes first. That write waits
-        for them and raises what they raised. Nothing for a store already prepared or that needs no preparation."""
-        with self._lock:
-            if self._prepared or self._soon is not None:
-                return
+        for them and raises what they raised. Nothing for a store already prepared, or not shared (a folder)."""
+        with self._soon_lock:  # not self._lock, which the preparation holds while it runs
+            if self._prepared or self._soon is not None or not self._shared:
+                return  # (a folder's preparation creates the run's folder: a start refused later leaves none)
+            # Not a daemon: a start refused later (a bad --task) exits once the probe has deleted its objects.
             self._soon = threading.Thread(target=self._prepare_beside, name="trainproof-prepare")
             self._soon.start()
 
     def _prepare_beside(self) -> None:
-        try:
-            self._before_write()
-        except BaseException as exc:  # for the first write to raise (_before_write)
-            self._prepare_error = exc
+        with self._lock:  # a write arriving meanwhile waits, then finds the store prepared or the error to raise
+            if self._prepared or self._prepare is None:
+                return
+            try:
+                self._prepare(self)
+                self._prepared = True
+            except BaseException as exc:
+                self._prepare_error = exc
 
     def child(self, relpath: str) -> "GenerationStore":
         """A store rooted at ``<run>/<relpath>`` sharing this one's client and checks."""
