@@ -91,12 +91,16 @@ class GenerationStore:
     def _before_write(self) -> None:
         # Probing and sweeping write to the store, so read-only users (ls, audit) never trigger them.
         with self._lock:
-            if not self._prepared:
-                if (failed := self._prepare_error) is not None:
-                    self._prepare_error = None  # raised once: a later write prepares again
-                    raise failed
-                self._prepare(self)
-                self._prepared = True
+            if (failed := self._prepare_error) is not None:
+                self._prepare_error = None  # raised once: a later write prepares again
+                raise failed
+            self._prepare_locked()
+
+    def _prepare_locked(self) -> None:
+        """Prepare the store unless it is (the caller holds ``_lock``)."""
+        if not self._prepared:
+            self._prepare(self)
+            self._prepared = True
 
     def prepare_soon(self) -> None:
         """Start preparing the store for writing now, on a thread of its own, for a caller that will write (a
@@ -112,11 +116,8 @@ class GenerationStore:
 
     def _prepare_beside(self) -> None:
         with self._lock:  # a write arriving meanwhile waits, then finds the store prepared or the error to raise
-            if self._prepared or self._prepare is None:
-                return
             try:
-                self._prepare(self)
-                self._prepared = True
+                self._prepare_locked()
             except BaseException as exc:
                 self._prepare_error = exc
 
