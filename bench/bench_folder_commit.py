@@ -8,13 +8,16 @@ Each measurement is a fresh process (``PYTHONPATH`` = the checkout) holding ``--
 - ``dcp``: ``torch.distributed.checkpoint.save`` with its ``FileSystemWriter`` (the default: one file per rank,
   fsynced; durable, unverified), the peer issue 42 measures against;
 - ``commit``: what the trainer's checkpointer does on a folder store: ``torch.save`` into a spool while hashing it
+  (``trainproof.format.state.save_archive`` where the checkout has it: torch.save without its crc32s)
   (``SpoolWriter``, in ``GenerationStore.spool_folder()`` when the checkout has it, else the temp folder), then
   ``GenerationStore.commit``: written (linked or copied), read back and hashed, ``COMPLETE.json`` create-only.
   Where the store has ``verifies_while_written`` (a folder), as the checkpointer does: serialised on a thread of its
-  own into a spool written behind, which the commit reads back from the device part by part meanwhile.
+  own into a spool written behind, which the commit reads back from the device part by part meanwhile (comparing
+  each part with the copy the writer kept, where the checkout keeps them: ``keep_parts``).
 
 The modes alternate order per repetition; printed: one JSON line per run (wall and CPU seconds: user + system, every
-thread), then the medians, ratios to the floor and to DCP
+thread; the peak resident memory the save added, over the state's size, sampled every 5 ms), then the medians (the
+largest peak), ratios to the floor and to DCP
 (``before``/``after`` with ``--before``, e.g. ``mkdir /tmp/before && git archive HEAD | tar -x -C /tmp/before``)
 and the load average.
 """
@@ -47,6 +50,7 @@ def child(mode: str, folder: str, mib: float) -> dict:
     from trainproof.storage import open_store
     from trainproof.storage.spool import SpoolWriter
 
+    peak = _PeakRss()
     t0, c0 = time.perf_counter(), time.process_time()
     if mode == "dcp":
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.path.join(folder, "dcp")))
@@ -56,25 +60,60 @@ def child(mode: str, folder: str, mib: float) -> dict:
             fh.flush()
             os.fsync(fh.fileno())
     else:
+        try:  # how the checkout's checkpointer serialises a state (torch.save before it had its own)
+            from trainproof.format.state import save_archive as save
+        except ImportError:
+            save = torch.save
         store = open_store(os.path.join(folder, "run"))
         spools = store.spool_folder() if hasattr(store, "spool_folder") else None
         if spools is not None and getattr(store, "verifies_while_written", False):
             # As the checkpointer does (Checkpointer.encode): serialised on a thread of its own, written behind, and
             # read back from the device by the commit meanwhile.
-            from trainproof.storage.spool import LiveSpool
+            import inspect
 
-            spool = LiveSpool.serialise(lambda out: torch.save(tensors, out), spools, write_behind=True)
+            from trainproof.format.state import encode_live
+
+            keep = {"keep_parts": True} if "keep_parts" in inspect.signature(encode_live).parameters else {}
+            spool = encode_live(tensors, spools, write_behind=True, **keep)
         else:  # checkouts before it: serialised first (written behind where the checkout can), then committed
             try:
                 out = SpoolWriter(spools, write_behind=spools is not None)
             except TypeError:
                 out = SpoolWriter(spools)
             with out:
-                torch.save(tensors, out)
+                save(tensors, out)
             spool = out.finish()
         store.commit(1, {"training_state.pt": spool}, contract="bench", world=1, code_version="bench")
         spool.unlink()
-    return {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"seconds": seconds, "cpu_s": cpu, "peak_extra": peak.stop() / (mib * 2**20)}
+
+
+class _PeakRss:
+    """The process's resident memory sampled every 5 ms on a thread; :meth:`stop` returns its peak above the first
+    sample, in bytes (the state's tensors are made before: what the save adds on top of them)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._base = self._peak = self._rss()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * self._page
+
+    def _run(self) -> None:
+        while not self._done.wait(0.005):
+            self._peak = max(self._peak, self._rss())
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(self._peak, self._rss()) - self._base
 
 
 def one(checkout: Path, mode: str, mib: float, work: Path) -> dict:
@@ -104,6 +143,7 @@ def main() -> None:
         sides.append(("commit", "before", args.before))
     times: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
+    peaks: dict[str, list[float]] = {}
     loads = []
     try:
         for rep in range(args.reps):
@@ -113,14 +153,17 @@ def main() -> None:
                 key = mode if mode != "commit" else f"commit/{side}"
                 times.setdefault(key, []).append(result["seconds"])
                 cpus.setdefault(key, []).append(result["cpu_s"])
+                peaks.setdefault(key, []).append(result["peak_extra"])
                 print(json.dumps({"mode": key, "seconds": round(result["seconds"], 3),
-                                  "cpu_s": round(result["cpu_s"], 3), "load": round(loads[-1], 2)}), flush=True)
+                                  "cpu_s": round(result["cpu_s"], 3), "peak_extra": round(result["peak_extra"], 3),
+                                  "load": round(loads[-1], 2)}), flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     medians = {k: round(statistics.median(v), 3) for k, v in times.items()}
     print(json.dumps({"mib": args.mib, "medians_s": medians,
                       "cpu_medians_s": {k: round(statistics.median(v), 3) for k, v in cpus.items()},
+                      "peak_extra_rss_over_state": {k: round(max(v), 3) for k, v in peaks.items()},
                       "ratio_to_floor": {k: round(v / medians["floor"], 2) for k, v in medians.items()},
                       "ratio_to_dcp": {k: round(v / medians["dcp"], 2) for k, v in medians.items()},
                       "load_median": round(statistics.median(loads), 2)}))

@@ -349,3 +349,59 @@ def test_a_state_archive_that_expands_past_its_size_is_refused_before_loading():
     assert len(bomb.getvalue()) < 20_000
     with pytest.raises(StateError, match="would expand to 5,000,"):
         decode(bomb.getvalue())
+
+
+def _members(data: bytes) -> list[tuple]:
+    """Each member of a zip archive: its name, header offset, sizes, crc32 and stored bytes."""
+    import zipfile as _zip
+
+    out = []
+    with _zip.ZipFile(io.BytesIO(data)) as z:
+        for m in z.infolist():
+            start = m.header_offset + 30 + len(m.filename.encode()) + len(m.extra)  # the local header's fixed part
+            local = data[m.header_offset:start]
+            extra_len = int.from_bytes(local[28:30], "little")
+            name_len = int.from_bytes(local[26:28], "little")
+            begin = m.header_offset + 30 + name_len + extra_len
+            out.append((m.filename, m.header_offset, m.file_size, m.CRC, data[begin:begin + m.compress_size]))
+    return out
+
+
+def test_the_state_archive_is_torch_saves_without_its_crc32s():
+    """``save_archive`` (every state, frozen and rank file) writes what ``torch.save`` writes, member for member
+    and byte for byte, but with the crc32 fields zero; ``torch.load`` reads it as it reads torch.save's, mapped or
+    not, and torch's own setting is left as it was."""
+    from torch import serialization
+
+    from trainproof.format.state import save_archive
+
+    state = capture_state(_trained("tinylm", 2), _meta())
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    save_archive(state, ours)
+    torch.save(state, theirs)
+    assert serialization.get_crc32_options() is True
+    mine, ref = _members(ours.getvalue()), _members(theirs.getvalue())
+    assert len(ours.getvalue()) == len(theirs.getvalue()) and len(mine) == len(ref) > 3
+    for (name, offset, size, crc, body), (rname, roffset, rsize, rcrc, rbody) in zip(mine, ref):
+        if name.endswith("/serialization_id"):  # torch draws a new one for every save
+            body = rbody
+        assert (name, offset, size, body) == (rname, roffset, rsize, rbody)
+        assert crc == 0 and (rcrc != 0 or not rbody)
+    assert differences(state, decode(ours.getvalue())) == []
+
+
+def test_the_state_archive_is_torch_save_where_torch_internals_differ(monkeypatch):
+    """A torch whose private ``_save`` takes other parameters gets ``torch.save`` itself, crc32s included."""
+    from torch import serialization
+
+    from trainproof.format.state import save_archive
+
+    real = serialization._save
+    monkeypatch.setattr(serialization, "_save", lambda obj, zip_file, pickle_module, pickle_protocol, _d, extra=None:
+                        real(obj, zip_file, pickle_module, pickle_protocol, _d))
+    state = {"w": torch.arange(1000, dtype=torch.float32), "n": 3}
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    save_archive(state, ours)
+    torch.save(state, theirs)
+    assert ours.getvalue() == theirs.getvalue()
+    assert all(crc != 0 for _, _, _, crc, _ in _members(ours.getvalue()))

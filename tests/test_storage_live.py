@@ -135,9 +135,10 @@ def _spying_syncs(monkeypatch, then: threading.Event, after: int, live_of) -> li
     return events
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["parts-kept", "parts-hashed"])
 @pytest.mark.parametrize("range_sync", [True, False], ids=["sync_file_range", "fdatasync"])
 def test_a_folder_reads_a_spool_back_from_its_device_while_it_is_written_and_links_it(tmp_path, monkeypatch,
-                                                                                      range_sync):
+                                                                                      range_sync, keep):
     from trainproof.storage import digest, writeback
     from trainproof.storage.backend import LocalBackend
 
@@ -149,11 +150,16 @@ def test_a_folder_reads_a_spool_back_from_its_device_while_it_is_written_and_lin
     two_read = threading.Event()
     lives: list[LiveSpool] = []
     events = _spying_syncs(monkeypatch, two_read, 2, lambda: lives[0])
-    reads = []
+    reads, compared = [], []
     monkeypatch.setattr(LocalBackend, "read_range", lambda self, path, a, b: reads.append(path) or b"")
+    from trainproof.storage import backend
+
+    same = backend.same_bytes
+    monkeypatch.setattr(backend, "same_bytes", lambda a, b: compared.append(a.nbytes) or same(a, b))
     # The writer holds its last blocks until two parts were read back: a read-back that waited for the finished file
     # would read nothing before the gate's timeout.
-    lives.append(LiveSpool.serialise(_paced(blocks, {4: two_read}), store.spool_folder(), write_behind=True))
+    lives.append(LiveSpool.serialise(_paced(blocks, {4: two_read}), store.spool_folder(), write_behind=True,
+                                     keep_parts=keep))
     live = lives[0]
     try:
         store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
@@ -172,11 +178,14 @@ def test_a_folder_reads_a_spool_back_from_its_device_while_it_is_written_and_lin
         assert store.verify(1, contract=C) is None
         entry = store.load_latest(contract=C).info.manifest["files"]["training_state.pt"]
         assert entry["sha256"] == live.sha256 and len(entry["parts"]) == 7
+        assert (live.kept is not None and live.kept.counts == {"kept": 7, "passed": 0}) is keep
+        assert sum(compared) == (6 * 2**20 + 12345 if keep else 0), "kept parts compared, not hashed"
     finally:
         live.unlink()
 
 
-def test_a_folder_refuses_a_spool_whose_device_bytes_are_not_the_serialised_ones(tmp_path, monkeypatch):
+@pytest.mark.parametrize("keep", [True, False], ids=["parts-kept", "parts-hashed"])
+def test_a_folder_refuses_a_spool_whose_device_bytes_are_not_the_serialised_ones(tmp_path, monkeypatch, keep):
     # What verification is for: the device holds other bytes than the ones serialised and hashed (a write the disk
     # changed). Nothing is published or marked, and the next writer commits the step.
     from trainproof.storage import CorruptGenerationError, digest, spool
@@ -193,7 +202,7 @@ def test_a_folder_refuses_a_spool_whose_device_bytes_are_not_the_serialised_ones
     monkeypatch.setattr(spool, "write_all", write_all)
     store = open_store(str(tmp_path / "run"))
     blocks = [_block(2**20, i) for i in range(5)]
-    live = LiveSpool.serialise(_paced(blocks, {}), store.spool_folder(), write_behind=True)
+    live = LiveSpool.serialise(_paced(blocks, {}), store.spool_folder(), write_behind=True, keep_parts=keep)
     try:
         with pytest.raises(CorruptGenerationError, match="read back from the store differs"):
             store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
@@ -202,7 +211,7 @@ def test_a_folder_refuses_a_spool_whose_device_bytes_are_not_the_serialised_ones
     assert store.load_latest(contract=C) is None
     assert not os.path.exists(os.path.join(store.root, "step-00000001", "training_state.pt")), "nothing published"
     monkeypatch.setattr(spool, "write_all", inner)
-    again = LiveSpool.serialise(_paced(blocks, {}), store.spool_folder(), write_behind=True)
+    again = LiveSpool.serialise(_paced(blocks, {}), store.spool_folder(), write_behind=True, keep_parts=keep)
     store.commit(1, {"training_state.pt": again}, contract=C, world=1, code_version="t")
     again.unlink()
     assert store.load_latest(contract=C).info.step == 1 and store.verify(1, contract=C) is None
@@ -237,7 +246,8 @@ def test_a_write_back_error_the_device_reports_fails_the_commit_with_it(tmp_path
     assert not os.path.exists(os.path.join(store.root, "step-00000001", "training_state.pt")), "nothing published"
 
 
-def test_a_folder_commit_of_a_serialisation_failing_midway_publishes_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("keep", [True, False], ids=["parts-kept", "parts-hashed"])
+def test_a_folder_commit_of_a_serialisation_failing_midway_publishes_nothing(tmp_path, monkeypatch, keep):
     from trainproof.storage import digest
 
     monkeypatch.setattr(digest, "PART_BYTES", 2**20)
@@ -247,7 +257,7 @@ def test_a_folder_commit_of_a_serialisation_failing_midway_publishes_nothing(tmp
     lives: list[LiveSpool] = []
     _spying_syncs(monkeypatch, two_read, 2, lambda: lives[0])
     lives.append(LiveSpool.serialise(_paced(blocks, {3: two_read}, fail_at=3), store.spool_folder(),
-                                     write_behind=True))
+                                     write_behind=True, keep_parts=keep))
     try:
         with pytest.raises(SerialiseError):
             store.commit(1, {"training_state.pt": lives[0]}, contract=C, world=1, code_version="t")
@@ -262,6 +272,7 @@ def test_a_folder_commit_of_a_serialisation_failing_midway_publishes_nothing(tmp
 @pytest.mark.parametrize("why", ["another file system", "a digest of one part"])
 def test_a_live_spool_a_folder_cannot_read_back_as_written_is_committed_the_ordinary_way(tmp_path, monkeypatch,
                                                                                             why):
+    # (Its parts are kept for the read-back that does not come: the writer stops keeping them, and nothing waits.)
     from trainproof.storage import digest
 
     store = open_store(str(tmp_path / "run"))
@@ -273,9 +284,10 @@ def test_a_live_spool_a_folder_cannot_read_back_as_written_is_committed_the_ordi
     else:
         monkeypatch.setattr(digest, "PART_BYTES", 0)
     blocks = [_block(2**20, i) for i in range(3)]
-    live = LiveSpool.serialise(_paced(blocks, {}), folder, write_behind=True)
+    live = LiveSpool.serialise(_paced(blocks, {}), folder, write_behind=True, keep_parts=True)
     try:
         store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+        assert live.kept is None or live.kept.held == 0, "nothing kept once the commit is over"
         stored = os.path.join(store.root, "step-00000001", "training_state.pt")
         assert os.path.samefile(stored, live.path) is (why != "another file system")
         with open(stored, "rb") as fh:
@@ -451,3 +463,80 @@ def test_a_folder_checkpointer_writes_behind_only_the_spool_it_links(tmp_path, m
     assert [g.step for g in store.scan(contract=C)] == [1]
     if own_folder:
         assert os.listdir(spools) == [], "the linked spool's own name is gone"
+
+
+@pytest.mark.parametrize("flip", [None, "a kept part", "a part not kept"])
+def test_a_folder_hashes_the_parts_it_could_not_keep_and_compares_the_rest(tmp_path, monkeypatch, flip):
+    """The writer keeps at most a budget of parts for the read-back: a part begun while the read-back is that far
+    behind is not kept, and the read-back hashes it instead of comparing it. Either way the stored file is verified
+    (a flipped bit in a kept part or in one that was not is refused), the digest is the writer's, and the writer made
+    at most budget + 1 buffers."""
+    from trainproof.storage import CorruptGenerationError, backend, digest, spool
+
+    monkeypatch.setattr(digest, "PART_BYTES", 2**20)
+    monkeypatch.setattr(spool, "KEEP_BYTES", 2 * 2**20)  # two parts at a time
+    # The read-back starts only once the writer is done: every part after the budget's two is written through.
+    lives: list[LiveSpool] = []
+    inner_wait = backend.writeback.wait
+
+    def late_wait(fd, offset, length):
+        lives[0].join()
+        inner_wait(fd, offset, length)
+
+    monkeypatch.setattr(backend.writeback, "wait", late_wait)
+    inner, writes = spool.write_all, []
+    target = {None: -1, "a kept part": 1, "a part not kept": 4}[flip]
+
+    def write_all(fh, view):
+        writes.append(view.nbytes)
+        if len(writes) - 1 == target:
+            view = memoryview(bytes([view[0] ^ 1]) + bytes(view[1:]))
+        inner(fh, view)
+
+    monkeypatch.setattr(spool, "write_all", write_all)
+    store = open_store(str(tmp_path / "run"))
+    blocks = [_block(2**20 - 1000, i) for i in range(6)]  # parts straddle the writes; the last part is short
+    lives.append(LiveSpool.serialise(_paced(blocks, {}), store.spool_folder(), write_behind=True, keep_parts=True))
+    live = lives[0]
+    try:
+        if flip is None:
+            store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+        else:
+            with pytest.raises(CorruptGenerationError, match="read back from the store differs"):
+                store.commit(1, {"training_state.pt": live}, contract=C, world=1, code_version="t")
+        assert live.kept.counts == {"kept": 2, "passed": 4} and live.kept.allocated <= 3
+        assert live.kept.held == 0
+        assert live.sha256 == digest.digest_bytes(b"".join(blocks))
+    finally:
+        live.unlink()
+    if flip is None:
+        assert store.verify(1, contract=C) is None
+    else:
+        assert store.load_latest(contract=C) is None
+
+
+@pytest.mark.parametrize("sizes", [[], [7], [2**20], [3 * 2**20 + 5], [1, 2**20 - 1, 2**20 + 1, 3, 5 * 2**19],
+                                   [4096] * 700])
+def test_a_spool_keeping_its_parts_holds_what_a_plain_one_holds(tmp_path, monkeypatch, sizes):
+    """Writes of any size, across part boundaries or not, make the same file and digest whether the writer keeps its
+    parts (copying into them, writing whole parts) or writes them as they come."""
+    from trainproof.storage import digest
+
+    monkeypatch.setattr(digest, "PART_BYTES", 2**20)
+    blocks = [_block(n, i) for i, n in enumerate(sizes)]
+    spools = []
+    try:
+        for keep in (False, True):
+            out = SpoolWriter(str(tmp_path), write_behind=True, keep_bytes=4 * 2**20 if keep else 0)
+            with out:
+                for block in blocks:
+                    out.write(block)
+            spools.append(out.finish())
+            assert (out.kept is not None) is keep
+        plain, kept = spools
+        assert (kept.size, kept.sha256) == (plain.size, plain.sha256) == (sum(sizes), digest.digest_bytes(b"".join(blocks)))
+        with open(kept.path, "rb") as fh:
+            assert fh.read() == b"".join(blocks)
+    finally:
+        for s in spools:
+            s.unlink()

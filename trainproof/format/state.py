@@ -282,11 +282,51 @@ def _tensor(values: array) -> torch.Tensor:
     return torch.frombuffer(bytearray(values.tobytes()), dtype=dtype)
 
 
+def save_archive(obj: Any, out: IO[bytes]) -> None:
+    """``torch.save(obj, out)``, byte for byte, but for the crc32 that torch computes of every record: its fields are
+    left 0. Every file trainproof stores is hashed with sha256 as it is written and verified by it when read, and
+    ``torch.load`` does not check the crc32; computing it cost 0.43 CPU-s per GiB saved on the test VM (most of
+    ``torch.save``'s own time, which without it is 0.004 s per GiB: ``bench/RESULTS.md``). A tool that tests the
+    archive as a zip file (``unzip -t``) reports the zero crc32s; the export bundle, which users open with other
+    tools, keeps them (``torch.save``). Where this torch lacks the writer's internals named below, it is
+    ``torch.save``."""
+    writer = _writer_without_crc(out)
+    if writer is None:
+        torch.save(obj, out)
+        return
+    from torch import serialization
+
+    serialization._save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+
+_SAVE_PARAMS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record")
+
+
+def _writer_without_crc(out: IO[bytes]) -> Any:
+    """torch's archive writer for ``out`` with its crc32 off, as ``torch.save`` makes it; None where this torch's
+    internals differ from those of the version this was written for (2.13: ``_save``'s parameters, the storage
+    alignment, the writer's ``(file, compute_crc32, alignment)``)."""
+    import inspect
+
+    from torch import serialization
+
+    save = getattr(serialization, "_save", None)
+    alignment = getattr(serialization, "_get_storage_alignment", None)
+    if save is None or alignment is None or tuple(inspect.signature(save).parameters) != _SAVE_PARAMS:
+        return None
+    try:
+        return torch._C.PyTorchFileWriter(out, False, alignment())
+    except TypeError:
+        return None
+
+
 def encode(state: dict[str, Any]) -> bytes:
-    """Serialise ``state`` with torch.save after checking it holds only weights-only-loadable types."""
+    """Serialise ``state`` with torch.save (:func:`save_archive`) after checking it holds only weights-only-loadable
+    types."""
     check_types(state)
     buf = io.BytesIO()
-    torch.save(state, buf)
+    save_archive(state, buf)
     return buf.getvalue()
 
 
@@ -296,20 +336,22 @@ def encode_spool(state: dict[str, Any], directory: str | None = None, *, write_b
     becomes the stored file (``SpoolWriter``'s)."""
     check_types(state)
     with SpoolWriter(directory, write_behind=write_behind) as out:
-        torch.save(state, out)
+        save_archive(state, cast(IO[bytes], out))
     return out.finish()
 
 
-def encode_live(state: dict[str, Any], directory: str | None = None, *, write_behind: bool = False) -> LiveSpool:
+def encode_live(state: dict[str, Any], directory: str | None = None, *, write_behind: bool = False,
+                keep_parts: bool = False) -> LiveSpool:
     """:func:`encode_spool` on a thread of its own: the spool is returned at once and its bytes can be read (and
     uploaded, ``GenerationStore.uploads_while_written``, or read back from a folder's device,
-    ``verifies_while_written``) while ``torch.save`` writes them. The caller keeps ``state`` unchanged until the
-    spool is done (``LiveSpool.join``)."""
+    ``verifies_while_written``) while ``torch.save`` writes them; ``keep_parts``: each part is kept in memory until
+    that read-back compares it (``trainproof.storage.spool.KeptParts``). The caller keeps ``state`` unchanged until
+    the spool is done (``LiveSpool.join``)."""
     check_types(state)
     expected = tensor_bytes(state)
     expected += expected // 100 + 2**20  # the archive's own records (pickle, headers): a margin, never a shortfall
-    return LiveSpool.serialise(lambda out: torch.save(state, out), directory, expected=expected,
-                               write_behind=write_behind)
+    return LiveSpool.serialise(lambda out: save_archive(state, out), directory, expected=expected,
+                               write_behind=write_behind, keep_parts=keep_parts)
 
 
 def tensor_bytes(value: Any, seen: set | None = None) -> int:
@@ -421,7 +463,7 @@ def encode_frozen(tensors: dict[str, torch.Tensor], directory: str | None = None
     ``write_behind`` as :func:`encode_spool`'s."""
     check_types(tensors, "frozen")
     with SpoolWriter(directory, write_behind=write_behind) as out:
-        torch.save(dict(sorted(tensors.items())), cast(IO[bytes], out))  # a write-only file object
+        save_archive(dict(sorted(tensors.items())), cast(IO[bytes], out))  # a write-only file object
     return out.finish()
 
 

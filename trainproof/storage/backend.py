@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import io
 import os
@@ -23,7 +24,7 @@ from typing import BinaryIO, Iterator, Protocol, Union, runtime_checkable
 from trainproof.storage import writeback
 from trainproof.storage.digest import FileHasher, digest_bytes
 from trainproof.storage.pieces import Pieces, as_pieces
-from trainproof.storage.spool import LiveSpool, Spool
+from trainproof.storage.spool import KeptParts, LiveSpool, Spool, same_bytes
 
 CHUNK = 8 * 2**20
 Source = Union[bytes, bytearray, memoryview, Pieces, BinaryIO, Spool]
@@ -301,6 +302,8 @@ class LocalBackend:
         os.makedirs(folder, exist_ok=True)
         hasher = FileHasher()
         if not hasher.part_bytes or not writeback.can_drop() or (opened := _open_linkable(data.path, folder)) is None:
+            if data.kept is not None:
+                data.kept.stop()  # no reader: the writer keeps nothing more
             return None
         fd, st = opened
         try:
@@ -441,44 +444,89 @@ def _read_back(fd: int, live: LiveSpool, part_bytes: int, concurrency: int) -> t
     digest part, once written, is written to the device and waited for, dropped from the page cache
     (``trainproof.storage.writeback``) and read again with ``pread``, on ``concurrency`` threads, parts in order. The
     pages read back stay cached, for the content check that reads the spool next. Best effort as the drop is: a file
-    system that keeps a file's pages (tmpfs) is read from them."""
+    system that keeps a file's pages (tmpfs) is read from them.
+
+    A part the writer kept in memory (``live.kept``, :class:`trainproof.storage.spool.KeptParts`) is compared with
+    what was read, byte for byte; equal, its digest is the one the writer computed of those very bytes. Any other
+    part, and a kept one that differs, is hashed as read."""
     from trainproof.storage.digest import of_parts
-    from trainproof.storage.spool import in_order, spans
+    from trainproof.storage.spool import in_order
 
-    def written() -> Iterator[tuple[int, int]]:
-        start = 0
-        while (end := live.available(start + part_bytes)) > start:
-            yield start, end
-            start = end
-
-    buffers = threading.local()  # one buffer per thread, reused: no fresh pages to fault in per range
-
-    def verify(span: tuple[int, int]) -> tuple[int, str]:
-        start, end = span
-        writeback.wait(fd, start, end - start)  # on the device, clean: then dropped, so what follows reads the device
-        writeback.drop(fd, start, end - start)
-        buf = getattr(buffers, "buf", None)
-        if buf is None:
-            buf = buffers.buf = memoryview(bytearray(CHUNK))
-        sha, seen = hashlib.sha256(), 0
-        for a, b in spans(end - start, CHUNK):
-            n = 0
-            while n < b - a and (got := os.preadv(fd, [buf[n:b - a]], start + a + n)):
-                n += got
-            sha.update(buf[:n])
-            seen += n
-            if n < b - a:  # the end of the file
-                break
-        return seen, sha.hexdigest()
-
+    kept = live.kept if live.kept is not None and live.kept.part_bytes == part_bytes else None
+    check = functools.partial(_check_part, fd, kept, part_bytes, threading.local())
     seen, parts = 0, []
-    with contextlib.closing(in_order(verify, written(), concurrency, "trainproof-readback")) as results:
-        for (start, end), (n, hexdigest) in results:
-            seen += n
-            parts.append(hexdigest)
-            if n < end - start:  # shorter on the device than written: the caller refuses the size
-                break
-    return seen, of_parts(parts or [hashlib.sha256().hexdigest()], part_bytes)
+    try:
+        with contextlib.closing(in_order(check, _written_parts(live, part_bytes), concurrency,
+                                         "trainproof-readback")) as results:
+            for (start, end), (n, hexdigest) in results:
+                seen += n
+                parts.append(hexdigest)
+                if n < end - start:  # shorter on the device than written: the caller refuses the size
+                    break
+    finally:
+        if kept is not None:
+            kept.stop()
+    return seen, of_parts(_writers_where_equal(parts, live) or [hashlib.sha256().hexdigest()], part_bytes)
+
+
+def _written_parts(live: LiveSpool, part_bytes: int) -> Iterator[tuple[int, int]]:
+    """The ``[start, end)`` of each digest part of ``live``, as soon as its writer has written it."""
+    start = 0
+    while (end := live.available(start + part_bytes)) > start:
+        yield start, end
+        start = end
+
+
+def _check_part(fd: int, kept: KeptParts | None, part_bytes: int, buffers: threading.local,
+                span: tuple[int, int]) -> tuple[int, str | None]:
+    """One part of :func:`_read_back`: on the device and dropped from the cache, then read; (bytes read, None) when
+    they equal the part the writer kept, else (bytes read, their sha256)."""
+    start, end = span
+    writeback.wait(fd, start, end - start)  # on the device, clean: then dropped, so what follows reads the device
+    writeback.drop(fd, start, end - start)
+    mine = kept.take(start // part_bytes) if kept is not None else None
+    if mine is not None:
+        try:
+            seen, digest = _read_part(fd, start, end, buffers, memoryview(mine[0])[:mine[1]])
+        finally:
+            kept.release(mine[0])  # type: ignore[union-attr]
+        if digest is None and seen == mine[1] == end - start:
+            return seen, None
+    return _read_part(fd, start, end, buffers, None)  # not kept, or not as kept: what the device holds, hashed
+
+
+def _read_part(fd: int, start: int, end: int, buffers: threading.local,
+               compare: memoryview | None) -> tuple[int, str | None]:
+    """Read ``start:end`` of ``fd`` into this thread's buffer (``buffers.buf``, reused: no fresh pages to fault in per
+    range); (bytes read, their sha256), or with ``compare`` (the kept bytes) None for the digest when every byte read
+    equals it, "" at the first range that does not."""
+    from trainproof.storage.spool import spans
+
+    buf = getattr(buffers, "buf", None)
+    if buf is None:
+        buf = buffers.buf = memoryview(bytearray(CHUNK))
+    sha, seen = hashlib.sha256(), 0
+    for a, b in spans(end - start, CHUNK):
+        n = 0
+        while n < b - a and (got := os.preadv(fd, [buf[n:b - a]], start + a + n)):
+            n += got
+        if compare is None:
+            sha.update(buf[:n])
+        elif not same_bytes(buf[:n], compare[a:a + n]):
+            return seen + n, ""
+        seen += n
+        if n < b - a:  # the end of the file
+            break
+    return seen, None if compare is not None else sha.hexdigest()
+
+
+def _writers_where_equal(parts: list[str | None], live: LiveSpool) -> list[str]:
+    """The read-back's part digests, with the writer's own for the parts that compared equal (None)."""
+    if None not in parts:
+        return [p or "" for p in parts]
+    written = live.result().sha256
+    writers = list(getattr(written, "parts", ())) or [str(written)]
+    return [p if p is not None else writers[i] if i < len(writers) else "" for i, p in enumerate(parts)]
 
 
 def _open_linkable(path: str, folder: str) -> tuple[int, os.stat_result] | None:

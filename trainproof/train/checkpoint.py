@@ -194,7 +194,7 @@ class Checkpointer:
         if self.store.uploads_while_written:
             return encode_live(state, self.spool_dir)
         if self.links_spools and self.store.verifies_while_written:
-            return encode_live(state, self.spool_dir, write_behind=True)
+            return encode_live(state, self.spool_dir, write_behind=True, keep_parts=True)
         return encode_spool(state, self.spool_dir, write_behind=self.links_spools)
 
     def _keep_history(self, step: int, rows: bytes) -> None:
