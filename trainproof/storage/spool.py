@@ -96,7 +96,7 @@ HASH_BESIDE_BYTES = 4 * 2**20
 is written; smaller ones (the pickle, headers) inline."""
 
 
-KEEP_BYTES = 256 * 2**20
+KEEP_BYTES = 128 * 2**20
 """At most this many bytes of a spool's digest parts are kept in memory at once (:class:`KeptParts`)."""
 
 
@@ -109,9 +109,9 @@ class KeptParts:
     The writer (:class:`SpoolWriter` made with ``keep_bytes``) serialises into these buffers and writes and hashes
     each part from there, so the bytes compared are the very bytes written and hashed, whatever becomes of the
     caller's buffers meanwhile. Bounded: at most ``budget`` parts are held (being filled, kept or
-    being compared); a part begun while the reader is that far behind is written through a scratch buffer and not
-    kept, and the reader hashes it as it would without this. The writer never waits for the reader, so a reader that
-    never comes (a commit that failed first) costs at most ``budget + 1`` parts of memory, until :meth:`stop`.
+    being compared); a part begun while the reader is that far behind is written as it comes and not kept, and the
+    reader hashes it as it would without this. The writer never waits for the reader, so a reader that never comes
+    (a commit that failed first) costs at most ``budget`` parts of memory, until :meth:`stop`.
     """
 
     def __init__(self, part_bytes: int, budget: int) -> None:
@@ -123,35 +123,38 @@ class KeptParts:
         self._free: list[bytearray] = []  # buffers to reuse (a fresh one faults its pages in: 1.6 GB/s here)
         self._stopped = False
         self._writer_done = False
-        self.counts = {"kept": 0, "passed": 0}  # parts kept / written through the scratch buffer (benchmarks)
-        self.allocated = 0  # buffers made: at most budget + 1
+        self.counts = {"kept": 0, "passed": 0}  # parts kept / written as they came (benchmarks)
+        self.allocated = 0  # buffers made: at most budget
 
     @property
     def held(self) -> int:
         """Parts held for the reader now (being filled to be kept, kept, or being compared)."""
         return self._held
 
-    def buffer(self) -> tuple[bytearray, bool]:
-        """Writer: a buffer for the next part, and whether that part will be kept (then it counts against the
-        budget until the reader releases it)."""
+    def begin(self) -> bytearray | None:
+        """Writer: a buffer to fill with the next part, which will be kept (it counts against the budget until the
+        reader releases it); None when the budget is full (or keeping stopped): the writer writes that part as it
+        comes, and the reader hashes it."""
         with self._lock:
-            keep = not self._stopped and self._held < self._budget
-            self._held += keep
-            self.counts["kept" if keep else "passed"] += 1
+            if self._stopped or self._held >= self._budget:
+                self.counts["passed"] += 1
+                return None
+            self._held += 1
+            self.counts["kept"] += 1
             if self._free:
-                return self._free.pop(), keep
+                return self._free.pop()
             self.allocated += 1
-            return bytearray(self.part_bytes), keep
+            return bytearray(self.part_bytes)
 
-    def written(self, index: int, buf: bytearray, size: int, keep: bool) -> None:
-        """Writer: part ``index`` (``size`` bytes of ``buf``) is in the file and hashed; ``size`` 0: the buffer was
-        not written (a failed write), and is let go."""
+    def written(self, index: int, buf: bytearray, size: int) -> None:
+        """Writer: part ``index`` (``size`` bytes of ``buf``, from :meth:`begin`) is in the file and hashed; ``size``
+        0: it was not written (a failed write), and the buffer is let go."""
         with self._lock:
-            if keep and size and not self._stopped:
+            if size and not self._stopped:
                 self._kept[index] = (buf, size)
                 return
-            self._held -= keep
-            if not self._writer_done and not (self._stopped and self._free):  # stopped: one scratch buffer at most
+            self._held -= 1
+            if not self._stopped and not self._writer_done:
                 self._free.append(buf)
 
     def writer_done(self) -> None:
@@ -258,8 +261,9 @@ class SpoolWriter:
         # written). Not where one part would not fit in that (a small state, a digest part size set large) or the
         # digest has a single part (nothing to follow).
         self.kept = KeptParts(part, keep_bytes // part) if 0 < part <= min(keep_bytes, KEEP_BYTES) else None
-        self._part: tuple[memoryview, bytearray, bool] | None = None  # the part being filled: view, buffer, kept
-        self._fill = 0
+        self._part: tuple[memoryview, bytearray] | None = None  # the kept part being filled: a view of its buffer
+        self._fill = 0  # bytes of the current part so far (kept or not)
+        self._passing = False  # the current part is not kept: written as it comes
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -287,33 +291,42 @@ class SpoolWriter:
             self._start_writeback()
 
     def _fill_parts(self, view: memoryview) -> None:
-        """``keep_bytes``: copy ``view`` into the parts' buffers; each full one is written out and handed to
-        :attr:`kept`."""
+        """``keep_bytes``: copy ``view`` into the kept parts' buffers, each full one written out and handed to
+        :attr:`kept`; a part :attr:`kept` has no room for is written as it comes."""
         assert self.kept is not None
         part = self.kept.part_bytes
         while view.nbytes:
-            if self._part is None:
-                buf, keep = self.kept.buffer()
-                self._part, self._fill = (memoryview(buf), buf, keep), 0
+            if self._fill == 0 and self._part is None and not self._passing:
+                buf = self.kept.begin()
+                if buf is None:
+                    self._passing = True
+                else:
+                    self._part = (memoryview(buf), buf)
             take = min(view.nbytes, part - self._fill)
-            self._part[0][self._fill:self._fill + take] = view[:take]
+            if self._part is not None:
+                self._part[0][self._fill:self._fill + take] = view[:take]
+            else:
+                self._write_out(view[:take])
             self._fill += take
             view = view[take:]
             if self._fill == part:
                 self._end_part()
 
     def _end_part(self) -> None:
-        """Write out the part being filled and hand it to :attr:`kept`."""
-        assert self.kept is not None and self._part is not None
-        target, buf, keep = self._part
+        """The current part is complete (or the file ends): a kept one is written out and handed to :attr:`kept`."""
+        assert self.kept is not None
+        current, fill = self._part, self._fill
+        self._part, self._fill, self._passing = None, 0, False
+        if current is None:  # not kept: already written
+            return
+        target, buf = current
         index = self.on_file // self.kept.part_bytes
-        self._part = None
         try:
-            self._write_out(target[:self._fill])
+            self._write_out(target[:fill])
         except BaseException:
-            self.kept.written(index, buf, 0, keep)
+            self.kept.written(index, buf, 0)
             raise
-        self.kept.written(index, buf, self._fill, keep)
+        self.kept.written(index, buf, fill)
 
     def _start_writeback(self) -> None:
         """Start the write-back to the device of what was written since the last call, without waiting for it
@@ -330,7 +343,7 @@ class SpoolWriter:
     def finish(self) -> Spool:
         """Close the file and return what it holds."""
         if self.spool is None:
-            if self._part is not None and self._fill:
+            if self._fill:
                 self._end_part()
             self.close()
             self.spool = Spool(path=self.path, size=self._size, sha256=self._sha.hexdigest())
@@ -357,7 +370,7 @@ class SpoolWriter:
             self._stop_pool()
             if self.kept is not None:
                 if self._part is not None:
-                    self.kept.written(0, self._part[1], 0, self._part[2])
+                    self.kept.written(0, self._part[1], 0)
                     self._part = None
                 self.kept.writer_done()
 
@@ -407,9 +420,9 @@ class LiveSpool(Spool):
         """Start ``fill(writer)`` (e.g. ``torch.save(state, writer)``) on a thread of its own, writing a new spool
         in ``directory`` (:func:`spool_dir`; ``write_behind``: :class:`SpoolWriter`'s); return the spool at once.
         ``keep_parts``: the writer keeps its parts for the reader that compares them with the stored file
-        (:class:`KeptParts`), :data:`KEEP_BYTES` of them at most, a quarter of ``expected`` at most where that is
-        known (a state under four parts keeps none: its save never holds more than a quarter of itself for this)."""
-        budget = (min(KEEP_BYTES, expected // 4) if expected else KEEP_BYTES) if keep_parts else 0
+        (:class:`KeptParts`), :data:`KEEP_BYTES` of them at most, an eighth of ``expected`` at most where that is
+        known (a state under eight parts keeps none)."""
+        budget = (min(KEEP_BYTES, expected // 8) if expected else KEEP_BYTES) if keep_parts else 0
         live = cls(SpoolWriter(directory, write_behind=write_behind, keep_bytes=budget), expected)
         thread = threading.Thread(target=live._run, args=(fill,), name="trainproof-serialise", daemon=True)
         object.__setattr__(live, "_thread", thread)
