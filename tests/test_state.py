@@ -405,3 +405,53 @@ def test_the_state_archive_is_torch_save_where_torch_internals_differ(monkeypatc
     torch.save(state, theirs)
     assert ours.getvalue() == theirs.getvalue()
     assert all(crc != 0 for _, _, _, crc, _ in _members(ours.getvalue()))
+
+
+_FAILING_SAVES = """
+import errno, gc, sys, torch
+from torch import serialization
+from trainproof.format.state import encode, encode_spool
+from trainproof.storage import spool
+
+state = {f"t{i}": torch.randn(2**20) for i in range(8)}
+
+
+def attempt(where):
+    for save in (lambda: encode_spool(state, sys.argv[1]), lambda: encode(state)):
+        try:
+            save()
+            print(where, "saved", flush=True)
+        except (OSError, KeyboardInterrupt) as exc:
+            print(where, "raised", type(exc).__name__, flush=True)
+        gc.collect()
+
+
+inner, calls = spool.SpoolWriter._write_out, []
+def write_out(self, view):  # a full disk under the spool, at its third write
+    calls.append(1)
+    if len(calls) == 3:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+    return inner(self, view)
+spool.SpoolWriter._write_out = write_out
+attempt("write")
+spool.SpoolWriter._write_out = inner
+def location_tag(storage):  # an interrupt while pickling, before anything is written
+    raise KeyboardInterrupt
+serialization.location_tag = location_tag
+attempt("pickle")
+print("alive", flush=True)
+"""
+
+
+def test_a_save_failing_midway_raises_its_error_and_the_process_lives_on(tmp_path):
+    """An error inside ``save_archive`` (a full disk under the spool, an interrupt while pickling) is raised as itself,
+    and the archive writer is ended with it: left to torch's C++ destructor, ending a failed archive killed the
+    process (std::terminate, exit 134) instead."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FAILING_SAVES, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["write raised OSError", "write saved", "pickle raised KeyboardInterrupt",
+                                        "pickle raised KeyboardInterrupt", "alive"], done.stdout

@@ -38,6 +38,7 @@ can never write a state that its own loader would refuse.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import pickle
@@ -296,7 +297,14 @@ def save_archive(obj: Any, out: IO[bytes]) -> None:
         return
     from torch import serialization
 
-    serialization._save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    try:
+        serialization._save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # Ended here, as torch.save's own context does: left to the writer's C++ destructor, the ending of a failed
+        # archive throws there, and the process is killed (std::terminate) instead of the error being raised.
+        with contextlib.suppress(BaseException):
+            writer.write_end_of_file()
+        raise
     writer.write_end_of_file()
 
 

@@ -453,6 +453,8 @@ def _read_back(fd: int, live: LiveSpool, part_bytes: int, concurrency: int) -> t
     from trainproof.storage.spool import in_order
 
     kept = live.kept if live.kept is not None and live.kept.part_bytes == part_bytes else None
+    if live.kept is not None and kept is None:
+        live.kept.stop()  # parts of another size than the read-back's: none is compared, none is to be held
     check = functools.partial(_check_part, fd, kept, part_bytes, threading.local())
     seen, parts = 0, []
     try:
