@@ -152,10 +152,8 @@ class KeptParts:
         with self._lock:
             if size and not self._stopped:
                 self._kept[index] = (buf, size)
-                return
-            self._held -= 1
-            if not self._stopped and not self._writer_done:
-                self._free.append(buf)
+            else:
+                self._let_go(buf)
 
     def writer_done(self) -> None:
         """Writer: no more parts; spare buffers are let go."""
@@ -172,9 +170,13 @@ class KeptParts:
     def release(self, buf: bytearray) -> None:
         """Reader: done with a buffer :meth:`take` gave."""
         with self._lock:
-            self._held -= 1
-            if not self._stopped and not self._writer_done:
-                self._free.append(buf)
+            self._let_go(buf)
+
+    def _let_go(self, buf: bytearray) -> None:
+        """(Lock held.) A held part's buffer is no longer held: reused for a later part while the writer writes."""
+        self._held -= 1
+        if not self._stopped and not self._writer_done:
+            self._free.append(buf)
 
     def stop(self) -> None:
         """Keep nothing more and let go of every kept part (no reader is coming for them, or it is done)."""
