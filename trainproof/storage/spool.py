@@ -440,7 +440,7 @@ class LiveSpool(Spool):
             if state["cancelled"]:
                 raise SerialiseError(f"the writing of {self.path} was stopped: its commit is over")
             n = inner(data)
-            if writer.on_file != state["written"]:  # (a writer keeping parts writes a whole part at a time)
+            if writer.on_file != state["written"]:  # (a part a writer keeps reaches the file once it is whole)
                 with cond:
                     state["written"] = writer.on_file
                     cond.notify_all()
