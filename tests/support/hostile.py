@@ -279,8 +279,17 @@ def f_compressed_archive(rng, raw):
     out = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(raw)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
         for item in src.infolist():
-            dst.writestr(item.filename, src.read(item.filename))
+            dst.writestr(item.filename, _stored_member(raw, item))
     return {STATE_FILE: out.getvalue()}
+
+
+def _stored_member(raw: bytes, item) -> bytes:
+    """A stored (uncompressed) member's bytes, read past its local header: the state's archive carries no crc32s
+    (``trainproof.format.state.save_archive``), which ``ZipFile.read`` would check."""
+    name_len = int.from_bytes(raw[item.header_offset + 26:item.header_offset + 28], "little")
+    extra_len = int.from_bytes(raw[item.header_offset + 28:item.header_offset + 30], "little")
+    begin = item.header_offset + 30 + name_len + extra_len
+    return raw[begin:begin + item.compress_size]
 
 
 FILE_MUTATIONS: dict[str, Callable] = {name[2:]: fn for name, fn in globals().items() if name.startswith("f_")}
