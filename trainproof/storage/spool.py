@@ -264,16 +264,14 @@ class SpoolWriter:
         # digest has a single part (nothing to follow).
         self.kept = KeptParts(part, keep_bytes // part) if 0 < part <= min(keep_bytes, KEEP_BYTES) else None
         self._part: tuple[memoryview, bytearray] | None = None  # the kept part being filled: a view of its buffer
-        self._fill = 0  # bytes of the current part so far (kept or not)
-        self._passing = False  # the current part is not kept: written as it comes
+        self._fill = 0  # bytes of the current part so far (kept or not: a part begun with no _part is not kept)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         if self.kept is not None:
-            self._size += view.nbytes
             self._fill_parts(view)
-            return view.nbytes
-        self._write_out(view)
+        else:
+            self._write_out(view)
         self._size += view.nbytes
         return view.nbytes
 
@@ -298,12 +296,8 @@ class SpoolWriter:
         assert self.kept is not None
         part = self.kept.part_bytes
         while view.nbytes:
-            if self._fill == 0 and self._part is None and not self._passing:
-                buf = self.kept.begin()
-                if buf is None:
-                    self._passing = True
-                else:
-                    self._part = (memoryview(buf), buf)
+            if self._fill == 0 and (buf := self.kept.begin()) is not None:  # a new part: kept, if there is room
+                self._part = (memoryview(buf), buf)
             take = min(view.nbytes, part - self._fill)
             if self._part is not None:
                 self._part[0][self._fill:self._fill + take] = view[:take]
@@ -318,7 +312,7 @@ class SpoolWriter:
         """The current part is complete (or the file ends): a kept one is written out and handed to :attr:`kept`."""
         assert self.kept is not None
         current, fill = self._part, self._fill
-        self._part, self._fill, self._passing = None, 0, False
+        self._part, self._fill = None, 0
         if current is None:  # not kept: already written
             return
         target, buf = current
