@@ -156,28 +156,34 @@ def test_auto_is_a_word_or_a_step_count_and_nothing_else(tmp_path):
 def test_auto_counts_what_a_background_commit_slows_the_steps_beside_it(tmp_path, monkeypatch):
     """The real trainer and background saver, in-process: each commit takes 0.4 s, steps take 0.1 s longer while one
     is in flight (what serialising and uploading on the training machine's cores does). The interval's C must be the
-    blocked time plus that slowing, measured from the steps themselves; blocked time alone is a few ms."""
+    blocked time plus that slowing, measured from the steps themselves; blocked time alone is a few ms.
+
+    A step is slowed when a save is in flight at its end, the moment the trainer labels it beside a commit or clear
+    (the saver's ``in_flight``, set and cleared by the training thread only): the slowing and the label cannot
+    disagree, whatever the load does to the save thread (its encoding before ``commit``, its start, its end)."""
     from trainproof.lifecycle import autointerval
-    from trainproof.train import checkpoint, loop
+    from trainproof.train import async_save, checkpoint, loop
     from trainproof.train.progress import Reporter
 
-    committing, step, commit = [0], loop.train_step, checkpoint.Checkpointer.commit
+    savers: list[async_save.BackgroundSaver] = []
+    step, commit, submit = loop.train_step, checkpoint.Checkpointer.commit, async_save.BackgroundSaver.submit
 
     def slow_step(run):
         record = step(run)
-        time.sleep(0.02 + (0.1 if committing[0] else 0.0))
+        time.sleep(0.02 + (0.1 if any(s.in_flight is not None for s in savers) else 0.0))
         return record
 
     def slow_commit(self, capture):
-        committing[0] += 1
-        try:
-            time.sleep(0.4)
-            return commit(self, capture)
-        finally:
-            committing[0] -= 1
+        time.sleep(0.4)
+        return commit(self, capture)
+
+    def seen_submit(self, *args, **kwargs):
+        savers.append(self)
+        return submit(self, *args, **kwargs)
 
     monkeypatch.setattr(loop, "train_step", slow_step)
     monkeypatch.setattr(checkpoint.Checkpointer, "commit", slow_commit)
+    monkeypatch.setattr(async_save.BackgroundSaver, "submit", seen_submit)
     monkeypatch.setattr(autointerval, "MIN_S", 1.0)  # many commits in a short test; the planner would pick less
 
     class Seen(AutoInterval):
