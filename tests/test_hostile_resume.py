@@ -143,6 +143,7 @@ def test_a_listing_flood_never_restarts_the_run_from_step_zero(tmp_path, six, re
     result = run(root, "--max-steps", str(TARGET), "--keep", "0")
     assert result.code == 0, result.stderr
     assert result.last("resume")["step"] == 6, result.events
+    assert result.last("resume")["fetched_ahead"] is True  # its scan, beside the start-up, went through the flood
     assert differences(trajectory(load_state(reference)), trajectory(load_state(root))) == []
 
 
@@ -200,6 +201,7 @@ def test_with_a_key_a_forgery_at_the_next_step_is_moved_aside_and_the_run_commit
     result = run(signed, "--max-steps", "6", "--checkpoint-every", "2", "--keep", "0", env=KEY)
     assert result.code == 0, result.stderr
     assert result.last("resume")["step"] == 4
+    assert result.last("resume")["fetched_ahead"] is True  # the fetch's own scan passed the forgery over too
     s = open_store(signed, StoreOptions.from_env(signing=Keyring(KEY["TRAINPROOF_SIGNING_KEY"].encode())))
     assert [(g.step, g.status) for g in s.scan()] == [(2, "complete"), (4, "complete"), (6, "complete")]
     assert [name.startswith("quarantine/step-00000006") for name, _ in s.quarantined()] == [True]

@@ -61,7 +61,8 @@ def test_regression_resume_is_bitwise_equal(regression):
     cont, resumed = regression["states"]["cont"], regression["states"]["cut5"]
     assert differences(trajectory(cont), trajectory(resumed)) == []
     assert regression["resumed"][0].last("resume") | {"time": None} == {
-        "event": "resume", "step": 5, "generation": "step-00000005", "rng_restored": True, "time": None}
+        "event": "resume", "step": 5, "generation": "step-00000005", "rng_restored": True, "fetched_ahead": True,
+        "time": None}
     assert regression["resumed"][1].last("resume")["rng_restored"] is False
 
 

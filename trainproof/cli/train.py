@@ -31,6 +31,7 @@ from trainproof.lifecycle.finish import Finisher, process_age_s
 from trainproof.lifecycle.signals import Deadline, StopRequest
 from trainproof.lifecycle.spot import SpotConfig, SpotWatcher
 from trainproof.train.config import TrainConfig, load_task_config
+from trainproof.train.fetch import fetch_ahead
 from trainproof.train.launch import LaunchConfig, launch
 from trainproof.train.variant import Variant
 
@@ -70,6 +71,8 @@ def train_command(store: StoreArg, config: ConfigArg = None, deadline: DeadlineA
             run_store = open_run(store, endpoint_url, region, path_style)
             if os.environ.get("RANK", "0") == "0":  # on S3 the store's probe runs beside importing torch, until
                 run_store.prepare_soon()  # the first write (plan.json, or deadline.json) waits for it
+            if cfg.resume == "auto":  # a restart's download of its newest generation runs beside its set-up too
+                fetch_ahead(run_store)
             _warn_unsigned(run_store)
             cfg.deadline = _run_deadline(run_store, deadline, rental_ends)  # a restart must not move it
             from trainproof.train.loop import train  # torch is slow to import: keep `--help` and config errors fast

@@ -93,6 +93,15 @@ class Ctx:
     """Bytes per ranged read of a large object (read-back verify and spooled loads)."""
     concurrency: int = CONCURRENCY
     """Ranged reads in flight at once."""
+    stop: Callable[[], None] | None = None
+    """Called before each ranged read of a spooled load; what it raises stops the load (a fetch ahead cancelled,
+    ``trainproof.storage.ahead``)."""
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of the object at ``path`` for a spooled load (``stop`` first)."""
+        if self.stop is not None:
+            self.stop()
+        return self.backend.read_range(path, start, end)
 
     def transfer(self) -> dict[str, int]:
         """Part size and concurrency of ranged reads on this backend (parallel on S3, one chunk at a time on a
@@ -549,21 +558,37 @@ def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, names: list
                 files[fname] = _spool_verified(ctx, info.name, fname, meta, spool_dir)
             else:
                 files[fname] = _read_verified(ctx, info.name, fname, meta)
-            if check is not None:
-                try:
-                    check(fname, files[fname])
-                except Exception as exc:  # the caller's check (e.g. torch.load) refusing the content
-                    raise CorruptGenerationError(info.name, f"{fname} failed the content check: {exc}") from exc
+            _check(info.name, fname, files[fname], check)
     except BaseException:
         Loaded(info=info, files=files).close()
         raise
     return Loaded(info=info, files=files)
 
 
+def checked(info: GenerationInfo, files: dict[str, "bytes | Spool"], check: Check | None) -> Loaded:
+    """Generation ``info`` from ``files`` read and verified before it was asked for (``trainproof.storage.ahead``):
+    ``check`` runs on each as :func:`load` runs it; CorruptGenerationError (every file deleted) when it refuses one."""
+    try:
+        for fname, data in files.items():
+            _check(info.name, fname, data, check)
+    except BaseException:
+        Loaded(info=info, files=files).close()
+        raise
+    return Loaded(info=info, files=files)
+
+
+def _check(name: str, fname: str, data: "bytes | Spool", check: Check | None) -> None:
+    if check is not None:
+        try:
+            check(fname, data)
+        except Exception as exc:  # the caller's check (e.g. torch.load) refusing the content
+            raise CorruptGenerationError(name, f"{fname} failed the content check: {exc}") from exc
+
+
 def _spool_verified(ctx: Ctx, name: str, fname: str, meta: dict, directory: str) -> Spool:
     """``_read_verified`` into a spool: the object's bytes land in a local file, never whole in memory."""
     def fetch(path: str, size: int, hasher: FileHasher):
-        return download(lambda a, b: ctx.backend.read_range(path, a, b), size, directory, hasher=hasher,
+        return download(lambda a, b: ctx.read_range(path, a, b), size, directory, hasher=hasher,
                         **ctx.transfer())
 
     return _read_verified(ctx, name, fname, meta, fetch, discard=lambda spool: spool.unlink())

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 from trainproof.storage import manifest as mf
+from trainproof.storage.ahead import FetchAhead, files_to_read
 from trainproof.storage.backend import (
     FsspecBackend,
     LocalBackend,
@@ -33,6 +34,7 @@ from trainproof.storage.generations import (
     Ctx,
     GenerationInfo,
     Loaded,
+    checked,
     in_chain,
     load,
     read_parts,
@@ -70,6 +72,10 @@ class GenerationStore:
         """What preparing beside the caller (:meth:`prepare_soon`) raised, for the first write to raise."""
         self._ctx = Ctx(backend=backend, root=root, io=self._io, limits=options.limits, keys=options.signing,
                         part_size=options.part_size, concurrency=options.concurrency)
+        self._ahead: FetchAhead | None = None
+        self._ahead_lock = threading.Lock()
+        self.fetched_ahead: str | None = None
+        """The generation whose files a load took from :meth:`fetch_ahead` (None: none did)."""
 
     def __repr__(self) -> str:
         return f"GenerationStore({redact_url(self.url)!r})"
@@ -132,6 +138,30 @@ class GenerationStore:
         if not self._prepared:  # share the one-time preparation
             child._prepared, child._prepare = False, lambda _c: self._before_write()
         return child
+
+    def fetch_ahead(self, *, spool_dir: str, spool_from: int | None = None, skip: Callable[[str], bool] | None = None,
+                    contract: str | None = None) -> None:
+        """Start downloading the newest complete generation (of ``contract``; any when None) now, on a thread of its
+        own, for a caller that will load it (a trainer's resume) and has set-up to do meanwhile. The next
+        :meth:`usable` or :meth:`load` takes it when it reaches that generation with the same manifest, the same
+        files (``skip``) and spool settings; otherwise it is cancelled and deleted (``trainproof.storage.ahead``).
+        Read-only; a failure is met again by the load itself."""
+        with self._ahead_lock:
+            if self._ahead is None:
+                self._ahead = FetchAhead(self._ctx, contract=contract, spool_dir=spool_dir, spool_from=spool_from,
+                                         skip=skip)
+
+    def _load(self, info: GenerationInfo, check: Check | None, names: list[str] | None, *, spool_dir: str | None,
+              spool_from: int | None) -> Loaded:
+        """Generation ``info`` read and verified (``trainproof.storage.generations.load``), or taken from the fetch
+        ahead when that fetched it (the first load after :meth:`fetch_ahead` takes it or cancels it)."""
+        with self._ahead_lock:
+            ahead, self._ahead = self._ahead, None
+        fetched = None if ahead is None else ahead.take(info, names, spool_dir=spool_dir, spool_from=spool_from)
+        if fetched is None:
+            return load(self._ctx, info, check, names, spool_dir=spool_dir, spool_from=spool_from)
+        self.fetched_ahead = info.name
+        return checked(info, fetched.files, check)
 
     # -- generations ------------------------------------------------------------------------------------
     def commit(self, step: int, files: dict[str, bytes], *, contract: str, world: int, code_version: str,
@@ -210,7 +240,7 @@ class GenerationStore:
         ``Loaded.close()``.
         ``skip``: files (by name) not to read here, e.g. shards that each process reads and verifies itself."""
         info = in_chain(self._ctx, mf.step_dir(step), contract=contract, world=world)
-        return load(self._ctx, info, check, _names(info, skip), spool_dir=spool_dir, spool_from=spool_from)
+        return self._load(info, check, files_to_read(info, skip), spool_dir=spool_dir, spool_from=spool_from)
 
     def generation(self, step: int, *, contract: str | None = None, world: int | None = None) -> GenerationInfo:
         """What discovery says about generation ``step`` (no hashing): its status and, when usable, its manifest."""
@@ -251,8 +281,8 @@ class GenerationStore:
         for info in reversed(self.scan(contract=contract, world=world)):
             if info.status == COMPLETE:
                 try:
-                    loaded = load(self._ctx, info, check, _names(info, skip), spool_dir=spool_dir,
-                                  spool_from=spool_from)
+                    loaded = self._load(info, check, files_to_read(info, skip), spool_dir=spool_dir,
+                                        spool_from=spool_from)
                 except CorruptGenerationError as exc:
                     info = GenerationInfo(**{**info.__dict__, "status": CORRUPT, "reason": exc.reason})
                 else:
@@ -450,13 +480,6 @@ def _digest(name: str, entry: list) -> str:
     if digest != entry[1]:
         raise ValueError(f"the entry of {name!r} lists parts that do not hash to its sha256")
     return digest
-
-
-def _names(info: GenerationInfo, skip: Callable[[str], bool] | None) -> list[str] | None:
-    """The files of ``info`` to read when ``skip`` leaves some out (None: every file)."""
-    if skip is None or info.manifest is None:
-        return None
-    return [n for n in info.manifest["files"] if not skip(n)]
 
 
 def open_store(url: str, options: StoreOptions | None = None) -> GenerationStore:

@@ -27,22 +27,15 @@ from typing import Any, Iterator
 
 from trainproof.errors import StateError, TrainError
 from trainproof.format.contract import PLAN_FILE, canonical_json, check_plan, ensure_plan
-from trainproof.format.shard_files import is_sharded_file
 from trainproof.format.state import STATE_FILE, check_self_consistent, decode, decode_generation, decode_rank_part
 from trainproof.storage import GenerationStore, Loaded
 from trainproof.storage.errors import StoreError
 from trainproof.storage.manifest import step_dir
-from trainproof.storage.spool import Spool, spool_dir
+from trainproof.storage.spool import Spool
 from trainproof.train.dist import Collectives, PeerError
+from trainproof.train.fetch import spooled
 
 log = logging.getLogger("trainproof.resume")  # the logger name users filter on, kept from before the split
-
-
-def _spooled() -> dict[str, Any]:
-    """Resume loads every file into a spool file (parallel ranged reads, hashed as they arrive) and maps it, so a
-    state of any size is never held twice in memory (``trainproof.storage.spool``)."""
-    # A sharded generation's DCP files are read by each rank itself, only those it needs (trainproof.train.sharded).
-    return {"spool_dir": spool_dir(), "spool_from": 0, "skip": is_sharded_file}
 
 
 def agree_plan(store: GenerationStore, plan: dict[str, Any], sync: Collectives) -> dict[str, Any]:
@@ -91,7 +84,7 @@ def _candidates(store: GenerationStore, contract: str,
     of an older one that would lose its progress."""
     other_code: tuple[int, dict[str, Any]] | None = None  # the newest of other code since the last one offered
     decoded: dict[int, Any] = {}
-    for found in store.usable(contract=contract, check=_checker(decoded), **_spooled()):
+    for found in store.usable(contract=contract, check=_checker(decoded), **spooled()):
         step = found.info.step
         try:
             state = _joined(found, decoded)
@@ -155,7 +148,7 @@ def _quarantine(store: GenerationStore, step: int, reason: str) -> None:
 
 def _load(store: GenerationStore, contract: str, step: int) -> tuple[int, dict[str, Any]]:
     decoded: dict[int, Any] = {}
-    found = store.load(step, _checker(decoded), contract=contract, **_spooled())
+    found = store.load(step, _checker(decoded), contract=contract, **spooled())
     return step, _joined(found, decoded)
 
 

@@ -119,6 +119,7 @@ def resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Coll
             quarantine_unusable(store, bad, f"does not restore: {_why(exc)}")
     reporter.event("resume", step=run.step, generation=step_dir(step), rng_restored=options.restore_rng,
                    restore_s=round(time.perf_counter() - c.started, 3),
+                   fetched_ahead=store.fetched_ahead == step_dir(step),  # downloaded beside the start-up
                    **({"world_change": resumed.world_changes[-1]} if changed else {}))
     return Resumed(step=run.step, world_changes=resumed.world_changes, code_changes=resumed.code_changes)
 
