@@ -41,7 +41,9 @@ def world2(tmp_path_factory):
     results = {"cont": finish(cont, timeout=budget(300)), "cut": finish(cut, timeout=budget(300))}
     assert [r.code for r in results.values()] == [0, 0], [r.stderr for r in results.values()]
     cut_state = load_world_state(d / "cut")
-    results["resume"] = finish(start_world(d / "cut", *common, "--max-steps", str(TARGET)), timeout=budget(300))
+    spools = {"TRAINPROOF_SPOOL_DIR": str(d / "spools")}  # each rank fetches the generation ahead into it
+    results["resume"] = finish(start_world(d / "cut", *common, "--max-steps", str(TARGET), env=spools),
+                               timeout=budget(300))
     assert results["resume"].code == 0, results["resume"].stderr
     return {"dir": d, "common": common, "results": results, "cut_state": cut_state,
             "reference": trajectory(load_world_state(d / "cont"))}
@@ -51,6 +53,9 @@ def test_two_rank_resume_is_bitwise_equal(world2):
     resumed = load_world_state(world2["dir"] / "cut")
     assert differences(world2["reference"], trajectory(resumed)) == []
     assert world2["results"]["resume"].last("resume")["step"] == CUT
+    assert world2["results"]["resume"].last("resume")["fetched_ahead"] is True
+    # Every rank fetched it ahead, took it, and ended with os._exit (no exit hooks): none left a file behind.
+    assert [n for n in os.listdir(world2["dir"] / "spools") if "trainproof-load-" in n] == []
     assert len(resumed["ranks"]) == 2 and [p["rank"] for p in resumed["ranks"]] == [0, 1]
     assert resumed["ranks"][0]["next_draws"] != resumed["ranks"][1]["next_draws"]  # per-rank streams
 

@@ -43,11 +43,12 @@ def _spool(folder, size: int, seed: int) -> Spool:
     return out.finish()
 
 
-def _commit(store, step: int, tmp_path, seed: int | None = None, size: int = 11 * 2**20 + 7) -> dict[str, bytes]:
+def _commit(store, step: int, tmp_path, seed: int | None = None, size: int = 11 * 2**20 + 7,
+            contract: str = C) -> dict[str, bytes]:
     """Generation ``step``: a state of a few parts and a small file; what each holds."""
     spool = _spool(tmp_path, size, step if seed is None else seed)
     small = f"small of {step} {seed}".encode()
-    store.commit(step, {STATE: spool, "history.pt": small}, contract=C, world=1, code_version="t")
+    store.commit(step, {STATE: spool, "history.pt": small}, contract=contract, world=1, code_version="t")
     with open(spool.path, "rb") as fh:
         state = fh.read()
     spool.unlink()
@@ -98,7 +99,7 @@ def test_the_load_takes_the_generation_fetched_ahead_and_reads_none_of_it_again(
     _commit(store, 1, tmp_path)
     wrote = _commit(store, 2, tmp_path)
     reads, spools = Reads(store), tmp_path / "spools"
-    store.fetch_ahead(spool_dir=str(spools), spool_from=0)
+    store.fetch_ahead(lambda: C, spool_dir=str(spools), spool_from=0)
     ahead = store._ahead
     ahead._thread.join(budget(60))
     fetched = reads.of(2)
@@ -121,7 +122,7 @@ def test_a_generation_committed_after_the_fetch_began_is_loaded_and_the_fetch_is
     store = _store(str(tmp_path / "run"))
     _commit(store, 1, tmp_path)
     reads, spools = Reads(store, hold="step-00000001/"), tmp_path / "spools"
-    store.fetch_ahead(spool_dir=str(spools), spool_from=0)
+    store.fetch_ahead(lambda: C, spool_dir=str(spools), spool_from=0)
     ahead = store._ahead
     assert reads.entered.wait(budget(30)), "the fetch never began reading step 1"
     wrote = _commit(store, 2, tmp_path)  # committed while the fetch of step 1 is under way
@@ -144,7 +145,7 @@ def test_the_same_step_committed_again_with_other_bytes_is_read_again(tmp_path):
     _commit(store, 1, tmp_path)
     _commit(store, 2, tmp_path)
     spools = tmp_path / "spools"
-    store.fetch_ahead(spool_dir=str(spools), spool_from=0)
+    store.fetch_ahead(lambda: C, spool_dir=str(spools), spool_from=0)
     store._ahead._thread.join(budget(60))
     store.quarantine(2, "test: committed again")
     wrote = _commit(store, 2, tmp_path, seed=99)
@@ -162,7 +163,7 @@ def test_a_load_of_other_files_or_into_another_folder_reads_them_itself(tmp_path
     store = _store(str(tmp_path / "run"))
     wrote = _commit(store, 1, tmp_path)
     spools = tmp_path / "spools"
-    store.fetch_ahead(spool_dir=str(spools), spool_from=0)
+    store.fetch_ahead(lambda: C, spool_dir=str(spools), spool_from=0)
     store._ahead._thread.join(budget(60))
     reads = Reads(store)
     if differs == "files":
@@ -192,7 +193,7 @@ def test_a_fetch_that_fails_or_is_refused_ends_as_a_load_without_it(tmp_path, fa
         data[PART + 3] ^= 1
         path.write_bytes(bytes(data))
     spools = tmp_path / "spools"
-    store.fetch_ahead(spool_dir=str(spools), spool_from=0)
+    store.fetch_ahead(lambda: C, spool_dir=str(spools), spool_from=0)
     ahead = store._ahead
     ahead._thread.join(budget(60))
     assert isinstance(ahead.error, CorruptGenerationError) == (fault == "damaged"), ahead.error
@@ -211,6 +212,54 @@ def test_a_fetch_that_fails_or_is_refused_ends_as_a_load_without_it(tmp_path, fa
     assert os.listdir(spools) == []
 
 
+def test_only_the_runs_own_contract_is_fetched_and_a_fresh_run_fetches_nothing(tmp_path):
+    """A newer complete generation of another contract (planted in an unsigned bucket, say) is never downloaded:
+    the fetch takes the newest of the contract the caller names, and nothing when it names none (no plan yet)."""
+    store = _store(str(tmp_path / "run"))
+    wrote = _commit(store, 1, tmp_path)
+    _commit(store, 9, tmp_path, contract="someone-else")
+    reads, spools = Reads(store), tmp_path / "spools"
+    os.makedirs(spools)
+    store.fetch_ahead(lambda: None, spool_dir=str(spools), spool_from=0)
+    store._ahead._thread.join(budget(60))
+    assert store._ahead.info is None and reads.bytes == {} and os.listdir(spools) == []
+    store.discard_ahead()
+    store.fetch_ahead(lambda: C, spool_dir=str(spools), spool_from=0)
+    store._ahead._thread.join(budget(60))
+    assert reads.of(9) == 0 and reads.of(1) >= len(wrote[STATE])
+    loaded = _first(store, spools)
+    try:
+        assert loaded.info.name == "step-00000001" and store.fetched_ahead == "step-00000001"
+        assert _contents(loaded) == wrote
+    finally:
+        loaded.close()
+
+
+def test_a_load_refuses_a_generation_of_another_contract_though_it_was_fetched(tmp_path):
+    """``load(step, contract=...)`` of a generation that is not this contract's raises as without a fetch ahead."""
+    store = _store(str(tmp_path / "run"))
+    _commit(store, 1, tmp_path)
+    spools = tmp_path / "spools"
+    store.fetch_ahead(lambda: C, spool_dir=str(spools), spool_from=0)
+    store._ahead._thread.join(budget(60))
+    with pytest.raises(CorruptGenerationError, match="contract"):
+        store.load(1, contract="another", spool_dir=str(spools), spool_from=0)
+    assert store.fetched_ahead is None and os.listdir(spools) == []
+
+
+def test_a_fetch_no_load_took_is_deleted_when_the_caller_is_done_loading(tmp_path):
+    store = _store(str(tmp_path / "run"))
+    _commit(store, 1, tmp_path)
+    spools = tmp_path / "spools"
+    store.fetch_ahead(lambda: C, spool_dir=str(spools), spool_from=0)
+    ahead = store._ahead
+    ahead._thread.join(budget(60))
+    assert len(os.listdir(spools)) == 2
+    store.discard_ahead()
+    assert os.listdir(spools) == [] and store._ahead is None
+    store.discard_ahead()  # nothing left to discard: no error
+
+
 SCRIPT = """
 import os, sys, time
 from dataclasses import replace
@@ -221,7 +270,7 @@ def slow(path, a, b):
     time.sleep(0.3 if sys.argv[3] == "midway" else 0)
     return inner(path, a, b)
 store.backend.read_range = slow
-store.fetch_ahead(spool_dir=sys.argv[2], spool_from=0)
+store.fetch_ahead(lambda: "contract-ahead", spool_dir=sys.argv[2], spool_from=0)
 if sys.argv[3] == "done":
     store._ahead._thread.join(60)
     assert store._ahead.error is None and store._ahead._loaded is not None
@@ -246,3 +295,26 @@ def test_a_process_that_never_asks_leaves_no_file_of_the_fetch(tmp_path, when):
                           capture_output=True, text=True, timeout=budget(120))
     assert done.returncode == 0 and "exiting" in done.stdout, done.stderr
     assert os.listdir(spools) == []
+
+
+def test_the_resume_deletes_a_fetch_it_did_not_take(tmp_path, monkeypatch):
+    """The real trainer, in-process: its generation was fetched ahead and then moved to quarantine before the resume,
+    which finds none and starts afresh. The fetched copy is deleted when the resume is over, not at exit: a run never
+    keeps a second copy of the state on disk for its length."""
+    from trainproof.train.config import TrainConfig
+    from trainproof.train.fetch import fetch_ahead
+    from trainproof.train.loop import train
+    from trainproof.train.progress import Reporter
+
+    spools = tmp_path / "spools"
+    monkeypatch.setenv("TRAINPROOF_SPOOL_DIR", str(spools))
+    cfg = TrainConfig(store=str(tmp_path / "run"), max_steps=2, log_format="json", tensorboard="off")
+    assert train(cfg, reporter=Reporter()).exit_code == 0
+    store = open_store(cfg.store)
+    fetch_ahead(store)
+    store._ahead._thread.join(budget(60))
+    assert store._ahead.info.step == 2 and len([n for n in os.listdir(spools) if "load" in n]) == 2
+    store.quarantine(2, "test: gone before the resume")
+    assert train(cfg, store=store, reporter=Reporter()).exit_code == 0
+    assert store.fetched_ahead is None and store._ahead is None
+    assert [n for n in os.listdir(spools) if "load" in n] == []

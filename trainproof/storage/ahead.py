@@ -12,8 +12,11 @@ cancelled, its files are deleted, and the load reads as it would have. A fetch t
 load reads again and meets the failure itself (a corrupt file is then skipped and quarantined by the usual path).
 Nothing is written to the store, and nothing is decided from what the fetch found.
 
-Its cost when not used: bandwidth until it is cancelled, and a spool file until it is deleted (cancelled, or at
-exit, where an unfinished download is given a few seconds to stop and delete its partial file).
+It fetches the newest complete generation of the contract its caller names (a trainer: the one its stored plan
+names), never one of another contract planted beside the run. Its cost when not used: bandwidth until it is
+cancelled, and a spool file until it is deleted: when the load reaches another generation, when its caller is done
+loading without it (``GenerationStore.discard_ahead``), or at exit, where an unfinished download is given a few
+seconds to stop and delete its partial file.
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ class FetchCancelled(Exception):
 
 
 class FetchAhead:
-    """The newest complete generation of ``contract`` (any, when None), its files but those ``skip`` names loaded as
-    :func:`trainproof.storage.generations.load` loads them (``spool_dir``, ``spool_from``), on a thread of its own
-    from now on; :meth:`take` hands it to the load that reaches it, once."""
+    """The newest complete generation of the contract ``contract()`` names (called on the fetch's thread; None:
+    nothing to fetch), its files but those ``skip`` names loaded as :func:`trainproof.storage.generations.load` loads
+    them (``spool_dir``, ``spool_from``), on a thread of its own from now on; :meth:`take` hands it to the load that
+    reaches it, once."""
 
-    def __init__(self, ctx: Ctx, *, contract: str | None, spool_dir: str | None, spool_from: int | None,
-                 skip: Callable[[str], bool] | None) -> None:
+    def __init__(self, ctx: Ctx, *, contract: Callable[[], str | None], spool_dir: str | None,
+                 spool_from: int | None, skip: Callable[[str], bool] | None) -> None:
         self._cancelled, self._scanned, self._lock = threading.Event(), threading.Event(), threading.Lock()
         self._ctx = replace(ctx, stop=self._go_on)
         self._contract, self._skip, self._spooling = contract, skip, (spool_dir, spool_from)
@@ -62,7 +66,8 @@ class FetchAhead:
 
     def _run(self) -> None:
         try:
-            found = [i for i in scan(self._ctx, contract=self._contract) if i.status == COMPLETE]
+            contract = self._contract()
+            found = [] if contract is None else [i for i in scan(self._ctx, contract=contract) if i.status == COMPLETE]
             if found and not self._cancelled.is_set():
                 info = self.info = found[-1]
                 self.names = files_to_read(info, self._skip)
@@ -86,7 +91,7 @@ class FetchAhead:
         the fetch failed. Once: any later call gets None. The fetch's scan began before the caller's, which found
         ``info``: it is waited for (bounded like every scan, by ``Limits.scan_seconds``)."""
         self._scanned.wait()
-        if not (self.info is not None and self.info.name == info.name
+        if not (info.status == COMPLETE and self.info is not None and self.info.name == info.name
                 and self.info.manifest == info.manifest and self.names == names
                 and self._spooling == (spool_dir, spool_from)):
             self.discard()
@@ -95,21 +100,28 @@ class FetchAhead:
         with self._lock:
             loaded, self._loaded = self._loaded, None
             self._cancelled.set()  # taken: nothing more to hand out or delete
+        atexit.unregister(self._at_exit)
         if loaded is not None:
             log.info("%s was fetched ahead: loading it takes no download", info.name)
         return loaded
 
-    def discard(self) -> None:
-        """Cancel the fetch and delete what it fetched (nothing once taken)."""
+    def discard(self, *, wait: bool = False) -> None:
+        """Cancel the fetch and delete what it fetched (nothing once taken). ``wait``: for a process about to end,
+        give a download in progress :data:`EXIT_WAIT_S` to stop and delete its partial file."""
         self._cancelled.set()
+        atexit.unregister(self._at_exit)
         with self._lock:
             loaded, self._loaded = self._loaded, None
         if loaded is not None:
-            loaded.close()
+            try:
+                loaded.close()
+            except OSError as exc:
+                log.warning("could not delete the files of %s fetched ahead: %s", loaded.info.name, exc)
+        if wait:
+            self._thread.join(EXIT_WAIT_S)  # a download in progress stops at its next read and deletes its file
 
     def _at_exit(self) -> None:
-        self.discard()
-        self._thread.join(EXIT_WAIT_S)  # a download in progress stops at its next read and deletes its file
+        self.discard(wait=True)
 
 
 def files_to_read(info: GenerationInfo, skip: Callable[[str], bool] | None) -> list[str] | None:

@@ -139,17 +139,26 @@ class GenerationStore:
             child._prepared, child._prepare = False, lambda _c: self._before_write()
         return child
 
-    def fetch_ahead(self, *, spool_dir: str, spool_from: int | None = None, skip: Callable[[str], bool] | None = None,
-                    contract: str | None = None) -> None:
-        """Start downloading the newest complete generation (of ``contract``; any when None) now, on a thread of its
-        own, for a caller that will load it (a trainer's resume) and has set-up to do meanwhile. The next
-        :meth:`usable` or :meth:`load` takes it when it reaches that generation with the same manifest, the same
-        files (``skip``) and spool settings; otherwise it is cancelled and deleted (``trainproof.storage.ahead``).
-        Read-only; a failure is met again by the load itself."""
+    def fetch_ahead(self, contract: Callable[[], str | None], *, spool_dir: str, spool_from: int | None = None,
+                    skip: Callable[[str], bool] | None = None) -> None:
+        """Start downloading the newest complete generation of the contract ``contract()`` names (called on that
+        thread; None: nothing to fetch) now, on a thread of its own, for a caller that will load it (a trainer's
+        resume) and has set-up to do meanwhile. The next :meth:`usable` or :meth:`load` takes it when it reaches that
+        generation, complete, with the same manifest, the same files (``skip``) and spool settings; otherwise it is
+        cancelled and deleted (``trainproof.storage.ahead``), as by :meth:`discard_ahead`. Read-only; a failure is
+        met again by the load itself."""
         with self._ahead_lock:
             if self._ahead is None:
                 self._ahead = FetchAhead(self._ctx, contract=contract, spool_dir=spool_dir, spool_from=spool_from,
                                          skip=skip)
+
+    def discard_ahead(self, *, wait: bool = False) -> None:
+        """Cancel a fetch ahead no load took (the caller is done loading) and delete its files; ``wait``: a process
+        about to end without its exit hooks gives a download in progress a few seconds to delete its partial file."""
+        with self._ahead_lock:
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.discard(wait=wait)
 
     def _load(self, info: GenerationInfo, check: Check | None, names: list[str] | None, *, spool_dir: str | None,
               spool_from: int | None) -> Loaded:

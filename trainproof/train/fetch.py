@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainproof.format.shard_files import is_sharded_file
+from trainproof.storage.generations import PLAN
 from trainproof.storage.spool import spool_dir
 
 
@@ -19,9 +20,21 @@ def spooled() -> dict[str, Any]:
 
 def fetch_ahead(store: Any) -> None:
     """Start fetching the generation a resume will load first, beside the process's set-up (every rank: each loads
-    the generation's files it reads itself)."""
+    the generation's files it reads itself): the newest complete one of the contract the run's stored plan names
+    (none for a run without a plan: a fresh start). The resume discards what it did not take."""
     try:
         settings = spooled()
-    except OSError:  # the spool folder cannot be made: the resume meets that itself, and says so
+        store.fetch_ahead(lambda: stored_contract(store), **settings)
+    except (OSError, RuntimeError):  # no spool folder, no thread: the resume meets the first itself, and says so
         return
-    store.fetch_ahead(**settings)
+
+
+def stored_contract(store: Any) -> str | None:
+    """The contract of the run's stored plan (read on the fetch's thread, size-capped, parsed defensively), or None:
+    no plan, or none that names one. It only picks what to fetch; the resume checks the plan itself."""
+    try:
+        plan = store.read_json(PLAN)
+    except (FileNotFoundError, ValueError):
+        return None
+    contract = plan.get("contract") if isinstance(plan, dict) else None
+    return contract if isinstance(contract, str) else None

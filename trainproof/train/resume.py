@@ -84,7 +84,16 @@ class _Context:
 
 def resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Collectives, options: ResumeOptions,
            reporter: Reporter) -> Resumed:
-    """Load the newest usable generation of this run into ``run`` on every rank (generators last)."""
+    """Load the newest usable generation of this run into ``run`` on every rank (generators last). What was
+    fetched ahead and not taken (``GenerationStore.fetch_ahead``) is deleted once the resume is over."""
+    try:
+        return _resume(run, store=store, plan=plan, sync=sync, options=options, reporter=reporter)
+    finally:
+        store.discard_ahead()  # never a second copy of the state on disk for the run's length
+
+
+def _resume(run: Run, *, store: GenerationStore, plan: dict[str, Any], sync: Collectives, options: ResumeOptions,
+            reporter: Reporter) -> Resumed:
     c = _Context(run=run, store=store, plan=plan, sync=sync, parallel=run.parallel, options=options,
                  reporter=reporter)
     if options.mode == "never":
