@@ -13,7 +13,9 @@ raw tools and the peers, at each ``--sizes`` MiB of state; every measurement is 
 - **resume**: process start -> state loaded and every tensor read once, through the store (discovery, parallel ranged
   download into a spool hashed as it arrives, weights-only ``torch.load(mmap=True)``), against raw reads into a local
   file + ``torch.load(mmap=True)``: one streamed GET (boto3, obstore), parallel ranged GETs (boto3 threads),
-  ``download_file``, s3fs ``get_file``, and ``s3torchconnector``'s reader + ``torch.load``;
+  ``download_file``, s3fs ``get_file``, and ``s3torchconnector``'s reader + ``torch.load``; ``resume_ahead`` is the
+  store's resume as ``train`` runs it: the store opened and its newest generation fetched ahead before torch is
+  imported (``GenerationStore.fetch_ahead``);
 - **memory**: each child's peak RSS above its RSS just before the measured operation (sampled every 10 ms), and of
   that the anonymous part (a mapped file's pages are page cache, reclaimable; the anonymous ones are not);
 - **CPU**: each child's CPU seconds (user + system, every thread, native clients' included) over the measured
@@ -66,7 +68,7 @@ SAVE = ["save_store", "save_floor", "save_torch_s3fs", "save_dcp_fsspec", "save_
 PEERS = ("obstore==0.12.1", "s3torchconnector==1.5.0", "s3torchconnectorclient==1.5.0")
 """Installed into ``--peers`` for the children only (``--no-deps``: torch is the project's own)."""
 SERVER = ("radosgw", "ceph-osd", "ceph-mon")
-RESUME = ["resume_store", "read_boto3_stream", "read_boto3_ranged", "read_boto3_download", "read_s3fs",
+RESUME = ["resume_store", "resume_ahead", "read_boto3_stream", "read_boto3_ranged", "read_boto3_download", "read_s3fs",
           "read_obstore", "read_s3tc"]
 
 
@@ -138,6 +140,13 @@ def _store(args):
     return open_store(f"s3://{args['bucket']}/{args['run']}", StoreOptions.from_env(endpoint_url=args["endpoint"]))
 
 
+def _fetch_ahead(args):
+    """The store with its newest generation being fetched (``GenerationStore.fetch_ahead``), as `train` starts it."""
+    store = _store(args)
+    store.fetch_ahead(lambda: "bench", spool_dir=args["work"], spool_from=0)
+    return store
+
+
 def _touch(state) -> None:
     """Read every tensor once, as loading it into a model would."""
     for value in state.values():
@@ -156,6 +165,8 @@ def _load_file(path: str):
 def child(mode: str, args: dict) -> dict:
     import importlib
 
+    # resume_ahead: as `train` does, the store is opened and the newest generation fetched before torch is imported
+    ahead = _fetch_ahead(args) if mode == "resume_ahead" else None
     import torch  # noqa: F401  - every child pays the import, as a trainer does
 
     # The client library first: "extra memory" is what the transfer adds, not the library's code (its import time
@@ -304,14 +315,15 @@ def child(mode: str, args: dict) -> dict:
             dcp.save(state, storage_writer=writer)
         out["seconds"] = time.perf_counter() - t0
     else:  # resume and reads: timed from the parent's Popen (process start, imports included)
-        if mode == "resume_store":
+        if mode in ("resume_store", "resume_ahead"):
             from trainproof.format.state import load_weights_only
 
-            store = _store(args)
+            store = ahead or _store(args)
             decoded = {}
             loaded = store.load_latest(contract="bench", world=1, spool_dir=args["work"], spool_from=0,
                                        check=lambda _n, d: decoded.update(state=load_weights_only(d)))
             assert loaded is not None and loaded.info.step == 2, loaded  # commit_store committed steps 1 and 2
+            assert (store.fetched_ahead == loaded.info.name) == (mode == "resume_ahead"), store.fetched_ahead
             _touch(decoded["state"])
             loaded.close()
         elif mode == "read_s3tc":
