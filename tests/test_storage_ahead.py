@@ -9,7 +9,6 @@ S3 over HTTP on loopback) for the first; the others on a local folder, where the
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -20,8 +19,9 @@ import pytest
 
 from trainproof.storage import CorruptGenerationError, StoreOptions, open_store
 from trainproof.storage.ahead import FetchCancelled
-from trainproof.storage.spool import Spool, SpoolWriter
+from trainproof.storage.spool import Spool
 from tests.support.timing import budget
+from tests.test_storage_spool import _spool
 
 PART = 5 * 2**20
 C = "contract-ahead"
@@ -30,17 +30,6 @@ STATE = "training_state.pt"
 
 def _store(url: str):
     return open_store(url, replace(StoreOptions.from_env(), part_size=PART, concurrency=2))
-
-
-def _spool(folder, size: int, seed: int) -> Spool:
-    block = hashlib.sha256(str(seed).encode()).digest() * (2**16 // 32)
-    with SpoolWriter(str(folder)) as out:
-        left = size
-        while left:
-            n = min(left, len(block))
-            out.write(block[:n])
-            left -= n
-    return out.finish()
 
 
 def _commit(store, step: int, tmp_path, seed: int | None = None, size: int = 11 * 2**20 + 7,
@@ -94,6 +83,16 @@ def _first(store, spool_dir, check=None, **kw):
     return next(store.usable(contract=C, check=check, spool_dir=str(spool_dir), spool_from=0, **kw))
 
 
+def _read_itself(store, spool_dir, step: int, wrote: dict[str, bytes], **kw) -> None:
+    """The first usable generation is ``step``, holding ``wrote``, read by the load itself (not fetched ahead)."""
+    loaded = _first(store, spool_dir, **kw)
+    try:
+        assert loaded.info.name == f"step-{step:08d}" and store.fetched_ahead is None
+        assert _contents(loaded) == wrote
+    finally:
+        loaded.close()
+
+
 def test_the_load_takes_the_generation_fetched_ahead_and_reads_none_of_it_again(store_url, tmp_path):
     store = _store(store_url)
     _commit(store, 1, tmp_path)
@@ -126,12 +125,9 @@ def test_a_generation_committed_after_the_fetch_began_is_loaded_and_the_fetch_is
     ahead = store._ahead
     assert reads.entered.wait(budget(30)), "the fetch never began reading step 1"
     wrote = _commit(store, 2, tmp_path)  # committed while the fetch of step 1 is under way
-    loaded = _first(store, spools)
     try:
-        assert loaded.info.name == "step-00000002" and store.fetched_ahead is None
-        assert _contents(loaded) == wrote
+        _read_itself(store, spools, 2, wrote)
     finally:
-        loaded.close()
         reads.go.set()
     ahead._thread.join(budget(30))
     assert isinstance(ahead.error, FetchCancelled), ahead.error
@@ -149,12 +145,7 @@ def test_the_same_step_committed_again_with_other_bytes_is_read_again(tmp_path):
     store._ahead._thread.join(budget(60))
     store.quarantine(2, "test: committed again")
     wrote = _commit(store, 2, tmp_path, seed=99)
-    loaded = _first(store, spools)
-    try:
-        assert loaded.info.name == "step-00000002" and store.fetched_ahead is None
-        assert _contents(loaded) == wrote
-    finally:
-        loaded.close()
+    _read_itself(store, spools, 2, wrote)
     assert os.listdir(spools) == []
 
 
