@@ -45,7 +45,6 @@ from trainproof.errors import ConfigError
 from trainproof.format import history
 from trainproof.format.contract import PLAN_FILE, absolute_url, read_run_plan
 from trainproof.format.layout import sharded
-from trainproof.format.shard_files import is_sharded_file
 from trainproof.format.state import STATE_FILE, History, decode, with_frozen
 from trainproof.storage import COMPLETE, INCOMPLETE, CorruptGenerationError, GenerationStore
 from trainproof.storage.backend import CHUNK
@@ -55,6 +54,7 @@ from trainproof.storage.manifest import step_dir
 from trainproof.storage.spool import Spool, SpoolWriter, spool_dir
 from trainproof.tasks import Task, load_task, trusted_task
 from trainproof.tasks.batches import evaluation_generators
+from trainproof.train.fetch import spooled as resume_spooling
 
 log = logging.getLogger("trainproof.export")
 EXPORT_SCHEMA = "trainproof.export/1"
@@ -176,8 +176,11 @@ def _directories(hf_files: dict[str, Any], adapter_files: dict[str, Any]) -> dic
 
 def _load_source(run: GenerationStore, plan: dict[str, Any], step: int | None):
     """The generation to export, downloaded into spool files (never whole in memory; ``trainproof.storage.spool``)."""
-    check = lambda name, data: decode(data) if name == STATE_FILE else None  # noqa: E731
-    spooled = {"spool_dir": spool_dir(), "spool_from": 0, "skip": is_sharded_file}  # shards: read by complete_state
+    def check(name: str, data: bytes | Spool) -> None:
+        if name == STATE_FILE:
+            decode(data)
+
+    spooled = resume_spooling()  # as a resume reads it: shards are read by complete_state
     if step is not None:
         complete = sorted(g.step for g in run.scan(contract=plan["contract"]) if g.status == COMPLETE)
         if step not in complete:  # a usage error, not a damaged generation: say what can be exported
