@@ -255,14 +255,15 @@ SCRIPT = """
 import os, sys, time
 from dataclasses import replace
 from trainproof.storage import StoreOptions, open_store
+from trainproof.storage.ahead import wind_up
 store = open_store(sys.argv[1], replace(StoreOptions.from_env(), part_size=5 * 2**20, concurrency=2))
-inner = store.backend.read_range
+inner, when = store.backend.read_range, sys.argv[3]
 def slow(path, a, b):
-    time.sleep(0.3 if sys.argv[3] == "midway" else 0)
+    time.sleep(0 if when == "done" else 0.3)
     return inner(path, a, b)
 store.backend.read_range = slow
 store.fetch_ahead(lambda: "contract-ahead", spool_dir=sys.argv[2], spool_from=0)
-if sys.argv[3] == "done":
+if when == "done":
     store._ahead._thread.join(60)
     assert store._ahead.error is None and store._ahead._loaded is not None
 else:  # until the download's file exists: the fetch is under way (40 MiB at 0.3 s a 5 MiB read, 2 at once)
@@ -270,14 +271,20 @@ else:  # until the download's file exists: the fetch is under way (40 MiB at 0.3
     while not os.listdir(sys.argv[2]) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert os.listdir(sys.argv[2]) and store._ahead._thread.is_alive()
+if when.startswith("discarded"):  # as the resume does when it took nothing: cancelled, still running
+    store.discard_ahead()
 print("exiting", flush=True)
+if when == "discarded, os._exit":  # a rank of a world > 1 ends so: no exit hooks
+    wind_up()
+    os._exit(0)
 """
 
 
-@pytest.mark.parametrize("when", ["midway", "done"])
-def test_a_process_that_never_asks_leaves_no_file_of_the_fetch(tmp_path, when):
-    """A start that ends before its resume (a refused option, a signal): the fetch's file, whole or partial, is
-    deleted at exit."""
+@pytest.mark.parametrize("when", ["midway", "done", "discarded", "discarded, os._exit"])
+def test_a_process_that_never_takes_the_fetch_leaves_no_file_of_it(tmp_path, when):
+    """A start that ends before its resume (a refused option, a signal), or a resume that took nothing and cancelled
+    the fetch while its download still ran: the fetch's file, whole or partial, is deleted by the exit, with or
+    without exit hooks."""
     store = _store(str(tmp_path / "run"))
     _commit(store, 1, tmp_path, size=40 * 2**20)
     spools = tmp_path / "spools"

@@ -30,6 +30,7 @@ from trainproof.errors import ConfigError, TrainError
 from trainproof.lifecycle.finish import Finisher, process_age_s
 from trainproof.lifecycle.signals import Deadline, StopRequest
 from trainproof.lifecycle.spot import SpotConfig, SpotWatcher
+from trainproof.storage.ahead import wind_up
 from trainproof.train.config import TrainConfig, load_task_config
 from trainproof.train.fetch import fetch_ahead
 from trainproof.train.launch import LaunchConfig, launch
@@ -62,7 +63,6 @@ def train_command(store: StoreArg, config: ConfigArg = None, deadline: DeadlineA
         raise typer.Exit(_launch(world, settings["dist_timeout_s"], settings["log_format"]))
     with StopRequest() as stop:  # before torch is imported: a SIGTERM from here on is honoured
         setup_logging()  # the store's warnings (a generation skipped, a retry) go to stderr
-        run_store = None
         try:
             if deadline and rental_ends:
                 raise ConfigError("use either --deadline or --rental-ends, not both")
@@ -84,11 +84,11 @@ def train_command(store: StoreArg, config: ConfigArg = None, deadline: DeadlineA
         except TrainError as exc:
             rank = os.environ.get("RANK") if "WORLD_SIZE" in os.environ else None
             error = fail((f"rank {rank}: " if rank else "") + " ".join(str(exc).split()), exc.exit_code)
-            _exit_rank(exc.exit_code, run_store)
+            _exit_rank(exc.exit_code)
             raise error from None
     if outcome.exit_code == EXIT_PREEMPTED and os.environ.get("RANK", "0") == "0":
         sys.stderr.write(stop_line(outcome) + "\n")
-    _exit_rank(outcome.exit_code, run_store)
+    _exit_rank(outcome.exit_code)
     raise typer.Exit(outcome.exit_code)
 
 
@@ -113,7 +113,7 @@ def _warn_unsigned(run_store: Any) -> None:
             "anyone who can write there can make this run resume from a state they made (SECURITY.md)")
 
 
-def _exit_rank(code: int, run_store: Any = None) -> None:
+def _exit_rank(code: int) -> None:
     """A rank of a multi-process world ends here with ``code``, without the interpreter's finalization.
 
     Everything it had to do is done (committed, reported, the process group torn down on a normal end). What
@@ -127,8 +127,7 @@ def _exit_rank(code: int, run_store: Any = None) -> None:
         world = 1
     if world <= 1:
         return
-    if run_store is not None:  # os._exit runs no atexit hook: a fetch ahead no resume took is deleted here
-        run_store.discard_ahead(wait=True)
+    wind_up()  # os._exit runs no exit hook: a fetch ahead's files, whole or partial, are deleted here
     import logging
 
     logging.shutdown()

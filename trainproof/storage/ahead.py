@@ -16,7 +16,8 @@ It fetches the newest complete generation of the contract its caller names (a tr
 names), never one of another contract planted beside the run. Its cost when not used: bandwidth until it is
 cancelled, and a spool file until it is deleted: when the load reaches another generation, when its caller is done
 loading without it (``GenerationStore.discard_ahead``), or at exit, where an unfinished download is given a few
-seconds to stop and delete its partial file.
+seconds to stop and delete its partial file (:func:`wind_up`, which a process ending without exit hooks calls
+first).
 """
 
 from __future__ import annotations
@@ -33,6 +34,28 @@ log = logging.getLogger("trainproof.storage")
 
 EXIT_WAIT_S = 5.0
 """At exit, how long an unfinished fetch is given to stop and delete its partial spool file."""
+
+_FETCHES: list["FetchAhead"] = []
+"""Every fetch this process started: at exit each is cancelled and given :data:`EXIT_WAIT_S` (:func:`wind_up`)."""
+_FETCHES_LOCK = threading.Lock()
+
+
+def wind_up() -> None:
+    """For a process about to end: cancel every fetch ahead it started that was not taken, delete what they fetched,
+    and give a download still running :data:`EXIT_WAIT_S` to stop and delete its partial file (a cancelled one may
+    still be running: the cancel acts at its next ranged read). Run at exit; a process that ends with ``os._exit``
+    (no exit hooks) calls it first."""
+    with _FETCHES_LOCK:
+        fetches = list(_FETCHES)
+    for fetch in fetches:
+        fetch.discard(wait=True)
+
+
+def _track(fetch: "FetchAhead") -> None:
+    with _FETCHES_LOCK:
+        if not _FETCHES:
+            atexit.register(wind_up)
+        _FETCHES.append(fetch)
 
 
 class FetchCancelled(Exception):
@@ -58,7 +81,7 @@ class FetchAhead:
         """What the fetch raised (never raised to anyone: the load that asks reads again)."""
         self._thread = threading.Thread(target=self._run, name="trainproof-fetch-ahead", daemon=True)
         self._thread.start()
-        atexit.register(self._at_exit)
+        _track(self)
 
     def _go_on(self) -> None:
         if self._cancelled.is_set():
@@ -100,7 +123,6 @@ class FetchAhead:
         with self._lock:
             loaded, self._loaded = self._loaded, None
             self._cancelled.set()  # taken: nothing more to hand out or delete
-        atexit.unregister(self._at_exit)
         if loaded is not None:
             log.info("%s was fetched ahead: loading it takes no download", info.name)
         return loaded
@@ -109,7 +131,6 @@ class FetchAhead:
         """Cancel the fetch and delete what it fetched (nothing once taken). ``wait``: for a process about to end,
         give a download in progress :data:`EXIT_WAIT_S` to stop and delete its partial file."""
         self._cancelled.set()
-        atexit.unregister(self._at_exit)
         with self._lock:
             loaded, self._loaded = self._loaded, None
         if loaded is not None:
@@ -119,9 +140,6 @@ class FetchAhead:
                 log.warning("could not delete the files of %s fetched ahead: %s", loaded.info.name, exc)
         if wait:
             self._thread.join(EXIT_WAIT_S)  # a download in progress stops at its next read and deletes its file
-
-    def _at_exit(self) -> None:
-        self.discard(wait=True)
 
 
 def files_to_read(info: GenerationInfo, skip: Callable[[str], bool] | None) -> list[str] | None:

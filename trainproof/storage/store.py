@@ -152,13 +152,14 @@ class GenerationStore:
                 self._ahead = FetchAhead(self._ctx, contract=contract, spool_dir=spool_dir, spool_from=spool_from,
                                          skip=skip)
 
-    def discard_ahead(self, *, wait: bool = False) -> None:
-        """Cancel a fetch ahead no load took (the caller is done loading) and delete its files; ``wait``: a process
-        about to end without its exit hooks gives a download in progress a few seconds to delete its partial file."""
+    def discard_ahead(self) -> None:
+        """Cancel a fetch ahead no load took (the caller is done loading) and delete its files (a download still
+        running deletes its partial file at its next read; at the latest, the process's exit waits for it:
+        ``trainproof.storage.ahead.wind_up``)."""
         with self._ahead_lock:
             ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            ahead.discard(wait=wait)
+            ahead.discard()
 
     def _load(self, info: GenerationInfo, check: Check | None, names: list[str] | None, *, spool_dir: str | None,
               spool_from: int | None) -> Loaded:

@@ -31,7 +31,8 @@ def fetch_ahead(store: Any) -> None:
 
 def stored_contract(store: Any) -> str | None:
     """The contract of the run's stored plan (read on the fetch's thread, size-capped, parsed defensively), or None:
-    no plan, or none that names one. It only picks what to fetch; the resume checks the plan itself."""
+    no plan, or none that names one. It only picks what to fetch; the resume checks the plan itself. Anything else
+    it raises (a store fault, a folder at plan.json) ends the fetch, which fetches nothing."""
     try:
         plan = store.read_json(PLAN)
     except (FileNotFoundError, ValueError):
