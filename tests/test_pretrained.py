@@ -134,15 +134,18 @@ def test_the_contract_holds_the_pretrained_sha256_and_a_chosen_precision_and_not
 
 
 @pytest.mark.parametrize("kind", ["memory", "local"])
-def test_download_file_spools_a_file_with_its_plain_sha256_and_refuses_what_it_must(kind, tmp_path):
+@pytest.mark.parametrize("mib", [0, 3, 5, 40])
+def test_download_file_spools_a_file_with_its_plain_sha256_and_refuses_what_it_must(kind, mib, tmp_path):
     """The store call pretrained weights come through: the spool's sha256 is what ``sha256sum`` prints (not the part
-    digest of a generation's manifest), and a missing file, a file over the cap or a path are refused."""
+    digest of a generation's manifest), and a missing file, a file over the cap or a path are refused. Sizes on each
+    side of what changes the path: a read hashed inline (under 4 MiB), hashed beside the spool's write (4 MiB and
+    over), several ranged reads (over 8 MiB), several digest parts' worth (over 32 MiB)."""
     import uuid
 
     from trainproof.storage import open_store
 
     store = open_store(f"memory://dl-{uuid.uuid4().hex[:8]}/m" if kind == "memory" else str(tmp_path / "m"))
-    data = os.urandom(3 * 2**20 + 17)
+    data = os.urandom(mib * 2**20 + 17)
     store.write_file("w.safetensors", data)
     spool = store.download_file("w.safetensors", directory=str(tmp_path))
     try:
@@ -153,8 +156,8 @@ def test_download_file_spools_a_file_with_its_plain_sha256_and_refuses_what_it_m
         spool.unlink()
     with pytest.raises(FileNotFoundError):
         store.download_file("missing.safetensors")
-    with pytest.raises(ValueError, match="more than the 1024 allowed"):
-        store.download_file("w.safetensors", max_bytes=1024)
+    with pytest.raises(ValueError, match=f"more than the {len(data) - 1} allowed"):
+        store.download_file("w.safetensors", max_bytes=len(data) - 1)
     with pytest.raises(ValueError, match="path separator"):
         store.download_file("../w.safetensors")
 

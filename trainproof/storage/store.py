@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
@@ -25,7 +24,7 @@ from trainproof.storage.backend import (
     read_at_most,
 )
 from trainproof.storage.commit import LATEST, clear_way, commit_generation, mark_usable, put_shared, write_part
-from trainproof.storage.digest import Digest, of_parts
+from trainproof.storage.digest import Digest, FileHasher, of_parts
 from trainproof.storage.errors import CorruptGenerationError, StoreConfigError, StoreError
 from trainproof.storage.generations import (
     COMPLETE,
@@ -387,7 +386,7 @@ class GenerationStore:
 
         def fetch() -> Spool:
             spool, seen, sha = download(read, size, directory, part_size=self.options.part_size,
-                                        concurrency=self.options.concurrency, hasher=hashlib.sha256())
+                                        concurrency=self.options.concurrency, hasher=FileHasher.plain())
             if seen != size:
                 spool.unlink()
                 raise ValueError(f"{redact_url(self.url)}/{name} changed size while it was read "
