@@ -5,7 +5,8 @@ and ``--before``: another, e.g. ``git archive`` of an older commit) trains a run
 ``regression`` task; ``--config``: its settings as JSON) to ``--steps``, then ``--reps`` more processes each resume it
 and train ``--steps`` more, the checkouts interleaved. Reported: the median wall time of the resuming processes
 (``Popen`` to exit), the time from ``Popen`` to the trainer's ``resume`` event (started, restored, about to train), and
-its ``restore_s`` (the trainer's own measure: finding, verifying and restoring the generation).
+its ``restore_s`` (the trainer's own measure: finding, verifying and restoring the generation), and each
+process's peak RSS.
 
     .venv/bin/python bench/bench_restart.py
     mkdir /tmp/before && git archive HEAD~1 | tar -x -C /tmp/before
@@ -34,8 +35,9 @@ def attempt(root: str, url: str, steps: int, task: list[str]) -> dict:
     ``Popen`` to its ``resume`` event, and that event's restore_s."""
     env = dict(os.environ, PYTHONPATH=root)
     started, t0 = time.time(), time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "trainproof", "train", "--store", url, *task,
-                           "--max-steps", str(steps), "--log-format", "json"], cwd=root, env=env,
+    # Through a wrapper whose only child is the trainer: its RUSAGE_CHILDREN peak RSS is the trainer's own.
+    proc = subprocess.run([sys.executable, "-c", PEAK, sys.executable, "-m", "trainproof", "train", "--store", url,
+                           *task, "--max-steps", str(steps), "--log-format", "json"], cwd=root, env=env,
                           capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
@@ -46,7 +48,14 @@ def attempt(root: str, url: str, steps: int, task: list[str]) -> dict:
             event = json.loads(line)
             restore = event.get("restore_s", restore)
             resumed = datetime.fromisoformat(event["time"]).timestamp() - started
-    return {"wall": wall, "restore_s": restore, "resumed": resumed}
+    peak = [line for line in proc.stderr.splitlines() if line.startswith("peak_rss_kib ")]
+    return {"wall": wall, "restore_s": restore, "resumed": resumed,
+            "peak_mib": int(peak[-1].split()[1]) / 1024 if peak else None}
+
+
+PEAK = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+        "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+        "sys.exit(code)")
 
 
 def _median(values: list) -> float:
@@ -85,16 +94,18 @@ def main() -> None:
                 runs[name].append(attempt(root, urls[name], args.steps * (rep + 2), task))
                 r = runs[name][-1]
                 print(f"  {name:6s} restart {rep + 1}: {r['wall']:.2f} s, resumed at {r['resumed']:.2f} s "
-                      f"(restore_s {r['restore_s']})", flush=True)
+                      f"(restore_s {r['restore_s']}), peak RSS {r['peak_mib']:.0f} MiB", flush=True)
         print(f"load average after: {os.getloadavg()[0]:.2f}")
         medians = {name: statistics.median(r["wall"] for r in rs) for name, rs in runs.items()}
         resumed = {name: _median([r["resumed"] for r in rs]) for name, rs in runs.items()}
         for name, rs in runs.items():
             print(f"{name}: restart median {medians[name]:.2f} s, resumed at {resumed[name]:.2f} s, restore_s median "
-                  f"{_median([r['restore_s'] for r in rs]):.3f} s")
+                  f"{_median([r['restore_s'] for r in rs]):.3f} s, peak RSS median "
+                  f"{_median([r['peak_mib'] for r in rs]):.0f} MiB")
         if "before" in medians:
+            peaks = {name: _median([r["peak_mib"] for r in rs]) for name, rs in runs.items()}
             print(f"this / before: restart {medians['this'] / medians['before']:.3f}, resumed "
-                  f"{resumed['this'] / resumed['before']:.3f}")
+                  f"{resumed['this'] / resumed['before']:.3f}, peak RSS {peaks['this'] / peaks['before']:.3f}")
 
 
 if __name__ == "__main__":
