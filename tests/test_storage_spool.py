@@ -142,8 +142,8 @@ def test_download_stops_at_a_short_object_and_reports_it(tmp_path):
 
 @pytest.mark.parametrize("extra", [1, 0, -5, -(PART + 3)])  # longer than claimed, exact, short, short by parts
 def test_a_download_of_many_digest_parts_hashes_them_on_the_fetching_threads(tmp_path, extra):
-    """A digest of 2 MiB parts over 1 MiB ranges: each digest part is fetched, hashed and written by one thread;
-    the answer (bytes seen, root digest, spool bytes) is the in-order path's, whatever the object's true length."""
+    """A digest of 2 MiB parts over 1 MiB ranges: each digest part is fetched and hashed by one thread, and
+    written by the download's writer thread; the answer (bytes seen, root digest, spool bytes) is the in-order path's, whatever the object's true length."""
     from trainproof.storage.digest import FileHasher, digest_bytes
 
     size, digest_part, part = 7 * 2**20 + 11, 2 * 2**20, 2**20
@@ -197,13 +197,64 @@ def test_a_read_back_of_many_digest_parts_hashes_them_on_the_fetching_threads(ex
         assert len(threads) > 1
     plain = hashed_parts(lambda a, b: data[a:b], size, FileHasher(0), part_size=part, concurrency=3)
     assert plain[1] == hashlib.sha256(data[: size + 1]).hexdigest()
-    # A download (a sink) is written by one thread, in order, whatever the digest: fetching threads that each wrote
-    # their own parts into the one file cost several times the system time (bench_s3's resume).
-    writes: list[tuple[int, int]] = []
-    sunk = hashed_parts(lambda a, b: data[a:b], size, FileHasher(digest_part), part_size=part, concurrency=3,
-                        sink=lambda offset, chunk: writes.append((threading.get_ident(), offset)))
-    assert sunk == got and {t for t, _ in writes} == {threading.get_ident()}
-    assert [o for _, o in writes] == sorted(o for _, o in writes) and len(writes) >= size // part
+    # A download (a sink) is hashed on the fetching threads too, but written by one thread, every range once:
+    # fetching threads that each wrote their own parts into the one file cost several times the system time.
+    writers, hashing = [], ThreadsSeen()
+
+    def read_data(a, b):
+        hashing()
+        return data[a:b]
+
+    def sink(offset, chunk):
+        writers.append((threading.current_thread().name, offset, len(chunk)))
+
+    sunk = hashed_parts(read_data, size, FileHasher(digest_part), part_size=part, concurrency=3, sink=sink)
+    assert sunk == got
+    assert {name for name, _, _ in writers} == {"trainproof-spool-write"}
+    assert not hashing.names & {"trainproof-spool-write", threading.current_thread().name}
+    if extra >= 0:
+        assert len(hashing) > 1
+    covered = sorted((offset, n) for _, offset, n in writers)
+    assert [o for o, _ in covered] == [o for o, _ in spans(size, part)][: len(covered)]
+    assert sum(n for _, n in covered) == min(len(data), size + 1)
+    assert not [t for t in threading.enumerate() if t.name == "trainproof-spool-write"]
+
+
+@pytest.mark.parametrize("fails", ["write", "last write", "read"])
+def test_a_download_whose_write_or_read_fails_raises_it_and_leaves_no_thread_or_file(tmp_path, monkeypatch, fails):
+    """A full disk under the spool writer (or a read error of a fetching thread) ends the download with that
+    error: the fetching threads stop instead of waiting on a writer that is gone, the writer thread ends, and the
+    partial spool file is deleted."""
+    from trainproof.storage import spool as spool_mod
+    from trainproof.storage.digest import FileHasher
+
+    size, digest_part, part = 9 * 2**20, 2**20, 2**18
+    data = os.urandom(size)
+    reads = []
+
+    def read(a, b):
+        reads.append(a)
+        if fails == "read" and a >= size // 2:
+            raise OSError(5, "read failed")
+        return data[a:b]
+
+    pwrite, writes = os.pwrite, []
+
+    def full_disk(fd, view, offset):  # ranges of one pwrite each (WRITE_SLICE): the last one is the size // part-th
+        writes.append(offset)
+        if offset >= 2 * 2**20 if fails == "write" else len(writes) == size // part:
+            raise OSError(28, "No space left on device")
+        return pwrite(fd, view, offset)
+
+    if fails != "read":
+        monkeypatch.setattr(spool_mod.os, "pwrite", full_disk)
+    with pytest.raises(OSError) as err:
+        download(read, size, str(tmp_path), part_size=part, concurrency=3, hasher=FileHasher(digest_part))
+    assert err.value.errno == (5 if fails == "read" else 28)
+    assert os.listdir(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith(("trainproof-spool-write", "trainproof-part"))]
+    if fails == "write":  # the fetching threads stopped soon after the writer failed, not at the object's end
+        assert len(reads) < size // part
 
 
 def test_commit_and_spooled_load_of_a_large_object_stay_within_the_parts_in_flight(store_url, tmp_path):

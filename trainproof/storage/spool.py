@@ -8,18 +8,19 @@ object), the read-back verification streams the stored object through sha256 in 
 (:func:`hashed_ranges`), and the caller's content check reads the spool itself: bytes proven identical to the
 stored ones by the hash.
 
-Loading does the same in reverse: :func:`download` fetches an object in parallel ranges into a new spool,
-hashing the ranges in order as they arrive; the caller then maps the file (``torch.load(mmap=True)``) instead
-of copying it into memory.
+Loading does the same in reverse: :func:`download` fetches an object in parallel ranged reads into a new spool,
+each digest part hashed by the thread that fetched it and every range written by one writer thread; the caller
+then maps the file (``torch.load(mmap=True)``) instead of copying it into memory.
 
-Memory bound of either direction: ``part_size × (concurrency + 1)``. A spool is deleted by :meth:`Spool.unlink`
-(the owner's job); a process killed mid-write leaves a ``trainproof-spool-*`` file in the spool folder, which
-is scratch space (an emptyDir in Kubernetes) and never read again.
+Memory bound of either direction: ``part_size × (concurrency + 1)``, a download's ``WRITER_DEPTH`` more. A spool
+is deleted by :meth:`Spool.unlink` (the owner's job); a process killed mid-write leaves a ``trainproof-spool-*``
+file in the spool folder, which is scratch space (an emptyDir in Kubernetes) and never read again.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
 import threading
 from collections import deque
@@ -600,30 +601,73 @@ def hashed_parts(read_range: Callable[[int, int], bytes], size: int, hasher: Fil
                  part_size: int = PART_SIZE, concurrency: int = CONCURRENCY,
                  sink: Callable[[int, bytes], None] | None = None) -> tuple[int, str]:
     """:func:`hashed_ranges`' answer, with the hashing spread over the fetching threads when ``hasher`` makes a digest
-    of several parts (``trainproof.storage.digest``), the object has more than one and nothing is written
-    (``sink`` None: a commit's read-back). It then hashes on every thread instead of one consumer, which on a machine
-    whose cores the S3 server shares is the difference between the read-back's speed and the network's.
+    of several parts (``trainproof.storage.digest``) and the object has more than one. It then hashes on every
+    fetching thread instead of one consumer: a single sha256 stream runs at ~1.3 GB/s, which caps a download (a
+    100 GB state: 77 s) and, on a machine whose cores the S3 server shares, a commit's read-back.
 
-    A download (a ``sink``) keeps one consumer that hashes and writes in order. Fetching threads that each wrote
-    their own parts into the one spool file cost 3-8x the system time of a single writer on the test VM (1 GiB from
-    Ceph RGW, fresh processes: 5-10 s against 3.2-3.8 s, for the same digest)."""
+    A ``sink`` (a download's spool) is still fed by one thread (:class:`_OneWriter`), in the order the parts arrive.
+    Fetching threads that each wrote their own parts into the one spool file cost 3-8x the system time of a single
+    writer on the test VM (1 GiB from Ceph RGW, fresh processes: 5-10 s against 3.2-3.8 s, for the same digest)."""
     digest_part = getattr(hasher, "part_bytes", 0)
-    if digest_part and size > digest_part and sink is None:
+    if digest_part and size > digest_part:
         return _parts_in_parallel(read_range, size, digest_part, part_size, concurrency, sink)
     return hashed_ranges(read_range, size, part_size=part_size, concurrency=concurrency, sink=sink, hasher=hasher)
+
+
+WRITER_DEPTH = 1
+"""Ranges queued for a download's one spool writer (:class:`_OneWriter`) beyond the one it is writing: a fetching
+thread that finds the queue full waits, so a download holds at most ``part_size × (concurrency + WRITER_DEPTH + 1)``."""
+
+
+class _OneWriter:
+    """One thread handing a download's ranges to ``sink`` (pwrite into the spool), fed by the fetching threads.
+    :meth:`put` raises the sink's error once it has failed (the fetching threads then stop); :meth:`close` (once no
+    thread puts any more) waits for the queue to be written and raises that error, if any."""
+
+    def __init__(self, sink: Callable[[int, bytes], None], depth: int = WRITER_DEPTH) -> None:
+        self._sink = sink
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="trainproof-spool-write", daemon=True)
+        self._thread.start()
+
+    def put(self, offset: int, data: bytes) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put((offset, data))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is None:  # after an error, only drained: a fetching thread never waits on a dead writer
+                try:
+                    self._sink(*item)
+                except BaseException as exc:  # noqa: BLE001 - handed to the fetching threads and the caller
+                    self._error = exc
+            del item
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _parts_in_parallel(read_range: Callable[[int, int], bytes], size: int, digest_part: int, part_size: int,
                        concurrency: int, sink: Callable[[int, bytes], None] | None) -> tuple[int, str]:
     """:func:`hashed_parts`' path for a digest of several parts (``trainproof.storage.digest``): each digest part is one
-    task for a fetching thread, which reads it as consecutive ranges of ``part_size``, hashes them and hands them to
-    ``sink`` (a download's spool) itself; only the parts' digests come back in order. Hashing and writing then run
-    on every fetching thread instead of one consumer, and memory stays ``part_size`` per thread. Same answer as
-    :func:`hashed_ranges`: (bytes seen, the root of the parts' digests), the last range asking for one byte past
-    ``size`` (an object longer than claimed shows as ``size + 1``), a short object stopping at its end."""
+    task for a fetching thread, which reads it as consecutive ranges of ``part_size`` and hashes them; only the
+    parts' digests come back in order. A ``sink`` gets every range from one writer thread (:class:`_OneWriter`).
+    Memory stays ``part_size`` per fetching thread (and the writer's queue). Same answer as :func:`hashed_ranges`:
+    (bytes seen, the root of the parts' digests), the last range asking for one byte past ``size`` (an object
+    longer than claimed shows as ``size + 1``), a short object stopping at its end."""
     from hashlib import sha256
 
     from trainproof.storage.digest import of_parts
+
+    writer = _OneWriter(sink) if sink is not None else None
 
     def fetch(unit: tuple[int, int]) -> tuple[int, str, bool]:
         first, stop = unit
@@ -632,28 +676,33 @@ def _parts_in_parallel(read_range: Callable[[int, int], bytes], size: int, diges
             start, end = first + start, first + end
             data = read_range(start, end + (end == size))
             sha.update(data)  # the probe byte too, if there is one: as hashed_ranges does
-            if sink is not None:
-                sink(start, data)
+            if writer is not None and data:
+                writer.put(start, data)
             seen += len(data)
             if len(data) < end - start:
                 return seen, sha.hexdigest(), True
+            del data
         return seen, sha.hexdigest(), False
 
     parts, seen = [], 0
-    with closing(in_order(fetch, spans(size, digest_part), concurrency, "trainproof-part")) as fetched:
-        for _, (got, digest, short) in fetched:
-            parts.append(digest)
-            seen += got
-            if short:  # the object ended inside this part: the parts after it would read nothing
-                break
+    try:
+        with closing(in_order(fetch, spans(size, digest_part), concurrency, "trainproof-part")) as fetched:
+            for _, (got, digest, short) in fetched:
+                parts.append(digest)
+                seen += got
+                if short:  # the object ended inside this part: the parts after it would read nothing
+                    break
+    finally:
+        if writer is not None:
+            writer.close()  # every fetching thread has stopped (in_order waits for them): nothing puts any more
     return seen, of_parts(parts, digest_part)
 
 
 def download(read_range: Callable[[int, int], bytes], size: int, directory: str | None = None, *,
              part_size: int = PART_SIZE, concurrency: int = CONCURRENCY,
              hasher: FileHasher | None = None) -> tuple[Spool, int, str]:
-    """Fetch an object of ``size`` bytes into a new spool with :func:`hashed_parts` (ranges fetched in parallel,
-    hashed and written in order by the calling thread); return the spool and the
+    """Fetch an object of ``size`` bytes into a new spool with :func:`hashed_parts` (ranges fetched in parallel, each
+    digest part hashed by its fetching thread, one thread writing); return the spool and the
     (bytes seen, digest by ``hasher``) of what was read, for the caller to compare with what it expects. On any
     error the partial spool is deleted."""
     writer = SpoolWriter(directory, prefix="trainproof-load-")
