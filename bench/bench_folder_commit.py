@@ -7,6 +7,10 @@ Each measurement is a fresh process (``PYTHONPATH`` = the checkout) holding ``--
 - ``floor``: ``torch.save`` of the tensors into a file of the folder, then ``fsync`` (durable, unverified);
 - ``dcp``: ``torch.distributed.checkpoint.save`` with its ``FileSystemWriter`` (the default: one file per rank,
   fsynced; durable, unverified), the peer issue 42 measures against;
+- ``device``: the disk's share of a verified commit, the least any can cost: the tensors' bytes written as they
+  are, each 32 MiB range read back from the device by a second thread once it is there (``sync_file_range``, its
+  pages dropped), then ``fsync``; no serialisation, hashing or comparison. ``device`` over ``dcp`` is then the least
+  a commit that reads its bytes back from the disk can cost against a save that does not;
 - ``commit``: what the trainer's checkpointer does on a folder store: ``torch.save`` into a spool while hashing it
   (``trainproof.format.state.save_archive`` where the checkout has it: torch.save without its crc32s)
   (``SpoolWriter``, in ``GenerationStore.spool_folder()`` when the checkout has it, else the temp folder), then
@@ -54,6 +58,8 @@ def child(mode: str, folder: str, mib: float) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     if mode == "dcp":
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.path.join(folder, "dcp")))
+    elif mode == "device":
+        _write_then_read_back(tensors.values(), os.path.join(folder, "raw"))
     elif mode == "floor":
         with open(os.path.join(folder, "state.pt"), "wb") as fh:
             torch.save(tensors, fh)
@@ -87,6 +93,49 @@ def child(mode: str, folder: str, mib: float) -> dict:
         spool.unlink()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"seconds": seconds, "cpu_s": cpu, "peak_extra": peak.stop() / (mib * 2**20)}
+
+
+def _write_then_read_back(tensors, path: str) -> None:
+    """The device's share of a verified commit and nothing else: the tensors' bytes written as they are (no
+    serialisation, no hashing) in 32 MiB ranges, each sent to the device as it is written and read back from the
+    device by a second thread once it is there and dropped from the page cache (into one reused buffer, compared
+    with nothing), then ``fsync``. The commit overlaps its read-back with its write the same way."""
+    import queue
+    import threading
+
+    from trainproof.storage import writeback
+
+    chunk = 32 * 2**20
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    written: queue.Queue = queue.Queue()
+
+    def read_back() -> None:
+        buf = bytearray(chunk)
+        while (item := written.get()) is not None:
+            offset, length = item
+            writeback.wait(fd, offset, length)
+            writeback.drop(fd, offset, length)
+            os.preadv(fd, [memoryview(buf)[:length]], offset)
+
+    reader = threading.Thread(target=read_back)
+    reader.start()
+    offset = 0
+    try:
+        for tensor in tensors:
+            view = memoryview(tensor.numpy()).cast("B")
+            while view:
+                piece = view[:chunk]
+                length = 0
+                while length < piece.nbytes:
+                    length += os.pwrite(fd, piece[length:], offset + length)
+                writeback.start(fd, offset, length)
+                written.put((offset, length))
+                offset, view = offset + length, view[length:]
+    finally:
+        written.put(None)
+        reader.join()
+    os.fsync(fd)
+    os.close(fd)
 
 
 class _PeakRss:
@@ -138,7 +187,7 @@ def main() -> None:
         return
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-folder-commit-"))
     work.mkdir(parents=True, exist_ok=True)
-    sides = [("floor", "after", ROOT), ("dcp", "after", ROOT), ("commit", "after", ROOT)]
+    sides = [("floor", "after", ROOT), ("dcp", "after", ROOT), ("device", "after", ROOT), ("commit", "after", ROOT)]
     if args.before:
         sides.append(("commit", "before", args.before))
     times: dict[str, list[float]] = {}
