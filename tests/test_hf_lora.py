@@ -27,6 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.support.timing import budget
 from tests.test_bundle_standalone import link_site
@@ -120,6 +121,47 @@ def test_the_export_writes_the_adapter_and_the_merged_model_and_the_reload_check
     assert record["passed"] and merged["passed"] and adapter["passed"], record["checks"]
     assert adapter["architecture"] == "PeftModelForCausalLM" and adapter["trainproof_importable"] == []
     assert adapter["abs_diff"] == 0.0 and merged["abs_diff"] == 0.0
+
+
+def test_a_lora_run_sharded_over_two_ranks_resumes_bitwise_and_exports_its_adapter(runs):
+    """LoRA under ``--fsdp``: the adapters and the frozen base sharded over two gloo ranks. A run cut after step 3
+    and resumed ends with the uninterrupted sharded run's model and optimizer, bit for bit (gathered whole here from
+    the shards); its frozen base is still the directory's; and ``export`` of the sharded run writes the adapter and
+    the merged model, whose reload checks pass."""
+    from safetensors.torch import load_file
+
+    from tests.test_dist_helpers import start_world
+    from tests.test_train_fsdp import full_state
+    from trainproof.tasks import peft_base_name
+
+    steps, tmp = 6, runs.tmp / "fsdp"
+    args = ("--task", LORA, "--config", str(runs.tmp / "lora.json"), "--fsdp", "--checkpoint-every", "2")
+    whole = start_world(tmp / "whole", *args, "--max-steps", str(steps), env=OFFLINE)
+    cut = finish(start_world(tmp / "cut", *args, "--max-steps", "3", env=OFFLINE), timeout=budget(300))
+    assert cut.code == 0, cut.stderr[-3000:]
+    resumed = finish(start_world(tmp / "cut", *args, "--max-steps", str(steps), env=OFFLINE), timeout=budget(300))
+    whole_done = finish(whole, timeout=budget(300))
+    assert (resumed.code, whole_done.code) == (0, 0), resumed.stderr[-3000:] + whole_done.stderr[-3000:]
+    assert resumed.last("resume")["step"] == 3 and resumed.last("resume")["rng_restored"] is True
+    expected, got = full_state(tmp / "whole"), full_state(tmp / "cut")
+    assert sorted(got) == sorted(expected)
+    assert [k for k in expected if not _same(expected[k], got[k])] == []
+    published = {k: v for shard in runs.base.glob("model-*-of-*.safetensors") for k, v in load_file(shard).items()}
+    model = {k.removeprefix("model."): v for k, v in got.items() if k.startswith("model.")}
+    base = {peft_base_name(k): v for k, v in model.items() if peft_base_name(k) is not None}
+    assert set(base) == set(published) and all(base[k].equal(published[k]) for k in published)
+    assert any(v.abs().max() > 0 for k, v in model.items() if ".lora_B." in k)  # trained: lora_B starts at zero
+    assert not [k for k in got if k.startswith("optim.state.") and ".lora_" not in k]  # Adam holds the adapters only
+    exported = _python("-m", "trainproof", "export", "--store", str(tmp / "cut"), "--task", LORA, cwd=ROOT,
+                       timeout=600)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    record = json.loads((tmp / "cut" / "exports" / f"step-{steps:08d}.reload-check.json").read_text())
+    assert record["passed"] and set(record["checks"]) >= {"hf_from_pretrained", "hf_adapter_from_pretrained"}
+    assert all(check["passed"] for check in record["checks"].values()), record["checks"]
+
+
+def _same(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.equal(b) if isinstance(a, torch.Tensor) else a == b
 
 
 CONSUMER = """
