@@ -467,3 +467,47 @@ def test_bad_transfer_settings_are_one_line_errors():
         StoreOptions.from_env({"TRAINPROOF_IO_CONCURRENCY": "lots"})
     options = StoreOptions.from_env({"TRAINPROOF_PART_SIZE_MB": "32", "TRAINPROOF_IO_CONCURRENCY": "4"})
     assert (options.part_size, options.concurrency) == (32 * 2**20, 4)
+
+
+def test_a_failed_read_stops_the_other_parts_at_their_next_range_and_is_what_the_caller_gets(tmp_path):
+    """Each fetching thread reads a whole digest part: when one read fails, the others stop at their next range (not
+    at the end of their part, reading what will be deleted and holding up the retry), and the caller gets that
+    read's error, not a stop of another part."""
+    import time
+
+    from trainproof.storage.digest import FileHasher
+
+    size, digest_part, part = 6 * 2**20, 2**20, 2**16  # 16 ranges a part
+    data = os.urandom(size)
+    failed_at, after = [], []
+
+    def read(a, b):
+        time.sleep(0.005)
+        if failed_at:
+            after.append(a)
+        if a == digest_part + 2 * part:  # part 1's third range
+            failed_at.append(a)
+            raise OSError(5, "read failed")
+        return data[a:b]
+
+    with pytest.raises(OSError) as err:
+        download(read, size, str(tmp_path), part_size=part, concurrency=3, hasher=FileHasher(digest_part))
+    assert err.value.errno == 5 and os.listdir(tmp_path) == []
+    assert len(after) <= 2 * 3, f"{len(after)} ranges read after the failure"
+
+
+def test_the_writers_end_is_waited_for_through_a_keyboard_interrupt():
+    """A spool's writer thread must be over before the spool is deleted (its descriptor's number is reused by the next
+    file opened): every step runs to its end through a KeyboardInterrupt, which is raised after them."""
+    from trainproof.storage.spool import _uninterrupted
+
+    calls, stopped = [], []
+
+    def interrupted_once():
+        calls.append("put")
+        if calls.count("put") == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _uninterrupted(interrupted_once, lambda: calls.append("join"), on_interrupt=lambda: stopped.append(1))
+    assert calls == ["put", "put", "join"] and stopped == [1]

@@ -92,8 +92,8 @@ class Backend(Protocol):
 @runtime_checkable
 class ParallelRanges(Protocol):
     """A backend whose ranged reads are worth running many at once (S3: one GET each, latency-bound). A local disk
-    hands a download's chunks to one consumer that hashes and writes them in order; its pure read-backs (a commit's
-    verification) run in parallel too (``Ctx.hashed``)."""
+    reads a download's chunks one at a time (one thread reads and hashes, another writes the spool); its pure
+    read-backs (a commit's verification) run in parallel too (``Ctx.hashed``)."""
 
     parallel_ranges: bool
 

@@ -105,8 +105,8 @@ class Ctx:
 
     def transfer(self) -> dict[str, int]:
         """Part size and concurrency of ranged reads on this backend (parallel on S3, one chunk at a time on a
-        local disk, where one consumer hashes and writes in order; a pure read-back is parallel everywhere,
-        :meth:`hashed`)."""
+        local disk, where one thread reads and hashes and another writes the spool; a pure read-back is parallel
+        everywhere, :meth:`hashed`)."""
         if reads_in_parallel(self.backend):
             return {"part_size": self.part_size, "concurrency": self.concurrency}
         return {"part_size": CHUNK, "concurrency": 1}
@@ -543,7 +543,7 @@ def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, names: list
     a mismatch), then run ``check(name, data)``; raise CorruptGenerationError naming the file and the fault.
 
     ``spool_dir``: files of ``spool_from`` bytes or more (default: the part size) are downloaded into spools in
-    that folder (parallel ranged reads, hashed in order as they arrive) instead of into memory; the check and
+    that folder (parallel ranged reads, each digest part hashed as it arrives) instead of into memory; the check and
     the caller get the :class:`Spool`, which the caller deletes with :meth:`Loaded.close`."""
     if info.status != COMPLETE or info.manifest is None:
         raise CorruptGenerationError(info.name, info.reason or f"status {info.status}")

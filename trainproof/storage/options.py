@@ -80,7 +80,8 @@ class StoreOptions:
     ``TRAINPROOF_PART_SIZE_MB``; at least 5 MiB (S3's minimum part)."""
     concurrency: int = CONCURRENCY
     """Parts in flight at once per transfer (upload, read-back verify, download). Default 8, or
-    ``TRAINPROOF_IO_CONCURRENCY``. Memory of a transfer is about ``part_size × (concurrency + 1)``."""
+    ``TRAINPROOF_IO_CONCURRENCY``. Memory of a transfer is about ``part_size × (concurrency + 1)`` (a download's one
+    part more: the queue of its one writer, trainproof.storage.spool)."""
 
     def __post_init__(self) -> None:
         if self.part_size < MIN_PART_SIZE:

@@ -619,40 +619,84 @@ WRITER_DEPTH = 1
 thread that finds the queue full waits, so a download holds at most ``part_size × (concurrency + WRITER_DEPTH + 1)``."""
 
 
-class _OneWriter:
-    """One thread handing a download's ranges to ``sink`` (pwrite into the spool), fed by the fetching threads.
-    :meth:`put` raises the sink's error once it has failed (the fetching threads then stop); :meth:`close` (once no
-    thread puts any more) waits for the queue to be written and raises that error, if any."""
+class _Stopped(Exception):
+    """Raised in a download's fetching threads once another part (or the writer) failed: they stop at their next
+    range; the caller gets the first failure itself (:class:`_Failure`)."""
 
-    def __init__(self, sink: Callable[[int, bytes], None], depth: int = WRITER_DEPTH) -> None:
-        self._sink = sink
+
+class _Failure:
+    """The first failure of one download's threads, and the event that stops the others at their next range."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def set(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+        self.stop.set()
+
+    def check(self) -> None:
+        if self.stop.is_set():
+            raise _Stopped()
+
+
+def _uninterrupted(*steps: Callable[[], object], on_interrupt: Callable[[], None] = lambda: None) -> None:
+    """Each of ``steps`` run to its end, in order, even through a KeyboardInterrupt (``on_interrupt()`` called, and
+    the interrupt raised once every step returned): a spool's writer must be over before the caller deletes the
+    spool, or its descriptor's number, reused by the next file opened, takes the writer's bytes."""
+    interrupted: BaseException | None = None
+    for step in steps:
+        while True:
+            try:
+                step()
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = interrupted or exc
+                on_interrupt()
+    if interrupted is not None:
+        raise interrupted
+
+
+class _OneWriter:
+    """One thread handing a download's ranges to ``sink`` (pwrite into the spool), fed by the fetching threads through
+    a queue of ``depth``. A failed write is the download's failure (``failure``): the writer then only drains, and a
+    fetching thread's :meth:`put` raises :class:`_Stopped` once the download is stopped, never waiting on a writer that
+    will not take its range. :meth:`close` waits for the writer, through a KeyboardInterrupt too."""
+
+    def __init__(self, sink: Callable[[int, bytes], None], failure: _Failure, depth: int = WRITER_DEPTH) -> None:
+        self._sink, self._failure = sink, failure
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="trainproof-spool-write", daemon=True)
         self._thread.start()
 
     def put(self, offset: int, data: bytes) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put((offset, data))
+        while True:
+            self._failure.check()
+            try:
+                self._queue.put((offset, data), timeout=0.05)
+                return
+            except queue.Full:
+                continue
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            if self._error is None:  # after an error, only drained: a fetching thread never waits on a dead writer
+            if not self._failure.stop.is_set():  # once the download failed, only drained
                 try:
                     self._sink(*item)
-                except BaseException as exc:  # noqa: BLE001 - handed to the fetching threads and the caller
-                    self._error = exc
+                except BaseException as exc:  # noqa: BLE001 - the download's failure, raised by its caller
+                    self._failure.set(exc)
             del item
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+        """Write what is queued (nothing more once the download failed), end the thread and wait for it."""
+        _uninterrupted(lambda: self._queue.put(None), self._thread.join,
+                       on_interrupt=self._failure.stop.set)  # interrupted: what is queued is drained, not written
 
 
 def _parts_in_parallel(read_range: Callable[[int, int], bytes], size: int, digest_part: int, part_size: int,
@@ -662,18 +706,50 @@ def _parts_in_parallel(read_range: Callable[[int, int], bytes], size: int, diges
     parts' digests come back in order. A ``sink`` gets every range from one writer thread (:class:`_OneWriter`).
     Memory stays ``part_size`` per fetching thread (and the writer's queue). Same answer as :func:`hashed_ranges`:
     (bytes seen, the root of the parts' digests), the last range asking for one byte past ``size`` (an object
-    longer than claimed shows as ``size + 1``), a short object stopping at its end."""
-    from hashlib import sha256
+    longer than claimed shows as ``size + 1``), a short object stopping at its end.
 
+    The first failure (a read, a write, a cancelled fetch) stops every other thread at its next range and is what
+    the caller gets; nothing runs or writes once this returns or raises."""
     from trainproof.storage.digest import of_parts
 
-    writer = _OneWriter(sink) if sink is not None else None
+    failure = _Failure()
+    writer = _OneWriter(sink, failure) if sink is not None else None
+    fetch = partial(_fetch_part, read_range, size, part_size, failure, writer)
+    parts, seen, done = [], 0, False
+    try:
+        with closing(in_order(fetch, spans(size, digest_part), concurrency, "trainproof-part")) as fetched:
+            for _, (got, digest, short) in fetched:
+                parts.append(digest)
+                seen += got
+                if short:  # the object ended inside this part: the parts after it would read nothing
+                    break
+        done = True
+    except _Stopped:  # this part was stopped by a later part's failure (or the writer's): raise that one
+        assert failure.error is not None
+        raise failure.error from None
+    finally:
+        if not done:
+            failure.stop.set()  # threads an interrupt left running stop at their next range
+        if writer is not None:
+            writer.close()
+    if failure.error is not None:  # the writer's, on the last ranges: every fetch had ended well
+        raise failure.error
+    return seen, of_parts(parts, digest_part)
 
-    def fetch(unit: tuple[int, int]) -> tuple[int, str, bool]:
-        first, stop = unit
-        sha, seen = sha256(), 0
+
+def _fetch_part(read_range: Callable[[int, int], bytes], size: int, part_size: int, failure: _Failure,
+                writer: _OneWriter | None, unit: tuple[int, int]) -> tuple[int, str, bool]:
+    """One fetching thread's task in :func:`_parts_in_parallel`: digest part ``unit`` (``[first, stop)``) read as
+    ranges of ``part_size`` and hashed, each range handed to ``writer``; (bytes seen, its sha256, whether the object
+    ended in it). Stops at the next range once the download failed; its own failure is the download's."""
+    from hashlib import sha256
+
+    first, stop = unit
+    sha, seen = sha256(), 0
+    try:
         for start, end in spans(stop - first, part_size):
             start, end = first + start, first + end
+            failure.check()
             data = read_range(start, end + (end == size))
             sha.update(data)  # the probe byte too, if there is one: as hashed_ranges does
             if writer is not None and data:
@@ -682,20 +758,12 @@ def _parts_in_parallel(read_range: Callable[[int, int], bytes], size: int, diges
             if len(data) < end - start:
                 return seen, sha.hexdigest(), True
             del data
-        return seen, sha.hexdigest(), False
-
-    parts, seen = [], 0
-    try:
-        with closing(in_order(fetch, spans(size, digest_part), concurrency, "trainproof-part")) as fetched:
-            for _, (got, digest, short) in fetched:
-                parts.append(digest)
-                seen += got
-                if short:  # the object ended inside this part: the parts after it would read nothing
-                    break
-    finally:
-        if writer is not None:
-            writer.close()  # every fetching thread has stopped (in_order waits for them): nothing puts any more
-    return seen, of_parts(parts, digest_part)
+    except _Stopped:
+        raise
+    except BaseException as exc:
+        failure.set(exc)
+        raise
+    return seen, sha.hexdigest(), False
 
 
 def download(read_range: Callable[[int, int], bytes], size: int, directory: str | None = None, *,
