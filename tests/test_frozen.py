@@ -11,7 +11,9 @@ restores the frozen part off (as from another base) naming the parameters.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 
 import pytest
 import torch
@@ -75,13 +77,27 @@ def test_a_frozen_parameter_the_task_writes_is_stored_again_and_retention_keeps_
     store = tmp_path / "run"
     done = run(store, *ARGS, "--keep", "1", env={"TP_FROZEN_WRITE_AT": "7"})
     assert done.code == 0, done.stderr
-    bases = _shared(store)
-    assert len(bases) == 2  # the base before step 7 and the one the task changed
     (kept,) = sorted(store.glob("step-*"))
     referenced = json.loads((kept / "COMPLETE.json").read_text())["files"]["frozen.pt"]["sha256"]
-    assert referenced in [p.name for p in bases]
+    # The base before step 7 went with the last generation that referenced it (retention); the changed one stays.
+    (first,) = {e["removed_shared"][0] for e in done.events if e["event"] == "retention" and "removed_shared" in e}
+    assert first != referenced and [p.name for p in _shared(store)] == [referenced]
     written, untouched = load_state(store)["model"]["0.bias"], load_state(reference[0])["model"]["0.bias"]
     assert torch.equal(written, untouched + 0.5)  # the written base, not the one stored first
+    # gc also takes what no generation ever referenced (a copy under another name), once older than its
+    # --grace-hours (at least a minute: a writer stores its object before the commit that references it), and says
+    # so; --dry-run only names it.
+    stray = store / "shared" / ("0" * 64)
+    stray.write_bytes(first.encode())
+    young = trainproof("gc", "--store", str(store), "--keep", "1", "--grace-hours", "0")
+    assert young.returncode == 0 and "shared/" not in young.stdout, young.stdout
+    os.utime(stray, (time.time() - 120,) * 2)
+    listed = trainproof("gc", "--store", str(store), "--keep", "1", "--grace-hours", "0", "--dry-run")
+    assert listed.returncode == 0 and f"would delete shared/{stray.name}" in listed.stdout, listed.stdout
+    assert stray.exists()
+    collected = trainproof("gc", "--store", str(store), "--keep", "1", "--grace-hours", "0")
+    assert collected.returncode == 0 and f"deleted shared/{stray.name}" in collected.stdout, collected.stdout
+    assert [p.name for p in _shared(store)] == [referenced]
 
 
 def test_verify_passes_the_frozen_task_and_fails_a_resume_that_restores_its_base_off(tmp_path):

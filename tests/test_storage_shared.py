@@ -106,3 +106,66 @@ def test_a_shared_reference_never_leaves_shared(tmp_path):
     with pytest.raises(ManifestError, match="sha256"):
         parse(json.dumps(manifest).encode(), dir_name="step-00000001")
     assert join("root", "shared", "0" * 64) == "root/shared/" + "0" * 64
+
+
+def _collect(store, dry_run=False, **policy):
+    """Retention (keep=1) of this run's generations; (steps deleted, names of the shared objects deleted)."""
+    named: list[str] = []
+    removed = store.apply_retention(RetentionPolicy(keep=1, contract=C, **policy), dry_run=dry_run,
+                                    on_shared=named.append)
+    return [g.step for g in removed], sorted(named)
+
+
+def test_retention_deletes_the_shared_objects_no_generation_left_references_and_keeps_every_referenced_one(
+        store_url, tmp_path):
+    """A base changed twice (an EMA copy, layers unfrozen): generations 1-2 reference A, 3 references B, 4-5 C, and a
+    generation of another contract references A too; D was stored and never referenced (a commit that never
+    landed). keep=1 deletes 1-4 and, with them, B (the default: what the deleted generations released). A stays
+    while the other contract's generation references it, C while 5 does. D is left to ``shared="all"`` (gc), which
+    lists shared/ and takes it once older than the grace; a dry run names what it would delete and deletes nothing;
+    a folder planted under shared/ is never deleted."""
+    store = open_store(store_url)
+    objects = {}
+    for label in "ABCD":
+        objects[label] = store.put_shared(_spool(tmp_path, hashlib.sha256(label.encode()).digest() * 2048))
+    for step, label in ((1, "A"), (2, "A"), (3, "B"), (4, "C"), (5, "C")):
+        store.commit(step, {"training_state.pt": b"%d" % step * 100}, contract=C, world=1, code_version="t",
+                     shared={FROZEN: objects[label]})
+    store.commit(99, {"training_state.pt": b"x"}, contract="another-run", world=1, code_version="t",
+                 shared={FROZEN: objects["A"]})
+    sha = {label: str(obj[1]) for label, obj in objects.items()}
+    store.backend.write(join(store.root, "shared", "planted-folder", "x"), b"x")
+
+    assert _collect(store, dry_run=True) == ([1, 2, 3, 4], [sha["B"]])
+    assert _names(store, "shared") == sorted(sha.values())
+    assert _collect(store) == ([1, 2, 3, 4], [sha["B"]])
+    assert _names(store, "shared") == sorted([sha["A"], sha["C"], sha["D"]])
+    assert _collect(store, shared="all") == ([], [])  # D is young: it could be a commit in flight
+    assert _collect(store, shared="all", grace_seconds=0, i_know_no_writer_is_active=True) == ([], [sha["D"]])
+    assert _names(store, "shared") == sorted([sha["A"], sha["C"]])
+    assert any(e.name == "planted-folder" and e.is_dir for e in store.list_dir("shared"))
+    assert store.load(5, contract=C).files["training_state.pt"] == b"5" * 100  # its base verified as it loaded
+    assert store.load(99, contract="another-run").files[FROZEN] is not None
+
+    # The other run's generation gone, nothing deleted it: A waits for a listing (gc); C stays while 5 references it.
+    store.backend.delete_folder(join(store.root, "step-00000099"), first="COMPLETE.json")
+    assert _collect(store) == ([], [])
+    assert _collect(store, shared="all", grace_seconds=0, i_know_no_writer_is_active=True) == ([], [sha["A"]])
+    assert _names(store, "shared") == [sha["C"]]
+    assert _collect(store, shared="none", grace_seconds=0, i_know_no_writer_is_active=True) == ([], [])
+    with pytest.raises(ValueError, match="shared must be one of"):
+        RetentionPolicy(keep=1, shared="everything")
+
+
+def test_retention_that_finds_no_verified_generation_deletes_no_shared_object(store_url, tmp_path):
+    """The newest generation fails its re-verification: retention deletes nothing, an unreferenced object included
+    (it cannot tell what a good copy needs when it has none)."""
+    store = open_store(store_url)
+    a = store.put_shared(_spool(tmp_path, b"a" * 5000))
+    b = store.put_shared(_spool(tmp_path, b"b" * 5000))
+    store.commit(1, {"training_state.pt": b"1" * 100}, contract=C, world=1, code_version="t", shared={FROZEN: a})
+    store.commit(2, {"training_state.pt": b"2" * 100}, contract=C, world=1, code_version="t", shared={FROZEN: b})
+    store.backend.write(join(store.root, "shared", str(b[1])), b"B" * 5000)  # damaged: 2 no longer verifies
+    assert _collect(store) == ([], [])
+    assert _collect(store, shared="all", grace_seconds=0, i_know_no_writer_is_active=True) == ([], [])
+    assert _names(store, "shared") == sorted([str(a[1]), str(b[1])])

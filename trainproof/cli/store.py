@@ -183,7 +183,8 @@ def gc_command(
         "--keep-every", help="Also keep a sparse permanent series: N (steps) or a duration (6h), as `train "
         "--keep-every`; default: the rule the run's newest generation was written under; off: none.")] = None,
     grace_hours: Annotated[float, typer.Option("--grace-hours", min=0.0,
-                                               help="Collect partial generations only once "
+                                               help="Collect partial generations, and objects under "
+                                                    "shared/ that no generation references, only once "
                                                     "this old (never younger than 60 s: a "
                                                     "writer may still be committing).")] = 6.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")] = False,
@@ -192,7 +193,8 @@ def gc_command(
     """Apply retention: keep the K newest complete generations (never the newest complete one, nor newer), and/or
     the N newest verifications.
 
-    Partial generations older than the grace period are collected; exports, quarantine and other runs'
+    Partial generations older than the grace period are collected, and so are objects under shared/ (a frozen
+    base stored once) that no generation left references; exports, quarantine and other runs'
     generations are never touched; --keep-verifications and --abandoned-hours touch only <run>/verification/.
     Exit 0 done, 2 bad usage or nothing complete to keep, 1 a store failure.
     """
@@ -221,14 +223,19 @@ def gc_command(
 
         every = _gc_keep_every(run, keep_every, contract)
         policy = RetentionPolicy(keep=keep, grace_seconds=grace_hours * 3600, contract=contract, protect_rule=protect,
+                                 shared="all",
                                  keep_every=every)
-        doomed = run.apply_retention(policy, dry_run=dry_run)
+        shared: list[str] = []
+        doomed = run.apply_retention(policy, dry_run=dry_run, on_shared=shared.append)
         for g in doomed:
             print(f"{delete_verb} {shown(g.name)} ({g.status})")
+        for name in shared:
+            print(f"{delete_verb} shared/{shown(name)} (no generation references it)")
         named = ", ".join(f"step-{s:08d}" for s in sorted(audit_kept))
         also = f" and {len(audit_kept)} around restore points no audit has passed ({named})" if audit_kept else ""
         also += f" and the permanent series (--keep-every {every})" if every else ""
-        print(f"{delete_verb} {len(doomed)} generation(s); {keep_verb} the {keep} newest complete{also}")
+        objects = f" and {len(shared)} shared object(s) no generation references" if shared else ""
+        print(f"{delete_verb} {len(doomed)} generation(s){objects}; {keep_verb} the {keep} newest complete{also}")
     if keep_verifications is not None or abandoned_hours is not None:
         _gc_verifications(run, keep_verifications, abandoned_hours, dry_run=dry_run)
 

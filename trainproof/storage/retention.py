@@ -19,7 +19,14 @@ new checkpoint was written):
 - with ``keep_every`` (:class:`KeepEvery`), a sparse permanent series besides the ``keep`` newest: the first
   generation at or after each multiple of N steps, or the first committed in each window of a duration counted from
   the run's oldest kept generation; never deleted by retention under that rule (it only ever keeps more);
-- export bundles, verification records and quarantine live outside ``step-*`` and are never seen here.
+- export bundles, verification records and quarantine live outside ``step-*`` and are never seen here;
+- an object under ``shared/`` (stored once, referenced by generations: a frozen base) that no generation left in the
+  store references any more is deleted after the generations (:func:`unreferenced_shared`): a task whose frozen
+  entries change (an EMA copy, layers unfrozen over time) stores a new object now and then, and these would
+  otherwise pile up for the run's whole life. By default only the objects the generations deleted in this pass
+  referenced (``shared="released"``: no listing of ``shared/``, so nothing planted there costs a commit anything);
+  ``shared="all"`` (``gc``) lists ``shared/`` and also takes what no generation ever referenced, once untouched for
+  the grace period (a writer stores its object before the commit that references it).
 
 ``apply_retention`` then re-verifies (streams every file through sha256) the newest generation it keeps before
 deleting anything: if that one fails, nothing older than the newest generation that does verify is deleted.
@@ -56,6 +63,9 @@ DEFAULT_GRACE_SECONDS = 6 * 3600.0
 COLLECT_PER_PASS = 256
 """Most partial generations one retention collects (each costs a few requests on S3); the rest wait for the next."""
 
+
+SHARED_RULES = ("released", "all", "none")
+"""RetentionPolicy.shared's values."""
 
 KEEP_EVERY_FORMS = "a step count (1000) or a duration (90s, 10m, 6h, 7d, 1h30m)"
 
@@ -168,7 +178,15 @@ class RetentionPolicy:
     keep_every: KeepEvery | None = None
     """Also keep a sparse permanent series (:class:`KeepEvery`); None: only the ``keep`` newest (and ``protect``)."""
 
+    shared: str = "released"
+    """Which objects under ``shared/`` that no generation left references are deleted: ``released``, those the
+    generations this pass deletes referenced (a committed object: no commit is in flight on it); ``all``, every
+    one a listing of ``shared/`` shows (at most the store's ``scan_entries``), once untouched for ``grace_seconds``
+    (an object a writer stored for a commit still in flight is young); ``none``."""
+
     def __post_init__(self) -> None:
+        if self.shared not in SHARED_RULES:
+            raise ValueError(f"shared must be one of {', '.join(SHARED_RULES)}, got {self.shared!r}")
         if self.keep < 1:
             raise ValueError(f"keep must be >= 1 (the newest complete generation is never deleted), got {self.keep}")
         object.__setattr__(self, "protect", frozenset(self.protect))
@@ -242,26 +260,98 @@ def _matches(manifest: dict, contract: str | None, world: int | None) -> bool:
 
 
 def apply_retention(ctx: Ctx, policy: RetentionPolicy, *, dry_run: bool = False,
-                    before_write=lambda: None) -> list[GenerationInfo]:
-    """Delete what ``plan_retention`` selects, after re-verifying the newest generation kept; return it.
+                    before_write=lambda: None,
+                    on_shared: Callable[[str], None] | None = None) -> list[GenerationInfo]:
+    """Delete what ``plan_retention`` selects, after re-verifying the newest generation kept; return it. Then
+    delete the ``shared/`` objects no generation left references, as ``policy.shared`` says
+    (:func:`unreferenced_shared`), calling ``on_shared(name)`` for each (with ``dry_run``: each it would delete).
 
     A complete generation loses its COMPLETE.json first, so an interrupted delete leaves it incomplete.  On a
     local folder a step folder that is a symlink is never entered or deleted through."""
     found = scan_capped(ctx, contract=policy.contract, world=policy.world)
     if found.truncated:  # unseen generations could be newer than what we would keep
         return []
-    doomed = plan_retention(found.generations, policy, now=time.time())
+    now = time.time()
+    doomed = plan_retention(found.generations, policy, now=now)
     below = [g for g in found.generations if policy.upto is None or g.step <= policy.upto]
     if doomed and not _newest_verifies(ctx, below, policy.contract, policy.world):
         return []
-    if dry_run or not doomed:
-        return doomed
-    before_write()
-    for info in doomed:
-        path = ctx.path(info.name)
-        ctx.io(f"delete {info.name}", lambda: ctx.backend.delete_folder(path, first=mf.MARKER))
-        log.info("retention: deleted %s (%s)", info.name, info.status)
+    prepare = _once(before_write)
+    if not dry_run and doomed:
+        prepare()
+        for info in doomed:
+            path = ctx.path(info.name)
+            ctx.io(f"delete {info.name}", lambda: ctx.backend.delete_folder(path, first=mf.MARKER))
+            log.info("retention: deleted %s (%s)", info.name, info.status)
+    if policy.shared != "none":
+        _collect_shared(ctx, policy, found.generations, doomed, now=now, dry_run=dry_run, before_write=prepare,
+                        on_shared=on_shared)
     return doomed
+
+
+def _once(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn``, called at most once however often the result is."""
+    done: list[bool] = []
+
+    def call() -> None:
+        if not done:
+            fn()
+            done.append(True)
+    return call
+
+
+def _collect_shared(ctx: Ctx, policy: RetentionPolicy, generations: list[GenerationInfo],
+                    doomed: list[GenerationInfo], *, now: float, dry_run: bool, before_write: Callable[[], None],
+                    on_shared: Callable[[str], None] | None) -> None:
+    """:func:`apply_retention`'s second part: the ``shared/`` objects no generation left references, as
+    ``policy.shared`` says. A failure here is a warning: the generations are deleted, an object left costs storage."""
+    gone = {g.name for g in doomed}
+    left = [g for g in generations if g.name not in gone]
+    released = None if policy.shared == "all" else _shared_refs(doomed)
+    try:
+        unused = unreferenced_shared(ctx, left, released=released, now=now,
+                                     grace=effective_grace(policy.grace_seconds, policy.i_know_no_writer_is_active))
+        for name in unused:
+            if not dry_run:
+                before_write()
+                path = ctx.path(mf.SHARED_DIR, name)
+                ctx.io(f"delete {mf.SHARED_DIR}/{name}", lambda: ctx.backend.delete(path))
+                log.info("retention: deleted %s/%s (no generation references it)", mf.SHARED_DIR, name)
+            if on_shared is not None:
+                on_shared(name)
+    except OSError as exc:
+        log.warning("retention: could not collect unreferenced objects under %s/: %s", mf.SHARED_DIR, exc)
+
+
+def _shared_refs(generations: Iterable[GenerationInfo]) -> set[str]:
+    """The ``shared/`` objects the manifests of ``generations`` reference (those whose manifest was read)."""
+    return {str(meta.get("sha256")) for g in generations if g.manifest
+            for meta in g.manifest.get("files", {}).values() if isinstance(meta, dict) and meta.get("shared")}
+
+
+def unreferenced_shared(ctx: Ctx, generations: list[GenerationInfo], *, released: set[str] | None, grace: float,
+                        now: float) -> list[str]:
+    """Names of the objects under ``shared/`` that no generation of ``generations`` references (every one whose
+    manifest was read, whatever its status or contract: one of another run keeps its objects too; one whose
+    ``COMPLETE.json`` could not be read references nothing a reader would load), regular objects only (a folder, a
+    symlink or a special file is never deleted through), at most COLLECT_PER_PASS, oldest first.
+
+    ``released``: only these names (the objects of the generations just deleted), each looked up by name, whatever
+    its age; None: every object a listing of ``shared/`` shows (capped at ``scan_entries``), untouched for
+    ``grace`` seconds. Listing errors propagate."""
+    referenced = _shared_refs(generations)
+    folder = ctx.path(mf.SHARED_DIR)
+    if released is not None:
+        wanted = sorted(released - referenced)
+        listing = [e for name in wanted[:COLLECT_PER_PASS]
+                   for e in ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(folder, prefix=name))
+                   if e.name == name]
+    else:
+        cap = ctx.limits.scan_entries
+        listing = [e for e in ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(folder, limit=cap))[:cap]
+                   if e.name not in referenced and e.mtime is not None and now - e.mtime > grace]
+    unused = sorted((e.mtime or 0.0, e.name) for e in listing if not e.is_dir and not e.is_special)
+    return [name for _, name in unused[:COLLECT_PER_PASS]]
 
 
 def _newest_verifies(ctx: Ctx, generations: list[GenerationInfo], contract: str | None, world: int | None) -> bool:

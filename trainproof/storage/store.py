@@ -329,11 +329,15 @@ class GenerationStore:
         """(folder, reason) of every quarantined generation."""
         return list_quarantined(self._ctx)
 
-    def apply_retention(self, policy: RetentionPolicy, *, dry_run: bool = False) -> list[GenerationInfo]:
+    def apply_retention(self, policy: RetentionPolicy, *, dry_run: bool = False,
+                        on_shared: Callable[[str], None] | None = None) -> list[GenerationInfo]:
         """Delete what ``plan_retention`` selects under ``policy`` (never the newest complete generation of its
         contract and world, nor anything newer; never foreign, corrupt or symlinked ones), after re-verifying the
-        newest kept generation's sha256s; return what was (or, with ``dry_run``, would be) deleted."""
-        return apply_retention(self._ctx, policy, dry_run=dry_run, before_write=self._before_write)
+        newest kept generation's sha256s; return what was (or, with ``dry_run``, would be) deleted. Then the objects
+        under ``shared/`` no generation left references, once untouched for the policy's shared grace, each named
+        to ``on_shared``."""
+        return apply_retention(self._ctx, policy, dry_run=dry_run, before_write=self._before_write,
+                               on_shared=on_shared)
 
     def latest_hint(self) -> str | None:
         """What ``LATEST`` says (a hint only) when it names a generation (``step-%08d``), else None."""

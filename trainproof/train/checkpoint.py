@@ -355,18 +355,22 @@ class Checkpointer:
     def _apply_retention(self) -> None:
         if not self.keep:
             return
+        shared: list[str] = []
         try:
-            # Only this run's generations count (another contract's or world's never make ours "old").
+            # Only this run's generations count (another contract's or world's never make ours "old"). The objects
+            # under shared/ that only the deleted generations referenced go with them (RetentionPolicy.shared).
             removed = self.store.apply_retention(RetentionPolicy(keep=self.keep, contract=self.contract,
                                                                  world=self.world, protect_rule=self.protect,
                                                                  keep_every=self.keep_every, upto=self.last_step,
-                                                                 partials_above_newest=True))
+                                                                 partials_above_newest=True),
+                                                 on_shared=shared.append)
         except (StoreError, OSError) as exc:
             # The new generation is committed; a failed cleanup costs storage, not work.
             self.reporter.warn(f"retention (--keep {self.keep}) failed, old generations left in place: {exc}")
             return
-        if removed:
-            self.reporter.event("retention", keep=self.keep, removed=[g.name for g in removed])
+        if removed or shared:
+            self.reporter.event("retention", keep=self.keep, removed=[g.name for g in removed],
+                                **({"removed_shared": shared} if shared else {}))
 
 
 def _serialising_failure(spool: Spool | None) -> BaseException | None:
