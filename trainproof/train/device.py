@@ -62,7 +62,10 @@ def use_deterministic_algorithms(*, warn_only: bool) -> None:
         return
     config = sys.modules.get("torch._inductor.config")
     if config is not None:
-        config.deterministic = True
+        try:
+            config.deterministic = True
+        except AttributeError:  # a torch before 2.10: its inductor has no such setting (and its call sets none)
+            pass
     else:
         os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
     setter(True, warn_only=warn_only)
