@@ -169,3 +169,62 @@ def test_retention_that_finds_no_verified_generation_deletes_no_shared_object(st
     assert _collect(store) == ([], [])
     assert _collect(store, shared="all", grace_seconds=0, i_know_no_writer_is_active=True) == ([], [])
     assert _names(store, "shared") == sorted([str(a[1]), str(b[1])])
+
+
+
+def test_collection_never_goes_through_a_symlinked_shared_folder_nor_takes_other_names_or_a_busy_runs_objects(
+        tmp_path, monkeypatch, caplog):
+    """On a local folder. ``shared`` a symlink to a folder outside the run: nothing there is deleted (it is not the
+    run's). A real ``shared/`` holding a writer's temporary file, a planted name and aged unreferenced objects: only
+    the objects are taken, and only once no generation was written within the grace (a writer may be reusing an old
+    object for a commit in flight). A store error while collecting is a warning, and the generations deleted are
+    still reported."""
+    import os
+    import time
+
+    from trainproof.storage.errors import StoreUnavailableError
+
+    def age(*paths):
+        for path in paths:
+            os.utime(path, (time.time() - 3600,) * 2)
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    store = open_store(str(run))
+    a = store.put_shared(_spool(tmp_path, b"a" * 5000))
+    store.commit(1, {"training_state.pt": b"1" * 100}, contract=C, world=1, code_version="t", shared={FROZEN: a})
+    store.commit(2, {"training_state.pt": b"2" * 100}, contract=C, world=1, code_version="t")
+    precious = outside / ("f" * 64)
+    precious.write_bytes(b"not the run's")
+    age(precious)
+    (run / "shared").rename(tmp_path / "real-shared")
+    (run / "shared").symlink_to(outside)
+    assert _collect(store, shared="all", grace_seconds=0, i_know_no_writer_is_active=True) == ([1], [])
+    assert precious.exists()
+    (run / "shared").unlink()
+    (tmp_path / "real-shared").rename(run / "shared")
+
+    temporary, planted, unused = (run / "shared" / f".{'e' * 64}.tmp-1", run / "shared" / "notes.txt",
+                                  run / "shared" / ("d" * 64))
+    for path in (temporary, planted, unused):
+        path.write_bytes(b"x")
+    age(temporary, planted, unused, run / "shared" / str(a[1]))
+    assert _collect(store, shared="all", grace_seconds=600) == ([], [])  # step 2 was written just now
+    age(*run.glob("step-*/*"))
+    assert _collect(store, shared="all", grace_seconds=600) == ([], sorted([str(a[1]), unused.name]))
+    assert sorted(p.name for p in (run / "shared").iterdir()) == sorted([temporary.name, planted.name])
+
+    b = store.put_shared(_spool(tmp_path, b"b" * 5000))
+    store.commit(3, {"training_state.pt": b"3" * 100}, contract=C, world=1, code_version="t", shared={FROZEN: b})
+    store.commit(4, {"training_state.pt": b"4" * 100}, contract=C, world=1, code_version="t")
+    listdir = store.backend.listdir
+
+    def unavailable(path, **kw):
+        if path.rstrip("/").endswith("shared"):
+            raise StoreUnavailableError("list shared", "the server is down")
+        return listdir(path, **kw)
+
+    monkeypatch.setattr(store.backend, "listdir", unavailable)
+    with caplog.at_level("WARNING", logger="trainproof.storage"):
+        assert _collect(store) == ([2, 3], [])
+    assert "could not collect unreferenced objects under shared/" in caplog.text

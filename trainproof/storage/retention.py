@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -43,6 +44,7 @@ from typing import Callable, Iterable
 
 from trainproof.storage import manifest as mf
 from trainproof.storage.durations import duration_seconds
+from trainproof.storage.errors import StoreError
 from trainproof.storage.generations import (
     COMPLETE,
     CORRUPT,
@@ -245,12 +247,14 @@ def _kept(ours: list[GenerationInfo], policy: RetentionPolicy) -> set[int] | Non
     return kept
 
 
-def effective_grace(grace_seconds: float, i_know_no_writer_is_active: bool = False) -> float:
-    """``grace_seconds``, raised to MIN_GRACE_SECONDS (with a warning) unless no writer can be active."""
+def effective_grace(grace_seconds: float, i_know_no_writer_is_active: bool = False, *, warn: bool = True) -> float:
+    """``grace_seconds``, raised to MIN_GRACE_SECONDS (with a warning, unless ``warn`` is False: said once already)
+    unless no writer can be active."""
     if grace_seconds < MIN_GRACE_SECONDS and not i_know_no_writer_is_active:
-        log.warning("retention: grace period %.0fs raised to %.0fs: a partial generation that young may belong to "
-                    "a writer still writing (pass i_know_no_writer_is_active=True when none can be)",
-                    grace_seconds, MIN_GRACE_SECONDS)
+        if warn:
+            log.warning("retention: grace period %.0fs raised to %.0fs: a partial generation that young may belong to "
+                        "a writer still writing (pass i_know_no_writer_is_active=True when none can be)",
+                        grace_seconds, MIN_GRACE_SECONDS)
         return MIN_GRACE_SECONDS
     return grace_seconds
 
@@ -307,10 +311,16 @@ def _collect_shared(ctx: Ctx, policy: RetentionPolicy, generations: list[Generat
     ``policy.shared`` says. A failure here is a warning: the generations are deleted, an object left costs storage."""
     gone = {g.name for g in doomed}
     left = [g for g in generations if g.name not in gone]
-    released = None if policy.shared == "all" else _shared_refs(doomed)
+    grace = effective_grace(policy.grace_seconds, policy.i_know_no_writer_is_active, warn=False)
+    if policy.shared == "all" and any(g.mtime is not None and now - g.mtime <= grace for g in left):
+        # A writer looks active (a generation written within the grace): an object it is about to reference may
+        # be one it found stored and reused (an old modification time), so none is judged unreferenced now.
+        log.info("retention: a generation was written within the grace period; objects under %s/ that no "
+                 "generation references are left for a later pass", mf.SHARED_DIR)
+        return
     try:
-        unused = unreferenced_shared(ctx, left, released=released, now=now,
-                                     grace=effective_grace(policy.grace_seconds, policy.i_know_no_writer_is_active))
+        unused = unreferenced_shared(ctx, left, released=None if policy.shared == "all" else _shared_refs(doomed),
+                                     grace=grace, now=now)
         for name in unused:
             if not dry_run:
                 before_write()
@@ -319,7 +329,7 @@ def _collect_shared(ctx: Ctx, policy: RetentionPolicy, generations: list[Generat
                 log.info("retention: deleted %s/%s (no generation references it)", mf.SHARED_DIR, name)
             if on_shared is not None:
                 on_shared(name)
-    except OSError as exc:
+    except (OSError, StoreError) as exc:
         log.warning("retention: could not collect unreferenced objects under %s/: %s", mf.SHARED_DIR, exc)
 
 
@@ -333,25 +343,35 @@ def unreferenced_shared(ctx: Ctx, generations: list[GenerationInfo], *, released
                         now: float) -> list[str]:
     """Names of the objects under ``shared/`` that no generation of ``generations`` references (every one whose
     manifest was read, whatever its status or contract: one of another run keeps its objects too; one whose
-    ``COMPLETE.json`` could not be read references nothing a reader would load), regular objects only (a folder, a
-    symlink or a special file is never deleted through), at most COLLECT_PER_PASS, oldest first.
+    ``COMPLETE.json`` could not be read references nothing a reader would load), at most COLLECT_PER_PASS, oldest
+    first. Only regular objects named as the store names them (a sha256: never a writer's temporary file, nor
+    anything planted under another name), never through a ``shared`` that is not a folder (a symlink on a local
+    store: what it points to is not the run's), nor a folder, symlink or special file inside it.
 
     ``released``: only these names (the objects of the generations just deleted), each looked up by name, whatever
     its age; None: every object a listing of ``shared/`` shows (capped at ``scan_entries``), untouched for
     ``grace`` seconds. Listing errors propagate."""
+    root = ctx.io("list the run", lambda: ctx.backend.listdir(ctx.root, prefix=mf.SHARED_DIR))
+    if not any(e.name == mf.SHARED_DIR and e.is_dir and not e.is_special for e in root):
+        return []  # none, or not a folder: put_shared moves such an occupant aside before it writes
     referenced = _shared_refs(generations)
     folder = ctx.path(mf.SHARED_DIR)
     if released is not None:
-        wanted = sorted(released - referenced)
+        wanted = sorted(name for name in released - referenced if _DIGEST.fullmatch(name))
         listing = [e for name in wanted[:COLLECT_PER_PASS]
                    for e in ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(folder, prefix=name))
                    if e.name == name]
     else:
         cap = ctx.limits.scan_entries
         listing = [e for e in ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(folder, limit=cap))[:cap]
-                   if e.name not in referenced and e.mtime is not None and now - e.mtime > grace]
+                   if _DIGEST.fullmatch(e.name) and e.name not in referenced
+                   and e.mtime is not None and now - e.mtime > grace]
     unused = sorted((e.mtime or 0.0, e.name) for e in listing if not e.is_dir and not e.is_special)
     return [name for _, name in unused[:COLLECT_PER_PASS]]
+
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+"""How put_shared names an object: its sha256 (a file's plain digest or its parts' root), lower-case hex."""
 
 
 def _newest_verifies(ctx: Ctx, generations: list[GenerationInfo], contract: str | None, world: int | None) -> bool:

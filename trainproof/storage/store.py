@@ -188,8 +188,8 @@ class GenerationStore:
 
     def put_shared(self, data: Spool) -> tuple[int, str]:
         """Store ``data`` once for the run, content-addressed (``shared/<sha256>``), verified read back; its (bytes,
-        sha256) for the ``shared`` argument of :meth:`commit`/:meth:`commit_parts`. Retention never deletes what is
-        under ``shared/`` (it deletes ``step-*`` folders only)."""
+        sha256) for the ``shared`` argument of :meth:`commit`/:meth:`commit_parts`. Retention deletes such an object
+        only once no generation left references it (``RetentionPolicy.shared``)."""
         self._before_write()
         return put_shared(self._ctx, data)
 
@@ -334,8 +334,7 @@ class GenerationStore:
         """Delete what ``plan_retention`` selects under ``policy`` (never the newest complete generation of its
         contract and world, nor anything newer; never foreign, corrupt or symlinked ones), after re-verifying the
         newest kept generation's sha256s; return what was (or, with ``dry_run``, would be) deleted. Then the objects
-        under ``shared/`` no generation left references, once untouched for the policy's shared grace, each named
-        to ``on_shared``."""
+        under ``shared/`` no generation left references, as ``policy.shared`` says, each named to ``on_shared``."""
         return apply_retention(self._ctx, policy, dry_run=dry_run, before_write=self._before_write,
                                on_shared=on_shared)
 
