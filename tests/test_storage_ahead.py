@@ -183,11 +183,13 @@ def test_a_fetch_that_fails_or_is_refused_ends_as_a_load_without_it(tmp_path, fa
         data = bytearray(path.read_bytes())
         data[PART + 3] ^= 1
         path.write_bytes(bytes(data))
-    spools = tmp_path / "spools"
+    spools, reads = tmp_path / "spools", Reads(store)
     store.fetch_ahead(lambda: C, spool_dir=str(spools), spool_from=0)
     ahead = store._ahead
     ahead._thread.join(budget(60))
     assert isinstance(ahead.error, CorruptGenerationError) == (fault == "damaged"), ahead.error
+    size = len(wrote[STATE])
+    assert reads.of(2) == size  # a mismatch is not read again by the fetch: the resume's own reads judge it
 
     def check(name, data):
         if fault == "refused" and name == STATE and data.size == len(wrote[STATE]) and \
@@ -199,6 +201,8 @@ def test_a_fetch_that_fails_or_is_refused_ends_as_a_load_without_it(tmp_path, fa
         assert loaded.info.name == "step-00000001" and _contents(loaded) == wrote
     finally:
         loaded.close()
+    # The load read the damaged state twice itself (once more after a mismatch), the refused one not again.
+    assert reads.of(2) == (3 if fault == "damaged" else 1) * size
     assert [name for name, _ in store.quarantined()] and not (tmp_path / "run" / "step-00000002").exists()
     assert os.listdir(spools) == []
 

@@ -95,8 +95,10 @@ class FetchAhead:
                 info = self.info = found[-1]
                 self.names = files_to_read(info, self._skip)
                 self._scanned.set()
+                # One read a file: a mismatch is the resume's to judge, with reads of its own (a damaged state
+                # of 100 GB is then read three times before it is quarantined, not four).
                 loaded = load(self._ctx, info, None, self.names, spool_dir=self._spooling[0],
-                              spool_from=self._spooling[1])
+                              spool_from=self._spooling[1], attempts=1)
                 with self._lock:
                     if self._cancelled.is_set():
                         loaded.close()

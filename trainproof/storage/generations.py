@@ -389,24 +389,23 @@ def _missing_is_corrupt(name: str, fname: str):
 
 
 def _read_verified(ctx: Ctx, name: str, fname: str, meta: dict, fetch: Callable | None = None,
-                   discard: Callable = lambda payload: None):
-    """The object of file ``fname``, read and checked against its manifest entry (size, sha256), re-read once on a
-    mismatch. ``fetch(path, size, hasher) -> (payload, bytes seen, digest)``: default, the bytes in memory (never more
-    than
-    ``size + 1`` of them: an object swapped for a huge one is not read whole); ``discard(payload)`` drops a
-    payload that did not match (a spool file)."""
+                   discard: Callable = lambda payload: None, attempts: int = 2):
+    """The object of file ``fname``, read and checked against its manifest entry (size, sha256), re-read on a
+    mismatch up to ``attempts`` reads in all (the default: once more). ``fetch(path, size, hasher) -> (payload, bytes
+    seen, digest)``: default, the bytes in memory (never more than ``size + 1`` of them: an object swapped for a huge
+    one is not read whole); ``discard(payload)`` drops a payload that did not match (a spool file)."""
     obj = mf.shown(name, fname, meta)
     what = obj if meta.get("shared") else fname
     path, size = ctx.path(*mf.location(name, fname, meta)), meta["bytes"]
     if fetch is None:
         fetch = lambda path, size, hasher: _fetch_in_memory(ctx, path, size, hasher)  # noqa: E731
-    for attempt in (1, 2):  # one re-read: the first read may have hit a transient fault
+    for attempt in range(1, max(1, attempts) + 1):  # a re-read: the first read may have hit a transient fault
         with _missing_is_corrupt(name, what):
             payload, seen, sha = ctx.io(f"read {name}/{obj}", lambda: fetch(path, size, hasher_for(meta)))
         if seen == size and sha == meta["sha256"]:
             return payload
         discard(payload)
-        if attempt == 1:
+        if attempt < attempts:
             log.warning("%s/%s did not match its manifest on first read; reading it again", name, what)
     if seen != size:
         shown = f"more than {size}" if seen > size else str(seen)
@@ -538,9 +537,10 @@ def verify_hashes(ctx: Ctx, info: GenerationInfo) -> str | None:
     return None
 
 def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, names: list[str] | None = None, *,
-         spool_dir: str | None = None, spool_from: int | None = None) -> Loaded:
-    """Read every file (or only ``names``) of a complete generation, verify size and sha256 (re-reading once on
-    a mismatch), then run ``check(name, data)``; raise CorruptGenerationError naming the file and the fault.
+         spool_dir: str | None = None, spool_from: int | None = None, attempts: int = 2) -> Loaded:
+    """Read every file (or only ``names``) of a complete generation, verify size and sha256 (a file that does not
+    match is read again, up to ``attempts`` reads), then run ``check(name, data)``; raise CorruptGenerationError
+    naming the file and the fault.
 
     ``spool_dir``: files of ``spool_from`` bytes or more (default: the part size) are downloaded into spools in
     that folder (parallel ranged reads, each digest part hashed as it arrives) instead of into memory; the check and
@@ -555,9 +555,9 @@ def load(ctx: Ctx, info: GenerationInfo, check: Check | None = None, names: list
     try:
         for fname, meta in (listed.items() if names is None else ((n, listed[n]) for n in names)):
             if spool_dir is not None and meta["bytes"] >= threshold:
-                files[fname] = _spool_verified(ctx, info.name, fname, meta, spool_dir)
+                files[fname] = _spool_verified(ctx, info.name, fname, meta, spool_dir, attempts)
             else:
-                files[fname] = _read_verified(ctx, info.name, fname, meta)
+                files[fname] = _read_verified(ctx, info.name, fname, meta, attempts=attempts)
             _check(info.name, fname, files[fname], check)
     except BaseException:
         Loaded(info=info, files=files).close()
@@ -585,10 +585,10 @@ def _check(name: str, fname: str, data: "bytes | Spool", check: Check | None) ->
             raise CorruptGenerationError(name, f"{fname} failed the content check: {exc}") from exc
 
 
-def _spool_verified(ctx: Ctx, name: str, fname: str, meta: dict, directory: str) -> Spool:
+def _spool_verified(ctx: Ctx, name: str, fname: str, meta: dict, directory: str, attempts: int = 2) -> Spool:
     """``_read_verified`` into a spool: the object's bytes land in a local file, never whole in memory."""
     def fetch(path: str, size: int, hasher: FileHasher):
         return download(lambda a, b: ctx.read_range(path, a, b), size, directory, hasher=hasher,
                         **ctx.transfer())
 
-    return _read_verified(ctx, name, fname, meta, fetch, discard=lambda spool: spool.unlink())
+    return _read_verified(ctx, name, fname, meta, fetch, discard=lambda spool: spool.unlink(), attempts=attempts)
