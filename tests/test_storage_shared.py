@@ -228,3 +228,21 @@ def test_collection_never_goes_through_a_symlinked_shared_folder_nor_takes_other
     with caplog.at_level("WARNING", logger="trainproof.storage"):
         assert _collect(store) == ([2, 3], [])
     assert "could not collect unreferenced objects under shared/" in caplog.text
+
+
+def test_the_writers_retention_asks_the_store_nothing_about_shared_objects_when_it_released_none(store_url):
+    """A run without frozen entries (most): its retention after each commit costs no request under ``shared/``, nor a
+    look for the folder, whatever is planted there."""
+    store = open_store(store_url)
+    for step in (1, 2, 3):
+        store.commit(step, {"training_state.pt": b"%d" % step * 100}, contract=C, world=1, code_version="t")
+    store.backend.write(join(store.root, "shared", "f" * 64), b"planted")
+    asked, listdir = [], store.backend.listdir
+
+    def recorded(path, **kw):
+        asked.append((path, kw.get("prefix", "")))
+        return listdir(path, **kw)
+
+    store.backend.listdir = recorded
+    assert _collect(store) == ([1, 2], [])
+    assert not [a for a in asked if "shared" in a[0] or a[1].startswith("shared")], asked

@@ -24,9 +24,10 @@ new checkpoint was written):
   store references any more is deleted after the generations (:func:`unreferenced_shared`): a task whose frozen
   entries change (an EMA copy, layers unfrozen over time) stores a new object now and then, and these would
   otherwise pile up for the run's whole life. By default only the objects the generations deleted in this pass
-  referenced (``shared="released"``: no listing of ``shared/``, so nothing planted there costs a commit anything);
-  ``shared="all"`` (``gc``) lists ``shared/`` and also takes what no generation ever referenced, once untouched for
-  the grace period (a writer stores its object before the commit that references it).
+  referenced (``shared="released"``: each looked up by name, and nothing asked of the store when those generations
+  referenced none); ``shared="all"`` (``gc``) lists ``shared/`` and also takes what no generation ever referenced,
+  once older than the grace period and no generation was written within it (a writer stores its object, or reuses
+  one it finds stored, before the commit that references it).
 
 ``apply_retention`` then re-verifies (streams every file through sha256) the newest generation it keeps before
 deleting anything: if that one fails, nothing older than the newest generation that does verify is deleted.
@@ -183,8 +184,9 @@ class RetentionPolicy:
     shared: str = "released"
     """Which objects under ``shared/`` that no generation left references are deleted: ``released``, those the
     generations this pass deletes referenced (a committed object: no commit is in flight on it); ``all``, every
-    one a listing of ``shared/`` shows (at most the store's ``scan_entries``), once untouched for ``grace_seconds``
-    (an object a writer stored for a commit still in flight is young); ``none``."""
+    one a listing of ``shared/`` shows (at most the store's ``scan_entries``), once older than ``grace_seconds``
+    and only when no generation was written within that time (a writer may be reusing an old object for a commit
+    in flight); ``none``."""
 
     def __post_init__(self) -> None:
         if self.shared not in SHARED_RULES:
@@ -351,13 +353,15 @@ def unreferenced_shared(ctx: Ctx, generations: list[GenerationInfo], *, released
     ``released``: only these names (the objects of the generations just deleted), each looked up by name, whatever
     its age; None: every object a listing of ``shared/`` shows (capped at ``scan_entries``), untouched for
     ``grace`` seconds. Listing errors propagate."""
+    referenced = _shared_refs(generations)
+    wanted = sorted(name for name in (released or set()) - referenced if _DIGEST.fullmatch(name))
+    if released is not None and not wanted:
+        return []  # the usual commit: nothing released, nothing asked of the store
     root = ctx.io("list the run", lambda: ctx.backend.listdir(ctx.root, prefix=mf.SHARED_DIR))
     if not any(e.name == mf.SHARED_DIR and e.is_dir and not e.is_special for e in root):
         return []  # none, or not a folder: put_shared moves such an occupant aside before it writes
-    referenced = _shared_refs(generations)
     folder = ctx.path(mf.SHARED_DIR)
     if released is not None:
-        wanted = sorted(name for name in released - referenced if _DIGEST.fullmatch(name))
         listing = [e for name in wanted[:COLLECT_PER_PASS]
                    for e in ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(folder, prefix=name))
                    if e.name == name]
