@@ -12,7 +12,8 @@ from trainproof.storage.limits import Limits, UntrustedJSONError, loads_untruste
 SCHEMA = "trainproof.generation/1"
 MARKER = "COMPLETE.json"
 _STEP_DIR = re.compile(r"^step-([0-9]{8})\Z")  # \Z and [0-9]: no trailing newline, no non-ASCII digits
-_SHA = re.compile(r"^[0-9a-f]{64}\Z")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}\Z")
+"""A sha256 as the store writes it: 64 lower-case hex digits (a digest field, a shared object's name)."""
 MAX_STEP = 99_999_999
 MAX_WORLD = 1_000_000
 MAX_TEXT = 256
@@ -141,7 +142,7 @@ def parse(raw: bytes, *, dir_name: str, limits: Limits | None = None) -> dict:
     for key, value in manifest.items():  # digests: <key>_bytes / <key>_sha256 (callers compare them)
         if key.endswith("_bytes") and not (_is_int(value) and 0 <= value <= limits.file_bytes):
             raise ManifestError(f"{MARKER} field {key!r} is not a size in 0..{limits.file_bytes}")
-        if key.endswith("_sha256") and not (isinstance(value, str) and _SHA.match(value)):
+        if key.endswith("_sha256") and not (isinstance(value, str) and SHA256_HEX.match(value)):
             raise ManifestError(f"{MARKER} field {key!r} is not a sha256 hex digest")
     return manifest
 
@@ -157,7 +158,7 @@ def _check_files(files: dict, limits: Limits) -> None:
         if problem:
             raise ManifestError(f"{MARKER} lists an invalid file name: {problem}")
         if not isinstance(meta, dict) or not _is_int(meta.get("bytes")) or not isinstance(meta.get("sha256"), str) \
-                or not _SHA.match(meta["sha256"]):
+                or not SHA256_HEX.match(meta["sha256"]):
             raise ManifestError(f"{MARKER} entry for {name!r} lacks an integer 'bytes' or a sha256 hex 'sha256'")
         if not 0 <= meta["bytes"] <= limits.file_bytes:
             raise ManifestError(f"{MARKER} entry for {name!r} claims {meta['bytes']} bytes, outside "
@@ -197,7 +198,7 @@ def _check_parts(name: str, meta: dict) -> None:
         count = len(parts) if isinstance(parts, list) else _short(parts)
         raise ManifestError(f"{MARKER} entry for {name!r} lists {count} parts; {meta['bytes']} bytes in parts of "
                             f"{size} are {needed} (a file of one part lists none)")
-    if not all(isinstance(p, str) and _SHA.match(p) for p in parts):
+    if not all(isinstance(p, str) and SHA256_HEX.match(p) for p in parts):
         raise ManifestError(f"{MARKER} entry for {name!r} lists a part digest that is not a sha256 hex digest")
     if dg.root_of(parts) != meta["sha256"]:
         raise ManifestError(f"{MARKER} entry for {name!r}: its parts do not hash to its sha256")

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 from trainproof.storage import digest as dg
 from trainproof.storage.errors import StoreError
 from trainproof.storage.limits import plain_name_problem
+from trainproof.storage.manifest import SHA256_HEX
 
 if TYPE_CHECKING:
     from trainproof.storage.store import GenerationStore
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainproof.storage")
 T = TypeVar("T")
 R = TypeVar("R")
-_SHA = re.compile(r"^[0-9a-f]{64}\Z")
 _CACHE_SUB = re.compile(r"^[0-9a-f]{2}\Z")
 MIN_OBJECT_PART = 4096
 MAX_OBJECT_PART = 256 * dg.MiB
@@ -100,11 +100,11 @@ def parse_entry(meta: object, *, max_bytes: int) -> ObjectEntry:
         raise ValueError(f"object {name!r}: 'bytes' is not a size in 0..{max_bytes}")
     if not _is_int(part) or not MIN_OBJECT_PART <= part <= MAX_OBJECT_PART:
         raise ValueError(f"object {name!r}: 'part_bytes' is not in {MIN_OBJECT_PART}..{MAX_OBJECT_PART}")
-    if not isinstance(sha, str) or not _SHA.match(sha):
+    if not isinstance(sha, str) or not SHA256_HEX.match(sha):
         raise ValueError(f"object {name!r}: 'sha256' is not a sha256 hex digest")
     needed = max(1, -(-size // part))
     parts = meta.get("parts", [sha] if needed == 1 else None)
-    if not isinstance(parts, list) or len(parts) != needed or not all(isinstance(p, str) and _SHA.match(p)
+    if not isinstance(parts, list) or len(parts) != needed or not all(isinstance(p, str) and SHA256_HEX.match(p)
                                                                         for p in parts):
         raise ValueError(f"object {name!r}: {size} bytes in parts of {part} need {needed} part digest(s)")
     if needed > 1 and dg.root_of(parts) != sha:
@@ -223,7 +223,7 @@ class PartCache:
             if not sub.is_dir(follow_symlinks=False) or not _CACHE_SUB.match(sub.name):
                 continue  # only the cache's own folders: eviction never deletes anything else found there
             for entry in os.scandir(sub.path):
-                if not (_SHA.match(entry.name) or entry.name.startswith(".part-")):
+                if not (SHA256_HEX.match(entry.name) or entry.name.startswith(".part-")):
                     continue
                 try:
                     st = entry.stat(follow_symlinks=False)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -282,28 +281,16 @@ def apply_retention(ctx: Ctx, policy: RetentionPolicy, *, dry_run: bool = False,
     below = [g for g in found.generations if policy.upto is None or g.step <= policy.upto]
     if doomed and not _newest_verifies(ctx, below, policy.contract, policy.world):
         return []
-    prepare = _once(before_write)
     if not dry_run and doomed:
-        prepare()
+        before_write()
         for info in doomed:
             path = ctx.path(info.name)
             ctx.io(f"delete {info.name}", lambda: ctx.backend.delete_folder(path, first=mf.MARKER))
             log.info("retention: deleted %s (%s)", info.name, info.status)
     if policy.shared != "none":
-        _collect_shared(ctx, policy, found.generations, doomed, now=now, dry_run=dry_run, before_write=prepare,
+        _collect_shared(ctx, policy, found.generations, doomed, now=now, dry_run=dry_run, before_write=before_write,
                         on_shared=on_shared)
     return doomed
-
-
-def _once(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn``, called at most once however often the result is."""
-    done: list[bool] = []
-
-    def call() -> None:
-        if not done:
-            fn()
-            done.append(True)
-    return call
 
 
 def _collect_shared(ctx: Ctx, policy: RetentionPolicy, generations: list[GenerationInfo],
@@ -323,9 +310,10 @@ def _collect_shared(ctx: Ctx, policy: RetentionPolicy, generations: list[Generat
     try:
         unused = unreferenced_shared(ctx, left, released=None if policy.shared == "all" else _shared_refs(doomed),
                                      grace=grace, now=now)
+        if unused and not dry_run:
+            before_write()  # prepares the store once (GenerationStore: a no-op when the generations' delete did)
         for name in unused:
             if not dry_run:
-                before_write()
                 path = ctx.path(mf.SHARED_DIR, name)
                 ctx.io(f"delete {mf.SHARED_DIR}/{name}", lambda: ctx.backend.delete(path))
                 log.info("retention: deleted %s/%s (no generation references it)", mf.SHARED_DIR, name)
@@ -337,8 +325,8 @@ def _collect_shared(ctx: Ctx, policy: RetentionPolicy, generations: list[Generat
 
 def _shared_refs(generations: Iterable[GenerationInfo]) -> set[str]:
     """The ``shared/`` objects the manifests of ``generations`` reference (those whose manifest was read)."""
-    return {str(meta.get("sha256")) for g in generations if g.manifest
-            for meta in g.manifest.get("files", {}).values() if isinstance(meta, dict) and meta.get("shared")}
+    return {meta["sha256"] for g in generations if g.manifest for meta in g.manifest["files"].values()
+            if meta.get("shared")}
 
 
 def unreferenced_shared(ctx: Ctx, generations: list[GenerationInfo], *, released: set[str] | None, grace: float,
@@ -354,7 +342,7 @@ def unreferenced_shared(ctx: Ctx, generations: list[GenerationInfo], *, released
     its age; None: every object a listing of ``shared/`` shows (capped at ``scan_entries``), untouched for
     ``grace`` seconds. Listing errors propagate."""
     referenced = _shared_refs(generations)
-    wanted = sorted(name for name in (released or set()) - referenced if _DIGEST.fullmatch(name))
+    wanted = sorted(name for name in (released or set()) - referenced if mf.SHA256_HEX.match(name))
     if released is not None and not wanted:
         return []  # the usual commit: nothing released, nothing asked of the store
     root = ctx.io("list the run", lambda: ctx.backend.listdir(ctx.root, prefix=mf.SHARED_DIR))
@@ -368,14 +356,10 @@ def unreferenced_shared(ctx: Ctx, generations: list[GenerationInfo], *, released
     else:
         cap = ctx.limits.scan_entries
         listing = [e for e in ctx.io(f"list {mf.SHARED_DIR}", lambda: ctx.backend.listdir(folder, limit=cap))[:cap]
-                   if _DIGEST.fullmatch(e.name) and e.name not in referenced
+                   if mf.SHA256_HEX.match(e.name) and e.name not in referenced
                    and e.mtime is not None and now - e.mtime > grace]
     unused = sorted((e.mtime or 0.0, e.name) for e in listing if not e.is_dir and not e.is_special)
     return [name for _, name in unused[:COLLECT_PER_PASS]]
-
-
-_DIGEST = re.compile(r"[0-9a-f]{64}")
-"""How put_shared names an object: its sha256 (a file's plain digest or its parts' root), lower-case hex."""
 
 
 def _newest_verifies(ctx: Ctx, generations: list[GenerationInfo], contract: str | None, world: int | None) -> bool:
